@@ -1,0 +1,17 @@
+//! Domain types of xpu, shared by every other crate. No I/O happens here: values are parsed and
+//! validated at the edge (sysfs, CLI flags, manifests) and then travel as these types.
+//!
+//! - [`pci`]: PCI addresses (`dddd:bb:dd.f`), vendor/device ids, class codes.
+//! - [`accel`]: accelerator kinds, the generation table (A100, H100, TPU v5p, MI300X, Gaudi...)
+//!   and the classification rule that turns a PCI function into a [`accel::DeviceKind`].
+//! - [`inventory`]: the [`inventory::Inventory`] that `xpu-host::discover` produces and every
+//!   downstream consumer reads.
+
+pub mod accel;
+pub mod inventory;
+pub mod labels;
+pub mod pci;
+
+pub use accel::{Accelerator, DeviceKind};
+pub use inventory::{DevNode, HostInfo, Inventory, Link, PciDevice, Sriov, SriovType};
+pub use pci::{PciAddress, PciAddressError};

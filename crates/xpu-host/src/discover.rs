@@ -1,0 +1,513 @@
+//! Accelerator discovery from sysfs: `ROOT/sys/bus/pci/devices/*` into an [`Inventory`].
+//!
+//! Per function it reads the ids and class files, the `driver` and `iommu_group` links, NUMA
+//! node, SR-IOV counts and `physfn`, PCIe link attributes and the device nodes that belong to it
+//! (`/dev/nvidiaN` through `/proc/driver/nvidia/gpus/<bus>/information`, `/dev/accelN`,
+//! `/dev/dri/*`, `/dev/vfio/<group>`), then names and kernel modules from `pci.ids` and
+//! `modules.alias`.
+//!
+//! A host is never perfect: a file that is missing, unreadable or not what the kernel would
+//! write makes that one field `null` and adds a warning naming the file; it never aborts the
+//! listing. Only a root that does not exist is an error.
+//!
+//! Cost is kept low for the default view: the cheap attributes (ids, class, IOMMU group) are read
+//! for every function to find the accelerators and their group peers, and the rest only for the
+//! functions that will be shown.
+
+use std::collections::{BTreeSet, HashSet};
+use std::path::{Path, PathBuf};
+
+use xpu_core::accel::{self, DeviceKind, VENDOR_AMD, VENDOR_NVIDIA};
+use xpu_core::inventory::{HostInfo, Inventory, Link, PciDevice, SriovType};
+use xpu_core::pci::{PciAddress, parse_sysfs_hex};
+
+use crate::modalias::{self, ModuleAliases};
+use crate::pciids::{self, PciNames};
+use crate::{Root, devnode};
+
+/// Which functions to describe fully.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Scope {
+    /// Accelerators and every function that shares an IOMMU group with one.
+    #[default]
+    Accelerators,
+    /// Every PCI function.
+    All,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct DiscoverOptions {
+    pub scope: Scope,
+    /// Use this `pci.ids` instead of searching the root and the host.
+    pub pci_ids: Option<PathBuf>,
+    /// Skip the name lookups (for callers that only need ids).
+    pub skip_names: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoverError {
+    #[error(transparent)]
+    Root(#[from] crate::RootError),
+}
+
+/// Where PCI functions are listed.
+pub const PCI_DEVICES: &str = "/sys/bus/pci/devices";
+
+/// Control nodes shared by all devices of a vendor, reported in [`HostInfo::control_nodes`].
+pub const CONTROL_NODES: [&str; 6] = [
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-modeset",
+    "/dev/kfd",
+    "/dev/vfio/vfio",
+];
+
+/// Reads the host under `root`.
+pub fn discover(root: &Root, opts: &DiscoverOptions) -> Result<Inventory, DiscoverError> {
+    if !root.is_host() {
+        // Re-validate: a root can vanish between parsing and use.
+        Root::new(root.base())?;
+    }
+    let mut w = Warnings::default();
+    let dir = root.path(PCI_DEVICES);
+    let mut devices = Vec::new();
+    match std::fs::read_dir(&dir) {
+        Ok(entries) => {
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                match name.parse::<PciAddress>() {
+                    Ok(addr) => devices.push(read_basic(&dir.join(&*name), addr, &mut w, root)),
+                    Err(_) => {
+                        w.push(format!("{}/{name}: not a PCI address; ignored", root.display(&dir)))
+                    }
+                }
+            }
+        }
+        Err(e) => w.push(format!("{}: {e}; no PCI devices listed", root.display(&dir))),
+    }
+    devices.sort_by_key(|d| d.address);
+
+    let keep: Vec<bool> = match opts.scope {
+        Scope::All => vec![true; devices.len()],
+        Scope::Accelerators => {
+            let groups: BTreeSet<u32> = devices
+                .iter()
+                .filter(|d| d.kind.is_accelerator())
+                .filter_map(|d| d.iommu_group)
+                .collect();
+            devices
+                .iter()
+                .map(|d| {
+                    d.kind.is_accelerator() || d.iommu_group.is_some_and(|g| groups.contains(&g))
+                })
+                .collect()
+        }
+    };
+    let mut keep = keep.into_iter();
+    devices.retain(|_| keep.next().unwrap_or(false));
+
+    let host = read_host(root, &mut w);
+    let aliases = host.kernel_release.as_deref().and_then(|rel| {
+        let path = modalias::find(root, rel)?;
+        match ModuleAliases::load(&path) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                w.push(format!("{}: {e}; kernel modules not listed", root.display(&path)));
+                None
+            }
+        }
+    });
+    for d in &mut devices {
+        let path = dir.join(d.address.to_string());
+        read_details(root, &path, d, aliases.as_ref(), &mut w);
+    }
+    if !opts.skip_names && !devices.is_empty() {
+        add_names(root, opts, &mut devices, &mut w);
+    }
+    assign_interconnect_domains(&mut devices);
+
+    Ok(Inventory { devices, host, warnings: w.0 })
+}
+
+#[derive(Default)]
+struct Warnings(Vec<String>);
+
+impl Warnings {
+    fn push(&mut self, msg: String) {
+        self.0.push(msg);
+    }
+}
+
+/// What reading one sysfs attribute gave.
+enum Attr {
+    Missing,
+    Value(String),
+    Unreadable(std::io::Error),
+}
+
+fn read_attr(path: &Path) -> Attr {
+    match std::fs::read(path) {
+        Ok(bytes) => Attr::Value(String::from_utf8_lossy(&bytes).trim().to_owned()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Attr::Missing,
+        Err(e) => Attr::Unreadable(e),
+    }
+}
+
+/// A hex attribute (`0x10de`). `required` attributes warn when missing; all warn when garbled.
+fn hex_attr(root: &Root, dev: &Path, name: &str, required: bool, w: &mut Warnings) -> Option<u32> {
+    let path = dev.join(name);
+    match read_attr(&path) {
+        Attr::Value(s) => {
+            let v = parse_sysfs_hex(&s);
+            if v.is_none() {
+                w.push(format!(
+                    "{}: not a hex value ({s:?}); field left null",
+                    root.display(&path)
+                ));
+            }
+            v
+        }
+        Attr::Missing if !required => None,
+        Attr::Missing => {
+            w.push(format!("{}: missing; field left null", root.display(&path)));
+            None
+        }
+        Attr::Unreadable(e) => {
+            w.push(format!("{}: {e}; field left null", root.display(&path)));
+            None
+        }
+    }
+}
+
+/// A decimal attribute; garbage warns, a missing file is silent (optional by nature).
+fn dec_attr<T: std::str::FromStr>(
+    root: &Root,
+    dev: &Path,
+    name: &str,
+    w: &mut Warnings,
+) -> Option<T> {
+    let path = dev.join(name);
+    match read_attr(&path) {
+        Attr::Value(s) => {
+            let v = s.parse().ok();
+            if v.is_none() {
+                w.push(format!("{}: not a number ({s:?}); field left null", root.display(&path)));
+            }
+            v
+        }
+        Attr::Missing => None,
+        Attr::Unreadable(e) => {
+            w.push(format!("{}: {e}; field left null", root.display(&path)));
+            None
+        }
+    }
+}
+
+/// The last component of a sysfs link (`driver -> ../../bus/pci/drivers/nvidia`), when the link
+/// exists and its target does too. A dangling link warns.
+fn link_name(root: &Root, dev: &Path, name: &str, w: &mut Warnings) -> Option<String> {
+    let path = dev.join(name);
+    let target = std::fs::read_link(&path).ok()?;
+    if std::fs::metadata(&path).is_err() {
+        w.push(format!(
+            "{}: dangling link to {}; field left null",
+            root.display(&path),
+            target.display()
+        ));
+        return None;
+    }
+    target.file_name().map(|n| n.to_string_lossy().into_owned())
+}
+
+/// Ids, class and IOMMU group: enough to classify and to find group peers.
+fn read_basic(dev: &Path, addr: PciAddress, w: &mut Warnings, root: &Root) -> PciDevice {
+    let mut d = PciDevice::new(addr);
+    let id16 = |v: Option<u32>| v.and_then(|v| u16::try_from(v).ok());
+    d.vendor_id = id16(hex_attr(root, dev, "vendor", true, w));
+    d.device_id = id16(hex_attr(root, dev, "device", true, w));
+    if let Some(class) = hex_attr(root, dev, "class", true, w)
+        && class <= 0xff_ffff
+    {
+        d.class = Some((class >> 8) as u16);
+        d.prog_if = Some((class & 0xff) as u8);
+    }
+    d.iommu_group = link_name(root, dev, "iommu_group", w).and_then(|g| {
+        let n = g.parse().ok();
+        if n.is_none() {
+            w.push(format!("{}/iommu_group: group {g:?} is not a number", root.display(dev)));
+        }
+        n
+    });
+    d.kind = accel::classify(d.vendor_id, d.device_id, d.class_code());
+    d
+}
+
+/// Everything else, for the functions that will be shown.
+fn read_details(
+    root: &Root,
+    dev: &Path,
+    d: &mut PciDevice,
+    aliases: Option<&ModuleAliases>,
+    w: &mut Warnings,
+) {
+    let id16 = |v: Option<u32>| v.and_then(|v| u16::try_from(v).ok());
+    d.subsystem_vendor_id = id16(hex_attr(root, dev, "subsystem_vendor", true, w));
+    d.subsystem_device_id = id16(hex_attr(root, dev, "subsystem_device", true, w));
+    d.revision = hex_attr(root, dev, "revision", false, w)
+        .and_then(|v| u8::try_from(v).ok())
+        .or_else(|| revision_from_config(dev));
+    d.driver = link_name(root, dev, "driver", w);
+
+    if let (Some(v), Some(id)) = (d.vendor_id, d.device_id)
+        && let Some(a) = accel::lookup(v, id)
+    {
+        d.product = Some(a.product.to_owned());
+        d.generation = Some(a.generation.to_owned());
+    }
+
+    if let Some(aliases) = aliases {
+        let path = dev.join("modalias");
+        d.kernel_modules = match read_attr(&path) {
+            Attr::Value(m) => Some(aliases.modules_for(&m)),
+            Attr::Missing => None,
+            Attr::Unreadable(e) => {
+                w.push(format!("{}: {e}; kernel modules not listed", root.display(&path)));
+                None
+            }
+        };
+    }
+
+    d.numa_node = dec_attr::<i64>(root, dev, "numa_node", w).and_then(|n| u32::try_from(n).ok());
+
+    // SR-IOV role as Nova derives it from libvirt: a function with a `physfn` link is a VF; one
+    // that can create VFs (`sriov_totalvfs` > 0) is a PF; anything else is a plain PCI device.
+    d.sriov.total_vfs = dec_attr(root, dev, "sriov_totalvfs", w);
+    d.sriov.num_vfs = dec_attr(root, dev, "sriov_numvfs", w);
+    if std::fs::symlink_metadata(dev.join("physfn")).is_ok() {
+        d.sriov.kind = SriovType::Vf;
+        d.sriov.physfn = link_name(root, dev, "physfn", w).and_then(|n| n.parse().ok());
+    } else if d.sriov.total_vfs.is_some_and(|n| n > 0) {
+        d.sriov.kind = SriovType::Pf;
+    }
+
+    d.link = Link {
+        speed: link_speed(root, dev, "current_link_speed", w),
+        width: dec_attr(root, dev, "current_link_width", w),
+        max_speed: link_speed(root, dev, "max_link_speed", w),
+        max_width: dec_attr(root, dev, "max_link_width", w),
+    };
+
+    if d.vendor_id == Some(VENDOR_AMD) && d.kind == DeviceKind::Gpu {
+        d.interconnect_domain = xgmi_hive(dev);
+    }
+    read_dev_nodes(root, dev, d, w);
+}
+
+/// Revision from config space byte 8, for kernels without the `revision` attribute.
+fn revision_from_config(dev: &Path) -> Option<u8> {
+    let bytes = std::fs::read(dev.join("config")).ok()?;
+    bytes.get(8).copied()
+}
+
+/// `16.0 GT/s PCIe` (newer kernels) or `16 GT/s` → `16.0 GT/s`; `Unknown` → null.
+fn link_speed(root: &Root, dev: &Path, name: &str, w: &mut Warnings) -> Option<String> {
+    let path = dev.join(name);
+    let s = match read_attr(&path) {
+        Attr::Value(s) => s,
+        Attr::Missing => return None,
+        Attr::Unreadable(e) => {
+            w.push(format!("{}: {e}; field left null", root.display(&path)));
+            return None;
+        }
+    };
+    let num = s.split_whitespace().next()?;
+    match num.parse::<f64>() {
+        Ok(v) if s.contains("GT/s") => Some(format!("{v:.1} GT/s")),
+        _ if s.starts_with("Unknown") => None,
+        _ => {
+            w.push(format!("{}: unrecognised speed {s:?}; field left null", root.display(&path)));
+            None
+        }
+    }
+}
+
+fn read_dev_nodes(root: &Root, dev: &Path, d: &mut PciDevice, w: &mut Warnings) {
+    let mut nodes = Vec::new();
+
+    // NVIDIA: the driver publishes each GPU's minor number and UUID under /proc.
+    if d.vendor_id == Some(VENDOR_NVIDIA) && d.kind == DeviceKind::Gpu {
+        let info_path = root.path(format!("/proc/driver/nvidia/gpus/{}/information", d.address));
+        if let Attr::Value(info) = read_attr(&info_path) {
+            let field = |key: &str| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(key).map(|v| v.trim_start_matches(':').trim()))
+                    .map(str::to_owned)
+            };
+            d.uuid = field("GPU UUID").filter(|u| u.starts_with("GPU-"));
+            match field("Device Minor").map(|m| m.parse::<u32>()) {
+                Some(Ok(minor)) => nodes.push(format!("/dev/nvidia{minor}")),
+                Some(Err(_)) => {
+                    w.push(format!("{}: Device Minor is not a number", root.display(&info_path)))
+                }
+                None => {}
+            }
+        }
+    }
+
+    // The kernel accel subsystem (/dev/accelN: TPU v2-v4, Gaudi, NPUs) and DRM (AMD, Intel).
+    for (sub, devdir) in [("accel", "/dev"), ("drm", "/dev/dri")] {
+        if let Ok(entries) = std::fs::read_dir(dev.join(sub)) {
+            let mut names: Vec<String> = entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| {
+                    n.starts_with("accel") || n.starts_with("card") || n.starts_with("renderD")
+                })
+                .collect();
+            names.sort();
+            nodes.extend(names.into_iter().map(|n| format!("{devdir}/{n}")));
+        }
+    }
+
+    // VFIO: the group node (a function that is not on vfio-pci does not own it, even when a
+    // group peer made it appear), and the per-device cdev of iommufd-era kernels.
+    if let Some(g) = d.iommu_group
+        && d.driver.as_deref() == Some("vfio-pci")
+    {
+        nodes.push(format!("/dev/vfio/{g}"));
+    }
+    if let Ok(entries) = std::fs::read_dir(dev.join("vfio-dev")) {
+        for e in entries.flatten() {
+            nodes.push(format!("/dev/vfio/devices/{}", e.file_name().to_string_lossy()));
+        }
+    }
+
+    for path in nodes {
+        match devnode::stat(root, &path) {
+            Some(n) => d.dev_nodes.push(n),
+            None if path.starts_with("/dev/nvidia") || path.starts_with("/dev/vfio/") => w.push(
+                format!("{}: {path} does not exist; it is expected for this device", d.address),
+            ),
+            None => {}
+        }
+    }
+}
+
+fn read_host(root: &Root, w: &mut Warnings) -> HostInfo {
+    let text = |p: &str| match read_attr(&root.path(p)) {
+        Attr::Value(s) if !s.is_empty() => Some(s),
+        _ => None,
+    };
+    let cpu_vendor = std::fs::read(root.path("/proc/cpuinfo")).ok().and_then(|b| {
+        let s = String::from_utf8_lossy(&b);
+        s.lines().find(|l| l.starts_with("vendor_id")).and_then(|l| {
+            match l.split(':').nth(1).map(str::trim) {
+                Some("GenuineIntel") => Some("intel".to_owned()),
+                Some("AuthenticAMD" | "HygonGenuine") => Some("amd".to_owned()),
+                Some(other) => Some(other.to_lowercase()),
+                None => None,
+            }
+        })
+    });
+    let iommu_groups = std::fs::read_dir(root.path("/sys/kernel/iommu_groups"))
+        .map(|d| d.flatten().count() as u32)
+        .unwrap_or(0);
+    let nvidia_driver_version = text("/proc/driver/nvidia/version").and_then(|v| {
+        let found = nvidia_version(&v);
+        if found.is_none() {
+            w.push("/proc/driver/nvidia/version: no driver version found".to_owned());
+        }
+        found
+    });
+    HostInfo {
+        hostname: text("/proc/sys/kernel/hostname").or_else(|| text("/etc/hostname")),
+        kernel_release: text("/proc/sys/kernel/osrelease"),
+        cpu_vendor,
+        iommu_groups,
+        nvidia_driver_version,
+        control_nodes: CONTROL_NODES.iter().filter_map(|p| devnode::stat(root, p)).collect(),
+    }
+}
+
+/// `NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 ...` → `535.104.05`.
+pub fn nvidia_version(text: &str) -> Option<String> {
+    let line = text.lines().find(|l| l.starts_with("NVRM version"))?;
+    line.split_whitespace()
+        .find(|tok| {
+            let parts: Vec<&str> = tok.split('.').collect();
+            parts.len() >= 2
+                && parts.iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(str::to_owned)
+}
+
+fn add_names(root: &Root, opts: &DiscoverOptions, devices: &mut [PciDevice], w: &mut Warnings) {
+    let path = match &opts.pci_ids {
+        Some(p) => Some(p.clone()),
+        None => pciids::find(root),
+    };
+    let Some(path) = path else {
+        w.push("no pci.ids found (install pciutils or hwdata); names left null".to_owned());
+        return;
+    };
+    let wanted: HashSet<(u16, u16)> =
+        devices.iter().filter_map(|d| Some((d.vendor_id?, d.device_id?))).collect();
+    let names = match PciNames::load(&path, &wanted) {
+        Ok(n) => n,
+        Err(e) => {
+            w.push(format!("{}: {e}; names left null", path.display()));
+            return;
+        }
+    };
+    for d in devices {
+        if let Some(v) = d.vendor_id {
+            d.vendor_name = names.vendor(v).map(str::to_owned);
+            if let Some(id) = d.device_id {
+                d.device_name = names.device(v, id).map(str::to_owned);
+            }
+        }
+        d.class_name = d.class.and_then(|c| names.class(c)).map(str::to_owned);
+    }
+}
+
+/// Marks devices that share a fast interconnect.
+///
+/// - AMD Instinct GPUs publish their XGMI hive id in sysfs; the hive is the domain.
+/// - NVIDIA GPUs on a board with NVSwitches are all-to-all NVLink connected (HGX/DGX): one
+///   domain per host. Without NVSwitch, sysfs does not show NVLink bridges, so no domain is
+///   claimed.
+/// - TPU chips of one host share the host's ICI links.
+fn assign_interconnect_domains(devices: &mut [PciDevice]) {
+    let has_nvswitch = devices.iter().any(|d| d.kind == DeviceKind::Nvswitch);
+    for d in devices {
+        let domain = match (d.kind, d.vendor_id) {
+            (DeviceKind::Gpu, Some(VENDOR_NVIDIA)) if has_nvswitch => "nvswitch-0",
+            (DeviceKind::Nvswitch, _) => "nvswitch-0",
+            (DeviceKind::Tpu, _) => "ici-0",
+            // AMD's hive (read with the details) or nothing.
+            _ => continue,
+        };
+        d.interconnect_domain = Some(domain.to_owned());
+    }
+}
+
+/// The XGMI hive an AMD GPU belongs to, from `xgmi_hive_info/xgmi_hive_id`.
+pub fn xgmi_hive(dev: &Path) -> Option<String> {
+    let s = std::fs::read_to_string(dev.join("xgmi_hive_info/xgmi_hive_id")).ok()?;
+    let s = s.trim();
+    (!s.is_empty() && s != "0").then(|| format!("xgmi-{s}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvidia_version_line() {
+        let v = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\nGCC version:  gcc version 12.2.0";
+        assert_eq!(nvidia_version(v).as_deref(), Some("535.104.05"));
+        assert_eq!(nvidia_version("garbage"), None);
+    }
+}

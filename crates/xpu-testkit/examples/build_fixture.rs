@@ -1,0 +1,28 @@
+//! Builds a named fixture host into a directory, for trying commands by hand:
+//! `cargo run -p xpu-testkit --example build_fixture -- a100-8x /tmp/a100 [--char-devices]`.
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use xpu_testkit::{BuildOptions, hosts};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(name), Some(dir)) = (args.first(), args.get(1)) else {
+        eprintln!("usage: build_fixture NAME DIR [--char-devices]; names: {}", names());
+        std::process::exit(2);
+    };
+    let Some(spec) = hosts::all().into_iter().find(|h| &h.name == name) else {
+        eprintln!("unknown fixture {name:?}; names: {}", names());
+        std::process::exit(2);
+    };
+    let opts = BuildOptions {
+        char_devices: args.iter().any(|a| a == "--char-devices"),
+        dir: Some(dir.into()),
+    };
+    let f = spec.build_with(&opts);
+    println!("{}", f.root().display());
+}
+
+fn names() -> String {
+    hosts::all().iter().map(|h| h.name.clone()).collect::<Vec<_>>().join(", ")
+}

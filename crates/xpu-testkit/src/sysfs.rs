@@ -1,0 +1,272 @@
+//! Lays a [`HostSpec`] out on disk the way the kernel presents it.
+
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use crate::{DevSpec, HostSpec, NodeSpec};
+
+/// How to build a fixture.
+#[derive(Debug, Clone, Default)]
+pub struct BuildOptions {
+    /// Make real character devices with `mknod` (needs root / CAP_MKNOD) instead of placeholder
+    /// files, for tests that hand the nodes to a real container runtime.
+    pub char_devices: bool,
+    /// Build under this directory instead of a new temporary one.
+    pub dir: Option<PathBuf>,
+}
+
+/// A built host tree. The temporary directory lives as long as this value.
+#[derive(Debug)]
+pub struct Fixture {
+    root: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    pub spec: HostSpec,
+}
+
+/// Fake majors for the fixture's device nodes. Real hosts allocate most of these dynamically;
+/// tests compare what discovery reports with what the node on disk says, never with constants.
+pub const MAJOR_NVIDIA: u32 = 195;
+pub const MAJOR_NVIDIA_UVM: u32 = 508;
+pub const MAJOR_VFIO_GROUP: u32 = 509;
+pub const MAJOR_MISC: u32 = 10;
+pub const MINOR_VFIO_CONTAINER: u32 = 196;
+pub const MAJOR_ACCEL: u32 = 261;
+pub const MAJOR_DRM: u32 = 226;
+pub const MAJOR_KFD: u32 = 235;
+
+impl Fixture {
+    /// The fixture's root: pass it as `--root`.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// `ROOT/sys/bus/pci/devices/<addr>`
+    pub fn device_dir(&self, addr: &str) -> PathBuf {
+        self.root.join("sys/bus/pci/devices").join(addr)
+    }
+
+    pub(crate) fn build(spec: &HostSpec, opts: &BuildOptions) -> Fixture {
+        let (root, tmp) = match &opts.dir {
+            Some(d) => {
+                fs::create_dir_all(d).unwrap();
+                (d.clone(), None)
+            }
+            None => {
+                let t = tempfile::Builder::new()
+                    .prefix(&format!("xpu-{}-", spec.name))
+                    .tempdir()
+                    .unwrap();
+                (t.path().to_path_buf(), Some(t))
+            }
+        };
+        let b = Builder { root: &root, opts };
+        b.host(spec);
+        for d in &spec.devices {
+            b.device(d);
+        }
+        for d in &spec.devices {
+            b.links(d, spec);
+        }
+        Fixture { root, _tmp: tmp, spec: spec.clone() }
+    }
+}
+
+struct Builder<'a> {
+    root: &'a Path,
+    opts: &'a BuildOptions,
+}
+
+fn write(path: &Path, content: impl AsRef<[u8]>) {
+    if let Some(p) = path.parent() {
+        fs::create_dir_all(p).unwrap();
+    }
+    fs::write(path, content).unwrap();
+}
+
+fn link(target: impl AsRef<Path>, at: &Path) {
+    if let Some(p) = at.parent() {
+        fs::create_dir_all(p).unwrap();
+    }
+    let _ = fs::remove_file(at);
+    symlink(target, at).unwrap();
+}
+
+impl Builder<'_> {
+    fn p(&self, rel: &str) -> PathBuf {
+        self.root.join(rel.trim_start_matches('/'))
+    }
+
+    /// `sys/devices/pci0000:00/<addr>`: one flat root complex per domain keeps links simple.
+    fn real_dir_rel(d: &DevSpec) -> String {
+        format!("devices/pci{:04x}:00/{}", d.address.domain, d.address)
+    }
+
+    fn host(&self, spec: &HostSpec) {
+        write(&self.p("proc/sys/kernel/osrelease"), format!("{}\n", spec.kernel_release));
+        write(&self.p("proc/sys/kernel/hostname"), format!("{}\n", spec.hostname));
+        write(&self.p("etc/hostname"), format!("{}\n", spec.hostname));
+        write(&self.p("proc/cmdline"), format!("{}\n", spec.cmdline));
+        let mut cpuinfo = String::new();
+        for cpu in 0..2 {
+            cpuinfo.push_str(&format!(
+                "processor\t: {cpu}\nvendor_id\t: {}\nmodel name\t: Fixture CPU\nflags\t\t: {}\n\n",
+                spec.cpu_vendor,
+                spec.cpu_flags.join(" ")
+            ));
+        }
+        write(&self.p("proc/cpuinfo"), cpuinfo);
+        let modules: String = spec
+            .loaded_modules
+            .iter()
+            .map(|m| format!("{m} 16384 0 - Live 0x0000000000000000\n"))
+            .collect();
+        write(&self.p("proc/modules"), modules);
+        for m in &spec.loaded_modules {
+            fs::create_dir_all(self.p(&format!("sys/module/{m}"))).unwrap();
+        }
+        fs::create_dir_all(self.p("sys/bus/pci/devices")).unwrap();
+        fs::create_dir_all(self.p("sys/bus/pci/drivers")).unwrap();
+        fs::create_dir_all(self.p("sys/kernel/iommu_groups")).unwrap();
+        write(&self.p("sys/bus/pci/drivers_probe"), "");
+        if let Some(alias) = &spec.modules_alias {
+            write(&self.p(&format!("lib/modules/{}/modules.alias", spec.kernel_release)), alias);
+        }
+        if let Some(v) = &spec.nvidia_driver {
+            write(
+                &self.p("proc/driver/nvidia/version"),
+                format!(
+                    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  {v}  Sat Aug 19 01:15:15 UTC 2023\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+                ),
+            );
+        }
+        for n in &spec.control_nodes {
+            self.node(n);
+        }
+    }
+
+    fn node(&self, n: &NodeSpec) {
+        let path = self.p(&n.path);
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).unwrap();
+        }
+        let _ = fs::remove_file(&path);
+        if self.opts.char_devices {
+            use rustix::fs::{CWD, FileType, Mode, makedev, mknodat};
+            mknodat(
+                CWD,
+                &path,
+                FileType::CharacterDevice,
+                Mode::from_raw_mode(n.mode),
+                makedev(n.major, n.minor),
+            )
+            .unwrap_or_else(|e| panic!("mknod {} (char_devices needs root): {e}", path.display()));
+            // mknod is subject to the umask; set the mode the spec asks for.
+            rustix::fs::chmod(&path, Mode::from_raw_mode(n.mode)).unwrap();
+        } else {
+            write(&path, "");
+            fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(n.mode))
+                .unwrap();
+        }
+    }
+
+    fn device(&self, d: &DevSpec) {
+        let dir = self.p(&format!("sys/{}", Self::real_dir_rel(d)));
+        fs::create_dir_all(&dir).unwrap();
+        let hex = |v: u32, w: usize| format!("0x{v:0w$x}\n");
+        write(&dir.join("vendor"), hex(d.vendor.into(), 4));
+        write(&dir.join("device"), hex(d.device.into(), 4));
+        write(&dir.join("subsystem_vendor"), hex(d.subsystem_vendor.into(), 4));
+        write(&dir.join("subsystem_device"), hex(d.subsystem_device.into(), 4));
+        write(&dir.join("class"), hex(d.class, 6));
+        write(&dir.join("revision"), hex(d.revision.into(), 2));
+        write(&dir.join("config"), d.config_space());
+        write(&dir.join("modalias"), format!("{}\n", d.modalias()));
+        write(&dir.join("numa_node"), format!("{}\n", d.numa_node));
+        write(&dir.join("irq"), "0\n");
+        write(&dir.join("enable"), "1\n");
+        write(&dir.join("driver_override"), "(null)\n");
+        write(
+            &dir.join("resource"),
+            "0x0000000000000000 0x0000000000000000 0x0000000000000000\n".repeat(13),
+        );
+        if let Some((speed, width)) = &d.link {
+            write(&dir.join("current_link_speed"), format!("{speed}\n"));
+            write(&dir.join("max_link_speed"), format!("{speed}\n"));
+            write(&dir.join("current_link_width"), format!("{width}\n"));
+            write(&dir.join("max_link_width"), format!("{width}\n"));
+        }
+        if let Some(t) = d.sriov_totalvfs {
+            write(&dir.join("sriov_totalvfs"), format!("{t}\n"));
+            write(&dir.join("sriov_numvfs"), format!("{}\n", d.sriov_numvfs.unwrap_or(0)));
+        }
+        if let Some(hive) = &d.xgmi_hive {
+            write(&dir.join("xgmi_hive_info/xgmi_hive_id"), format!("{hive}\n"));
+        }
+        link(
+            format!("../../../{}", Self::real_dir_rel(d)),
+            &self.p(&format!("sys/bus/pci/devices/{}", d.address)),
+        );
+    }
+
+    fn links(&self, d: &DevSpec, spec: &HostSpec) {
+        let rel = Self::real_dir_rel(d);
+        let dir = self.p(&format!("sys/{rel}"));
+        if let Some(drv) = &d.driver {
+            let drv_dir = self.p(&format!("sys/bus/pci/drivers/{drv}"));
+            for f in ["bind", "unbind", "new_id", "remove_id"] {
+                if !drv_dir.join(f).exists() {
+                    write(&drv_dir.join(f), "");
+                }
+            }
+            link(format!("../../../bus/pci/drivers/{drv}"), &dir.join("driver"));
+            link(format!("../../../../{rel}"), &drv_dir.join(d.address.to_string()));
+        }
+        if let Some(g) = d.iommu_group {
+            let gdir = self.p(&format!("sys/kernel/iommu_groups/{g}"));
+            fs::create_dir_all(gdir.join("devices")).unwrap();
+            write(&gdir.join("type"), "DMA\n");
+            link(format!("../../../kernel/iommu_groups/{g}"), &dir.join("iommu_group"));
+            link(format!("../../../../{rel}"), &gdir.join(format!("devices/{}", d.address)));
+            if d.driver.as_deref() == Some("vfio-pci") {
+                self.node(&NodeSpec::new(format!("/dev/vfio/{g}"), MAJOR_VFIO_GROUP, g));
+            }
+        }
+        if let Some(pf) = d.physfn {
+            let pf_spec =
+                spec.devices.iter().find(|x| x.address == pf).expect("physfn is in the spec");
+            link(format!("../{}", pf_spec.address), &dir.join("physfn"));
+            let pf_dir = self.p(&format!("sys/{}", Self::real_dir_rel(pf_spec)));
+            let n = fs::read_dir(&pf_dir)
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("virtfn"))
+                .count();
+            link(format!("../{}", d.address), &pf_dir.join(format!("virtfn{n}")));
+        }
+        if let (Some(minor), true) = (d.nvidia_minor, d.driver.as_deref() == Some("nvidia")) {
+            let info = format!(
+                "Model: \t\t NVIDIA {}\nIRQ:   \t\t 0\nGPU UUID: \t {}\nVideo BIOS: \t 92.00.19.00.01\nBus Type: \t PCIe\nDMA Size: \t 47 bits\nDMA Mask: \t 0x7fffffffffff\nBus Location: \t {}\nDevice Minor: \t {minor}\nGPU Excluded:\t No\n",
+                xpu_core::accel::lookup(d.vendor, d.device).map_or("GPU", |a| a.product),
+                d.uuid.as_deref().unwrap_or("GPU-00000000-0000-0000-0000-000000000000"),
+                d.address
+            );
+            write(&self.p(&format!("proc/driver/nvidia/gpus/{}/information", d.address)), info);
+            self.node(&NodeSpec::new(format!("/dev/nvidia{minor}"), MAJOR_NVIDIA, minor));
+        }
+        if let Some(minor) = d.accel_minor {
+            fs::create_dir_all(dir.join(format!("accel/accel{minor}"))).unwrap();
+            write(&dir.join(format!("accel/accel{minor}/dev")), format!("{MAJOR_ACCEL}:{minor}\n"));
+            self.node(&NodeSpec::new(format!("/dev/accel{minor}"), MAJOR_ACCEL, minor));
+        }
+        if let Some(minor) = d.drm_minor {
+            for (name, m) in
+                [(format!("card{minor}"), minor), (format!("renderD{}", 128 + minor), 128 + minor)]
+            {
+                fs::create_dir_all(dir.join(format!("drm/{name}"))).unwrap();
+                write(&dir.join(format!("drm/{name}/dev")), format!("{MAJOR_DRM}:{m}\n"));
+                self.node(&NodeSpec::new(format!("/dev/dri/{name}"), MAJOR_DRM, m));
+            }
+        }
+    }
+}

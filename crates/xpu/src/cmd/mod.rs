@@ -1,0 +1,3 @@
+//! One module per subcommand: clap arguments and a `run` that calls the library and prints.
+
+pub mod discover;

@@ -1,0 +1,96 @@
+//! Output helpers shared by the subcommands: aligned tables for humans, JSON for scripts, and
+//! the error type that carries the exit code (0 ok, 1 check/job failed, 2 usage or input).
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+
+/// A failure with the exit code it maps to.
+#[derive(Debug)]
+pub struct CliError {
+    pub code: u8,
+    pub error: anyhow::Error,
+}
+
+impl CliError {
+    /// Bad input: a flag, a file, an address. Exit 2.
+    pub fn input(e: impl Into<anyhow::Error>) -> Self {
+        Self { code: 2, error: e.into() }
+    }
+
+    /// Anything else that went wrong. Exit 1.
+    pub fn failed(e: impl Into<anyhow::Error>) -> Self {
+        Self { code: 1, error: e.into() }
+    }
+
+    /// Prints `error: outer: inner: root cause` and returns the exit code.
+    pub fn report(&self) -> ExitCode {
+        let chain: Vec<String> = self.error.chain().map(ToString::to_string).collect();
+        eprintln!("error: {}", chain.join(": "));
+        ExitCode::from(self.code)
+    }
+}
+
+pub type CmdResult = Result<ExitCode, CliError>;
+
+/// Prints warnings to stderr, one per line.
+pub fn warn_all(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+}
+
+/// Pretty JSON to stdout with a trailing newline.
+pub fn print_json(value: &impl serde::Serialize) -> Result<(), CliError> {
+    let s = serde_json::to_string_pretty(value).map_err(CliError::failed)?;
+    println!("{s}");
+    Ok(())
+}
+
+/// Columns padded to their widest cell; the last column is not padded.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let cells: Vec<&str> = cells.collect();
+        let n = cells.len();
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == n {
+                out.push_str(cell);
+            } else {
+                let _ = write!(out, "{cell:<w$}  ");
+            }
+        }
+        out.push('\n');
+    };
+    line(&mut headers.iter().copied());
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+/// `-` for missing values in tables.
+pub fn or_dash<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+/// With `XPU_REPORT_PEAK_RSS=1`, prints the process's peak resident set (`VmHWM`) to stderr as
+/// `xpu: peak RSS <n> KiB`, so benchmarks measure the real binary without an external tool.
+pub fn report_peak_rss() {
+    if std::env::var_os("XPU_REPORT_PEAK_RSS").is_none() {
+        return;
+    }
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    if let Some(kib) = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+    {
+        eprintln!("xpu: peak RSS {kib} KiB");
+    }
+}
