@@ -9,6 +9,7 @@
 
 pub mod accel;
 pub mod inventory;
+pub mod job;
 pub mod labels;
 pub mod pci;
 

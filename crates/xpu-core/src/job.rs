@@ -1,0 +1,1126 @@
+//! Job manifests: Kubernetes `batch/v1` Jobs (and bare `v1` Pods) in YAML or JSON, and xpu's
+//! short form, parsed once at the edge into a validated [`JobSpec`].
+//!
+//! What is read follows the Kubernetes Job API (`batch/v1`, <https://kubernetes.io/docs/concepts/workloads/controllers/job/>):
+//! `completions`, `parallelism`, `completionMode: Indexed`, `backoffLimit` (default 6),
+//! `activeDeadlineSeconds`, and from the pod template `restartPolicy` (a Job's must be `Never` or
+//! `OnFailure`, as the API server requires), `nodeSelector`, `subdomain`, and one container's
+//! `image`, `command`, `args`, `env`, `workingDir` and `resources`. Extended resources
+//! (`nvidia.com/gpu`, `amd.com/gpu`, `google.com/tpu`, `habana.ai/gaudi`) follow the API
+//! server's rule: they cannot be overcommitted, so `limits` must be set and `requests`, when set,
+//! must equal it. Multi-document YAML may carry other objects (the GKE seed's headless
+//! `Service`); they are skipped with a note. Fields xpu does not act on (ports,
+//! securityContext) are ignored.
+//!
+//! Every error names the field path, as `kubectl` does:
+//! `spec.template.spec.containers[0].resources.limits.nvidia.com/gpu: must be a positive integer`.
+//! Nothing here panics on input: the parser walks a JSON value tree with checked accessors.
+//!
+//! Without a rootfs the container runs as a host process, so the image's entrypoint is not
+//! available. The argv is then `command + args` when `command` is set; with `args` only, the
+//! entrypoint is taken to be the image's base name without tag (`gcr.io/.../sleep:latest` with
+//! `args: ["3600s"]` runs `sleep 3600s`); with neither, the base name alone.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::accel::DeviceKind;
+
+/// Largest `completions` accepted (the Kubernetes limit for Indexed Jobs).
+pub const MAX_COMPLETIONS: u64 = 100_000;
+/// Default `backoffLimit` of a Kubernetes Job.
+pub const DEFAULT_BACKOFF_LIMIT: u32 = 6;
+
+/// A bad manifest: the field path and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct JobError {
+    pub path: String,
+    pub message: String,
+}
+
+impl JobError {
+    fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { path: path.into(), message: message.into() }
+    }
+}
+
+/// `restartPolicy` of the task's pod template.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RestartPolicy {
+    /// A failed task is replaced by a new attempt (new devices may be chosen).
+    Never,
+    /// A failed task is restarted in place, keeping its devices and working directory.
+    OnFailure,
+}
+
+impl RestartPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestartPolicy::Never => "Never",
+            RestartPolicy::OnFailure => "OnFailure",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CompletionMode {
+    NonIndexed,
+    Indexed,
+}
+
+/// Where a spec came from, kept so `xpu job` can say so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    Kubernetes,
+    Short,
+}
+
+/// Devices of one kind a task asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRequest {
+    /// The Kubernetes resource name as written (`nvidia.com/gpu`), or `gpu`/`tpu` from the short
+    /// form.
+    pub resource: String,
+    pub kind: DeviceKind,
+    /// `nvidia`, `amd`, `google`, `intel`; `None` accepts any vendor.
+    pub vendor: Option<String>,
+    pub count: u32,
+}
+
+/// What one task needs from a node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resources {
+    pub devices: Vec<DeviceRequest>,
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+}
+
+impl Resources {
+    /// Total devices of a kind asked for.
+    pub fn count(&self, kind: DeviceKind) -> u32 {
+        self.devices.iter().filter(|d| d.kind == kind).map(|d| d.count).sum()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnvVar {
+    pub name: String,
+    pub value: String,
+}
+
+/// The one container each task runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Container {
+    pub name: String,
+    pub image: Option<String>,
+    /// The argv to run (see the module docs for the mapping from `command`/`args`).
+    pub argv: Vec<String>,
+    pub env: Vec<EnvVar>,
+    pub working_dir: Option<String>,
+    /// Run as an OCI container with this root filesystem (annotation `xpu.dev/rootfs`, short
+    /// form `rootfs`) instead of as a host process.
+    pub rootfs: Option<String>,
+    pub resources: Resources,
+}
+
+/// A validated job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub name: String,
+    /// Fair-share queue: annotation `xpu.dev/queue`, else the namespace, else `default`.
+    pub queue: String,
+    /// Higher runs first: annotation `xpu.dev/priority` or the pod's `priority`.
+    pub priority: i32,
+    pub completions: u32,
+    pub parallelism: u32,
+    pub completion_mode: CompletionMode,
+    pub backoff_limit: u32,
+    pub restart_policy: RestartPolicy,
+    pub active_deadline_seconds: Option<u64>,
+    pub node_selector: BTreeMap<String, String>,
+    pub subdomain: Option<String>,
+    pub container: Container,
+    pub source: Source,
+}
+
+impl JobSpec {
+    /// Indexed jobs whose parallelism covers every index are gangs: all tasks start together or
+    /// none does (a multi-host TPU slice is useless in part).
+    pub fn is_gang(&self) -> bool {
+        self.completion_mode == CompletionMode::Indexed
+            && self.completions > 1
+            && self.parallelism >= self.completions
+    }
+
+    /// The number of tasks that may run at once.
+    pub fn effective_parallelism(&self) -> u32 {
+        self.parallelism.min(self.completions).max(1)
+    }
+}
+
+/// A parsed manifest and the notes about what was skipped or assumed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parsed {
+    pub spec: JobSpec,
+    pub notes: Vec<String>,
+}
+
+/// Parses a manifest: JSON or YAML (possibly several documents), a Kubernetes Job or Pod or
+/// xpu's short form.
+pub fn parse(text: &str) -> Result<Parsed, JobError> {
+    let docs = documents(text)?;
+    let mut notes = Vec::new();
+    let mut found: Vec<(usize, &Value)> = Vec::new();
+    for (i, doc) in docs.iter().enumerate() {
+        if doc.is_null() {
+            continue;
+        }
+        let Some(obj) = doc.as_object() else {
+            return Err(JobError::new(doc_path(i, docs.len()), "expected a mapping"));
+        };
+        match (obj.get("apiVersion"), obj.get("kind")) {
+            (None, None) => found.push((i, doc)),
+            (_, Some(Value::String(kind))) if kind == "Job" || kind == "Pod" => {
+                found.push((i, doc))
+            }
+            (_, Some(Value::String(kind))) => {
+                let name = obj
+                    .get("metadata")
+                    .and_then(|m| m.get("name"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("unnamed");
+                notes.push(format!("skipped {kind} {name}: xpu runs Jobs"));
+            }
+            (_, Some(_)) => {
+                return Err(JobError::new(
+                    join(&doc_path(i, docs.len()), "kind"),
+                    "must be a string",
+                ));
+            }
+            (Some(_), None) => {
+                return Err(JobError::new(
+                    join(&doc_path(i, docs.len()), "kind"),
+                    "required with apiVersion; use kind: Job",
+                ));
+            }
+        }
+    }
+    let (i, doc) = match found.as_slice() {
+        [one] => *one,
+        [] => return Err(JobError::new("manifest", "no Job found; write a batch/v1 Job or xpu's short form")),
+        [_, (second, _), ..] => {
+            return Err(JobError::new(
+                doc_path(*second, docs.len()),
+                "a second Job; submit one Job per manifest",
+            ));
+        }
+    };
+    let prefix = if docs.len() > 1 { format!("document[{i}]") } else { String::new() };
+    let mut p = Parser { prefix, notes };
+    let obj = doc.as_object().ok_or_else(|| JobError::new("manifest", "expected a mapping"))?;
+    let spec = if obj.contains_key("kind") || obj.contains_key("apiVersion") {
+        p.kubernetes(obj)?
+    } else {
+        p.short(obj)?
+    };
+    Ok(Parsed { spec, notes: p.notes })
+}
+
+fn doc_path(i: usize, n: usize) -> String {
+    if n > 1 { format!("document[{i}]") } else { "manifest".to_owned() }
+}
+
+fn join(prefix: &str, field: &str) -> String {
+    if prefix.is_empty() || prefix == "manifest" {
+        field.to_owned()
+    } else {
+        format!("{prefix}.{field}")
+    }
+}
+
+/// Splits the text into JSON values: one for JSON input, one per YAML document.
+fn documents(text: &str) -> Result<Vec<Value>, JobError> {
+    let trimmed = text.trim_start();
+    if trimmed.starts_with('{') {
+        return serde_json::from_str(trimmed)
+            .map(|v| vec![v])
+            .map_err(|e| JobError::new("manifest", format!("invalid JSON: {e}")));
+    }
+    let mut out = Vec::new();
+    for doc in serde_norway::Deserializer::from_str(text) {
+        let v = Value::deserialize(doc)
+            .map_err(|e| JobError::new("manifest", format!("invalid YAML: {e}")))?;
+        out.push(v);
+    }
+    Ok(out)
+}
+
+struct Parser {
+    prefix: String,
+    notes: Vec<String>,
+}
+
+/// Checked access to one mapping, with its path for errors.
+struct Obj<'a> {
+    path: String,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Obj<'a> {
+    fn field(&self, name: &str) -> String {
+        if self.path.is_empty() { name.to_owned() } else { format!("{}.{name}", self.path) }
+    }
+
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        self.map.get(name).filter(|v| !v.is_null())
+    }
+
+    fn obj(&self, name: &str) -> Result<Option<Obj<'a>>, JobError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Object(m)) => Ok(Some(Obj { path: self.field(name), map: m })),
+            Some(_) => Err(JobError::new(self.field(name), "must be a mapping")),
+        }
+    }
+
+    fn req_obj(&self, name: &str) -> Result<Obj<'a>, JobError> {
+        self.obj(name)?.ok_or_else(|| JobError::new(self.field(name), "required"))
+    }
+
+    fn str(&self, name: &str) -> Result<Option<&'a str>, JobError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(JobError::new(self.field(name), "must be a string")),
+        }
+    }
+
+    fn uint(&self, name: &str, min: u64, max: u64) -> Result<Option<u64>, JobError> {
+        let Some(v) = self.get(name) else { return Ok(None) };
+        let n = int_value(v).filter(|n| (min as i128..=max as i128).contains(n));
+        match n {
+            Some(n) => Ok(Some(n as u64)),
+            None => Err(JobError::new(
+                self.field(name),
+                format!("must be an integer from {min} to {max}"),
+            )),
+        }
+    }
+
+    fn bool(&self, name: &str) -> Result<Option<bool>, JobError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(JobError::new(self.field(name), "must be true or false")),
+        }
+    }
+
+    fn strings(&self, name: &str) -> Result<Option<Vec<String>>, JobError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    Value::Number(n) => Ok(n.to_string()),
+                    _ => Err(JobError::new(format!("{}[{i}]", self.field(name)), "must be a string")),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some),
+            Some(_) => Err(JobError::new(self.field(name), "must be a list of strings")),
+        }
+    }
+
+    fn string_map(&self, name: &str) -> Result<BTreeMap<String, String>, JobError> {
+        let Some(m) = self.obj(name)? else { return Ok(BTreeMap::new()) };
+        let mut out = BTreeMap::new();
+        for (k, v) in m.map {
+            let s = match v {
+                Value::String(s) => s.clone(),
+                Value::Bool(b) => b.to_string(),
+                Value::Number(n) => n.to_string(),
+                _ => return Err(JobError::new(m.field(k), "must be a string")),
+            };
+            out.insert(k.clone(), s);
+        }
+        Ok(out)
+    }
+}
+
+/// An integer from a JSON number or a decimal string (Kubernetes quantities for extended
+/// resources are often quoted).
+fn int_value(v: &Value) -> Option<i128> {
+    match v {
+        Value::Number(n) => n.as_i64().map(i128::from).or_else(|| n.as_u64().map(i128::from)),
+        Value::String(s) => s.trim().parse::<i64>().ok().map(i128::from),
+        _ => None,
+    }
+}
+
+impl Parser {
+    fn root<'a>(&self, map: &'a Map<String, Value>) -> Obj<'a> {
+        Obj { path: self.prefix.clone(), map }
+    }
+
+    fn kubernetes(&mut self, map: &Map<String, Value>) -> Result<JobSpec, JobError> {
+        let root = self.root(map);
+        let kind = root.str("kind")?.unwrap_or_default();
+        let api = root.str("apiVersion")?;
+        let is_pod = kind == "Pod";
+        let want_api = if is_pod { "v1" } else { "batch/v1" };
+        if api != Some(want_api) {
+            return Err(JobError::new(
+                root.field("apiVersion"),
+                format!("must be {want_api} for kind {kind}"),
+            ));
+        }
+        let meta = root.obj("metadata")?;
+        let (name, namespace, annotations) = match &meta {
+            Some(m) => (
+                m.str("name")?.or(m.str("generateName")?).map(str::to_owned),
+                m.str("namespace")?.map(str::to_owned),
+                m.string_map("annotations")?,
+            ),
+            None => (None, None, BTreeMap::new()),
+        };
+        let name = match name {
+            Some(n) => n,
+            None => return Err(JobError::new(root.field("metadata.name"), "required")),
+        };
+        let spec = root.req_obj("spec")?;
+        let (pod, completions, parallelism, mode, backoff, deadline) = if is_pod {
+            let deadline = spec.uint("activeDeadlineSeconds", 1, i64::MAX as u64)?;
+            (spec, 1, 1, CompletionMode::NonIndexed, 0, deadline)
+        } else {
+            let completions = spec.uint("completions", 1, MAX_COMPLETIONS)?.unwrap_or(1);
+            let parallelism = spec.uint("parallelism", 1, MAX_COMPLETIONS)?.unwrap_or(1);
+            let mode = match spec.str("completionMode")? {
+                None | Some("NonIndexed") => CompletionMode::NonIndexed,
+                Some("Indexed") => CompletionMode::Indexed,
+                Some(other) => {
+                    return Err(JobError::new(
+                        spec.field("completionMode"),
+                        format!("unknown mode {other:?}; use NonIndexed or Indexed"),
+                    ));
+                }
+            };
+            let backoff = spec
+                .uint("backoffLimit", 0, i32::MAX as u64)?
+                .unwrap_or(u64::from(DEFAULT_BACKOFF_LIMIT));
+            let deadline = spec.uint("activeDeadlineSeconds", 1, i64::MAX as u64)?;
+            if spec.bool("suspend")? == Some(true) {
+                self.notes.push("spec.suspend is ignored: xpu queues the job".to_owned());
+            }
+            let template = spec.req_obj("template")?;
+            let pod = template.req_obj("spec")?;
+            (pod, completions, parallelism, mode, backoff, deadline)
+        };
+        let restart = match pod.str("restartPolicy")? {
+            Some("Never") => RestartPolicy::Never,
+            Some("OnFailure") => RestartPolicy::OnFailure,
+            None if is_pod => {
+                self.notes.push("pod without restartPolicy runs once (Never)".to_owned());
+                RestartPolicy::Never
+            }
+            _ => {
+                return Err(JobError::new(
+                    pod.field("restartPolicy"),
+                    "must be Never or OnFailure (a Job's pods run to completion)",
+                ));
+            }
+        };
+        let node_selector = pod.string_map("nodeSelector")?;
+        let subdomain = pod.str("subdomain")?.map(str::to_owned);
+        let priority = match annotations.get("xpu.dev/priority") {
+            Some(p) => p.parse::<i32>().map_err(|_| {
+                JobError::new(
+                    root.field("metadata.annotations.xpu.dev/priority"),
+                    "must be an integer",
+                )
+            })?,
+            None => pod.uint("priority", 0, i32::MAX as u64)?.unwrap_or(0) as i32,
+        };
+        let queue = annotations
+            .get("xpu.dev/queue")
+            .cloned()
+            .or(namespace)
+            .unwrap_or_else(|| "default".to_owned());
+        let containers = match pod.get("containers") {
+            Some(Value::Array(c)) => c,
+            Some(_) => return Err(JobError::new(pod.field("containers"), "must be a list")),
+            None => return Err(JobError::new(pod.field("containers"), "required")),
+        };
+        let container = match containers.as_slice() {
+            [Value::Object(c)] => {
+                Obj { path: format!("{}[0]", pod.field("containers")), map: c }
+            }
+            [_] => {
+                return Err(JobError::new(
+                    format!("{}[0]", pod.field("containers")),
+                    "must be a mapping",
+                ));
+            }
+            [] => return Err(JobError::new(pod.field("containers"), "needs one container")),
+            more => {
+                return Err(JobError::new(
+                    pod.field("containers"),
+                    format!("has {} containers; xpu runs one container per task", more.len()),
+                ));
+            }
+        };
+        if pod.get("initContainers").is_some() {
+            return Err(JobError::new(
+                pod.field("initContainers"),
+                "not supported; run the init step at the start of the container's command",
+            ));
+        }
+        let rootfs = annotations.get("xpu.dev/rootfs").cloned();
+        let container = self.container(&container, rootfs)?;
+        let spec = JobSpec {
+            name,
+            queue,
+            priority,
+            completions: completions as u32,
+            parallelism: parallelism as u32,
+            completion_mode: mode,
+            backoff_limit: backoff as u32,
+            restart_policy: restart,
+            active_deadline_seconds: deadline,
+            node_selector,
+            subdomain,
+            container,
+            source: Source::Kubernetes,
+        };
+        validate(&spec, &self.prefix)?;
+        Ok(spec)
+    }
+
+    fn container(&mut self, c: &Obj<'_>, rootfs: Option<String>) -> Result<Container, JobError> {
+        let name = c.str("name")?.unwrap_or("main").to_owned();
+        let image = c.str("image")?.map(str::to_owned);
+        let command = c.strings("command")?;
+        let args = c.strings("args")?.unwrap_or_default();
+        let argv = match (command, rootfs.is_some()) {
+            (Some(cmd), _) if !cmd.is_empty() => cmd.into_iter().chain(args).collect(),
+            // A rootfs has no image config to read either, so the same rule applies there.
+            _ => match image.as_deref().and_then(image_entrypoint) {
+                Some(entry) => {
+                    self.notes.push(format!(
+                        "{}: no command; running {entry:?} (the image's base name) with args",
+                        c.field("command")
+                    ));
+                    std::iter::once(entry).chain(args).collect()
+                }
+                None => {
+                    return Err(JobError::new(
+                        c.field("command"),
+                        "required when the image name does not give the program to run",
+                    ));
+                }
+            },
+        };
+        let mut env = Vec::new();
+        match c.get("env") {
+            None => {}
+            Some(Value::Array(items)) => {
+                for (i, item) in items.iter().enumerate() {
+                    let path = format!("{}[{i}]", c.field("env"));
+                    let Value::Object(m) = item else {
+                        return Err(JobError::new(path, "must be a mapping with name and value"));
+                    };
+                    let e = Obj { path, map: m };
+                    if e.get("valueFrom").is_some() {
+                        return Err(JobError::new(
+                            e.field("valueFrom"),
+                            "not supported outside Kubernetes; set value",
+                        ));
+                    }
+                    let name = e.str("name")?.ok_or_else(|| JobError::new(e.field("name"), "required"))?;
+                    let value = match e.get("value") {
+                        None => String::new(),
+                        Some(Value::String(s)) => s.clone(),
+                        Some(Value::Number(n)) => n.to_string(),
+                        Some(Value::Bool(b)) => b.to_string(),
+                        Some(_) => return Err(JobError::new(e.field("value"), "must be a string")),
+                    };
+                    env.push(EnvVar { name: name.to_owned(), value });
+                }
+            }
+            Some(_) => return Err(JobError::new(c.field("env"), "must be a list")),
+        }
+        let working_dir = c.str("workingDir")?.map(str::to_owned);
+        let resources = match c.obj("resources")? {
+            Some(r) => self.resources(&r)?,
+            None => Resources::default(),
+        };
+        Ok(Container { name, image, argv, env, working_dir, rootfs, resources })
+    }
+
+    /// `resources.requests` / `resources.limits`.
+    fn resources(&mut self, r: &Obj<'_>) -> Result<Resources, JobError> {
+        let requests = r.obj("requests")?;
+        let limits = r.obj("limits")?;
+        let mut out = Resources::default();
+        let mut keys: Vec<&String> = Vec::new();
+        for m in [&requests, &limits].into_iter().flatten() {
+            for k in m.map.keys() {
+                if !keys.contains(&k) {
+                    keys.push(k);
+                }
+            }
+        }
+        for key in keys {
+            let req = requests.as_ref().and_then(|m| m.get(key).map(|v| (m.field(key), v)));
+            let lim = limits.as_ref().and_then(|m| m.get(key).map(|v| (m.field(key), v)));
+            match key.as_str() {
+                "cpu" => {
+                    // The scheduler reserves the request; with only a limit, Kubernetes
+                    // defaults the request to the limit.
+                    if let Some((path, v)) = req.or(lim) {
+                        out.cpu_milli = cpu_milli(v).ok_or_else(|| {
+                            JobError::new(path, "must be a CPU quantity such as 500m or 2")
+                        })?;
+                    }
+                }
+                "memory" => {
+                    if let Some((path, v)) = req.or(lim) {
+                        out.memory_mib = memory_mib(v).ok_or_else(|| {
+                            JobError::new(path, "must be a memory quantity such as 512Mi or 16Gi")
+                        })?;
+                    }
+                }
+                k if extended_resource(k).is_some() => {
+                    let Some((kind, vendor)) = extended_resource(k) else { continue };
+                    let parse = |(path, v): (String, &Value)| -> Result<u32, JobError> {
+                        int_value(v)
+                            .filter(|n| (0..=1024).contains(n))
+                            .map(|n| n as u32)
+                            .ok_or_else(|| JobError::new(path, "must be a positive integer"))
+                    };
+                    let lim_path = limits
+                        .as_ref()
+                        .map(|l| l.field(key))
+                        .unwrap_or_else(|| format!("{}.limits.{key}", r.path));
+                    let count = match (req, lim) {
+                        (Some(rq), Some(lm)) => {
+                            let rq_path = rq.0.clone();
+                            let a = parse(rq)?;
+                            let b = parse(lm)?;
+                            if a != b {
+                                return Err(JobError::new(
+                                    rq_path,
+                                    format!(
+                                        "must equal limits.{key} ({b}): extended resources cannot be overcommitted"
+                                    ),
+                                ));
+                            }
+                            b
+                        }
+                        (None, Some(lm)) => parse(lm)?,
+                        (Some(rq), None) => {
+                            parse(rq)?;
+                            return Err(JobError::new(
+                                lim_path,
+                                "required when requests sets it: extended resources cannot be overcommitted",
+                            ));
+                        }
+                        (None, None) => 0,
+                    };
+                    if count > 0 {
+                        out.devices.push(DeviceRequest {
+                            resource: key.clone(),
+                            kind,
+                            vendor: Some(vendor.to_owned()),
+                            count,
+                        });
+                    }
+                }
+                k if k == "ephemeral-storage" || k.starts_with("hugepages-") => {
+                    self.notes.push(format!("{}: {k} is not reserved by xpu", r.path));
+                }
+                k => {
+                    let path = limits
+                        .as_ref()
+                        .filter(|l| l.get(k).is_some())
+                        .or(requests.as_ref())
+                        .map(|m| m.field(k))
+                        .unwrap_or_else(|| r.field(k));
+                    return Err(JobError::new(
+                        path,
+                        "unknown resource; xpu schedules cpu, memory, nvidia.com/gpu, amd.com/gpu, google.com/tpu and habana.ai/gaudi",
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// xpu's short form: a flat mapping.
+    ///
+    /// ```yaml
+    /// name: train            # default: the program's base name
+    /// command: [python, train.py]
+    /// gpus: 2                # or tpus: N, or devices: {nvidia.com/gpu: 2}
+    /// cpu: 4                 # optional; memory: 16Gi
+    /// queue: research        # priority: 10
+    /// completions: 2         # parallelism: 2, indexed: true
+    /// restartPolicy: OnFailure
+    /// backoffLimit: 3        # activeDeadlineSeconds: 3600
+    /// nodeSelector: {xpu.dev/gpu.product: A100-SXM4-40GB}
+    /// env: {WANDB_MODE: offline}
+    /// workingDir: /data      # rootfs: /srv/rootfs (run as an OCI container)
+    /// ```
+    fn short(&mut self, map: &Map<String, Value>) -> Result<JobSpec, JobError> {
+        const KNOWN: [&str; 20] = [
+            "name",
+            "command",
+            "gpus",
+            "tpus",
+            "devices",
+            "cpu",
+            "memory",
+            "queue",
+            "priority",
+            "completions",
+            "parallelism",
+            "indexed",
+            "restartPolicy",
+            "backoffLimit",
+            "activeDeadlineSeconds",
+            "nodeSelector",
+            "env",
+            "workingDir",
+            "rootfs",
+            "image",
+        ];
+        let o = self.root(map);
+        for k in map.keys() {
+            if !KNOWN.contains(&k.as_str()) {
+                return Err(JobError::new(
+                    o.field(k),
+                    format!(
+                        "unknown field; the short form has {}; a Kubernetes manifest needs apiVersion and kind",
+                        KNOWN.join(", ")
+                    ),
+                ));
+            }
+        }
+        let argv = match o.get("command") {
+            Some(Value::String(s)) => s.split_whitespace().map(str::to_owned).collect(),
+            Some(_) => o.strings("command")?.unwrap_or_default(),
+            None => Vec::new(),
+        };
+        if argv.is_empty() {
+            return Err(JobError::new(o.field("command"), "required: the program and its arguments"));
+        }
+        let name = match o.str("name")? {
+            Some(n) => n.to_owned(),
+            None => argv
+                .first()
+                .map(|a| a.rsplit('/').next().unwrap_or(a).to_owned())
+                .unwrap_or_else(|| "job".to_owned()),
+        };
+        let mut resources = Resources::default();
+        if let Some(n) = o.uint("gpus", 0, 1024)?
+            && n > 0
+        {
+            resources.devices.push(DeviceRequest {
+                resource: "gpu".to_owned(),
+                kind: DeviceKind::Gpu,
+                vendor: None,
+                count: n as u32,
+            });
+        }
+        if let Some(n) = o.uint("tpus", 0, 1024)?
+            && n > 0
+        {
+            resources.devices.push(DeviceRequest {
+                resource: "google.com/tpu".to_owned(),
+                kind: DeviceKind::Tpu,
+                vendor: Some("google".to_owned()),
+                count: n as u32,
+            });
+        }
+        if let Some(d) = o.obj("devices")? {
+            for (k, v) in d.map {
+                let Some((kind, vendor)) = extended_resource(k) else {
+                    return Err(JobError::new(
+                        d.field(k),
+                        "unknown device resource; use nvidia.com/gpu, amd.com/gpu, google.com/tpu or habana.ai/gaudi",
+                    ));
+                };
+                let n = int_value(v)
+                    .filter(|n| (0..=1024).contains(n))
+                    .ok_or_else(|| JobError::new(d.field(k), "must be a positive integer"))?;
+                if n > 0 {
+                    resources.devices.push(DeviceRequest {
+                        resource: k.clone(),
+                        kind,
+                        vendor: Some(vendor.to_owned()),
+                        count: n as u32,
+                    });
+                }
+            }
+        }
+        if let Some(v) = o.get("cpu") {
+            resources.cpu_milli = cpu_milli(v)
+                .ok_or_else(|| JobError::new(o.field("cpu"), "must be a CPU quantity such as 500m or 2"))?;
+        }
+        if let Some(v) = o.get("memory") {
+            resources.memory_mib = memory_mib(v).ok_or_else(|| {
+                JobError::new(o.field("memory"), "must be a memory quantity such as 512Mi or 16Gi")
+            })?;
+        }
+        let completions = o.uint("completions", 1, MAX_COMPLETIONS)?.unwrap_or(1);
+        let parallelism = o.uint("parallelism", 1, MAX_COMPLETIONS)?.unwrap_or(completions);
+        let mode = if o.bool("indexed")?.unwrap_or(false) {
+            CompletionMode::Indexed
+        } else {
+            CompletionMode::NonIndexed
+        };
+        let restart = match o.str("restartPolicy")? {
+            None | Some("Never") => RestartPolicy::Never,
+            Some("OnFailure") => RestartPolicy::OnFailure,
+            Some(_) => {
+                return Err(JobError::new(o.field("restartPolicy"), "must be Never or OnFailure"));
+            }
+        };
+        let env = o
+            .string_map("env")?
+            .into_iter()
+            .map(|(name, value)| EnvVar { name, value })
+            .collect();
+        let priority = match o.get("priority") {
+            None => 0,
+            Some(v) => int_value(v)
+                .filter(|n| (i32::MIN as i128..=i32::MAX as i128).contains(n))
+                .ok_or_else(|| JobError::new(o.field("priority"), "must be an integer"))?
+                as i32,
+        };
+        let spec = JobSpec {
+            name,
+            queue: o.str("queue")?.unwrap_or("default").to_owned(),
+            priority,
+            completions: completions as u32,
+            parallelism: parallelism as u32,
+            completion_mode: mode,
+            backoff_limit: o.uint("backoffLimit", 0, i32::MAX as u64)?.unwrap_or(0) as u32,
+            restart_policy: restart,
+            active_deadline_seconds: o.uint("activeDeadlineSeconds", 1, i64::MAX as u64)?,
+            node_selector: o.string_map("nodeSelector")?,
+            subdomain: None,
+            container: Container {
+                name: "main".to_owned(),
+                image: o.str("image")?.map(str::to_owned),
+                argv,
+                env,
+                working_dir: o.str("workingDir")?.map(str::to_owned),
+                rootfs: o.str("rootfs")?.map(str::to_owned),
+                resources,
+            },
+            source: Source::Short,
+        };
+        validate(&spec, &self.prefix)?;
+        Ok(spec)
+    }
+}
+
+/// Checks that hold for both forms.
+fn validate(spec: &JobSpec, prefix: &str) -> Result<(), JobError> {
+    let (name_path, env_path) = match spec.source {
+        Source::Kubernetes => ("metadata.name", "spec.template.spec.containers[0].env"),
+        Source::Short => ("name", "env"),
+    };
+    if spec.name.is_empty() || spec.name.len() > 253 || spec.name.chars().any(char::is_control) {
+        return Err(JobError::new(
+            join(prefix, name_path),
+            "must be 1 to 253 printable characters",
+        ));
+    }
+    if spec.queue.is_empty() || spec.queue.len() > 63 || spec.queue.chars().any(char::is_control)
+    {
+        return Err(JobError::new(join(prefix, "queue"), "must be 1 to 63 printable characters"));
+    }
+    for (i, e) in spec.container.env.iter().enumerate() {
+        if e.name.is_empty() || e.name.contains('=') || e.name.contains('\0') {
+            return Err(JobError::new(
+                join(prefix, &format!("{env_path}[{i}].name")),
+                "must be a non-empty name without '=' or NUL",
+            ));
+        }
+        if e.value.contains('\0') {
+            return Err(JobError::new(
+                join(prefix, &format!("{env_path}[{i}].value")),
+                "must not contain NUL",
+            ));
+        }
+    }
+    if spec.container.argv.iter().any(|a| a.contains('\0')) {
+        return Err(JobError::new(join(prefix, "command"), "must not contain NUL"));
+    }
+    Ok(())
+}
+
+/// The device kind and vendor an extended resource name stands for.
+pub fn extended_resource(name: &str) -> Option<(DeviceKind, &'static str)> {
+    match name {
+        "nvidia.com/gpu" => Some((DeviceKind::Gpu, "nvidia")),
+        "amd.com/gpu" => Some((DeviceKind::Gpu, "amd")),
+        "google.com/tpu" => Some((DeviceKind::Tpu, "google")),
+        "habana.ai/gaudi" => Some((DeviceKind::Npu, "intel")),
+        _ => None,
+    }
+}
+
+/// `gcr.io/k8s-staging-perf-tests/sleep:latest` → `sleep`.
+fn image_entrypoint(image: &str) -> Option<String> {
+    let no_digest = image.split('@').next().unwrap_or(image);
+    let last = no_digest.rsplit('/').next().unwrap_or(no_digest);
+    let base = last.split(':').next().unwrap_or(last);
+    (!base.is_empty()).then(|| base.to_owned())
+}
+
+/// A Kubernetes CPU quantity (`500m`, `2`, `1.5`) in millicores.
+pub fn cpu_milli(v: &Value) -> Option<u64> {
+    let s = match v {
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => s.trim().to_owned(),
+        _ => return None,
+    };
+    if let Some(m) = s.strip_suffix('m') {
+        return m.parse::<u64>().ok();
+    }
+    let f: f64 = s.parse().ok()?;
+    (f.is_finite() && (0.0..1e9).contains(&f)).then(|| (f * 1000.0).ceil() as u64)
+}
+
+/// A Kubernetes memory quantity (`512Mi`, `16Gi`, `1G`, `1000000`) in MiB, rounded up.
+pub fn memory_mib(v: &Value) -> Option<u64> {
+    let s = match v {
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => s.trim().to_owned(),
+        _ => return None,
+    };
+    const SUFFIXES: [(&str, f64); 10] = [
+        ("Ki", 1024.0),
+        ("Mi", 1048576.0),
+        ("Gi", 1073741824.0),
+        ("Ti", 1099511627776.0),
+        ("Pi", 1125899906842624.0),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("P", 1e15),
+    ];
+    let (num, mult) = SUFFIXES
+        .iter()
+        .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n, *m)))
+        .unwrap_or((s.as_str(), 1.0));
+    let f: f64 = num.parse().ok()?;
+    let bytes = f * mult;
+    (bytes.is_finite() && (0.0..1e18).contains(&bytes)).then(|| (bytes / 1048576.0).ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const SINGLE: &str = r#"
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: job-1
+spec:
+  template:
+    spec:
+      nodeSelector:
+        cloud.google.com/gke-flex-start: "true"
+        cloud.google.com/gke-tpu-accelerator: tpu-v6e-slice
+        cloud.google.com/gke-tpu-topology: 2x4
+      containers:
+      - name: container-1
+        image: gcr.io/k8s-staging-perf-tests/sleep:latest
+        args: ["3600s"] # Sleep for 1 hour
+        resources:
+          requests:
+              google.com/tpu: 8
+          limits:
+              google.com/tpu: 8
+      restartPolicy: OnFailure
+"#;
+
+    const MULTI: &str = r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: headless-svc
+spec:
+  clusterIP: None
+  selector:
+    job-name: job-1
+---
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: job-1
+spec:
+  backoffLimit: 0
+  completions: 2
+  parallelism: 2
+  completionMode: Indexed
+  template:
+    spec:
+      subdomain: headless-svc
+      restartPolicy: Never
+      nodeSelector:
+          cloud.google.com/gke-flex-start: "true"
+          cloud.google.com/gke-tpu-accelerator: tpu-v6e-slice
+          cloud.google.com/gke-tpu-topology: 2x4
+      containers:
+      - name: tpu-job
+        image: us-docker.pkg.dev/cloud-tpu-images/jax-ai-image/tpu:latest
+        ports:
+        - containerPort: 8471 # Default port using which TPU VMs communicate
+        - containerPort: 8431 # Port to export TPU runtime metrics, if supported.
+        securityContext:
+          privileged: true
+        command:
+        - bash
+        - -c
+        - |
+          python -c 'import jax; print("TPU cores:", jax.device_count())'
+        resources:
+          requests:
+            google.com/tpu: 4
+          limits:
+            google.com/tpu: 4
+"#;
+
+    #[test]
+    fn seed_single_host_job() {
+        let p = parse(SINGLE).unwrap();
+        let s = &p.spec;
+        assert_eq!(s.name, "job-1");
+        assert_eq!(s.restart_policy, RestartPolicy::OnFailure);
+        assert_eq!(s.backoff_limit, DEFAULT_BACKOFF_LIMIT);
+        assert_eq!(s.container.argv, ["sleep", "3600s"]);
+        assert_eq!(s.container.resources.count(DeviceKind::Tpu), 8);
+        assert_eq!(s.node_selector["cloud.google.com/gke-tpu-topology"], "2x4");
+        assert!(!s.is_gang());
+        assert!(p.notes.iter().any(|n| n.contains("sleep")), "{:?}", p.notes);
+    }
+
+    #[test]
+    fn seed_multi_host_indexed_job_skips_the_service() {
+        let p = parse(MULTI).unwrap();
+        let s = &p.spec;
+        assert_eq!(s.completions, 2);
+        assert_eq!(s.completion_mode, CompletionMode::Indexed);
+        assert_eq!(s.backoff_limit, 0);
+        assert_eq!(s.restart_policy, RestartPolicy::Never);
+        assert_eq!(s.subdomain.as_deref(), Some("headless-svc"));
+        assert_eq!(s.container.argv[0], "bash");
+        assert_eq!(s.container.argv.len(), 3);
+        assert!(s.is_gang());
+        assert!(p.notes.iter().any(|n| n.contains("Service headless-svc")), "{:?}", p.notes);
+    }
+
+    #[test]
+    fn seed_placeholders_name_the_field() {
+        let bad = SINGLE.replace("google.com/tpu: 8", "google.com/tpu: NUM_CHIPS");
+        let e = parse(&bad).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.template.spec.containers[0].resources.requests.google.com/tpu: must be a positive integer"
+        );
+        let gpu = SINGLE.replace("google.com/tpu: 8", "nvidia.com/gpu: -1");
+        let e = parse(&gpu).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.template.spec.containers[0].resources.requests.nvidia.com/gpu: must be a positive integer"
+        );
+    }
+
+    #[test]
+    fn openshift_pod_is_accepted() {
+        let pod = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: nvidia-smi\nspec:\n  containers:\n  - image: nvidia/cuda\n    name: nvidia-smi\n    command: [ nvidia-smi ]\n    resources:\n      limits:\n        nvidia.com/gpu: 1\n      requests:\n        nvidia.com/gpu: 1\n";
+        let p = parse(pod).unwrap();
+        assert_eq!(p.spec.container.argv, ["nvidia-smi"]);
+        assert_eq!(p.spec.container.resources.devices[0].vendor.as_deref(), Some("nvidia"));
+        assert_eq!(p.spec.restart_policy, RestartPolicy::Never);
+    }
+
+    #[test]
+    fn json_job_and_field_errors() {
+        let j = r#"{"apiVersion":"batch/v1","kind":"Job","metadata":{"name":"j"},"spec":{"template":{"spec":{"restartPolicy":"Never","containers":[{"name":"c","command":["true"],"resources":{"limits":{"amd.com/gpu":"2","cpu":"500m","memory":"1Gi"}}}]}}}}"#;
+        let s = parse(j).unwrap().spec;
+        assert_eq!(s.container.resources.count(DeviceKind::Gpu), 2);
+        assert_eq!(s.container.resources.cpu_milli, 500);
+        assert_eq!(s.container.resources.memory_mib, 1024);
+        let no_restart = j.replace(r#""restartPolicy":"Never","#, "");
+        assert_eq!(
+            parse(&no_restart).unwrap_err().to_string(),
+            "spec.template.spec.restartPolicy: must be Never or OnFailure (a Job's pods run to completion)"
+        );
+        let mismatch = j.replace(
+            r#""limits":{"amd.com/gpu":"2""#,
+            r#""requests":{"amd.com/gpu":1},"limits":{"amd.com/gpu":"2""#,
+        );
+        assert!(
+            parse(&mismatch)
+                .unwrap_err()
+                .to_string()
+                .starts_with("spec.template.spec.containers[0].resources.requests.amd.com/gpu: must equal")
+        );
+        let unknown = j.replace("amd.com/gpu", "example.com/fpga");
+        assert!(parse(&unknown).unwrap_err().path.ends_with("limits.example.com/fpga"));
+        let two = j.replace(r#"[{"name":"c""#, r#"[{"name":"a","command":["x"]},{"name":"c""#);
+        assert!(parse(&two).unwrap_err().to_string().contains("2 containers"));
+        let neg = j.replace(r#""template""#, r#""completions":0,"template""#);
+        assert_eq!(parse(&neg).unwrap_err().path, "spec.completions");
+    }
+
+    #[test]
+    fn short_form() {
+        let s = parse("command: [python, train.py]\ngpus: 2\nqueue: research\npriority: 5\n")
+            .unwrap()
+            .spec;
+        assert_eq!(s.name, "python");
+        assert_eq!(s.container.resources.count(DeviceKind::Gpu), 2);
+        assert_eq!(s.container.resources.devices[0].vendor, None);
+        assert_eq!(s.queue, "research");
+        assert_eq!(s.priority, 5);
+        assert_eq!(s.backoff_limit, 0);
+        let e = parse("command: [x]\ngpu: 2\n").unwrap_err();
+        assert_eq!(e.path, "gpu");
+        let e = parse("gpus: 1\n").unwrap_err();
+        assert_eq!(e.path, "command");
+        let s = parse("command: sleep 1\ncompletions: 3\nindexed: true\n").unwrap().spec;
+        assert!(s.is_gang());
+        assert_eq!(s.container.argv, ["sleep", "1"]);
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        for text in ["", "[1,2]", "{", "- a\n- b", "kind: 3", "apiVersion: batch/v1", "\0", "a: *b"] {
+            assert!(parse(text).is_err(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn quantities() {
+        assert_eq!(cpu_milli(&Value::from("250m")), Some(250));
+        assert_eq!(cpu_milli(&Value::from(1.5)), Some(1500));
+        assert_eq!(cpu_milli(&Value::from("x")), None);
+        assert_eq!(memory_mib(&Value::from("1G")), Some(954));
+        assert_eq!(memory_mib(&Value::from("16Gi")), Some(16384));
+        assert_eq!(memory_mib(&Value::from("-1Gi")), None);
+    }
+}
