@@ -211,7 +211,12 @@ pub fn parse(text: &str) -> Result<Parsed, JobError> {
     }
     let (i, doc) = match found.as_slice() {
         [one] => *one,
-        [] => return Err(JobError::new("manifest", "no Job found; write a batch/v1 Job or xpu's short form")),
+        [] => {
+            return Err(JobError::new(
+                "manifest",
+                "no Job found; write a batch/v1 Job or xpu's short form",
+            ));
+        }
         [_, (second, _), ..] => {
             return Err(JobError::new(
                 doc_path(*second, docs.len()),
@@ -328,7 +333,9 @@ impl<'a> Obj<'a> {
                 .map(|(i, v)| match v {
                     Value::String(s) => Ok(s.clone()),
                     Value::Number(n) => Ok(n.to_string()),
-                    _ => Err(JobError::new(format!("{}[{i}]", self.field(name)), "must be a string")),
+                    _ => {
+                        Err(JobError::new(format!("{}[{i}]", self.field(name)), "must be a string"))
+                    }
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(Some),
@@ -456,9 +463,7 @@ impl Parser {
             None => return Err(JobError::new(pod.field("containers"), "required")),
         };
         let container = match containers.as_slice() {
-            [Value::Object(c)] => {
-                Obj { path: format!("{}[0]", pod.field("containers")), map: c }
-            }
+            [Value::Object(c)] => Obj { path: format!("{}[0]", pod.field("containers")), map: c },
             [_] => {
                 return Err(JobError::new(
                     format!("{}[0]", pod.field("containers")),
@@ -540,7 +545,8 @@ impl Parser {
                             "not supported outside Kubernetes; set value",
                         ));
                     }
-                    let name = e.str("name")?.ok_or_else(|| JobError::new(e.field("name"), "required"))?;
+                    let name =
+                        e.str("name")?.ok_or_else(|| JobError::new(e.field("name"), "required"))?;
                     let value = match e.get("value") {
                         None => String::new(),
                         Some(Value::String(s)) => s.clone(),
@@ -716,7 +722,10 @@ impl Parser {
             None => Vec::new(),
         };
         if argv.is_empty() {
-            return Err(JobError::new(o.field("command"), "required: the program and its arguments"));
+            return Err(JobError::new(
+                o.field("command"),
+                "required: the program and its arguments",
+            ));
         }
         let name = match o.str("name")? {
             Some(n) => n.to_owned(),
@@ -768,8 +777,9 @@ impl Parser {
             }
         }
         if let Some(v) = o.get("cpu") {
-            resources.cpu_milli = cpu_milli(v)
-                .ok_or_else(|| JobError::new(o.field("cpu"), "must be a CPU quantity such as 500m or 2"))?;
+            resources.cpu_milli = cpu_milli(v).ok_or_else(|| {
+                JobError::new(o.field("cpu"), "must be a CPU quantity such as 500m or 2")
+            })?;
         }
         if let Some(v) = o.get("memory") {
             resources.memory_mib = memory_mib(v).ok_or_else(|| {
@@ -790,11 +800,8 @@ impl Parser {
                 return Err(JobError::new(o.field("restartPolicy"), "must be Never or OnFailure"));
             }
         };
-        let env = o
-            .string_map("env")?
-            .into_iter()
-            .map(|(name, value)| EnvVar { name, value })
-            .collect();
+        let env =
+            o.string_map("env")?.into_iter().map(|(name, value)| EnvVar { name, value }).collect();
         let priority = match o.get("priority") {
             None => 0,
             Some(v) => int_value(v)
@@ -842,8 +849,7 @@ fn validate(spec: &JobSpec, prefix: &str) -> Result<(), JobError> {
             "must be 1 to 253 printable characters",
         ));
     }
-    if spec.queue.is_empty() || spec.queue.len() > 63 || spec.queue.chars().any(char::is_control)
-    {
+    if spec.queue.is_empty() || spec.queue.len() > 63 || spec.queue.chars().any(char::is_control) {
         return Err(JobError::new(join(prefix, "queue"), "must be 1 to 63 printable characters"));
     }
     for (i, e) in spec.container.env.iter().enumerate() {
@@ -1073,12 +1079,9 @@ spec:
             r#""limits":{"amd.com/gpu":"2""#,
             r#""requests":{"amd.com/gpu":1},"limits":{"amd.com/gpu":"2""#,
         );
-        assert!(
-            parse(&mismatch)
-                .unwrap_err()
-                .to_string()
-                .starts_with("spec.template.spec.containers[0].resources.requests.amd.com/gpu: must equal")
-        );
+        assert!(parse(&mismatch).unwrap_err().to_string().starts_with(
+            "spec.template.spec.containers[0].resources.requests.amd.com/gpu: must equal"
+        ));
         let unknown = j.replace("amd.com/gpu", "example.com/fpga");
         assert!(parse(&unknown).unwrap_err().path.ends_with("limits.example.com/fpga"));
         let two = j.replace(r#"[{"name":"c""#, r#"[{"name":"a","command":["x"]},{"name":"c""#);
@@ -1109,7 +1112,8 @@ spec:
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        for text in ["", "[1,2]", "{", "- a\n- b", "kind: 3", "apiVersion: batch/v1", "\0", "a: *b"] {
+        for text in ["", "[1,2]", "{", "- a\n- b", "kind: 3", "apiVersion: batch/v1", "\0", "a: *b"]
+        {
             assert!(parse(text).is_err(), "{text:?}");
         }
     }

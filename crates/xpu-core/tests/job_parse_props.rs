@@ -15,18 +15,55 @@ const SEED_MULTI: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: head
 /// search reaches deep into the Job structure instead of failing at the top.
 fn json_tree() -> impl Strategy<Value = Value> {
     let keys = prop::sample::select(vec![
-        "apiVersion", "kind", "metadata", "name", "spec", "template", "containers", "command",
-        "args", "resources", "limits", "requests", "nvidia.com/gpu", "google.com/tpu", "cpu",
-        "memory", "restartPolicy", "completions", "parallelism", "completionMode", "env",
-        "value", "nodeSelector", "gpus", "annotations", "xpu.dev/priority", "backoffLimit",
+        "apiVersion",
+        "kind",
+        "metadata",
+        "name",
+        "spec",
+        "template",
+        "containers",
+        "command",
+        "args",
+        "resources",
+        "limits",
+        "requests",
+        "nvidia.com/gpu",
+        "google.com/tpu",
+        "cpu",
+        "memory",
+        "restartPolicy",
+        "completions",
+        "parallelism",
+        "completionMode",
+        "env",
+        "value",
+        "nodeSelector",
+        "gpus",
+        "annotations",
+        "xpu.dev/priority",
+        "backoffLimit",
     ]);
     let leaf = prop_oneof![
         Just(Value::Null),
         any::<bool>().prop_map(Value::from),
         any::<i64>().prop_map(Value::from),
-        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
-        prop::sample::select(vec!["batch/v1", "v1", "Job", "Pod", "Never", "OnFailure", "Indexed", "1", "500m", "1Gi", "-3", ""])
-            .prop_map(Value::from),
+        any::<f64>()
+            .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+        prop::sample::select(vec![
+            "batch/v1",
+            "v1",
+            "Job",
+            "Pod",
+            "Never",
+            "OnFailure",
+            "Indexed",
+            "1",
+            "500m",
+            "1Gi",
+            "-3",
+            ""
+        ])
+        .prop_map(Value::from),
         ".{0,12}".prop_map(Value::from),
     ];
     leaf.prop_recursive(6, 64, 6, move |inner| {

@@ -1,0 +1,499 @@
+//! The HTTP API (documented in `openapi.json`, served at `/openapi.json`), the dashboard at `/`
+//! and Prometheus metrics at `/metrics`.
+//!
+//! Over the Unix socket (mode 0660) and loopback TCP no token is asked; TCP bound to any other
+//! address requires `Authorization: Bearer <token>` with the token from `<data-dir>/token`.
+//! Request bodies are limited to [`MAX_BODY`]; manifests are validated by
+//! [`xpu_core::job::parse`] and a bad one gets 400 with the field path in `error` and `field`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Json;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::Shared;
+use crate::engine::Msg;
+use crate::metrics::DeviceSample;
+use crate::store::{JobState, ListQuery, NewJob, Outcome, TaskRow, Write, now_ms};
+
+/// Largest accepted request body (a manifest).
+pub const MAX_BODY: usize = 1 << 20;
+/// Largest page of `GET /v1/jobs`.
+pub const MAX_PAGE: u32 = 1000;
+
+const DASHBOARD: &str = include_str!("dashboard.html");
+const OPENAPI: &str = include_str!("openapi.json");
+
+type S = State<Arc<Shared>>;
+
+/// The routes. `require_token`: TCP on a non-loopback address.
+pub fn router(shared: Arc<Shared>, require_token: bool) -> Router {
+    let mut r = Router::new()
+        .route("/", get(dashboard))
+        .route("/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
+        .route("/v1/status", get(status))
+        .route("/v1/jobs", post(submit).get(list))
+        .route("/v1/jobs/{id}", get(job))
+        .route("/v1/jobs/{id}/cancel", post(cancel))
+        .route("/v1/jobs/{id}/logs", get(logs))
+        .route("/v1/devices", get(devices))
+        .route("/v1/queue", get(queue))
+        .route("/v1/events", get(events))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY));
+    if require_token {
+        r = r.layer(middleware::from_fn_with_state(shared.clone(), auth));
+    }
+    r.with_state(shared)
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": msg.into() }))).into_response()
+}
+
+fn unavailable(e: impl std::fmt::Display) -> Response {
+    error(StatusCode::SERVICE_UNAVAILABLE, format!("store: {e}; retry, or check the database"))
+}
+
+async fn auth(State(s): S, req: Request, next: Next) -> Response {
+    let ok = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| constant_time_eq(t.trim().as_bytes(), s.token.as_bytes()));
+    if ok {
+        next.run(req).await
+    } else {
+        error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token; send Authorization: Bearer <contents of <data-dir>/token>",
+        )
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found() -> Response {
+    error(StatusCode::NOT_FOUND, "no such route; see /openapi.json")
+}
+
+async fn dashboard() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], DASHBOARD).into_response()
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+async fn metrics(State(s): S) -> Response {
+    let counts = match s.store.counts().await {
+        Ok(c) => c,
+        Err(e) => return unavailable(e),
+    };
+    let jobs: Vec<(&str, i64)> = JobState::ALL
+        .iter()
+        .map(|st| (st.as_str(), counts.iter().find(|(c, _)| c == st).map_or(0, |(_, n)| *n)))
+        .collect();
+    let holders = s
+        .view
+        .read()
+        .map(|v| v.holders.iter().map(Option::is_some).collect::<Vec<_>>())
+        .unwrap_or_default();
+    let samples: Vec<DeviceSample<'_>> = s
+        .node
+        .devices
+        .iter()
+        .map(|d| DeviceSample {
+            id: d.id,
+            kind: d.kind.as_str(),
+            vendor: &d.vendor,
+            product: &d.product,
+            allocated: holders.get(d.id as usize).copied().unwrap_or(false),
+        })
+        .collect();
+    let text = s.metrics.render(&jobs, &samples, s.leader.load(Ordering::Relaxed));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn status(State(s): S) -> Response {
+    Json(json!({
+        "node": s.node.name,
+        "hostname": s.node.hostname,
+        "leader": s.leader.load(Ordering::Relaxed),
+        "store": s.store.url(),
+        "version": env!("CARGO_PKG_VERSION"),
+        "started_at_ms": s.started_ms,
+        "devices": s.node.devices.len(),
+        "labels": s.node.labels,
+    }))
+    .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct SubmitQuery {
+    key: Option<String>,
+}
+
+async fn submit(
+    State(s): S,
+    headers: HeaderMap,
+    Query(q): Query<SubmitQuery>,
+    body: Bytes,
+) -> Response {
+    let Ok(text) = std::str::from_utf8(&body) else {
+        return error(StatusCode::BAD_REQUEST, "manifest: not UTF-8 text; send YAML or JSON");
+    };
+    let parsed = match xpu_core::job::parse(text) {
+        Ok(p) => p,
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({ "error": e.to_string(), "field": e.path })),
+            )
+                .into_response();
+        }
+    };
+    let key =
+        headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned).or(q.key);
+    if let Some(k) = &key
+        && (k.is_empty() || k.len() > 200)
+    {
+        return error(StatusCode::BAD_REQUEST, "idempotency key: must be 1 to 200 characters");
+    }
+    let spec = parsed.spec;
+    let spec_json = match serde_json::to_string(&spec) {
+        Ok(j) => j,
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding spec: {e}")),
+    };
+    let new = NewJob {
+        key,
+        name: spec.name.clone(),
+        queue: spec.queue.clone(),
+        priority: i64::from(spec.priority),
+        spec: spec_json.clone(),
+        at_ms: now_ms(),
+    };
+    let (id, created) = match s.store.write(Write::Submit(new.clone())).await {
+        Ok(Outcome::Submitted { id, created }) => (id, created),
+        Ok(_) => return error(StatusCode::INTERNAL_SERVER_ERROR, "store answered a submit oddly"),
+        Err(e) => return unavailable(e),
+    };
+    let mut state = JobState::Queued;
+    if created {
+        s.metrics.submitted.fetch_add(1, Ordering::Relaxed);
+        let row = crate::store::JobRow {
+            id,
+            key: new.key,
+            name: new.name,
+            queue: new.queue,
+            priority: new.priority,
+            state: JobState::Queued,
+            spec: spec_json,
+            submitted_at_ms: new.at_ms,
+            started_at_ms: None,
+            finished_at_ms: None,
+            failures: 0,
+            cancel_requested: false,
+            message: None,
+        };
+        let _ = s.engine.send(Msg::Submitted { row, spec: Box::new(spec.clone()) });
+    } else if let Ok(Some(row)) = s.store.job(id).await {
+        state = row.state;
+    }
+    let code = if created { StatusCode::CREATED } else { StatusCode::OK };
+    let mut resp = (
+        code,
+        Json(json!({
+            "id": id,
+            "name": spec.name,
+            "state": state,
+            "created": created,
+            "notes": parsed.notes,
+        })),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&format!("/v1/jobs/{id}")) {
+        resp.headers_mut().insert(header::LOCATION, v);
+    }
+    resp
+}
+
+#[derive(Debug, Deserialize)]
+struct ListParams {
+    state: Option<String>,
+    before: Option<i64>,
+    limit: Option<u32>,
+}
+
+async fn list(State(s): S, Query(p): Query<ListParams>) -> Response {
+    let state = match p.state.as_deref().map(str::parse::<JobState>).transpose() {
+        Ok(st) => st,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("state: {e}")),
+    };
+    let limit = p.limit.unwrap_or(100).clamp(1, MAX_PAGE);
+    match s.store.list(ListQuery { state, before: p.before, limit }).await {
+        Ok(rows) => {
+            let next = if rows.len() == limit as usize { rows.last().map(|r| r.id) } else { None };
+            Json(json!({ "jobs": rows, "next": next })).into_response()
+        }
+        Err(e) => unavailable(e),
+    }
+}
+
+fn parse_id(id: &str) -> Result<i64, Box<Response>> {
+    id.parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+        Box::new(error(
+            StatusCode::BAD_REQUEST,
+            format!("job id {id:?}: must be a positive integer"),
+        ))
+    })
+}
+
+async fn job(State(s): S, Path(id): Path<String>) -> Response {
+    let id = match parse_id(&id) {
+        Ok(i) => i,
+        Err(r) => return *r,
+    };
+    let row = match s.store.job(id).await {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                format!("job {id} does not exist; list jobs with xpu jobs"),
+            );
+        }
+        Err(e) => return unavailable(e),
+    };
+    let tasks = match s.store.tasks(id).await {
+        Ok(t) => t,
+        Err(e) => return unavailable(e),
+    };
+    let spec: Value = serde_json::from_str(&row.spec).unwrap_or(Value::Null);
+    let reason =
+        s.view.read().ok().and_then(|v| {
+            v.queued.iter().find(|q| q.id == id).map(|q| (q.position, q.reason.clone()))
+        });
+    let mut v = serde_json::to_value(&row).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        m.insert("spec".into(), spec);
+        m.insert("tasks".into(), serde_json::to_value(&tasks).unwrap_or(Value::Null));
+        if let Some((pos, why)) = reason {
+            m.insert("queue_position".into(), json!(pos));
+            m.insert("reason".into(), json!(why));
+        }
+    }
+    Json(v).into_response()
+}
+
+async fn cancel(State(s): S, Path(id): Path<String>) -> Response {
+    let id = match parse_id(&id) {
+        Ok(i) => i,
+        Err(r) => return *r,
+    };
+    match s.store.write(Write::RequestCancel { id }).await {
+        Ok(Outcome::CancelRequested(None)) => error(
+            StatusCode::NOT_FOUND,
+            format!("job {id} does not exist; list jobs with xpu jobs"),
+        ),
+        Ok(Outcome::CancelRequested(Some(state))) if state.is_terminal() => {
+            error(StatusCode::CONFLICT, format!("job {id} already {state}; nothing to cancel"))
+        }
+        Ok(Outcome::CancelRequested(Some(_))) => {
+            let _ = s.engine.send(Msg::Cancel(id));
+            (StatusCode::ACCEPTED, Json(json!({ "id": id, "state": "cancelled" }))).into_response()
+        }
+        Ok(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "store answered a cancel oddly"),
+        Err(e) => unavailable(e),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct LogParams {
+    task: Option<i64>,
+    attempt: Option<i64>,
+    follow: Option<bool>,
+}
+
+async fn logs(State(s): S, Path(id): Path<String>, Query(p): Query<LogParams>) -> Response {
+    let id = match parse_id(&id) {
+        Ok(i) => i,
+        Err(r) => return *r,
+    };
+    let tasks = match s.store.tasks(id).await {
+        Ok(t) => t,
+        Err(e) => return unavailable(e),
+    };
+    let idx = p.task.unwrap_or(0);
+    let pick: Option<&TaskRow> = tasks
+        .iter()
+        .filter(|t| t.idx == idx && p.attempt.is_none_or(|a| a == t.attempt))
+        .max_by_key(|t| t.attempt);
+    let Some(task) = pick.cloned() else {
+        return match s.store.job(id).await {
+            Ok(Some(_)) if p.follow.unwrap_or(false) => follow_pending(s, id, idx).await,
+            Ok(Some(_)) => error(
+                StatusCode::NOT_FOUND,
+                format!("job {id} task {idx} has not started yet; use -f to wait for it"),
+            ),
+            Ok(None) => error(StatusCode::NOT_FOUND, format!("job {id} does not exist")),
+            Err(e) => unavailable(e),
+        };
+    };
+    let path = std::path::Path::new(&task.dir).join("output.log");
+    if !p.follow.unwrap_or(false) {
+        return match tokio::fs::read(&path).await {
+            Ok(b) => ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], b).into_response(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Vec::new()).into_response()
+            }
+            Err(e) => {
+                error(StatusCode::INTERNAL_SERVER_ERROR, format!("reading {}: {e}", path.display()))
+            }
+        };
+    }
+    follow_response(s, task)
+}
+
+/// Waits (up to a minute) for the task to start, then follows it.
+async fn follow_pending(s: Arc<Shared>, id: i64, idx: i64) -> Response {
+    for _ in 0..600 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Ok(tasks) = s.store.tasks(id).await
+            && let Some(t) = tasks.iter().filter(|t| t.idx == idx).max_by_key(|t| t.attempt)
+        {
+            return follow_response(s, t.clone());
+        }
+        if let Ok(Some(row)) = s.store.job(id).await
+            && row.state.is_terminal()
+        {
+            return ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Vec::new())
+                .into_response();
+        }
+    }
+    error(StatusCode::GATEWAY_TIMEOUT, format!("job {id} task {idx} did not start within a minute"))
+}
+
+/// Streams the log as it grows until the attempt has ended and everything was sent.
+fn follow_response(s: Arc<Shared>, task: TaskRow) -> Response {
+    let path = std::path::Path::new(&task.dir).join("output.log");
+    struct St {
+        s: Arc<Shared>,
+        task: TaskRow,
+        path: std::path::PathBuf,
+        offset: u64,
+        finished: bool,
+    }
+    let init = St { s, task, path, offset: 0, finished: false };
+    let stream = futures_util::stream::unfold(init, |mut st| async move {
+        loop {
+            let data = read_from(&st.path, st.offset).await;
+            if !data.is_empty() {
+                st.offset += data.len() as u64;
+                return Some((Ok::<Bytes, std::io::Error>(Bytes::from(data)), st));
+            }
+            if st.finished {
+                return None;
+            }
+            // Check after reading, so output written just before exit is still sent.
+            let active = match st.s.store.tasks(st.task.job_id).await {
+                Ok(ts) => ts.iter().any(|t| {
+                    t.idx == st.task.idx && t.attempt == st.task.attempt && t.state.is_active()
+                }),
+                Err(_) => false,
+            };
+            if !active {
+                st.finished = true;
+                continue;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Body::from_stream(stream))
+        .into_response()
+}
+
+async fn read_from(path: &std::path::Path, offset: u64) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    let Ok(mut f) = tokio::fs::File::open(path).await else { return Vec::new() };
+    if f.seek(std::io::SeekFrom::Start(offset)).await.is_err() {
+        return Vec::new();
+    }
+    let mut buf = vec![0u8; 64 * 1024];
+    match f.read(&mut buf).await {
+        Ok(n) => {
+            buf.truncate(n);
+            buf
+        }
+        Err(_) => Vec::new(),
+    }
+}
+
+async fn devices(State(s): S) -> Response {
+    let holders = s.view.read().map(|v| v.holders.clone()).unwrap_or_default();
+    let devs: Vec<Value> = s
+        .node
+        .devices
+        .iter()
+        .map(|d| {
+            let mut v = serde_json::to_value(d).unwrap_or(Value::Null);
+            if let Value::Object(m) = &mut v {
+                m.insert(
+                    "holder".into(),
+                    serde_json::to_value(holders.get(d.id as usize).cloned().flatten())
+                        .unwrap_or(Value::Null),
+                );
+            }
+            v
+        })
+        .collect();
+    Json(
+        json!({ "node": s.node.name, "leader": s.leader.load(Ordering::Relaxed), "devices": devs }),
+    )
+    .into_response()
+}
+
+async fn queue(State(s): S) -> Response {
+    let v = s.view.read().map(|v| (v.queued.clone(), v.running.clone(), v.history.clone()));
+    match v {
+        Ok((queued, running, history)) => Json(json!({
+            "leader": s.leader.load(Ordering::Relaxed),
+            "queued": queued,
+            "running": running,
+            "allocation_history": history.iter().map(|(t, n)| json!([t, n])).collect::<Vec<_>>(),
+            "devices": s.node.devices.len(),
+        }))
+        .into_response(),
+        Err(_) => {
+            error(StatusCode::INTERNAL_SERVER_ERROR, "view lock poisoned; restart the daemon")
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct EventParams {
+    after: Option<i64>,
+    job: Option<i64>,
+    limit: Option<u32>,
+}
+
+async fn events(State(s): S, Query(p): Query<EventParams>) -> Response {
+    let limit = p.limit.unwrap_or(100).clamp(1, MAX_PAGE);
+    match s.store.events(p.after.unwrap_or(0), p.job, limit).await {
+        Ok(ev) => Json(json!({ "events": ev })).into_response(),
+        Err(e) => unavailable(e),
+    }
+}

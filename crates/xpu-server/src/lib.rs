@@ -1,0 +1,246 @@
+//! `xpu serve`: the accelerator job daemon.
+//!
+//! A team with a few accelerator hosts queues jobs onto free devices without Kubernetes: the
+//! daemon accepts Kubernetes `batch/v1` Job manifests (and xpu's short form) over an HTTP API
+//! on a Unix socket and/or TCP, keeps every job durably in SQLite (default) or PostgreSQL,
+//! places tasks on the node's devices, runs them as process groups with the device environment
+//! set, and shows it all on a live dashboard and in Prometheus metrics.
+//!
+//! - [`store`]: SQLite/PostgreSQL, migrations, group commit, leadership lock.
+//! - [`engine`]: the scheduling loop; [`placement`]: queue order and device choice.
+//! - [`executor`]: process groups, supervisor, re-adoption after a crash.
+//! - [`api`]: the HTTP routes, OpenAPI document, dashboard and metrics endpoints.
+//! - [`client`]: the small HTTP/1.1 client the CLI uses (Unix socket or TCP).
+//! - [`node`]: the node's devices, labels and device environment.
+
+pub mod api;
+pub mod client;
+pub mod engine;
+pub mod executor;
+pub mod metrics;
+pub mod node;
+pub mod placement;
+pub mod store;
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use crate::engine::{Engine, Msg, View};
+use crate::metrics::Metrics;
+use crate::node::{FakeDevices, Node};
+use crate::store::{PgLeader, Store};
+
+/// The daemon's failures at start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("opening the store")]
+    Store(#[from] store::StoreError),
+    #[error("discovering accelerators")]
+    Discover(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: String, source: std::io::Error },
+    #[error("listening on {addr}: {source}; pick a free address with --listen")]
+    Listen { addr: String, source: std::io::Error },
+}
+
+/// `xpu serve` options.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// TCP address; `None` serves only the Unix socket.
+    pub listen: Option<SocketAddr>,
+    /// Unix socket path (default `<data-dir>/xpu.sock`).
+    pub socket: Option<PathBuf>,
+    /// Store URL (default `sqlite://<data-dir>/xpu.db`).
+    pub db: Option<String>,
+    pub root: xpu_host::Root,
+    pub data_dir: PathBuf,
+    /// Fake accelerators added to what discovery finds.
+    pub devices: Vec<FakeDevices>,
+    /// Extra node labels (`--label k=v`), matched by `nodeSelector`.
+    pub labels: Vec<(String, String)>,
+    /// Node name (default: the host name).
+    pub node_name: Option<String>,
+    /// Time between SIGTERM and SIGKILL when stopping a task.
+    pub grace: Duration,
+}
+
+impl ServeOptions {
+    pub fn new(data_dir: PathBuf) -> Self {
+        Self {
+            listen: None,
+            socket: None,
+            db: None,
+            root: xpu_host::Root::host(),
+            data_dir,
+            devices: Vec::new(),
+            labels: Vec::new(),
+            node_name: None,
+            grace: Duration::from_secs(10),
+        }
+    }
+
+    pub fn socket_path(&self) -> PathBuf {
+        self.socket.clone().unwrap_or_else(|| self.data_dir.join("xpu.sock"))
+    }
+
+    pub fn db_url(&self) -> String {
+        self.db
+            .clone()
+            .unwrap_or_else(|| format!("sqlite://{}", self.data_dir.join("xpu.db").display()))
+    }
+}
+
+/// State shared by the API handlers and the scheduling loop.
+pub struct Shared {
+    pub store: Store,
+    pub node: Node,
+    pub data_dir: PathBuf,
+    pub engine: mpsc::UnboundedSender<Msg>,
+    pub view: RwLock<View>,
+    pub metrics: Metrics,
+    pub leader: AtomicBool,
+    /// Bearer token for TCP clients that are not on loopback.
+    pub token: String,
+    pub started_ms: i64,
+    pub grace: Duration,
+    db_url: String,
+}
+
+/// How the loop becomes leader: always with SQLite (one daemon per file), by advisory lock with
+/// PostgreSQL.
+pub enum Leadership {
+    Sole,
+    Pg(PgLeader),
+}
+
+impl Leadership {
+    pub async fn acquire(&mut self) -> bool {
+        match self {
+            Leadership::Sole => true,
+            Leadership::Pg(l) => l.try_acquire().await,
+        }
+    }
+}
+
+impl Shared {
+    pub fn leadership(&self) -> Leadership {
+        if self.store.is_postgres() {
+            Leadership::Pg(PgLeader::new(&self.db_url))
+        } else {
+            Leadership::Sole
+        }
+    }
+}
+
+/// Reads `<data-dir>/token`, creating it (mode 0600, 32 random bytes in hex) when missing.
+pub fn load_token(data_dir: &Path) -> Result<String, ServeError> {
+    let path = data_dir.join("token");
+    if let Ok(t) = std::fs::read_to_string(&path)
+        && !t.trim().is_empty()
+    {
+        return Ok(t.trim().to_owned());
+    }
+    let io = |source| ServeError::Io {
+        what: "creating the token",
+        path: path.display().to_string(),
+        source,
+    };
+    let mut bytes = [0u8; 32];
+    let mut f = std::fs::File::open("/dev/urandom").map_err(io)?;
+    std::io::Read::read_exact(&mut f, &mut bytes).map_err(io)?;
+    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&path, format!("{token}\n")).map_err(io)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    Ok(token)
+}
+
+/// Runs the daemon until SIGINT/SIGTERM.
+pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
+    let io = |what, path: &Path| {
+        let path = path.display().to_string();
+        move |source| ServeError::Io { what, path, source }
+    };
+    std::fs::create_dir_all(&opts.data_dir).map_err(io("creating data dir", &opts.data_dir))?;
+    let discover_opts = xpu_host::DiscoverOptions {
+        scope: xpu_host::Scope::Accelerators,
+        pci_ids: None,
+        skip_names: true,
+    };
+    let mut inv = xpu_host::discover(&opts.root, &discover_opts)
+        .map_err(|e| ServeError::Discover(Box::new(e)))?;
+    node::add_fakes(&mut inv, &opts.devices);
+    let (cpu, mem) = node::host_capacity(&opts.root);
+    let mut node = node::node_from_inventory(&inv, &opts.labels, cpu, mem);
+    if let Some(n) = &opts.node_name {
+        node.name = n.clone();
+    }
+    let db_url = opts.db_url();
+    let store = Store::open(&db_url).await?;
+    let token = load_token(&opts.data_dir)?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let shared = Arc::new(Shared {
+        store,
+        node,
+        data_dir: opts.data_dir.clone(),
+        engine: tx.clone(),
+        view: RwLock::new(View::default()),
+        metrics: Metrics::default(),
+        leader: AtomicBool::new(false),
+        token,
+        started_ms: store::now_ms(),
+        grace: opts.grace,
+        db_url,
+    });
+    tokio::spawn(Engine::new(shared.clone(), rx, tx).run());
+
+    let socket = opts.socket_path();
+    let _ = std::fs::remove_file(&socket);
+    let unix = tokio::net::UnixListener::bind(&socket).map_err(io("binding socket", &socket))?;
+    // rw for owner and group: local users in the daemon's group may submit.
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o660))
+        .map_err(io("setting mode on", &socket))?;
+    let unix_app = api::router(shared.clone(), false);
+    let mut servers = tokio::task::JoinSet::new();
+    servers.spawn(async move {
+        let _ = axum::serve(unix, unix_app).await;
+    });
+    if let Some(addr) = opts.listen {
+        let tcp = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServeError::Listen { addr: addr.to_string(), source })?;
+        let app = api::router(shared.clone(), !addr.ip().is_loopback());
+        servers.spawn(async move {
+            let _ = axum::serve(tcp, app).await;
+        });
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(io("installing signal handler", Path::new("SIGTERM")))?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+        _ = servers.join_next() => {}
+    }
+    // Tasks keep running: a restarted daemon re-adopts them.
+    let _ = std::fs::remove_file(&socket);
+    Ok(())
+}
+
+/// Builds a runtime and runs [`serve`] (what the CLI calls).
+pub fn serve_blocking(opts: ServeOptions) -> Result<(), ServeError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|source| ServeError::Io {
+            what: "starting",
+            path: "tokio runtime".into(),
+            source,
+        })?;
+    rt.block_on(serve(opts))
+}

@@ -1,0 +1,387 @@
+//! The SQLite backend: one writer thread that group-commits batches (WAL, `synchronous=FULL`),
+//! and a small pool of reader connections used from blocking tasks (WAL lets them read while
+//! the writer commits).
+
+use std::sync::{Arc, Mutex};
+
+use rusqlite::{Connection, OptionalExtension, Row, params};
+use tokio::sync::mpsc;
+
+use super::{
+    ActiveRef, EventRow, JOB_COLS, JobRow, JobState, ListQuery, MIGRATIONS, Outcome, Reply, Result,
+    StoreError, TASK_COLS, TaskRow, Write, list_sql, parse_devices, parse_state,
+};
+
+/// Converts the shared `$n` placeholders to SQLite's `?n`.
+fn q(sql: &str) -> String {
+    sql.replace('$', "?")
+}
+
+pub(super) struct Sqlite {
+    path: String,
+    readers: Arc<Mutex<Vec<Connection>>>,
+}
+
+fn connect(path: &str) -> Result<Connection> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(std::time::Duration::from_secs(10))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    // FULL: the WAL is synced at every commit, so an acknowledged change survives power loss,
+    // not only a process crash.
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    Ok(conn)
+}
+
+impl Sqlite {
+    pub(super) fn open(path: &str, rx: mpsc::Receiver<(Write, Reply)>) -> Result<Sqlite> {
+        if let Some(dir) = std::path::Path::new(path).parent()
+            && !dir.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(dir)
+                .map_err(|source| StoreError::Io { path: dir.display().to_string(), source })?;
+        }
+        let mut conn = connect(path)?;
+        migrate(&mut conn)?;
+        std::thread::Builder::new()
+            .name("xpu-store-writer".to_owned())
+            .spawn(move || writer(conn, rx))
+            .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
+        Ok(Sqlite { path: path.to_owned(), readers: Arc::new(Mutex::new(Vec::new())) })
+    }
+
+    /// Runs `f` on a pooled reader connection in a blocking task.
+    async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let pool = self.readers.clone();
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || {
+            let taken = pool.lock().ok().and_then(|mut p| p.pop());
+            let conn = match taken {
+                Some(c) => c,
+                None => connect(&path)?,
+            };
+            let out = f(&conn);
+            if let Ok(mut p) = pool.lock()
+                && p.len() < 8
+            {
+                p.push(conn);
+            }
+            out
+        })
+        .await
+        .map_err(|e| StoreError::Corrupt(format!("reader task failed: {e}")))?
+    }
+
+    pub(super) async fn job(&self, id: i64) -> Result<Option<JobRow>> {
+        self.read(move |c| {
+            let sql = format!("SELECT {JOB_COLS} FROM jobs WHERE id = ?1");
+            c.prepare_cached(&sql)?.query_row([id], |r| Ok(job_row(r))).optional()?.transpose()
+        })
+        .await
+    }
+
+    pub(super) async fn list(&self, query: ListQuery) -> Result<Vec<JobRow>> {
+        self.read(move |c| {
+            let sql = q(&list_sql(&query));
+            let mut stmt = c.prepare_cached(&sql)?;
+            let mut p: Vec<rusqlite::types::Value> = Vec::new();
+            if let Some(s) = query.state {
+                p.push(s.as_str().to_owned().into());
+            }
+            if let Some(b) = query.before {
+                p.push(b.into());
+            }
+            p.push(i64::from(query.limit).into());
+            let rows = stmt.query_map(rusqlite::params_from_iter(p), |r| Ok(job_row(r)))?;
+            rows.map(|r| r?).collect()
+        })
+        .await
+    }
+
+    pub(super) async fn counts(&self) -> Result<Vec<(JobState, i64)>> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached("SELECT state, count(*) FROM jobs GROUP BY state")?;
+            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+            rows.map(|r| {
+                let (s, n) = r?;
+                Ok((parse_state(&s)?, n))
+            })
+            .collect()
+        })
+        .await
+    }
+
+    pub(super) async fn active(&self) -> Result<Vec<ActiveRef>> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT id, state, cancel_requested FROM jobs WHERE state IN ('queued', 'running') ORDER BY id",
+            )?;
+            let rows = stmt.query_map([], |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+            })?;
+            rows.map(|r| {
+                let (id, s, c) = r?;
+                Ok(ActiveRef { id, state: parse_state(&s)?, cancel_requested: c != 0 })
+            })
+            .collect()
+        })
+        .await
+    }
+
+    pub(super) async fn tasks(&self, job_id: Option<i64>) -> Result<Vec<TaskRow>> {
+        self.read(move |c| {
+            let (sql, p): (String, Vec<i64>) = match job_id {
+                Some(id) => (
+                    format!("SELECT {TASK_COLS} FROM tasks WHERE job_id = ?1 ORDER BY idx, attempt"),
+                    vec![id],
+                ),
+                None => (
+                    format!(
+                        "SELECT {TASK_COLS} FROM tasks WHERE state IN ('starting', 'running') ORDER BY job_id, idx, attempt"
+                    ),
+                    vec![],
+                ),
+            };
+            let mut stmt = c.prepare_cached(&sql)?;
+            let rows = stmt.query_map(rusqlite::params_from_iter(p), |r| Ok(task_row(r)))?;
+            rows.map(|r| r?).collect()
+        })
+        .await
+    }
+
+    pub(super) async fn events(
+        &self,
+        after: i64,
+        job_id: Option<i64>,
+        limit: u32,
+    ) -> Result<Vec<EventRow>> {
+        self.read(move |c| {
+            let map = |r: &Row<'_>| -> rusqlite::Result<EventRow> {
+                Ok(EventRow {
+                    id: r.get(0)?,
+                    at_ms: r.get(1)?,
+                    job_id: r.get(2)?,
+                    kind: r.get(3)?,
+                    message: r.get(4)?,
+                })
+            };
+            let out = match job_id {
+                Some(j) => c
+                    .prepare_cached(
+                        "SELECT id, at_ms, job_id, kind, message FROM events WHERE job_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
+                    )?
+                    .query_map(params![j, after, i64::from(limit)], map)?
+                    .collect::<rusqlite::Result<Vec<_>>>()?,
+                None => c
+                    .prepare_cached(
+                        "SELECT id, at_ms, job_id, kind, message FROM events WHERE id > ?1 ORDER BY id LIMIT ?2",
+                    )?
+                    .query_map(params![after, i64::from(limit)], map)?
+                    .collect::<rusqlite::Result<Vec<_>>>()?,
+            };
+            Ok(out)
+        })
+        .await
+    }
+}
+
+fn job_row(r: &Row<'_>) -> Result<JobRow> {
+    let state: String = r.get(5)?;
+    Ok(JobRow {
+        id: r.get(0)?,
+        key: r.get(1)?,
+        name: r.get(2)?,
+        queue: r.get(3)?,
+        priority: r.get(4)?,
+        state: parse_state(&state)?,
+        spec: r.get(6)?,
+        submitted_at_ms: r.get(7)?,
+        started_at_ms: r.get(8)?,
+        finished_at_ms: r.get(9)?,
+        failures: r.get(10)?,
+        cancel_requested: r.get::<_, i64>(11)? != 0,
+        message: r.get(12)?,
+    })
+}
+
+fn task_row(r: &Row<'_>) -> Result<TaskRow> {
+    let state: String = r.get(3)?;
+    let devices: String = r.get(5)?;
+    Ok(TaskRow {
+        job_id: r.get(0)?,
+        idx: r.get(1)?,
+        attempt: r.get(2)?,
+        state: parse_state(&state)?,
+        node: r.get(4)?,
+        devices: parse_devices(&devices)?,
+        pid: r.get(6)?,
+        started_at_ms: r.get(7)?,
+        finished_at_ms: r.get(8)?,
+        exit_code: r.get(9)?,
+        dir: r.get(10)?,
+    })
+}
+
+fn migrate(conn: &mut Connection) -> Result<()> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    tx.execute_batch(
+        "CREATE TABLE IF NOT EXISTS xpu_schema (version INTEGER PRIMARY KEY, applied_at_ms INTEGER NOT NULL)",
+    )?;
+    let have: i64 =
+        tx.query_row("SELECT COALESCE(MAX(version), 0) FROM xpu_schema", [], |r| r.get(0))?;
+    for (version, sql, _) in MIGRATIONS {
+        if *version > have {
+            tx.execute_batch(sql)?;
+            tx.execute(
+                "INSERT INTO xpu_schema (version, applied_at_ms) VALUES (?1, ?2)",
+                params![version, super::now_ms()],
+            )?;
+        }
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// The group-commit loop: takes everything waiting (up to a bound), applies it in one
+/// transaction, and answers each request after the commit.
+fn writer(mut conn: Connection, mut rx: mpsc::Receiver<(Write, Reply)>) {
+    let mut batch = Vec::with_capacity(1024);
+    while let Some(first) = rx.blocking_recv() {
+        batch.push(first);
+        while batch.len() < 1024 {
+            match rx.try_recv() {
+                Ok(item) => batch.push(item),
+                Err(_) => break,
+            }
+        }
+        let results = apply_batch(&mut conn, &batch);
+        match results {
+            Ok(outcomes) => {
+                for ((_, reply), out) in batch.drain(..).zip(outcomes) {
+                    let _ = reply.send(out);
+                }
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                for (_, reply) in batch.drain(..) {
+                    let _ = reply.send(Err(StoreError::Corrupt(format!("commit failed: {msg}"))));
+                }
+            }
+        }
+    }
+}
+
+fn apply_batch(conn: &mut Connection, batch: &[(Write, Reply)]) -> Result<Vec<Result<Outcome>>> {
+    let mut tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let mut out = Vec::with_capacity(batch.len());
+    for (w, _) in batch {
+        let mut sp = tx.savepoint()?;
+        match apply(&sp, w) {
+            Ok(o) => {
+                sp.commit()?;
+                out.push(Ok(o));
+            }
+            Err(e) => {
+                sp.rollback()?;
+                drop(sp);
+                out.push(Err(e));
+            }
+        }
+    }
+    tx.commit()?;
+    Ok(out)
+}
+
+fn apply(c: &Connection, w: &Write) -> Result<Outcome> {
+    match w {
+        Write::Submit(j) => {
+            let id: Option<i64> = c
+                .prepare_cached(
+                    "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms) VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6) ON CONFLICT (key) DO NOTHING RETURNING id",
+                )?
+                .query_row(params![j.key, j.name, j.queue, j.priority, j.spec, j.at_ms], |r| {
+                    r.get(0)
+                })
+                .optional()?;
+            match id {
+                Some(id) => {
+                    c.prepare_cached(
+                        "INSERT INTO events (at_ms, job_id, kind, message) VALUES (?1, ?2, 'submitted', ?3)",
+                    )?
+                    .execute(params![j.at_ms, id, format!("job {id} ({}) queued in {}", j.name, j.queue)])?;
+                    Ok(Outcome::Submitted { id, created: true })
+                }
+                None => {
+                    let id: i64 = c
+                        .prepare_cached("SELECT id FROM jobs WHERE key = ?1")?
+                        .query_row([&j.key], |r| r.get(0))?;
+                    Ok(Outcome::Submitted { id, created: false })
+                }
+            }
+        }
+        Write::RequestCancel { id } => {
+            let state: Option<String> = c
+                .prepare_cached("SELECT state FROM jobs WHERE id = ?1")?
+                .query_row([id], |r| r.get(0))
+                .optional()?;
+            let Some(state) = state else { return Ok(Outcome::CancelRequested(None)) };
+            let state: JobState = parse_state(&state)?;
+            if !state.is_terminal() {
+                c.prepare_cached("UPDATE jobs SET cancel_requested = 1 WHERE id = ?1")?
+                    .execute([id])?;
+            }
+            Ok(Outcome::CancelRequested(Some(state)))
+        }
+        Write::SetJob { id, state, at_ms, failures, message } => {
+            c.prepare_cached(&q(SET_JOB_SQL))?.execute(params![
+                id,
+                state.as_str(),
+                failures,
+                message,
+                at_ms
+            ])?;
+            Ok(Outcome::Done)
+        }
+        Write::Task(t) => {
+            let devices = serde_json::to_string(&t.devices)
+                .map_err(|e| StoreError::Corrupt(format!("devices: {e}")))?;
+            c.prepare_cached(&q(UPSERT_TASK_SQL))?.execute(params![
+                t.job_id,
+                t.idx,
+                t.attempt,
+                t.state.as_str(),
+                t.node,
+                devices,
+                t.pid,
+                t.started_at_ms,
+                t.finished_at_ms,
+                t.exit_code,
+                t.dir
+            ])?;
+            Ok(Outcome::Done)
+        }
+        Write::Event { at_ms, job_id, kind, message } => {
+            c.prepare_cached(
+                "INSERT INTO events (at_ms, job_id, kind, message) VALUES (?1, ?2, ?3, ?4)",
+            )?
+            .execute(params![at_ms, job_id, kind, message])?;
+            Ok(Outcome::Done)
+        }
+    }
+}
+
+/// `$1` id, `$2` state, `$3` failures, `$4` message (NULL keeps it), `$5` time.
+pub(super) const SET_JOB_SQL: &str = "UPDATE jobs SET state = $2, failures = $3, message = COALESCE($4, message), \
+     started_at_ms = CASE WHEN $2 = 'running' AND started_at_ms IS NULL THEN $5 ELSE started_at_ms END, \
+     finished_at_ms = CASE WHEN $2 IN ('succeeded', 'failed', 'cancelled') THEN $5 ELSE finished_at_ms END, \
+     cancel_requested = CASE WHEN $2 IN ('succeeded', 'failed', 'cancelled') THEN 0 ELSE cancel_requested END \
+     WHERE id = $1";
+
+pub(super) const UPSERT_TASK_SQL: &str = "INSERT INTO tasks (job_id, idx, attempt, state, node, devices, pid, started_at_ms, finished_at_ms, exit_code, dir) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+     ON CONFLICT (job_id, idx, attempt) DO UPDATE SET state = excluded.state, node = excluded.node, \
+     devices = excluded.devices, pid = excluded.pid, finished_at_ms = excluded.finished_at_ms, \
+     exit_code = excluded.exit_code, dir = excluded.dir";
