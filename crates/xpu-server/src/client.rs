@@ -124,20 +124,21 @@ impl Client {
         headers: &[(&str, &str)],
     ) -> Result<Response, ClientError> {
         let mut out = Vec::new();
-        let status = self.request_streaming(method, path, body, headers, &mut |chunk| {
+        let status = self.request_streaming(method, path, body, headers, &mut |_, chunk| {
             out.extend_from_slice(chunk);
         })?;
         Ok(Response { status, body: out })
     }
 
-    /// Sends a request and hands the body to `sink` as it arrives (for `logs -f`).
+    /// Sends a request and hands the status and the body to `sink` as the body arrives (for
+    /// `logs -f`).
     pub fn request_streaming(
         &mut self,
         method: &str,
         path: &str,
         body: Option<&[u8]>,
         headers: &[(&str, &str)],
-        sink: &mut dyn FnMut(&[u8]),
+        sink: &mut dyn FnMut(u16, &[u8]),
     ) -> Result<u16, ClientError> {
         // A kept-alive connection the server closed meanwhile fails on first use: retry once
         // on a fresh one, but only when nothing of the response was read.
@@ -159,7 +160,7 @@ impl Client {
         path: &str,
         body: Option<&[u8]>,
         headers: &[(&str, &str)],
-        sink: &mut dyn FnMut(&[u8]),
+        sink: &mut dyn FnMut(u16, &[u8]),
     ) -> Result<u16, ClientError> {
         let mut conn = match self.conn.take() {
             Some(c) => c,
@@ -228,18 +229,18 @@ impl Client {
                 }
                 let mut buf = vec![0u8; size];
                 conn.read_exact(&mut buf).map_err(|e| self.io(e))?;
-                sink(&buf);
+                sink(status, &buf);
                 let mut crlf = [0u8; 2];
                 conn.read_exact(&mut crlf).map_err(|e| self.io(e))?;
             }
         } else if let Some(n) = length {
             let mut buf = vec![0u8; n];
             conn.read_exact(&mut buf).map_err(|e| self.io(e))?;
-            sink(&buf);
+            sink(status, &buf);
         } else {
             let mut buf = Vec::new();
             conn.read_to_end(&mut buf).map_err(|e| self.io(e))?;
-            sink(&buf);
+            sink(status, &buf);
             close = true;
         }
         if !close {

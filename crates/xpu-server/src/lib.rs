@@ -160,13 +160,9 @@ pub fn load_token(data_dir: &Path) -> Result<String, ServeError> {
     Ok(token)
 }
 
-/// Runs the daemon until SIGINT/SIGTERM.
-pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
-    let io = |what, path: &Path| {
-        let path = path.display().to_string();
-        move |source| ServeError::Io { what, path, source }
-    };
-    std::fs::create_dir_all(&opts.data_dir).map_err(io("creating data dir", &opts.data_dir))?;
+/// The node the daemon schedules onto: discovered accelerators plus `--devices`, labels, CPU
+/// and memory.
+pub fn node_for(opts: &ServeOptions) -> Result<Node, ServeError> {
     let discover_opts = xpu_host::DiscoverOptions {
         scope: xpu_host::Scope::Accelerators,
         pci_ids: None,
@@ -180,6 +176,17 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     if let Some(n) = &opts.node_name {
         node.name = n.clone();
     }
+    Ok(node)
+}
+
+/// Runs the daemon until SIGINT/SIGTERM.
+pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
+    let io = |what, path: &Path| {
+        let path = path.display().to_string();
+        move |source| ServeError::Io { what, path, source }
+    };
+    std::fs::create_dir_all(&opts.data_dir).map_err(io("creating data dir", &opts.data_dir))?;
+    let node = node_for(&opts)?;
     let db_url = opts.db_url();
     let store = Store::open(&db_url).await?;
     let token = load_token(&opts.data_dir)?;

@@ -22,6 +22,20 @@ struct Cli {
 enum Command {
     /// List accelerators (GPUs, TPUs, NPUs, NVSwitches) and their IOMMU group peers.
     Discover(cmd::discover::Args),
+    /// Run the job daemon: HTTP API, store, scheduler, executor, dashboard, metrics.
+    Serve(cmd::server::ServeArgs),
+    /// Submit a job (a Kubernetes Job manifest, or `--gpus N -- CMD ARGS`); prints its id.
+    Submit(cmd::server::SubmitArgs),
+    /// List jobs, newest first.
+    Jobs(cmd::server::JobsArgs),
+    /// Show one job with its tasks.
+    Job(cmd::server::JobArgs),
+    /// Print a task's output (`-f` follows it).
+    Logs(cmd::server::LogsArgs),
+    /// Cancel a job.
+    Cancel(cmd::server::CancelArgs),
+    /// The daemon's devices and who holds them.
+    Devices(cmd::server::DevicesArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +49,13 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Discover(args) => cmd::discover::run(args),
+        Command::Serve(args) => cmd::server::serve(args),
+        Command::Submit(args) => cmd::server::submit(args),
+        Command::Jobs(args) => cmd::server::jobs(args),
+        Command::Job(args) => cmd::server::job(args),
+        Command::Logs(args) => cmd::server::logs(args),
+        Command::Cancel(args) => cmd::server::cancel(args),
+        Command::Devices(args) => cmd::server::devices(args),
     };
     let code = match result {
         Ok(code) => code,
