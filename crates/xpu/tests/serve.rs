@@ -1,0 +1,397 @@
+//! `xpu serve` end to end, the same suite against a real SQLite file and a real PostgreSQL
+//! server: submit → schedule → run → finish with the seeds' Job manifests, restart policies and
+//! backoff limits, the Indexed job's environment, cancel, deadlines, logs, bad manifests, the
+//! CLI's JSON shapes, and every path the OpenAPI document lists.
+
+#![allow(clippy::unwrap_used)]
+
+mod serve_support;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use serve_support::{Daemon, Postgres, kill_tasks};
+
+/// The GKE seed's single-host Job with its placeholders filled for a v6e host with 8 chips.
+const SEED_SINGLE: &str = r#"
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: job-1
+spec:
+  template:
+    spec:
+      nodeSelector:
+        cloud.google.com/gke-flex-start: "true"
+        cloud.google.com/gke-tpu-accelerator: tpu-v6e-slice
+        cloud.google.com/gke-tpu-topology: 2x4
+      containers:
+      - name: container-1
+        image: gcr.io/k8s-staging-perf-tests/sleep:latest
+        args: ["0.2s"] # the seed sleeps 3600s
+        resources:
+          requests:
+              google.com/tpu: 8
+          limits:
+              google.com/tpu: 8
+      restartPolicy: OnFailure
+"#;
+
+/// The seed's multi-host Indexed Job (with its headless Service), two workers of 4 chips,
+/// whose container writes its environment to a file.
+fn seed_multi(out_dir: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: headless-svc
+spec:
+  clusterIP: None
+  selector:
+    job-name: job-1
+---
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: job-1
+spec:
+  backoffLimit: 0
+  completions: 2
+  parallelism: 2
+  completionMode: Indexed
+  template:
+    spec:
+      subdomain: headless-svc
+      restartPolicy: Never
+      nodeSelector:
+          cloud.google.com/gke-flex-start: "true"
+          cloud.google.com/gke-tpu-accelerator: tpu-v6e-slice
+          cloud.google.com/gke-tpu-topology: 2x4
+      containers:
+      - name: tpu-job
+        image: us-docker.pkg.dev/cloud-tpu-images/jax-ai-image/tpu:latest
+        ports:
+        - containerPort: 8471
+        securityContext:
+          privileged: true
+        command:
+        - bash
+        - -c
+        - |
+          env | grep -E '^(JOB_COMPLETION_INDEX|TPU_WORKER_ID|TPU_WORKER_HOSTNAMES|TPU_VISIBLE_CHIPS)=' | sort > {out_dir}/env-$JOB_COMPLETION_INDEX
+        resources:
+          requests:
+            google.com/tpu: 4
+          limits:
+            google.com/tpu: 4
+"#
+    )
+}
+
+fn short(cmd: &str, extra: &str) -> String {
+    format!("command: [sh, -c, {}]\n{extra}", serde_json::to_string(cmd).unwrap())
+}
+
+fn start(dir: &std::path::Path, db: Option<&str>) -> Daemon {
+    Daemon::start(
+        dir,
+        db,
+        &[
+            "--devices",
+            "tpu-v6e:8",
+            "--devices",
+            "nvidia-a100:2",
+            "--label",
+            "cloud.google.com/gke-flex-start=true",
+            "--node-name",
+            "node-a",
+        ],
+    )
+}
+
+fn suite(d: &Daemon, scratch: &std::path::Path) {
+    submit_schedule_run_finish(d);
+    restart_policies(d, scratch);
+    indexed_job_env(d, scratch);
+    gpu_env_and_queueing(d, scratch);
+    cancel(d);
+    deadline(d);
+    bad_manifests(d);
+    idempotent_submit(d);
+    cli_shapes(d);
+    openapi_paths_answer(d);
+}
+
+fn submit_schedule_run_finish(d: &Daemon) {
+    let id = d.submit(SEED_SINGLE);
+    let j = d.wait_state(id, &["succeeded", "failed"], 30);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    assert_eq!(j["spec"]["container"]["argv"], serde_json::json!(["sleep", "0.2s"]));
+    let t = &j["tasks"][0];
+    assert_eq!(t["state"], "succeeded");
+    assert_eq!(t["exit_code"], 0);
+    assert_eq!(t["devices"], serde_json::json!([0, 1, 2, 3, 4, 5, 6, 7]));
+    assert!(j["started_at_ms"].as_i64() <= j["finished_at_ms"].as_i64());
+}
+
+fn restart_policies(d: &Daemon, scratch: &std::path::Path) {
+    // OnFailure: restarted in place, same devices, until it succeeds on the third attempt.
+    let counter = scratch.join("count");
+    let cmd = format!(
+        "n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; echo attempt $n $CUDA_VISIBLE_DEVICES; [ $n -ge 3 ]",
+        c = counter.display()
+    );
+    let id = d.submit(&short(&cmd, "gpus: 1\nrestartPolicy: OnFailure\nbackoffLimit: 2\n"));
+    let j = d.wait_state(id, &["succeeded", "failed"], 30);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    assert_eq!(j["failures"], 2);
+    let tasks = j["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), 3);
+    assert_eq!(tasks[0]["state"], "failed");
+    assert_eq!(tasks[0]["exit_code"], 1);
+    assert_eq!(tasks[0]["devices"], tasks[2]["devices"], "OnFailure keeps the devices");
+
+    // Never with backoffLimit 1: two failures fail the job (BackoffLimitExceeded).
+    let id = d.submit(&short("exit 7", "restartPolicy: Never\nbackoffLimit: 1\n"));
+    let j = d.wait_state(id, &["succeeded", "failed"], 30);
+    assert_eq!(j["state"], "failed", "{j}");
+    assert_eq!(j["failures"], 2);
+    assert_eq!(j["tasks"].as_array().unwrap().len(), 2);
+    assert!(j["message"].as_str().unwrap().contains("BackoffLimitExceeded"), "{j}");
+    assert_eq!(j["tasks"][1]["exit_code"], 7);
+
+    // The Kubernetes default backoffLimit (6) applies to manifests.
+    let k8s = SEED_SINGLE
+        .replace("image: gcr.io/k8s-staging-perf-tests/sleep:latest\n        args: [\"0.2s\"] # the seed sleeps 3600s", "command: [\"false\"]");
+    let id = d.submit(&k8s);
+    let j = d.wait_state(id, &["succeeded", "failed"], 60);
+    assert_eq!(j["state"], "failed");
+    assert_eq!(j["failures"], 7, "{j}");
+}
+
+fn indexed_job_env(d: &Daemon, scratch: &std::path::Path) {
+    let out = scratch.join("indexed");
+    std::fs::create_dir_all(&out).unwrap();
+    let id = d.submit(&seed_multi(&out.display().to_string()));
+    let j = d.wait_state(id, &["succeeded", "failed"], 30);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    let host = d.get("/v1/status")["hostname"].as_str().unwrap().to_owned();
+    let mut chips = Vec::new();
+    for i in 0..2 {
+        let env = std::fs::read_to_string(out.join(format!("env-{i}"))).unwrap();
+        assert!(env.contains(&format!("JOB_COMPLETION_INDEX={i}\n")), "{env}");
+        assert!(env.contains(&format!("TPU_WORKER_ID={i}\n")), "{env}");
+        assert!(env.contains(&format!("TPU_WORKER_HOSTNAMES={host},{host}\n")), "{env}");
+        let visible = env.lines().find_map(|l| l.strip_prefix("TPU_VISIBLE_CHIPS=")).unwrap();
+        chips.extend(visible.split(',').map(|c| c.parse::<u32>().unwrap()));
+    }
+    chips.sort_unstable();
+    assert_eq!(chips, (0..8).collect::<Vec<_>>(), "the gang's two workers got disjoint chips");
+}
+
+fn gpu_env_and_queueing(d: &Daemon, scratch: &std::path::Path) {
+    // Two GPU jobs fill the node; a third waits in the queue with a reason, then runs.
+    let gate = scratch.join("gate");
+    let hold = format!(
+        "while [ ! -e {} ]; do sleep 0.05; done; echo $CUDA_VISIBLE_DEVICES $NVIDIA_VISIBLE_DEVICES",
+        gate.display()
+    );
+    let a = d.submit(&short(&hold, "gpus: 1\n"));
+    let b = d.submit(&short(&hold, "gpus: 1\n"));
+    let c = d.submit(&short("echo third $CUDA_VISIBLE_DEVICES", "gpus: 1\n"));
+    d.wait_state(a, &["running"], 10);
+    d.wait_state(b, &["running"], 10);
+    std::thread::sleep(Duration::from_millis(400));
+    let q = d.get("/v1/queue");
+    let waiting: Vec<i64> =
+        q["queued"].as_array().unwrap().iter().map(|x| x["id"].as_i64().unwrap()).collect();
+    assert_eq!(waiting, vec![c], "{q}");
+    assert!(q["queued"][0]["reason"].as_str().unwrap().contains("insufficient"), "{q}");
+    let devs = d.get("/v1/devices");
+    let held: Vec<&Value> =
+        devs["devices"].as_array().unwrap().iter().filter(|x| x["kind"] == "gpu").collect();
+    assert!(held.iter().all(|x| x["holder"].is_object()), "{devs}");
+    std::fs::write(&gate, "").unwrap();
+    for id in [a, b, c] {
+        assert_eq!(d.wait_state(id, &["succeeded", "failed"], 20)["state"], "succeeded");
+    }
+    let logs: Vec<String> = [a, b]
+        .iter()
+        .map(|id| {
+            let r = d.client().request("GET", &format!("/v1/jobs/{id}/logs"), None, &[]).unwrap();
+            String::from_utf8(r.body).unwrap()
+        })
+        .collect();
+    let mut got = logs.clone();
+    got.sort();
+    assert_eq!(got, vec!["0 0\n".to_owned(), "1 1\n".to_owned()], "each job saw only its own GPU");
+}
+
+fn cancel(d: &Daemon) {
+    let id = d.submit(&short("trap '' TERM; echo started; sleep 30", "gpus: 0\n"));
+    d.wait_state(id, &["running"], 10);
+    // Follow the log while it runs: the stream ends when the task is stopped.
+    let follower = {
+        let socket = d.socket();
+        std::thread::spawn(move || {
+            std::process::Command::new(serve_support::xpu_bin())
+                .args(["logs", &id.to_string(), "-f", "--server", &socket])
+                .output()
+                .unwrap()
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = d.get(&format!("/v1/jobs/{id}"))["tasks"][0]["pid"].as_i64().unwrap();
+    let out = d.cli(&["cancel", &id.to_string()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j = d.wait_state(id, &["cancelled"], 10);
+    assert_eq!(j["message"], "cancelled by request");
+    // The task ignores SIGTERM, so it is gone only after SIGKILL (grace 1 s).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(std::time::Instant::now() < deadline, "task {pid} survived cancel");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let followed = follower.join().unwrap();
+    assert!(followed.status.success());
+    assert_eq!(String::from_utf8_lossy(&followed.stdout), "started\n");
+    let again = d.cli(&["cancel", &id.to_string()]);
+    assert_eq!(again.status.code(), Some(2), "cancelling an ended job is an input error");
+}
+
+fn deadline(d: &Daemon) {
+    let id = d.submit(&short("sleep 30", "activeDeadlineSeconds: 1\n"));
+    let j = d.wait_state(id, &["succeeded", "failed"], 15);
+    assert_eq!(j["state"], "failed");
+    assert!(j["message"].as_str().unwrap().contains("DeadlineExceeded"), "{j}");
+}
+
+fn bad_manifests(d: &Daemon) {
+    let bad = SEED_SINGLE.replace("google.com/tpu: 8", "nvidia.com/gpu: NUM_CHIPS");
+    let r = d.client().request("POST", "/v1/jobs", Some(bad.as_bytes()), &[]).unwrap();
+    assert_eq!(r.status, 400);
+    let v = r.json().unwrap();
+    assert_eq!(
+        v["error"],
+        "spec.template.spec.containers[0].resources.requests.nvidia.com/gpu: must be a positive integer"
+    );
+    assert_eq!(v["field"], "spec.template.spec.containers[0].resources.requests.nvidia.com/gpu");
+    let big = vec![b'a'; 2 << 20];
+    let r = d.client().request("POST", "/v1/jobs", Some(&big), &[]).unwrap();
+    assert_eq!(r.status, 413);
+    // Through the CLI: exit 2 with the field in the message.
+    let f = d.data_dir.join("bad.yaml");
+    std::fs::write(&f, &bad).unwrap();
+    let out = d.cli(&["submit", f.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("limits.nvidia.com/gpu")
+            || String::from_utf8_lossy(&out.stderr).contains("requests.nvidia.com/gpu")
+    );
+    // A job whose nodeSelector the node cannot satisfy fails with the label named.
+    let id = d.submit(&SEED_SINGLE.replace("tpu-v6e-slice", "tpu-v5p-slice"));
+    let j = d.wait_state(id, &["failed"], 10);
+    assert!(j["message"].as_str().unwrap().contains("cloud.google.com/gke-tpu-accelerator"), "{j}");
+    let r = d.client().request("GET", "/v1/jobs/999999", None, &[]).unwrap();
+    assert_eq!(r.status, 404);
+}
+
+fn idempotent_submit(d: &Daemon) {
+    let m = short("true", "");
+    let h = [("Idempotency-Key", "abc-1")];
+    let r1 = d.client().request("POST", "/v1/jobs", Some(m.as_bytes()), &h).unwrap();
+    let r2 = d.client().request("POST", "/v1/jobs", Some(m.as_bytes()), &h).unwrap();
+    assert_eq!((r1.status, r2.status), (201, 200));
+    assert_eq!(r1.json().unwrap()["id"], r2.json().unwrap()["id"]);
+}
+
+fn cli_shapes(d: &Daemon) {
+    let out =
+        d.cli(&["submit", "--gpus", "0", "--name", "cli-job", "--", "sh", "-c", "echo from-cli"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let id: i64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    d.wait_state(id, &["succeeded"], 10);
+    let logs = d.cli(&["logs", &id.to_string()]);
+    assert_eq!(String::from_utf8_lossy(&logs.stdout), "from-cli\n");
+    let v = d.cli_json(&["jobs", "--format", "json", "--limit", "3"]);
+    let jobs = v["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 3);
+    assert_eq!(jobs[0]["id"], id);
+    for j in jobs {
+        for k in ["id", "name", "state"] {
+            assert!(!j[k].is_null(), "{k} in {j}");
+        }
+        assert!(
+            ["queued", "running", "succeeded", "failed", "cancelled"]
+                .contains(&j["state"].as_str().unwrap())
+        );
+    }
+    // Paging: the next page continues below the last id.
+    let next = v["next"].as_i64().unwrap();
+    let v2 =
+        d.cli_json(&["jobs", "--format", "json", "--limit", "3", "--before", &next.to_string()]);
+    assert!(v2["jobs"][0]["id"].as_i64().unwrap() < next);
+    let one = d.cli_json(&["job", &id.to_string(), "--format", "json"]);
+    assert_eq!(one["name"], "cli-job");
+    let devs = d.cli_json(&["devices", "--format", "json"]);
+    assert_eq!(devs["devices"].as_array().unwrap().len(), 10);
+    let table = d.cli(&["jobs"]);
+    assert!(String::from_utf8_lossy(&table.stdout).starts_with("ID  "));
+}
+
+fn openapi_paths_answer(d: &Daemon) {
+    let doc = d.get("/openapi.json");
+    let paths = doc["paths"].as_object().unwrap();
+    assert!(paths.len() >= 10);
+    for (path, ops) in paths {
+        let concrete = path.replace("{id}", "1");
+        for method in ops.as_object().unwrap().keys() {
+            let m = method.to_uppercase();
+            let body = (m == "POST").then_some(&b"command: [true]\n"[..]);
+            let r = d.client().request(&m, &concrete, body, &[]).unwrap();
+            // A route that exists never falls through to the 404 "no such route" answer.
+            let text = String::from_utf8_lossy(&r.body);
+            assert!(!text.contains("no such route"), "{m} {path} is documented but not served");
+            assert!(r.status < 500, "{m} {path}: {} {text}", r.status);
+        }
+    }
+    let metrics =
+        String::from_utf8(d.client().request("GET", "/metrics", None, &[]).unwrap().body).unwrap();
+    for name in [
+        "xpu_jobs{state=\"succeeded\"}",
+        "xpu_queue_wait_seconds_bucket",
+        "xpu_device_allocated{",
+        "xpu_scheduling_latency_seconds_count",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+}
+
+#[test]
+fn sqlite_store_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start(&dir.path().join("data"), None);
+    suite(&d, dir.path());
+    // The store is a real SQLite file in WAL mode.
+    assert!(dir.path().join("data/xpu.db").is_file());
+    assert!(dir.path().join("data/xpu.db-wal").exists());
+    kill_tasks(&d.data_dir);
+}
+
+#[test]
+fn postgres_store_suite() {
+    let pg = match Postgres::start() {
+        Ok(pg) => pg,
+        Err(why) => {
+            eprintln!("skipping postgres_store_suite: {why}");
+            return;
+        }
+    };
+    let url = pg.database("suite");
+    let dir = tempfile::tempdir().unwrap();
+    let d = start(&dir.path().join("data"), Some(&url));
+    suite(&d, dir.path());
+    assert_eq!(d.get("/v1/status")["leader"], true);
+    kill_tasks(&d.data_dir);
+}
