@@ -6,11 +6,14 @@
 //!   and the classification rule that turns a PCI function into a [`accel::DeviceKind`].
 //! - [`inventory`]: the [`inventory::Inventory`] that `xpu-host::discover` produces and every
 //!   downstream consumer reads.
+//! - [`kernel`]: the kernel side effects (`driver_override`, `unbind`, `drivers_probe`,
+//!   `modprobe`) as values, and the [`kernel::Kernel`] trait they go through.
 //! - [`nova`]: OpenStack Nova `[pci]` device specs, aliases, flavor PCI requests and the
 //!   `PciPassthroughFilter` pool fit check.
 
 pub mod accel;
 pub mod inventory;
+pub mod kernel;
 pub mod job;
 pub mod labels;
 pub mod nova;

@@ -6,12 +6,28 @@
 //! - [`pciids`]: vendor/device/class names from the PCI ID database, offline.
 //! - [`modalias`]: which kernel modules claim a device (`modules.alias`).
 //! - [`devnode`]: `stat` of `/dev` nodes (type, major, minor, mode).
+//! - [`profile`]: host profiles (vfio-host, tpu-vm, container-host) and what each wants.
+//! - [`doctor`]: readiness checks (`xpu doctor`), with [`cgroups`] and [`limits`] readers.
+//! - [`provision`]: the files that make a host ready, rendered, as cloud-init, or applied with
+//!   backups and a diff ([`textdiff`]); [`grub`] merges kernel parameters.
+//! - [`vfio`]: binding devices to `vfio-pci` and back through [`kernel::SysfsKernel`].
+//! - [`metadata_env`]: `tpu-env` metadata to a shell-safe environment file.
 
+pub mod cgroups;
 pub mod devnode;
 pub mod discover;
+pub mod doctor;
+pub mod grub;
+pub mod kernel;
+pub mod limits;
+pub mod metadata_env;
 pub mod modalias;
 pub mod pciids;
+pub mod profile;
+pub mod provision;
 pub mod root;
+pub mod textdiff;
+pub mod vfio;
 
 pub use discover::{DiscoverError, DiscoverOptions, Scope, discover};
 pub use root::{Root, RootError};

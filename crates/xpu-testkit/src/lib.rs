@@ -9,11 +9,16 @@
 //!
 //! Device nodes are empty regular files unless the fixture is built with
 //! [`BuildOptions::char_devices`], which makes real character devices with `mknod` (needs root).
+//!
+//! [`fake_kernel::FakeKernel`] models the kernel's reaction to driver binding writes on a built
+//! tree; [`readiness::Readiness`] adds host-readiness state (ACPI tables, limits, grub, cgroups).
 
 #![allow(clippy::unwrap_used)]
 
+pub mod fake_kernel;
 pub mod hosts;
 pub mod lspci;
+pub mod readiness;
 pub mod sysfs;
 
 pub use sysfs::{BuildOptions, Fixture};
