@@ -325,6 +325,12 @@ impl Engine {
                     kill_at: None,
                 });
                 if alive && let Some(p) = pid {
+                    // Recorded as running under its pid (a crash may have come before that).
+                    self.shared.store.write_later(Write::Task(TaskRow {
+                        state: TaskState::Running,
+                        pid: Some(i64::from(p)),
+                        ..t.clone()
+                    }));
                     self.event(
                         Some(job_id),
                         "adopted",

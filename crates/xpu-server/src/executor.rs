@@ -134,7 +134,11 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
 }
 
 /// Sends `sig` to the task's process group; a group that is already gone is not an error.
+/// Pids 0 and 1 are refused: `kill(-1)` would signal every process on the host.
 pub fn signal_group(pid: i32, sig: Signal) {
+    if pid <= 1 {
+        return;
+    }
     if let Some(pid) = Pid::from_raw(pid) {
         let _ = rustix::process::kill_process_group(pid, sig);
     }

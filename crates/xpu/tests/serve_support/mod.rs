@@ -108,8 +108,9 @@ impl Drop for Postgres {
 }
 
 fn rustix_kill(pid: i32, sig: i32) -> bool {
+    // `--` keeps procps kill from reading the pid as an option.
     Command::new("kill")
-        .args([format!("-{sig}"), pid.to_string()])
+        .args(["-s".to_owned(), sig.to_string(), "--".to_owned(), pid.to_string()])
         .status()
         .is_ok_and(|s| s.success())
 }
@@ -267,7 +268,7 @@ pub fn kill_tasks(data_dir: &Path) {
                     String::from_utf8_lossy(&c).contains(&*t.path().to_string_lossy())
                 })
             {
-                let _ = Command::new("kill").args(["-9", &format!("-{pid}")]).status();
+                xpu_server::executor::signal_group(pid, xpu_server::executor::Sig::KILL);
             }
         }
     }
