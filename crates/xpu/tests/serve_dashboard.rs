@@ -1,0 +1,80 @@
+//! The dashboard in a real headless browser (Debian's chromium): the page loads, fills itself
+//! from the API without a reload (devices with their holder, the queue, running and finished
+//! jobs, the allocation chart), and a screenshot is saved under the target directory.
+
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+mod serve_support;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use serve_support::{Daemon, kill_tasks};
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+
+fn chromium(profile: &Path, extra: &[String], url: &str) -> std::process::Output {
+    Command::new(CHROMIUM)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            "--window-size=1280,900",
+            "--virtual-time-budget=5000",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(extra)
+        .arg(url)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn dashboard_in_headless_chromium_shows_a_submitted_job() {
+    if !Path::new(CHROMIUM).exists() {
+        eprintln!("skipping: {CHROMIUM} is missing; run scripts/install-test-deps");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(&dir.path().join("data"), None, &["--devices", "nvidia-a100:2"]);
+    let done = d.submit("name: finished-job\ncommand: [\"true\"]\n");
+    d.wait_state(done, &["succeeded"], 10);
+    let running = d.submit("name: training-run\ncommand: [sleep, \"60\"]\ngpus: 2\n");
+    let queued = d.submit("name: waiting-job\ncommand: [\"true\"]\ngpus: 1\n");
+    d.wait_state(running, &["running"], 10);
+    std::thread::sleep(Duration::from_millis(500));
+
+    let profile = dir.path().join("profile");
+    let out = chromium(&profile, &["--dump-dom".to_owned()], &format!("{}/", d.url()));
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "chromium: {}", String::from_utf8_lossy(&out.stderr));
+    // Filled in by the page's script from /v1/*, not present in the served HTML.
+    assert!(dom.contains("training-run"), "running job missing from the DOM:\n{dom}");
+    assert!(
+        dom.contains(&format!("job {running} training-run task 0")),
+        "device holder missing:\n{dom}"
+    );
+    assert!(dom.contains("waiting-job"), "queued job missing:\n{dom}");
+    assert!(dom.contains("insufficient"), "queue reason missing:\n{dom}");
+    assert!(dom.contains(&format!("data-job=\"{done}\"")) && dom.contains("succeeded"));
+    assert!(dom.contains("<path d=\"M"), "allocation chart not drawn:\n{dom}");
+    assert!(dom.contains("scheduling (leader)"));
+    let _ = queued;
+
+    let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("xpu-dashboard.png");
+    let _ = std::fs::remove_file(&shot);
+    let out =
+        chromium(&profile, &[format!("--screenshot={}", shot.display())], &format!("{}/", d.url()));
+    assert!(out.status.success(), "chromium: {}", String::from_utf8_lossy(&out.stderr));
+    let png = std::fs::read(&shot).unwrap();
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "screenshot {}", shot.display());
+    eprintln!("dashboard screenshot: {}", shot.display());
+    kill_tasks(&d.data_dir);
+}
