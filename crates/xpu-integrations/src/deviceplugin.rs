@@ -1,0 +1,639 @@
+//! The kubelet device plugin (API v1beta1, `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`):
+//! one gRPC server per resource on a Unix socket in the kubelet's plugin directory.
+//!
+//! Life cycle, as the device plugin design (KEP 3573 and its predecessors) asks:
+//! - serve first, then call the kubelet's `Registration.Register` on `kubelet.sock` with the
+//!   socket's file name as `endpoint`;
+//! - `ListAndWatch` sends the device list (id = PCI address, health, NUMA node as
+//!   `TopologyInfo`) and sends it again whenever health changes: the host is re-discovered
+//!   under the `Root` every interval, and a device that disappeared or whose driver changed is
+//!   `Unhealthy` (healthy again if it comes back as it was);
+//! - `GetPreferredAllocation` keeps multi-device requests inside one interconnect domain and NUMA
+//!   node ([`crate::preferred`]);
+//! - `Allocate` answers with CDI device names (`cdi_devices`, [`crate::cdi`]) and, for kubelets
+//!   or runtimes without CDI, the `/dev` nodes (`devices`) and environment (`envs`);
+//! - when `kubelet.sock` is deleted and created again (the kubelet restarted), register again;
+//!   when the plugin's own socket is deleted (a restarting kubelet removes every socket in the
+//!   directory), serve on a new one and register again.
+//!
+//! What it does not do: device-specific preparation in `PreStartContainer` (not requested), or
+//! reading sysfs other than through `xpu_host::discover`.
+
+use std::future::Future;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+use xpu_core::accel::{VENDOR_AMD, VENDOR_NVIDIA};
+use xpu_core::{DevNode, Inventory, PciAddress};
+use xpu_host::{DiscoverOptions, Root, Scope};
+
+use crate::pb;
+use crate::preferred::{self, Candidate};
+use crate::selector::Resource;
+use crate::transport;
+
+/// `pluginapi.Version`.
+pub const API_VERSION: &str = "v1beta1";
+/// `pluginapi.DevicePluginPath`.
+pub const DEFAULT_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
+/// `pluginapi.KubeletSocket` (its file name).
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+/// `pluginapi.Healthy` / `pluginapi.Unhealthy`.
+pub const HEALTHY: &str = "Healthy";
+pub const UNHEALTHY: &str = "Unhealthy";
+
+/// How long a `Register` call may take before it is retried on the next tick.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What to serve, and where.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The host to discover (`/` in production).
+    pub root: Root,
+    /// The kubelet's plugin directory, holding `kubelet.sock` and the plugins' sockets.
+    pub plugin_dir: PathBuf,
+    pub resources: Vec<Resource>,
+    /// How often to re-discover the host and check the sockets.
+    pub interval: Duration,
+}
+
+/// Things worth telling the operator, sent on the optional events channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// No device on the host matches this resource; no plugin for it.
+    Skipped {
+        resource: String,
+    },
+    Serving {
+        resource: String,
+        socket: PathBuf,
+        devices: usize,
+    },
+    Registered {
+        resource: String,
+    },
+    RegisterFailed {
+        resource: String,
+        error: String,
+    },
+    /// The plugin's socket was deleted; it serves on a new one.
+    Reserving {
+        resource: String,
+    },
+    Health {
+        resource: String,
+        id: String,
+        healthy: bool,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error(transparent)]
+    Discover(#[from] xpu_host::DiscoverError),
+    #[error(
+        "plugin directory {} does not exist; pass the kubelet's device plugin directory (normally {DEFAULT_PLUGIN_DIR}) to --plugin-dir",
+        path.display()
+    )]
+    NoPluginDir { path: PathBuf },
+    #[error(
+        "no device on this host matches any resource ({resources}); check `xpu discover` and the --resource selectors"
+    )]
+    NoDevices { resources: String },
+    #[error("cannot serve on {}", path.display())]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// One advertised device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Dev {
+    /// The PCI address: unique, stable across reboots, at most 63 characters as the API asks.
+    id: String,
+    address: PciAddress,
+    numa: Option<u32>,
+    domain: Option<String>,
+    vendor: Option<u16>,
+    /// The driver the device had when first seen; a different one makes it unhealthy.
+    expected_driver: Option<String>,
+    driver: Option<String>,
+    present: bool,
+    uuid: Option<String>,
+    nodes: Vec<String>,
+    cdi: Option<String>,
+}
+
+impl Dev {
+    fn healthy(&self) -> bool {
+        self.present && self.driver == self.expected_driver
+    }
+
+    fn from_inventory(d: &xpu_core::PciDevice, cdi: Option<String>) -> Dev {
+        Dev {
+            id: d.address.to_string(),
+            address: d.address,
+            numa: d.numa_node,
+            domain: d.interconnect_domain.clone(),
+            vendor: d.vendor_id,
+            expected_driver: d.driver.clone(),
+            driver: d.driver.clone(),
+            present: true,
+            uuid: d.uuid.clone(),
+            nodes: d.dev_nodes.iter().map(|n| n.path.clone()).collect(),
+            cdi,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    /// Sorted by id (= address order), so lookups are binary searches.
+    devs: Vec<Dev>,
+    control: Vec<DevNode>,
+}
+
+impl Table {
+    fn get(&self, id: &str) -> Option<&Dev> {
+        self.devs.binary_search_by(|d| d.id.as_str().cmp(id)).ok().map(|i| &self.devs[i])
+    }
+
+    fn list(&self) -> Vec<pb::Device> {
+        self.devs
+            .iter()
+            .map(|d| pb::Device {
+                id: d.id.clone(),
+                health: if d.healthy() { HEALTHY } else { UNHEALTHY }.to_owned(),
+                topology: d
+                    .numa
+                    .map(|n| pb::TopologyInfo { nodes: vec![pb::NumaNode { id: i64::from(n) }] }),
+            })
+            .collect()
+    }
+}
+
+/// The `DevicePlugin` service of one resource.
+#[derive(Debug)]
+pub struct Plugin {
+    resource: Resource,
+    table: RwLock<Table>,
+    updates: watch::Sender<Vec<pb::Device>>,
+}
+
+impl Plugin {
+    /// The devices of `inv` that `resource` selects.
+    pub fn new(resource: Resource, inv: &Inventory) -> Plugin {
+        let cdi = crate::cdi::names(inv);
+        let devs: Vec<Dev> = inv
+            .devices
+            .iter()
+            .filter(|d| resource.matches(d))
+            .map(|d| Dev::from_inventory(d, cdi.get(&d.address).cloned()))
+            .collect();
+        let table = Table { devs, control: inv.host.control_nodes.clone() };
+        let (updates, _) = watch::channel(table.list());
+        Plugin { resource, table: RwLock::new(table), updates }
+    }
+
+    pub fn resource(&self) -> &Resource {
+        &self.resource
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.read().devs.len()
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Table> {
+        // A panic while holding the lock cannot leave the table half-written (updates replace
+        // whole fields), so a poisoned lock is still safe to read.
+        self.table.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The current `ListAndWatch` device list.
+    pub fn devices(&self) -> Vec<pb::Device> {
+        self.read().list()
+    }
+
+    /// Applies a fresh discovery: marks devices present/absent, notes driver changes, adds new
+    /// matching devices. Returns `(id, healthy)` for each device whose health changed, and sends
+    /// the new list to `ListAndWatch` streams when anything they show changed.
+    pub fn refresh(&self, inv: &Inventory) -> Vec<(String, bool)> {
+        let cdi = crate::cdi::names(inv);
+        let mut changed = Vec::new();
+        let list = {
+            let mut t = self.table.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for dev in &mut t.devs {
+                let was = dev.healthy();
+                match inv.device(&dev.address) {
+                    Some(d) => {
+                        dev.present = true;
+                        dev.driver = d.driver.clone();
+                        dev.numa = d.numa_node;
+                        dev.domain = d.interconnect_domain.clone();
+                        dev.uuid = d.uuid.clone();
+                        dev.nodes = d.dev_nodes.iter().map(|n| n.path.clone()).collect();
+                        dev.cdi = cdi.get(&d.address).cloned();
+                    }
+                    None => dev.present = false,
+                }
+                if dev.healthy() != was {
+                    changed.push((dev.id.clone(), dev.healthy()));
+                }
+            }
+            for d in inv.devices.iter().filter(|d| self.resource.matches(d)) {
+                let id = d.address.to_string();
+                if let Err(i) = t.devs.binary_search_by(|x| x.id.as_str().cmp(&id)) {
+                    t.devs.insert(i, Dev::from_inventory(d, cdi.get(&d.address).cloned()));
+                    changed.push((id, true));
+                }
+            }
+            t.control = inv.host.control_nodes.clone();
+            t.list()
+        };
+        self.updates.send_if_modified(|cur| {
+            if *cur == list {
+                false
+            } else {
+                *cur = list;
+                true
+            }
+        });
+        changed
+    }
+
+    /// The `Allocate` answer for one container.
+    pub fn allocate_container(
+        &self,
+        ids: &[String],
+    ) -> Result<pb::ContainerAllocateResponse, Status> {
+        let t = self.read();
+        let mut resp = pb::ContainerAllocateResponse::default();
+        let mut nvidia = Vec::new();
+        let mut control: Vec<&str> = Vec::new();
+        for id in ids {
+            let d = t.get(id).ok_or_else(|| {
+                Status::not_found(format!(
+                    "device {id} is not a {} device of this plugin; use an id from ListAndWatch",
+                    self.resource.name
+                ))
+            })?;
+            if !d.healthy() {
+                return Err(Status::failed_precondition(format!(
+                    "device {id} is unhealthy (missing or its driver changed); ListAndWatch reports it Unhealthy"
+                )));
+            }
+            if let Some(name) = &d.cdi {
+                resp.cdi_devices.push(pb::CdiDevice { name: name.clone() });
+            }
+            for n in &d.nodes {
+                resp.devices.push(device_spec(n));
+            }
+            if d.vendor == Some(VENDOR_NVIDIA) {
+                nvidia.push(d.uuid.clone().unwrap_or_else(|| d.id.clone()));
+            }
+            // Nodes every device of its kind needs besides its own.
+            let needs: &[&str] = match (d.driver.as_deref(), d.vendor) {
+                (Some("vfio-pci"), _) => &["/dev/vfio/vfio"],
+                (_, Some(VENDOR_NVIDIA)) => &[
+                    "/dev/nvidiactl",
+                    "/dev/nvidia-uvm",
+                    "/dev/nvidia-uvm-tools",
+                    "/dev/nvidia-modeset",
+                ],
+                (_, Some(VENDOR_AMD)) => &["/dev/kfd"],
+                _ => &[],
+            };
+            for n in needs {
+                if !control.contains(n) && t.control.iter().any(|c| c.path == *n) {
+                    control.push(n);
+                }
+            }
+        }
+        for n in control {
+            resp.devices.push(device_spec(n));
+        }
+        if !nvidia.is_empty() {
+            resp.envs.insert("NVIDIA_VISIBLE_DEVICES".to_owned(), nvidia.join(","));
+        }
+        resp.envs.insert("XPU_VISIBLE_DEVICES".to_owned(), ids.join(","));
+        Ok(resp)
+    }
+
+    /// The `GetPreferredAllocation` answer for one container.
+    pub fn preferred_container(
+        &self,
+        r: &pb::ContainerPreferredAllocationRequest,
+    ) -> pb::ContainerPreferredAllocationResponse {
+        let t = self.read();
+        let candidates: Vec<Candidate<'_>> = t
+            .devs
+            .iter()
+            .filter(|d| d.healthy())
+            .map(|d| Candidate { id: &d.id, numa: d.numa, domain: d.domain.as_deref() })
+            .collect();
+        let size = usize::try_from(r.allocation_size).unwrap_or(0);
+        pb::ContainerPreferredAllocationResponse {
+            device_i_ds: preferred::choose(
+                &candidates,
+                &r.available_device_i_ds,
+                &r.must_include_device_i_ds,
+                size,
+            ),
+        }
+    }
+}
+
+fn device_spec(path: &str) -> pb::DeviceSpec {
+    pb::DeviceSpec {
+        container_path: path.to_owned(),
+        host_path: path.to_owned(),
+        permissions: "rw".to_owned(),
+    }
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<pb::ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::device_plugin_server::DevicePlugin for Plugin {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<pb::Empty>,
+    ) -> Result<Response<pb::DevicePluginOptions>, Status> {
+        Ok(Response::new(options()))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(
+        &self,
+        _: Request<pb::Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        // The current list first, then every change.
+        let stream = WatchStream::new(self.updates.subscribe())
+            .map(|devices| Ok(pb::ListAndWatchResponse { devices }));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<pb::PreferredAllocationRequest>,
+    ) -> Result<Response<pb::PreferredAllocationResponse>, Status> {
+        let container_responses = request
+            .get_ref()
+            .container_requests
+            .iter()
+            .map(|r| self.preferred_container(r))
+            .collect();
+        Ok(Response::new(pb::PreferredAllocationResponse { container_responses }))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<pb::AllocateRequest>,
+    ) -> Result<Response<pb::AllocateResponse>, Status> {
+        let container_responses = request
+            .get_ref()
+            .container_requests
+            .iter()
+            .map(|r| self.allocate_container(&r.devices_ids))
+            .collect::<Result<_, _>>()?;
+        Ok(Response::new(pb::AllocateResponse { container_responses }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<pb::PreStartContainerRequest>,
+    ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
+        Ok(Response::new(pb::PreStartContainerResponse {}))
+    }
+}
+
+/// What this plugin tells the kubelet it implements.
+pub fn options() -> pb::DevicePluginOptions {
+    pb::DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }
+}
+
+/// A running gRPC server on one socket.
+#[derive(Debug)]
+pub struct Server {
+    socket: PathBuf,
+    identity: Option<transport::SocketId>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl Server {
+    /// Binds `socket` (replacing a stale file) and serves `plugin` on it. The socket accepts
+    /// connections as soon as this returns, before any registration.
+    pub fn start(socket: &Path, plugin: Arc<Plugin>) -> Result<Server, PluginError> {
+        let listen_err = |source| PluginError::Listen { path: socket.to_owned(), source };
+        match std::fs::remove_file(socket) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(listen_err(e)),
+        }
+        let listener = UnixListener::bind(socket).map_err(listen_err)?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::device_plugin_server::DevicePluginServer::from_arc(plugin))
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+                    let _ = stopped.await;
+                }),
+        );
+        Ok(Server {
+            socket: socket.to_owned(),
+            identity: transport::identity(socket),
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Whether the socket file is still the one this server bound.
+    pub fn socket_intact(&self) -> bool {
+        self.identity.is_some() && transport::identity(&self.socket) == self.identity
+    }
+
+    /// Stops serving. Open `ListAndWatch` streams never end on their own, so after a short grace
+    /// period the connections are dropped. Removes the socket file if it is still ours.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if tokio::time::timeout(Duration::from_millis(200), &mut self.task).await.is_err() {
+            self.task.abort();
+        }
+        if self.socket_intact() {
+            let _ = std::fs::remove_file(&self.socket);
+        }
+    }
+}
+
+/// Registers `resource` (served on `endpoint`, a file name in the kubelet's directory) with the
+/// kubelet listening on `kubelet_socket`.
+pub async fn register(kubelet_socket: &Path, resource: &str, endpoint: &str) -> Result<(), String> {
+    let call = async {
+        let channel = transport::connect(kubelet_socket).await.map_err(|e| e.to_string())?;
+        let mut client = pb::registration_client::RegistrationClient::new(channel);
+        client
+            .register(pb::RegisterRequest {
+                version: API_VERSION.to_owned(),
+                endpoint: endpoint.to_owned(),
+                resource_name: resource.to_owned(),
+                options: Some(options()),
+            })
+            .await
+            .map_err(|s| s.message().to_owned())?;
+        Ok(())
+    };
+    match tokio::time::timeout(REGISTER_TIMEOUT, call).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("the kubelet did not answer within {REGISTER_TIMEOUT:?}")),
+    }
+}
+
+async fn discover(root: &Root) -> Result<Inventory, xpu_host::DiscoverError> {
+    let root = root.clone();
+    let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
+    match tokio::task::spawn_blocking(move || xpu_host::discover(&root, &opts)).await {
+        Ok(r) => r,
+        // The blocking pool only fails this way when the runtime shuts down.
+        Err(_) => Ok(Inventory::default()),
+    }
+}
+
+struct Slot {
+    plugin: Arc<Plugin>,
+    socket: PathBuf,
+    server: Option<Server>,
+    /// The `kubelet.sock` identity this plugin last registered with.
+    registered_with: Option<transport::SocketId>,
+    /// The identity a registration last failed against, so failures are reported once.
+    failed_with: Option<transport::SocketId>,
+}
+
+/// Serves every resource that has devices until `shutdown` completes, then stops the servers
+/// and removes their sockets.
+pub async fn run(
+    cfg: Config,
+    events: Option<mpsc::UnboundedSender<Event>>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), PluginError> {
+    let emit = |e: Event| {
+        if let Some(tx) = &events {
+            let _ = tx.send(e);
+        }
+    };
+    if !cfg.plugin_dir.is_dir() {
+        return Err(PluginError::NoPluginDir { path: cfg.plugin_dir });
+    }
+    let inv = discover(&cfg.root).await?;
+    let mut slots = Vec::new();
+    for r in &cfg.resources {
+        let plugin = Arc::new(Plugin::new(r.clone(), &inv));
+        if plugin.device_count() == 0 {
+            emit(Event::Skipped { resource: r.name.clone() });
+            continue;
+        }
+        slots.push(Slot {
+            socket: cfg.plugin_dir.join(r.socket_name()),
+            plugin,
+            server: None,
+            registered_with: None,
+            failed_with: None,
+        });
+    }
+    if slots.is_empty() {
+        let names: Vec<String> = cfg.resources.iter().map(ToString::to_string).collect();
+        return Err(PluginError::NoDevices { resources: names.join(" ") });
+    }
+    for s in &mut slots {
+        s.server = Some(Server::start(&s.socket, s.plugin.clone())?);
+        emit(Event::Serving {
+            resource: s.plugin.resource.name.clone(),
+            socket: s.socket.clone(),
+            devices: s.plugin.device_count(),
+        });
+    }
+    let kubelet = cfg.plugin_dir.join(KUBELET_SOCKET);
+    let mut tick = tokio::time::interval(cfg.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    let result = loop {
+        tokio::select! {
+            () = &mut shutdown => break Ok(()),
+            _ = tick.tick() => {}
+        }
+        for s in &mut slots {
+            let name = s.plugin.resource.name.clone();
+            if !s.server.as_ref().is_some_and(Server::socket_intact) {
+                if let Some(old) = s.server.take() {
+                    old.stop().await;
+                }
+                match Server::start(&s.socket, s.plugin.clone()) {
+                    Ok(server) => s.server = Some(server),
+                    Err(e) => report_restart_failure(&emit, &name, &e),
+                }
+                s.registered_with = None;
+                emit(Event::Reserving { resource: name.clone() });
+            }
+            let k = transport::identity(&kubelet);
+            if k.is_none() {
+                // The kubelet is down; whatever comes up next needs a registration.
+                s.registered_with = None;
+            }
+            if let Some(k) = k
+                && s.registered_with != Some(k)
+                && s.server.is_some()
+            {
+                let endpoint = s.plugin.resource.socket_name();
+                match register(&kubelet, &name, &endpoint).await {
+                    Ok(()) => {
+                        s.registered_with = Some(k);
+                        s.failed_with = None;
+                        emit(Event::Registered { resource: name.clone() });
+                    }
+                    Err(error) => {
+                        if s.failed_with != Some(k) {
+                            emit(Event::RegisterFailed { resource: name.clone(), error });
+                        }
+                        s.failed_with = Some(k);
+                    }
+                }
+            }
+        }
+        if let Ok(inv) = discover(&cfg.root).await {
+            for s in &slots {
+                for (id, healthy) in s.plugin.refresh(&inv) {
+                    emit(Event::Health { resource: s.plugin.resource.name.clone(), id, healthy });
+                }
+            }
+        }
+    };
+    for s in slots {
+        if let Some(server) = s.server {
+            server.stop().await;
+        }
+    }
+    result
+}
+
+/// A socket that cannot be re-created is reported and retried on the next tick.
+fn report_restart_failure(emit: &impl Fn(Event), resource: &str, e: &PluginError) {
+    emit(Event::RegisterFailed { resource: resource.to_owned(), error: e.to_string() });
+}

@@ -1,0 +1,169 @@
+//! Which devices a device plugin advertises: `--resource NAME=SELECTOR`.
+//!
+//! Grammar (documented in the README):
+//!
+//! ```text
+//! RESOURCE = NAME "=" TERM { "," TERM }
+//! NAME     = DOMAIN "/" RESOURCE-NAME          e.g. nvidia.com/gpu (a Kubernetes extended resource)
+//! TERM     = "vendor:" HEX4                    PCI vendor id, e.g. vendor:10de
+//!          | "device:" HEX4                    PCI device id, e.g. device:20b0
+//!          | "kind:" (gpu|tpu|npu|nvswitch|other)
+//!          | "driver:" NAME                    bound kernel driver, e.g. driver:vfio-pci
+//! ```
+//!
+//! A device is selected when every term matches. The defaults are `nvidia.com/gpu=vendor:10de,kind:gpu`,
+//! `google.com/tpu=vendor:1ae0,kind:tpu` and `amd.com/gpu=vendor:1002,kind:gpu`.
+
+use std::fmt;
+use std::str::FromStr;
+
+use xpu_core::{DeviceKind, PciDevice};
+
+/// One selector term.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Term {
+    Vendor(u16),
+    Device(u16),
+    Kind(DeviceKind),
+    Driver(String),
+}
+
+/// A resource to advertise and the devices that make it up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resource {
+    pub name: String,
+    pub terms: Vec<Term>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid --resource {input:?}: {reason}; expected NAME=TERM[,TERM...] such as nvidia.com/gpu=vendor:10de,kind:gpu (terms: vendor:HEX4, device:HEX4, kind:KIND, driver:NAME)"
+)]
+pub struct SelectorError {
+    pub input: String,
+    pub reason: String,
+}
+
+impl Resource {
+    pub fn matches(&self, d: &PciDevice) -> bool {
+        self.terms.iter().all(|t| match t {
+            Term::Vendor(v) => d.vendor_id == Some(*v),
+            Term::Device(v) => d.device_id == Some(*v),
+            Term::Kind(k) => d.kind == *k,
+            Term::Driver(n) => d.driver.as_deref() == Some(n.as_str()),
+        })
+    }
+
+    /// The socket file name in the plugin directory: `xpu-nvidia.com-gpu.sock`.
+    pub fn socket_name(&self) -> String {
+        format!("xpu-{}.sock", self.name.replace('/', "-"))
+    }
+
+    /// `nvidia.com/gpu`, `google.com/tpu`, `amd.com/gpu`.
+    pub fn defaults() -> Vec<Resource> {
+        [
+            "nvidia.com/gpu=vendor:10de,kind:gpu",
+            "google.com/tpu=vendor:1ae0,kind:tpu",
+            "amd.com/gpu=vendor:1002,kind:gpu",
+        ]
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect()
+    }
+}
+
+fn hex4(s: &str) -> Option<u16> {
+    (s.len() == 4).then(|| u16::from_str_radix(s, 16).ok()).flatten()
+}
+
+fn valid_name(name: &str) -> bool {
+    let Some((domain, res)) = name.split_once('/') else { return false };
+    let label_ok = |s: &str, extra: &[u8]| {
+        !s.is_empty()
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || extra.contains(&b))
+            && s.as_bytes().first().is_some_and(u8::is_ascii_alphanumeric)
+            && s.as_bytes().last().is_some_and(u8::is_ascii_alphanumeric)
+    };
+    domain.len() <= 253
+        && domain.bytes().all(|b| !b.is_ascii_uppercase())
+        && label_ok(domain, b"-.")
+        && res.len() <= 63
+        && label_ok(res, b"-_.")
+}
+
+impl FromStr for Resource {
+    type Err = SelectorError;
+
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        let err = |reason: String| SelectorError { input: input.to_owned(), reason };
+        let (name, sel) = input.split_once('=').ok_or_else(|| err("missing '='".to_owned()))?;
+        if !valid_name(name) {
+            return Err(err(format!(
+                "resource name {name:?} is not DOMAIN/NAME (a Kubernetes extended resource name)"
+            )));
+        }
+        let mut terms = Vec::new();
+        for t in sel.split(',') {
+            let (k, v) =
+                t.split_once(':').ok_or_else(|| err(format!("term {t:?} is not KEY:VALUE")))?;
+            terms.push(match k {
+                "vendor" => Term::Vendor(
+                    hex4(v).ok_or_else(|| err(format!("vendor {v:?} is not 4 hex digits")))?,
+                ),
+                "device" => Term::Device(
+                    hex4(v).ok_or_else(|| err(format!("device {v:?} is not 4 hex digits")))?,
+                ),
+                "kind" => Term::Kind(v.parse().map_err(err)?),
+                "driver" if !v.is_empty() => Term::Driver(v.to_owned()),
+                _ => return Err(err(format!("unknown term {t:?}"))),
+            });
+        }
+        Ok(Resource { name: name.to_owned(), terms })
+    }
+}
+
+impl fmt::Display for Resource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let terms: Vec<String> = self
+            .terms
+            .iter()
+            .map(|t| match t {
+                Term::Vendor(v) => format!("vendor:{v:04x}"),
+                Term::Device(v) => format!("device:{v:04x}"),
+                Term::Kind(k) => format!("kind:{k}"),
+                Term::Driver(d) => format!("driver:{d}"),
+            })
+            .collect();
+        write!(f, "{}={}", self.name, terms.join(","))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_round_trips() {
+        let r: Resource = "nvidia.com/gpu=vendor:10de,kind:gpu,driver:nvidia".parse().unwrap();
+        assert_eq!(r.terms.len(), 3);
+        assert_eq!(r.to_string(), "nvidia.com/gpu=vendor:10de,kind:gpu,driver:nvidia");
+        assert_eq!(r.socket_name(), "xpu-nvidia.com-gpu.sock");
+        assert_eq!(Resource::defaults().len(), 3);
+    }
+
+    #[test]
+    fn rejects_with_the_grammar() {
+        for bad in [
+            "nvidia.com/gpu",
+            "gpu=vendor:10de",
+            "Nvidia.com/gpu=vendor:10de",
+            "nvidia.com/gpu=vendor:10d",
+            "nvidia.com/gpu=kind:fpga",
+            "nvidia.com/gpu=color:red",
+            "nvidia.com/gpu=vendor",
+        ] {
+            let e = bad.parse::<Resource>().unwrap_err().to_string();
+            assert!(e.contains("expected NAME=TERM"), "{bad}: {e}");
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! gRPC over Unix sockets: the kubelet and its device plugins talk only through sockets in
+//! `/var/lib/kubelet/device-plugins/`. Tonic's client speaks HTTP/2 over any connector, so the
+//! connector here ignores the URI and opens the socket.
+
+use std::path::{Path, PathBuf};
+
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+/// A channel to the gRPC server listening on `socket`.
+pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> {
+    let socket: PathBuf = socket.to_owned();
+    // The authority is never resolved: the connector below decides where bytes go.
+    Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let socket = socket.clone();
+            async move { UnixStream::connect(socket).await.map(TokioIo::new) }
+        }))
+        .await
+}
+
+/// The identity of a socket file, to notice when it is deleted and made again: the kubelet
+/// recreates `kubelet.sock` when it restarts. The inode alone is not enough (a file system
+/// reuses a freed inode at once), so the change time is part of it.
+pub fn identity(path: &Path) -> Option<SocketId> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(SocketId { dev: m.dev(), ino: m.ino(), ctime: m.ctime(), ctime_nsec: m.ctime_nsec() })
+}
+
+/// See [`identity`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketId {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+}

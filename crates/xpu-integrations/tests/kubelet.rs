@@ -1,0 +1,349 @@
+//! The device plugin against a test kubelet that speaks the same v1beta1 protobuf over the same
+//! Unix sockets: registration, ListAndWatch with a device going unhealthy, preferred allocation
+//! on the 8×A100 + NVSwitch fixture, Allocate with CDI names, and re-registration when the
+//! kubelet restarts or the plugin's socket is deleted.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_stream::StreamExt;
+use xpu_host::Root;
+use xpu_integrations::deviceplugin::{self, Config, Event, PluginError};
+use xpu_integrations::pb;
+use xpu_integrations::selector::Resource;
+use xpu_integrations::testkubelet::TestKubelet;
+use xpu_testkit::{Fixture, hosts};
+
+const WAIT: Duration = Duration::from_secs(10);
+const GPU_SOCK: &str = "xpu-nvidia.com-gpu.sock";
+
+struct Running {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), PluginError>>,
+    events: mpsc::UnboundedReceiver<Event>,
+}
+
+impl Running {
+    async fn shutdown(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        tokio::time::timeout(WAIT, self.task).await.unwrap().unwrap().unwrap();
+    }
+
+    /// Waits for an event matching `f`.
+    async fn wait_for(&mut self, f: impl Fn(&Event) -> bool) -> Event {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let e = tokio::time::timeout_at(deadline, self.events.recv())
+                .await
+                .expect("event in time")
+                .expect("plugin still running");
+            if f(&e) {
+                return e;
+            }
+        }
+    }
+}
+
+fn start(fixture: &Fixture, dir: &Path, resources: Vec<Resource>) -> Running {
+    let cfg = Config {
+        root: Root::new(fixture.root()).unwrap(),
+        plugin_dir: dir.to_owned(),
+        resources,
+        interval: Duration::from_millis(40),
+    };
+    let (tx, events) = mpsc::unbounded_channel();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(deviceplugin::run(cfg, Some(tx), async {
+        let _ = stopped.await;
+    }));
+    Running { stop: Some(stop), task, events }
+}
+
+fn ids(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| (*s).to_owned()).collect()
+}
+
+fn gpu(bus: u8) -> String {
+    format!("0000:{bus:02x}:00.0")
+}
+
+#[tokio::test]
+async fn registers_after_serving_and_lists_devices_with_numa() {
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let plugin = start(&fixture, dir.path(), Resource::defaults());
+
+    let reg = kubelet.next_registration(WAIT).await.expect("registration");
+    assert_eq!(reg.version, "v1beta1");
+    assert_eq!(reg.resource_name, "nvidia.com/gpu");
+    assert_eq!(reg.endpoint, GPU_SOCK);
+    let opts = reg.options.unwrap();
+    assert!(opts.get_preferred_allocation_available && !opts.pre_start_required);
+    // The plugin already serves when it registers.
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let got = client.get_device_plugin_options(pb::Empty {}).await.unwrap().into_inner();
+    assert!(got.get_preferred_allocation_available);
+    // Only NVIDIA GPUs on this host: no TPU or AMD plugin registers.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(kubelet.pending_registrations().is_empty());
+
+    let mut stream = client.list_and_watch(pb::Empty {}).await.unwrap().into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    assert_eq!(first.devices.len(), 8);
+    for (i, d) in first.devices.iter().enumerate() {
+        assert_eq!(d.id, gpu(hosts::A100_GPU_BUSES[i]));
+        assert_eq!(d.health, "Healthy");
+        let numa = d.topology.as_ref().unwrap().nodes[0].id;
+        assert_eq!(numa, if i < 4 { 0 } else { 1 }, "{}", d.id);
+    }
+    plugin.shutdown().await;
+    assert!(!dir.path().join(GPU_SOCK).exists(), "the plugin removes its socket on exit");
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn list_and_watch_reports_a_device_going_unhealthy_and_back() {
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let mut plugin = start(&fixture, dir.path(), Resource::defaults());
+    let reg = kubelet.next_registration(WAIT).await.unwrap();
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let mut stream = client.list_and_watch(pb::Empty {}).await.unwrap().into_inner();
+    assert!(stream.next().await.unwrap().unwrap().devices.iter().all(|d| d.health == "Healthy"));
+
+    let health = |r: &pb::ListAndWatchResponse, id: &str| {
+        r.devices.iter().find(|d| d.id == id).map(|d| d.health.clone())
+    };
+    // Its driver changes: nvidia -> vfio-pci.
+    let victim = gpu(0x48);
+    let link = fixture.device_dir(&victim).join("driver");
+    std::fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink("../../../bus/pci/drivers/vfio-pci", &link).unwrap();
+    let next = tokio::time::timeout(WAIT, stream.next()).await.unwrap().unwrap().unwrap();
+    assert_eq!(health(&next, &victim).as_deref(), Some("Unhealthy"));
+    assert_eq!(next.devices.iter().filter(|d| d.health == "Healthy").count(), 7);
+    plugin.wait_for(|e| matches!(e, Event::Health { healthy: false, .. })).await;
+    // Allocating it is refused while it is unhealthy.
+    let e = client
+        .allocate(pb::AllocateRequest {
+            container_requests: vec![pb::ContainerAllocateRequest {
+                devices_ids: vec![victim.clone()],
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+
+    // Back on its driver: healthy again.
+    std::fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink("../../../bus/pci/drivers/nvidia", &link).unwrap();
+    let next = tokio::time::timeout(WAIT, stream.next()).await.unwrap().unwrap().unwrap();
+    assert_eq!(health(&next, &victim).as_deref(), Some("Healthy"));
+
+    // It disappears from the bus.
+    let gone = gpu(0xcb);
+    std::fs::remove_file(fixture.device_dir(&gone)).unwrap();
+    let next = tokio::time::timeout(WAIT, stream.next()).await.unwrap().unwrap().unwrap();
+    assert_eq!(health(&next, &gone).as_deref(), Some("Unhealthy"), "still listed, as Unhealthy");
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn preferred_allocation_keeps_to_one_nvswitch_domain_and_numa_node() {
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let plugin = start(&fixture, dir.path(), Resource::defaults());
+    let reg = kubelet.next_registration(WAIT).await.unwrap();
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let all: Vec<String> = hosts::A100_GPU_BUSES.iter().map(|&b| gpu(b)).collect();
+    let ask =
+        |available: Vec<String>, must: Vec<String>, size: i32| pb::PreferredAllocationRequest {
+            container_requests: vec![pb::ContainerPreferredAllocationRequest {
+                available_device_i_ds: available,
+                must_include_device_i_ds: must,
+                allocation_size: size,
+            }],
+        };
+    let mut call = async |r| {
+        client.get_preferred_allocation(r).await.unwrap().into_inner().container_responses[0]
+            .device_i_ds
+            .clone()
+    };
+    // Four: one NUMA node's worth, in address order.
+    assert_eq!(
+        call(ask(all.clone(), vec![], 4)).await,
+        ids(&[&gpu(0x25), &gpu(0x2b), &gpu(0x48), &gpu(0x4d)])
+    );
+    // A must-include on NUMA 1 pulls the rest there.
+    assert_eq!(call(ask(all.clone(), ids(&[&gpu(0x8c)]), 2)).await, ids(&[&gpu(0x8c), &gpu(0x91)]));
+    // NUMA 0 has only three left: the four free on NUMA 1 win over address order.
+    let avail =
+        ids(&[&gpu(0x25), &gpu(0x2b), &gpu(0x48), &gpu(0x8c), &gpu(0x91), &gpu(0xc5), &gpu(0xcb)]);
+    assert_eq!(
+        call(ask(avail, vec![], 4)).await,
+        ids(&[&gpu(0x8c), &gpu(0x91), &gpu(0xc5), &gpu(0xcb)])
+    );
+    // Six: still one NVSwitch domain, the fuller NUMA node first.
+    let six = call(ask(all.clone(), vec![], 6)).await;
+    assert_eq!(six.len(), 6);
+    assert_eq!(&six[..4], &all[..4]);
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn allocate_returns_cdi_names_device_nodes_and_env() {
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let plugin = start(&fixture, dir.path(), Resource::defaults());
+    let reg = kubelet.next_registration(WAIT).await.unwrap();
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let resp = client
+        .allocate(pb::AllocateRequest {
+            container_requests: vec![
+                pb::ContainerAllocateRequest { devices_ids: ids(&[&gpu(0x2b), &gpu(0x48)]) },
+                pb::ContainerAllocateRequest { devices_ids: ids(&[&gpu(0xcb)]) },
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.container_responses.len(), 2);
+    let c = &resp.container_responses[0];
+    let cdi: Vec<&str> = c.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(cdi, ["nvidia.com/gpu=1", "nvidia.com/gpu=2"]);
+    let nodes: Vec<&str> = c.devices.iter().map(|d| d.host_path.as_str()).collect();
+    assert_eq!(
+        nodes,
+        [
+            "/dev/nvidia1",
+            "/dev/nvidia2",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia-uvm-tools",
+            "/dev/nvidia-modeset"
+        ]
+    );
+    assert!(c.devices.iter().all(|d| d.container_path == d.host_path && d.permissions == "rw"));
+    assert_eq!(
+        c.envs["NVIDIA_VISIBLE_DEVICES"],
+        format!("{},{}", hosts::gpu_uuid(1), hosts::gpu_uuid(2))
+    );
+    assert_eq!(c.envs["XPU_VISIBLE_DEVICES"], "0000:2b:00.0,0000:48:00.0");
+    assert_eq!(resp.container_responses[1].cdi_devices[0].name, "nvidia.com/gpu=7");
+
+    let e = client
+        .allocate(pb::AllocateRequest {
+            container_requests: vec![pb::ContainerAllocateRequest {
+                devices_ids: ids(&["0000:b7:00.0"]),
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    assert!(e.message().contains("not a nvidia.com/gpu device"), "{}", e.message());
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn tpu_plugin_allocates_vfio_groups() {
+    let fixture = hosts::tpu_v5p().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let plugin = start(&fixture, dir.path(), Resource::defaults());
+    let reg = kubelet.next_registration(WAIT).await.unwrap();
+    assert_eq!(reg.resource_name, "google.com/tpu");
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let resp = client
+        .allocate(pb::AllocateRequest {
+            container_requests: vec![pb::ContainerAllocateRequest {
+                devices_ids: ids(&["0000:00:05.0", "0000:00:07.0"]),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let c = &resp.container_responses[0];
+    let cdi: Vec<&str> = c.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(cdi, ["google.com/tpu=1", "google.com/tpu=3"]);
+    let nodes: Vec<&str> = c.devices.iter().map(|d| d.host_path.as_str()).collect();
+    assert_eq!(nodes, ["/dev/vfio/1", "/dev/vfio/3", "/dev/vfio/vfio"]);
+    assert!(!c.envs.contains_key("NVIDIA_VISIBLE_DEVICES"));
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn reregisters_when_the_kubelet_restarts_or_the_socket_is_deleted() {
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    // The plugin starts before the kubelet: it serves, and registers once the kubelet is up.
+    let mut plugin = start(&fixture, dir.path(), Resource::defaults());
+    plugin.wait_for(|e| matches!(e, Event::Serving { .. })).await;
+    assert!(dir.path().join(GPU_SOCK).exists());
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    assert_eq!(kubelet.next_registration(WAIT).await.unwrap().resource_name, "nvidia.com/gpu");
+
+    // The kubelet restarts: kubelet.sock is deleted and created again.
+    kubelet.stop().await;
+    assert!(!dir.path().join("kubelet.sock").exists());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let reg = kubelet.next_registration(WAIT).await.expect("registers with the new kubelet");
+    assert_eq!(reg.endpoint, GPU_SOCK);
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    assert_eq!(
+        client
+            .list_and_watch(pb::Empty {})
+            .await
+            .unwrap()
+            .into_inner()
+            .next()
+            .await
+            .unwrap()
+            .unwrap()
+            .devices
+            .len(),
+        8
+    );
+
+    // A restarting kubelet deletes every plugin socket: the plugin serves anew and registers.
+    std::fs::remove_file(dir.path().join(GPU_SOCK)).unwrap();
+    plugin.wait_for(|e| matches!(e, Event::Reserving { .. })).await;
+    let reg = kubelet.next_registration(WAIT).await.expect("registers after its socket is gone");
+    assert_eq!(reg.endpoint, GPU_SOCK);
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    assert!(client.get_device_plugin_options(pb::Empty {}).await.is_ok());
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn refuses_a_host_without_matching_devices_and_a_missing_directory() {
+    let fixture = hosts::gpu_with_audio().build();
+    let dir = tempfile::tempdir().unwrap();
+    let only_amd: Resource = "amd.com/gpu=vendor:1002,kind:gpu".parse().unwrap();
+    let cfg = Config {
+        root: Root::new(fixture.root()).unwrap(),
+        plugin_dir: dir.path().to_owned(),
+        resources: vec![only_amd],
+        interval: Duration::from_millis(40),
+    };
+    let e = deviceplugin::run(cfg.clone(), None, async {}).await.unwrap_err();
+    assert!(e.to_string().contains("no device on this host matches any resource"), "{e}");
+    let cfg = Config { plugin_dir: dir.path().join("missing"), ..cfg };
+    let e = deviceplugin::run(cfg, None, async {}).await.unwrap_err();
+    assert!(e.to_string().contains("does not exist"), "{e}");
+}
