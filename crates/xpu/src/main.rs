@@ -22,6 +22,10 @@ struct Cli {
 enum Command {
     /// List accelerators (GPUs, TPUs, NPUs, NVSwitches) and their IOMMU group peers.
     Discover(cmd::discover::Args),
+    /// Kubernetes: the kubelet device plugin and Node Feature Discovery features.
+    K8s(cmd::k8s::Args),
+    /// OpenStack: nova.conf PCI passthrough configuration and flavor checks.
+    Openstack(cmd::openstack::Args),
     /// Run the job daemon: HTTP API, store, scheduler, executor, dashboard, metrics.
     Serve(cmd::server::ServeArgs),
     /// Submit a job (a Kubernetes Job manifest, or `--gpus N -- CMD ARGS`); prints its id.
@@ -49,6 +53,8 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Discover(args) => cmd::discover::run(args),
+        Command::K8s(args) => cmd::k8s::run(args),
+        Command::Openstack(args) => cmd::openstack::run(args),
         Command::Serve(args) => cmd::server::serve(args),
         Command::Submit(args) => cmd::server::submit(args),
         Command::Jobs(args) => cmd::server::jobs(args),

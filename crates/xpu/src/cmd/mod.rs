@@ -1,4 +1,6 @@
 //! One module per subcommand: clap arguments and a `run` that calls the library and prints.
 
 pub mod discover;
+pub mod k8s;
+pub mod openstack;
 pub mod server;
