@@ -1287,6 +1287,52 @@ impl PciStats {
     }
 }
 
+/// Where [`place`] put a flavor.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct HostChoice {
+    /// Index of the chosen host in the slice given to [`place`].
+    pub host: usize,
+    /// The host cells the guest's NUMA nodes went to (NUMA guests only).
+    pub numa_cells: Option<Vec<u32>>,
+    pub claimed: Vec<Claimed>,
+}
+
+/// Places a flavor's PCI requests on one of `hosts` as Nova's scheduler and compute node would:
+/// `PciPassthroughFilter` (with the NUMA fit for a guest of `guest_numa_nodes` nodes) keeps the
+/// hosts that support the requests; `PCIWeigher` prefers, among them, the host with the fewest
+/// free PCI devices (stacking, so whole hosts stay free for big requests; ties go to the earlier
+/// host); the chosen host's claim then takes the devices. Other weighers (RAM, CPU, affinity)
+/// are not modelled. On failure, every host's reason, in order.
+pub fn place(
+    hosts: &mut [PciStats],
+    requests: &[PciRequest],
+    guest_numa_nodes: Option<usize>,
+) -> Result<HostChoice, Vec<FitFailure>> {
+    let mut passing: Vec<(usize, Option<Vec<u32>>)> = Vec::new();
+    let mut failures = Vec::new();
+    for (i, h) in hosts.iter().enumerate() {
+        let fit = match guest_numa_nodes {
+            Some(n) => h.fit_numa_guest(requests, n).map(Some),
+            None => h.support_requests(requests, None).map(|()| None),
+        };
+        match fit {
+            Ok(cells) => passing.push((i, cells)),
+            Err(f) => failures.push(f),
+        }
+    }
+    // Stable: the earlier host wins a tie.
+    passing.sort_by_key(|(i, _)| hosts[*i].free_devices());
+    for (i, cells) in passing {
+        match hosts[i].consume_requests(requests, cells.as_deref()) {
+            Ok(claimed) => return Ok(HostChoice { host: i, numa_cells: cells, claimed }),
+            // The filter counts pools; a claim can still fail on PF/VF dependencies, and Nova
+            // then reschedules to the next host.
+            Err(f) => failures.push(f),
+        }
+    }
+    Err(failures)
+}
+
 /// k-combinations of `items`, in lexicographic order of positions.
 fn combinations(items: &[u32], k: usize) -> Vec<Vec<u32>> {
     let n = items.len();

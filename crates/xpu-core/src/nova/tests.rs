@@ -479,3 +479,26 @@ fn combinations_in_order() {
     assert_eq!(combinations(&[0, 1], 2), [vec![0, 1]]);
     assert!(combinations(&[0], 2).is_empty());
 }
+
+#[test]
+fn place_stacks_like_pci_weigher_and_explains_every_host() {
+    let a = aliases(&[r#"{"name": "a100", "vendor_id": "10de", "product_id": "20b0"}"#]).unwrap();
+    let host = |n: usize| {
+        let devices = (0..n)
+            .map(|i| {
+                dev(&format!("0000:{:02x}:00.0", 0x10 + i), 0x10de, 0x20b0, Some(0), SriovType::Pci)
+            })
+            .collect();
+        PciStats::new(devices, &[spec(r#"{"vendor_id": "10de"}"#)], Vec::new())
+    };
+    let mut hosts = vec![host(8), host(2), host(4)];
+    // One GPU goes to the host with the fewest free: the 8-GPU host stays whole.
+    let c = place(&mut hosts, &a.requests("a100:1", None).unwrap(), None).unwrap();
+    assert_eq!(c.host, 1);
+    assert_eq!(hosts[1].free_devices(), 1);
+    // Four: host 1 (1 left) cannot, host 2 (4) can and has fewer than host 0.
+    assert_eq!(place(&mut hosts, &a.requests("a100:4", None).unwrap(), None).unwrap().host, 2);
+    assert_eq!(place(&mut hosts, &a.requests("a100:8", None).unwrap(), None).unwrap().host, 0);
+    let e = place(&mut hosts, &a.requests("a100:2", None).unwrap(), None).unwrap_err();
+    assert_eq!(e.len(), 3, "one reason per host: {e:?}");
+}
