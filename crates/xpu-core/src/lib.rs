@@ -6,6 +6,7 @@
 //!   and the classification rule that turns a PCI function into a [`accel::DeviceKind`].
 //! - [`inventory`]: the [`inventory::Inventory`] that `xpu-host::discover` produces and every
 //!   downstream consumer reads.
+//! - [`tpu`]: TPU slice topology math (`2x2x4` → chips and hosts).
 //! - [`kernel`]: the kernel side effects (`driver_override`, `unbind`, `drivers_probe`,
 //!   `modprobe`) as values, and the [`kernel::Kernel`] trait they go through.
 //! - [`nova`]: OpenStack Nova `[pci]` device specs, aliases, flavor PCI requests and the
@@ -18,6 +19,7 @@ pub mod job;
 pub mod labels;
 pub mod nova;
 pub mod pci;
+pub mod tpu;
 
 pub use accel::{Accelerator, DeviceKind};
 pub use inventory::{DevNode, HostInfo, Inventory, Link, PciDevice, Sriov, SriovType};
