@@ -1,0 +1,260 @@
+//! Fragmentation Gradient Descent (FGD, Weng et al., USENIX ATC '23).
+//!
+//! A node's *fragmentation* is the GPU capacity the typical task mix could not use there: for
+//! each typical task shape (weighted by its frequency), the node's free GPU milli counts as
+//! fragmented if the task cannot run on the node at all (lacking GPU, CPU or the right model),
+//! and otherwise only the free milli on GPUs too small for it counts. FGD places a task where
+//! fragmentation grows least. As in the artifact (`fgd_score.go`, `utils/frag.go`), the score is
+//! `int(sigmoid((before - after) / 1000) * 100)`, a share goes to the GPU that scores best
+//! (lowest index on ties), and whole GPUs are the lowest-index free ones.
+//!
+//! The typical mix is the frequency table of task shapes (CPU milli, GPU milli per GPU, GPU
+//! count, allowed models) of the workload, CPU-only tasks included, keeping the most frequent
+//! shapes that together reach 95 % of the tasks and renormalising.
+
+use crate::cluster::{ANY_MODEL, Cluster, MILLI, ModelMask, Node};
+use crate::placement::{Demand, Policy, device_matches, pick_devices};
+use crate::rng::Rng;
+
+/// One task shape of the typical mix.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TypicalTask {
+    pub cpu_milli: u64,
+    /// Per GPU; 0 for CPU-only tasks.
+    pub milli: u16,
+    pub count: u16,
+    pub models: ModelMask,
+    /// Frequency, summing to 1 over the mix.
+    pub freq: f64,
+}
+
+/// The typical task mix FGD measures fragmentation against.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TaskMix {
+    pub tasks: Vec<TypicalTask>,
+}
+
+impl TaskMix {
+    /// Builds the mix from a workload's demands, keeping the most frequent shapes until they
+    /// cover `coverage` (0.95 in the paper) of all tasks.
+    pub fn from_demands<'a>(demands: impl IntoIterator<Item = &'a Demand>, coverage: f64) -> Self {
+        let mut counts: Vec<((u64, u16, u16, ModelMask), u64)> = Vec::new();
+        let mut index = crate::hash::FxHashMap::<(u64, u16, u16, ModelMask), usize>::default();
+        let mut total = 0u64;
+        for d in demands {
+            let key = (d.cpu_milli, if d.count == 0 { 0 } else { d.milli }, d.count, d.models);
+            match index.get(&key) {
+                Some(&i) => counts[i].1 += 1,
+                None => {
+                    index.insert(key, counts.len());
+                    counts.push((key, 1));
+                }
+            }
+            total += 1;
+        }
+        if total == 0 {
+            return Self::default();
+        }
+        // Most frequent first; ties in the artifact's (reversed) shape order.
+        counts.sort_by(|a, b| b.1.cmp(&a.1).then(b.0.cmp(&a.0)));
+        let want = coverage * total as f64;
+        let mut kept = Vec::new();
+        let mut cum = 0u64;
+        for &(key, n) in &counts {
+            if cum as f64 >= want {
+                break;
+            }
+            cum += n;
+            kept.push((key, n));
+        }
+        let tasks = kept
+            .into_iter()
+            .map(|((cpu_milli, milli, count, models), n)| TypicalTask {
+                cpu_milli,
+                milli,
+                count,
+                models,
+                freq: n as f64 / cum as f64,
+            })
+            .collect();
+        Self { tasks }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+}
+
+/// Fragmentation of a node state (free CPU and per-GPU free milli) under a mix, in GPU milli.
+/// `model` is the model id of the node's GPUs (u8::MAX when it has none).
+pub(crate) fn fragmentation(mix: &TaskMix, cpu_free: u64, gpus: &[u16], model: u8) -> f64 {
+    let total: u64 = gpus.iter().map(|&g| u64::from(g)).sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let mut frag = 0.0;
+    for t in &mix.tasks {
+        let fragmented = if t.milli == 0
+            || model == u8::MAX
+            || (t.models != ANY_MODEL && (t.models >> model) & 1 == 0)
+        {
+            // CPU-only tasks and tasks that may not use this model leave every free GPU idle.
+            total
+        } else {
+            let mut usable = 0u16;
+            let mut small = 0u64;
+            for &g in gpus {
+                if g >= t.milli {
+                    usable += 1;
+                } else {
+                    small += u64::from(g);
+                }
+            }
+            if usable >= t.count && cpu_free >= t.cpu_milli { small } else { total }
+        };
+        frag += t.freq * fragmented as f64;
+    }
+    frag
+}
+
+/// The GPUs of a node as FGD sees them: free milli of devices the demand may use (its kind and
+/// model), plus that model's id.
+pub(crate) fn gpu_view(node: &Node, d: &Demand, buf: &mut Vec<u16>) -> u8 {
+    buf.clear();
+    let mut model = u8::MAX;
+    for (i, x) in node.devices.iter().enumerate() {
+        if x.kind == d.kind && (d.count == 0 || device_matches(node, i, d)) {
+            buf.push(x.free);
+            model = x.model_id;
+        }
+    }
+    model
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// FGD.
+#[derive(Debug, Clone)]
+pub struct Fgd {
+    mix: TaskMix,
+    buf: Vec<u16>,
+}
+
+impl Fgd {
+    pub fn new(mix: TaskMix) -> Self {
+        Self { mix, buf: Vec::new() }
+    }
+
+    pub fn mix(&self) -> &TaskMix {
+        &self.mix
+    }
+
+    /// Best score over the node's fitting GPUs for a share (first index on ties), or the score
+    /// of the exclusive choice; returns (score, device index for a share).
+    fn evaluate(&mut self, node: &Node, d: &Demand) -> (f64, Option<usize>) {
+        let mut gpus = std::mem::take(&mut self.buf);
+        let model = gpu_view(node, d, &mut gpus);
+        let before = fragmentation(&self.mix, node.cpu_free, &gpus, model);
+        let cpu_after = node.cpu_free - d.cpu_milli;
+        let score_of = |after: f64| (sigmoid((before - after) / 1000.0) * 100.0).trunc();
+        let result = if d.is_shared() {
+            let mut best: Option<(f64, usize)> = None;
+            // Map positions in `gpus` back to device indices.
+            let idx: Vec<usize> = node
+                .devices
+                .iter()
+                .enumerate()
+                .filter(|&(i, x)| x.kind == d.kind && device_matches(node, i, d))
+                .map(|(i, _)| i)
+                .collect();
+            for k in 0..gpus.len() {
+                if gpus[k] >= d.milli {
+                    gpus[k] -= d.milli;
+                    let s = score_of(fragmentation(&self.mix, cpu_after, &gpus, model));
+                    gpus[k] += d.milli;
+                    if best.is_none_or(|(b, _)| s > b) {
+                        best = Some((s, idx[k]));
+                    }
+                }
+            }
+            best.map_or((f64::NEG_INFINITY, None), |(s, i)| (s, Some(i)))
+        } else {
+            // Whole GPUs: the lowest-index free ones (the artifact's `Sub` packs the smallest
+            // sufficient GPUs, which for whole GPUs are the free ones in index order).
+            let mut need = d.count;
+            for g in gpus.iter_mut() {
+                if need == 0 {
+                    break;
+                }
+                if *g >= d.milli && d.milli == MILLI {
+                    *g = 0;
+                    need -= 1;
+                }
+            }
+            (score_of(fragmentation(&self.mix, cpu_after, &gpus, model)), None)
+        };
+        self.buf = gpus;
+        result
+    }
+}
+
+impl Policy for Fgd {
+    fn name(&self) -> &'static str {
+        "fgd"
+    }
+    fn score(&mut self, _: &Cluster, node: &Node, d: &Demand) -> f64 {
+        self.evaluate(node, d).0
+    }
+    fn devices(&mut self, _: &Cluster, node: &Node, d: &Demand, _: &mut Rng, out: &mut Vec<u16>) {
+        match self.evaluate(node, d) {
+            (_, Some(i)) => {
+                out.clear();
+                out.push(i as u16);
+            }
+            _ => pick_devices(node, d, out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xpu_core::DeviceKind;
+
+    #[test]
+    fn mix_keeps_the_most_frequent_shapes_up_to_coverage() {
+        let mut ds = Vec::new();
+        ds.extend(std::iter::repeat_n(Demand::share(4000, 0, DeviceKind::Gpu, 500), 60));
+        ds.extend(std::iter::repeat_n(Demand::whole(8000, 0, DeviceKind::Gpu, 1), 30));
+        ds.extend(std::iter::repeat_n(Demand::cpu(2000, 0), 7));
+        ds.extend(std::iter::repeat_n(Demand::whole(8000, 0, DeviceKind::Gpu, 8), 3));
+        let mix = TaskMix::from_demands(&ds, 0.95);
+        assert_eq!(mix.len(), 3, "{mix:?}");
+        let f: Vec<f64> = mix.tasks.iter().map(|t| t.freq).collect();
+        assert!((f[0] - 60.0 / 97.0).abs() < 1e-9 && (f.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn fragmentation_counts_what_the_mix_cannot_use() {
+        let mix = TaskMix {
+            tasks: vec![TypicalTask {
+                cpu_milli: 1000,
+                milli: 500,
+                count: 1,
+                models: ANY_MODEL,
+                freq: 1.0,
+            }],
+        };
+        // 300 milli free on one GPU is too small for a 500 share: fragmented; 700 is usable.
+        assert_eq!(fragmentation(&mix, 8000, &[300, 700], 0), 300.0);
+        // Without CPU nothing is usable.
+        assert_eq!(fragmentation(&mix, 500, &[300, 700], 0), 1000.0);
+        assert_eq!(fragmentation(&mix, 8000, &[0, 0], 0), 0.0);
+    }
+}

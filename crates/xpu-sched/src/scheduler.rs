@@ -1,0 +1,1335 @@
+//! The scheduler: a queue of jobs in front of the cluster state and a placement policy, driven
+//! by the caller's clock. The daemon calls [`Scheduler::submit`], [`Scheduler::schedule`] at
+//! its own pace and [`Scheduler::finish`] when work ends; the simulator does the same with
+//! simulated time. Nothing here sleeps or reads a clock.
+//!
+//! Queue orders: FIFO, priority with aging, shortest-job-first (on the job's duration hint),
+//! EASY backfill (the first job that cannot start gets a reservation at the earliest time the
+//! running jobs' expected ends free enough room; later jobs may start only where they cannot
+//! delay it), and fair share across queues by dominant resource share (DRF). Preemption, when
+//! enabled, evicts lower-priority jobs, lowest priority first and, among equals, those that lose
+//! the least work, and only as many as needed. Gangs (and TPU slices) are placed all at once or
+//! not at all, so no partial reservation is ever held while another gang waits: gangs cannot
+//! deadlock. Flex-start pools ([`crate::pool`]) provision capacity for a job that nothing else
+//! can hold.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cluster::{Cluster, ClusterError, NodeId, NodeSpec, NodeStatus};
+use crate::placement::{Demand, PlaceCtx, Placement, Placer, Policy, Unschedulable};
+use crate::policy::{PolicyKind, TaskMix};
+use crate::pool::{FlexPool, PoolReport, PoolState, SlotState};
+use crate::request::{ExpandedGroup, Job, RequestError, Time, expand};
+
+/// Index of a job in its scheduler, in submission order.
+pub type JobId = u32;
+
+/// Queue orders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum QueuePolicy {
+    /// Submission order; the head blocks the rest.
+    #[default]
+    Fifo,
+    /// Highest priority first, plus `aging_per_hour` points per hour of waiting; the head blocks.
+    Priority,
+    /// Shortest duration hint first (simulation: hints are the true durations).
+    Sjf,
+    /// Priority order with EASY backfill.
+    Backfill,
+    /// Dominant resource fairness across queues; within a queue, priority order.
+    Fair,
+}
+
+impl std::str::FromStr for QueuePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "fifo" => Ok(Self::Fifo),
+            "priority" => Ok(Self::Priority),
+            "sjf" => Ok(Self::Sjf),
+            "backfill" => Ok(Self::Backfill),
+            "fair" => Ok(Self::Fair),
+            _ => {
+                Err(format!("unknown queue {s:?}; expected fifo, priority, sjf, backfill or fair"))
+            }
+        }
+    }
+}
+
+/// How the scheduler behaves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SchedulerConfig {
+    #[serde(default)]
+    pub queue: QueuePolicy,
+    /// Placement policy (xpu's own by default).
+    #[serde(default = "default_policy")]
+    pub policy: PolicyKind,
+    /// Evict lower-priority jobs when a higher-priority one cannot start.
+    #[serde(default)]
+    pub preemption: bool,
+    /// Priority points a waiting job gains per hour (priority, backfill and fair orders).
+    #[serde(default)]
+    pub aging_per_hour: f64,
+    /// Fair-share weight per queue name; queues not listed weigh 1.
+    #[serde(default)]
+    pub queue_weights: BTreeMap<String, f64>,
+    /// Queued jobs one backfill pass considers (Slurm's `bf_max_job_test`).
+    #[serde(default = "default_depth")]
+    pub backfill_depth: usize,
+    #[serde(default)]
+    pub pools: Vec<FlexPool>,
+    /// Seeds tie-breaking.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn default_policy() -> PolicyKind {
+    PolicyKind::Xpu
+}
+
+fn default_depth() -> usize {
+    1000
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            queue: QueuePolicy::Fifo,
+            policy: PolicyKind::Xpu,
+            preemption: false,
+            aging_per_hour: 0.0,
+            queue_weights: BTreeMap::new(),
+            backfill_depth: default_depth(),
+            pools: Vec::new(),
+            seed: 0,
+        }
+    }
+}
+
+/// Where a job is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobStatus {
+    Queued,
+    /// Waiting for flex-start capacity it has been promised.
+    Provisioning,
+    Running,
+    Finished,
+    /// Can never fit this cluster.
+    Failed,
+    Cancelled,
+    /// Stopped at its maximum run duration.
+    Stopped,
+}
+
+impl JobStatus {
+    pub fn is_done(self) -> bool {
+        matches!(self, Self::Finished | Self::Failed | Self::Cancelled | Self::Stopped)
+    }
+}
+
+/// A task of a job: group index and index within the group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TaskRef {
+    pub group: u32,
+    pub index: u32,
+}
+
+/// A task and where it runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskStart {
+    pub task: TaskRef,
+    pub placement: Placement,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The job's or its flex-start pool's maximum run duration passed.
+    MaxRunDuration,
+}
+
+/// What the caller must do after [`Scheduler::schedule`], in order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "decision")]
+pub enum Decision {
+    /// Start these tasks (for a gang, all of its tasks).
+    Start { job: JobId, tasks: Vec<TaskStart> },
+    /// Stop this job's tasks; it went back to the queue to make room for `by`.
+    Preempt { job: JobId, by: JobId, tasks: Vec<TaskStart> },
+    /// Stop this job for good.
+    Stop { job: JobId, reason: StopReason, tasks: Vec<TaskStart> },
+    /// The job can never run on this cluster.
+    Fail { job: JobId, error: Unschedulable },
+    /// Bring up these flex-start nodes for the job; they are ready at `ready_at`.
+    Provision { job: JobId, pool: String, nodes: Vec<NodeId>, ready_at: Time },
+    /// Give this idle flex-start node back.
+    Release { pool: String, node: NodeId },
+}
+
+/// What went wrong calling the scheduler.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedError {
+    #[error("job {0} does not exist")]
+    NoSuchJob(JobId),
+    #[error("job {job} is {status:?}, so it cannot be {action}")]
+    WrongState { job: JobId, status: JobStatus, action: &'static str },
+    #[error("job {job} has no task {task:?}")]
+    NoSuchTask { job: JobId, task: TaskRef },
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+}
+
+/// A read-only view of one job.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobView<'a> {
+    pub id: JobId,
+    pub job: &'a Job,
+    pub status: JobStatus,
+    pub submitted: Time,
+    /// When the current (or last) run started.
+    pub started: Option<Time>,
+    /// When it first started (before any preemption).
+    pub first_started: Option<Time>,
+    pub finished: Option<Time>,
+    pub restarts: u32,
+    pub tasks: Vec<TaskStart>,
+}
+
+/// `f64` with a total order, for queue keys.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Key(f64);
+impl Eq for Key {}
+impl PartialOrd for Key {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Key {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+
+type QKey = (Key, u64, JobId);
+
+#[derive(Debug, Clone)]
+struct TaskSlot {
+    task: TaskRef,
+    group: usize,
+    placement: Option<Placement>,
+    done: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    job: Job,
+    groups: Vec<ExpandedGroup>,
+    tasks: Vec<TaskSlot>,
+    status: JobStatus,
+    submitted: Time,
+    seq: u64,
+    queue: usize,
+    key: Option<QKey>,
+    started: Option<Time>,
+    first_started: Option<Time>,
+    finished: Option<Time>,
+    deadline: Option<Time>,
+    restarts: u32,
+    never_fits: Option<Unschedulable>,
+    /// Flex-start nodes held for it while they come up, and when they were asked for.
+    reserved: Vec<NodeId>,
+    provision_asked: Option<Time>,
+}
+
+impl Entry {
+    fn token(id: JobId) -> u32 {
+        id + 1
+    }
+    fn running_tasks(&self) -> impl Iterator<Item = &TaskSlot> {
+        self.tasks.iter().filter(|t| t.placement.is_some() && !t.done)
+    }
+    fn has_unplaced(&self) -> bool {
+        self.tasks.iter().any(|t| t.placement.is_none() && !t.done)
+    }
+    fn usage(&self) -> [u64; 3] {
+        let mut u = [0u64; 3];
+        for t in self.running_tasks() {
+            if let Some(p) = &t.placement {
+                u[0] += p.cpu_milli;
+                u[1] += p.memory_mib;
+                u[2] += p.device_milli();
+            }
+        }
+        u
+    }
+}
+
+/// The scheduler. See the crate docs for a walk-through.
+pub struct Scheduler {
+    cluster: Cluster,
+    placer: Placer,
+    /// Plans on copies of the cluster (never-fits checks, backfill shadows, preemption) with
+    /// best fit, so the real placer's score memo stays with the real cluster.
+    planner: Placer,
+    config: SchedulerConfig,
+    jobs: Vec<Entry>,
+    queue: BTreeSet<QKey>,
+    by_queue: Vec<BTreeSet<QKey>>,
+    queue_names: Vec<String>,
+    queue_usage: Vec<[u64; 3]>,
+    running: BTreeSet<JobId>,
+    deadlines: BTreeSet<(Time, JobId)>,
+    pools: Vec<PoolState>,
+    /// Node id to (pool, slot) for flex-start nodes.
+    flex_slot: Vec<Option<(usize, usize)>>,
+    /// Empty copy of the cluster (flex slots up) to tell "not now" from "never".
+    empty: Option<Cluster>,
+    seq: u64,
+    now: Time,
+    /// Head job and shadow time of the last backfill reservation.
+    reservation: Option<(JobId, Time)>,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("nodes", &self.cluster.len())
+            .field("jobs", &self.jobs.len())
+            .field("queued", &self.queue.len())
+            .field("running", &self.running.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Scheduler {
+    /// A scheduler over `cluster` with the configured policy (FGD and xpu start with an empty
+    /// task mix and learn it from submitted jobs; see [`Scheduler::set_task_mix`]).
+    pub fn new(cluster: Cluster, config: SchedulerConfig) -> Result<Self, SchedError> {
+        let policy = config.policy.build(&TaskMix::default());
+        Self::with_policy(cluster, config, policy)
+    }
+
+    /// A scheduler with a policy of the caller's own.
+    pub fn with_policy(
+        mut cluster: Cluster,
+        config: SchedulerConfig,
+        policy: Box<dyn Policy>,
+    ) -> Result<Self, SchedError> {
+        let mut flex_slot = vec![None; cluster.len()];
+        let mut pools = Vec::new();
+        for (pi, pool) in config.pools.iter().enumerate() {
+            let mut st = PoolState::default();
+            for i in 0..pool.max_nodes {
+                let id = cluster.add_node_with_status(pool.slot(i), NodeStatus::Off)?;
+                flex_slot.push(Some((pi, st.slots.len())));
+                st.slots.push(SlotState { node: id, ..SlotState::default() });
+            }
+            pools.push(st);
+        }
+        let placer = Placer::new(policy, config.seed);
+        let planner = Placer::new(Box::new(crate::policy::BestFit), config.seed);
+        Ok(Self {
+            cluster,
+            placer,
+            planner,
+            config,
+            jobs: Vec::new(),
+            queue: BTreeSet::new(),
+            by_queue: Vec::new(),
+            queue_names: Vec::new(),
+            queue_usage: Vec::new(),
+            running: BTreeSet::new(),
+            deadlines: BTreeSet::new(),
+            pools,
+            flex_slot,
+            empty: None,
+            seq: 0,
+            now: 0,
+            reservation: None,
+        })
+    }
+
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Replaces the placement policy's task mix (FGD and xpu measure fragmentation against it).
+    pub fn set_task_mix(&mut self, mix: &TaskMix) {
+        let policy = self.config.policy.build(mix);
+        let seed = self.config.seed;
+        self.placer = Placer::new(policy, seed);
+    }
+
+    /// Adds a node (a host that joined). Its name must be new.
+    pub fn add_node(&mut self, spec: NodeSpec) -> Result<NodeId, SchedError> {
+        let id = self.cluster.add_node(spec)?;
+        self.flex_slot.push(None);
+        self.empty = None;
+        Ok(id)
+    }
+
+    /// Marks a node ready or cordoned (running work is not touched).
+    pub fn set_node_status(&mut self, node: NodeId, status: NodeStatus) -> Result<(), SchedError> {
+        Ok(self.cluster.set_status(node, status)?)
+    }
+
+    /// The job and what it holds.
+    pub fn job(&self, id: JobId) -> Option<JobView<'_>> {
+        let e = self.jobs.get(id as usize)?;
+        Some(JobView {
+            id,
+            job: &e.job,
+            status: e.status,
+            submitted: e.submitted,
+            started: e.started,
+            first_started: e.first_started,
+            finished: e.finished,
+            restarts: e.restarts,
+            tasks: e
+                .running_tasks()
+                .filter_map(|t| {
+                    t.placement.clone().map(|p| TaskStart { task: t.task, placement: p })
+                })
+                .collect(),
+        })
+    }
+
+    pub fn jobs(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Queued jobs in queue order.
+    pub fn queued(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.queue.iter().map(|k| k.2)
+    }
+
+    pub fn running(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.running.iter().copied()
+    }
+
+    /// The head job of the last backfill reservation and the time it is reserved for.
+    pub fn reservation(&self) -> Option<(JobId, Time)> {
+        self.reservation
+    }
+
+    /// Adds a job to the queue. Fails (changing nothing) if the request is invalid; a valid
+    /// job that can never fit this cluster is failed by the next [`Scheduler::schedule`].
+    pub fn submit(&mut self, job: Job, now: Time) -> Result<JobId, SchedError> {
+        let groups = expand(&job, &mut self.cluster)?;
+        let id = self.jobs.len() as JobId;
+        let mut tasks = Vec::new();
+        for (gi, g) in groups.iter().enumerate() {
+            for i in 0..g.count {
+                tasks.push(TaskSlot {
+                    task: TaskRef { group: gi as u32, index: i },
+                    group: gi,
+                    placement: None,
+                    done: false,
+                });
+            }
+        }
+        let qname = if job.queue.is_empty() { "default" } else { job.queue.as_str() };
+        let queue = match self.queue_names.iter().position(|q| q == qname) {
+            Some(q) => q,
+            None => {
+                self.queue_names.push(qname.to_owned());
+                self.by_queue.push(BTreeSet::new());
+                self.queue_usage.push([0; 3]);
+                self.queue_names.len() - 1
+            }
+        };
+        self.seq += 1;
+        let mut e = Entry {
+            job,
+            groups,
+            tasks,
+            status: JobStatus::Queued,
+            submitted: now,
+            seq: self.seq,
+            queue,
+            key: None,
+            started: None,
+            first_started: None,
+            finished: None,
+            deadline: None,
+            restarts: 0,
+            never_fits: None,
+            reserved: Vec::new(),
+            provision_asked: None,
+        };
+        e.never_fits = self.never_fits(id, &e);
+        self.jobs.push(e);
+        self.enqueue(id);
+        Ok(id)
+    }
+
+    /// Places the job on an empty copy of the cluster (flex slots up): an error there means it
+    /// can never run.
+    fn never_fits(&mut self, id: JobId, e: &Entry) -> Option<Unschedulable> {
+        if self.empty.is_none() {
+            let mut empty = Cluster::new();
+            for n in self.cluster.nodes() {
+                let spec = NodeSpec {
+                    name: n.name.clone(),
+                    labels: n.labels.clone(),
+                    pool: n.pool.clone(),
+                    cpu_milli: n.cpu_milli,
+                    memory_mib: n.memory_mib,
+                    devices: n
+                        .devices
+                        .iter()
+                        .map(|d| crate::cluster::DeviceSpec {
+                            id: d.id.clone(),
+                            kind: d.kind,
+                            model: d.model.clone(),
+                            numa_node: d.numa_node,
+                            interconnect_domain: d.interconnect_domain.clone(),
+                        })
+                        .collect(),
+                };
+                // Same node set, so selector and model ids line up by re-interning below.
+                if empty.add_node(spec).is_err() {
+                    return None;
+                }
+            }
+            self.empty = Some(empty);
+        }
+        let empty = self.empty.as_mut()?;
+        // Demands carry ids interned in the live cluster; re-intern against the copy.
+        let mut groups = Vec::new();
+        for (gi, g) in e.groups.iter().enumerate() {
+            let spec = if let Some(t) = &e.job.groups[gi].tpu {
+                let mut j = e.job.clone();
+                j.groups = vec![crate::request::TaskGroup::tpu(
+                    &t.accelerator,
+                    &t.topology,
+                    e.job.groups[gi].task.clone(),
+                )];
+                expand(&j, empty).ok()?.pop()?
+            } else {
+                let mut eg = g.clone();
+                eg.demand = e.job.groups[gi].task.demand(empty).ok()?;
+                eg
+            };
+            groups.push(spec);
+        }
+        let tasks: Vec<TaskSlot> = e.tasks.clone();
+        let ctx = PlaceCtx { token: Entry::token(id), any_status: true, ..PlaceCtx::default() };
+        match place_tasks(&mut self.planner, empty, &groups, &tasks, &ctx, true) {
+            Ok(ps) => {
+                for (_, p) in ps.iter().rev() {
+                    let _ = empty.release(p);
+                }
+                None
+            }
+            Err(u) => Some(u),
+        }
+    }
+
+    fn key_for(&self, id: JobId) -> QKey {
+        let e = &self.jobs[id as usize];
+        let aging = self.config.aging_per_hour / 3600.0;
+        let k = match self.config.queue {
+            QueuePolicy::Fifo => 0.0,
+            QueuePolicy::Sjf => e.job.duration_hint.map_or(f64::INFINITY, |d| d as f64),
+            // Effective priority p + a·(now - s) orders like p - a·s at every instant, so the
+            // key never needs recomputing.
+            QueuePolicy::Priority | QueuePolicy::Backfill | QueuePolicy::Fair => {
+                aging * e.submitted as f64 - f64::from(e.job.priority)
+            }
+        };
+        (Key(k), e.seq, id)
+    }
+
+    fn enqueue(&mut self, id: JobId) {
+        let key = self.key_for(id);
+        let e = &mut self.jobs[id as usize];
+        e.key = Some(key);
+        self.queue.insert(key);
+        self.by_queue[e.queue].insert(key);
+    }
+
+    fn dequeue(&mut self, id: JobId) {
+        let e = &mut self.jobs[id as usize];
+        if let Some(k) = e.key.take() {
+            self.queue.remove(&k);
+            self.by_queue[e.queue].remove(&k);
+        }
+    }
+
+    /// Ends every task of a running job (it finished).
+    pub fn finish(&mut self, id: JobId, now: Time) -> Result<(), SchedError> {
+        let e = self.jobs.get(id as usize).ok_or(SchedError::NoSuchJob(id))?;
+        if e.status != JobStatus::Running {
+            return Err(SchedError::WrongState { job: id, status: e.status, action: "finished" });
+        }
+        self.advance(now);
+        self.release_all(id, now);
+        self.dequeue(id);
+        let e = &mut self.jobs[id as usize];
+        for t in &mut e.tasks {
+            t.done = true;
+        }
+        e.status = JobStatus::Finished;
+        e.finished = Some(now);
+        Ok(())
+    }
+
+    /// Ends one task; the job finishes when its last task does.
+    pub fn finish_task(&mut self, id: JobId, task: TaskRef, now: Time) -> Result<(), SchedError> {
+        let e = self.jobs.get(id as usize).ok_or(SchedError::NoSuchJob(id))?;
+        if e.status != JobStatus::Running {
+            return Err(SchedError::WrongState { job: id, status: e.status, action: "finished" });
+        }
+        let Some(ti) =
+            e.tasks.iter().position(|t| t.task == task && t.placement.is_some() && !t.done)
+        else {
+            return Err(SchedError::NoSuchTask { job: id, task });
+        };
+        self.advance(now);
+        if let Some(p) = self.jobs[id as usize].tasks[ti].placement.clone() {
+            self.release_placement(id, &p, now);
+        }
+        let e = &mut self.jobs[id as usize];
+        e.tasks[ti].done = true;
+        if e.tasks.iter().all(|t| t.done) {
+            e.status = JobStatus::Finished;
+            e.finished = Some(now);
+            if let Some(d) = e.deadline.take() {
+                self.deadlines.remove(&(d, id));
+            }
+            self.running.remove(&id);
+        }
+        Ok(())
+    }
+
+    /// Withdraws a job wherever it is; running tasks are released.
+    pub fn cancel(&mut self, id: JobId, now: Time) -> Result<(), SchedError> {
+        let e = self.jobs.get(id as usize).ok_or(SchedError::NoSuchJob(id))?;
+        if e.status.is_done() {
+            return Err(SchedError::WrongState { job: id, status: e.status, action: "cancelled" });
+        }
+        self.advance(now);
+        self.release_all(id, now);
+        self.dequeue(id);
+        self.unreserve(id, now);
+        let e = &mut self.jobs[id as usize];
+        e.status = JobStatus::Cancelled;
+        e.finished = Some(now);
+        Ok(())
+    }
+
+    /// The next time [`Scheduler::schedule`] has something to do without new input: flex
+    /// nodes coming up, idle nodes due for release, jobs reaching their maximum run time.
+    pub fn next_wakeup(&self) -> Option<Time> {
+        let mut t = self.deadlines.first().map(|&(d, _)| d);
+        let mut min = |x: Time| t = Some(t.map_or(x, |y| y.min(x)));
+        for (pi, pool) in self.pools.iter().enumerate() {
+            let idle = self.config.pools[pi].idle_release;
+            for s in &pool.slots {
+                let Some(n) = self.cluster.node(s.node) else { continue };
+                match n.status() {
+                    NodeStatus::Provisioning => {
+                        if let Some(r) = s.ready_at {
+                            min(r);
+                        }
+                    }
+                    NodeStatus::Ready if n.is_idle() && n.reserved == 0 => {
+                        if let Some(i) = s.idle_since {
+                            min(i + idle);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        t
+    }
+
+    /// Decides what to start, stop, preempt, provision and release at time `now`.
+    pub fn schedule(&mut self, now: Time) -> Vec<Decision> {
+        self.advance(now);
+        let mut out = Vec::new();
+        self.flex_ready(now, &mut out);
+        self.stop_expired(now, &mut out);
+        let never: Vec<JobId> = self
+            .queue
+            .iter()
+            .map(|k| k.2)
+            .filter(|&id| self.jobs[id as usize].never_fits.is_some())
+            .collect();
+        for id in never {
+            self.dequeue(id);
+            let e = &mut self.jobs[id as usize];
+            e.status = JobStatus::Failed;
+            e.finished = Some(now);
+            if let Some(error) = e.never_fits.clone() {
+                out.push(Decision::Fail { job: id, error });
+            }
+        }
+        match self.config.queue {
+            QueuePolicy::Fifo | QueuePolicy::Priority | QueuePolicy::Sjf => {
+                self.pass_ordered(now, &mut out)
+            }
+            QueuePolicy::Backfill => self.pass_backfill(now, &mut out),
+            QueuePolicy::Fair => self.pass_fair(now, &mut out),
+        }
+        self.release_idle(now, &mut out);
+        out
+    }
+
+    fn advance(&mut self, now: Time) {
+        self.now = self.now.max(now);
+    }
+
+    /// Strict order: start jobs until one cannot start (nor get capacity, nor preempt).
+    fn pass_ordered(&mut self, now: Time, out: &mut Vec<Decision>) {
+        while let Some(&(_, _, id)) = self.queue.first() {
+            if !self.start_any_way(id, now, out) {
+                break;
+            }
+            if self.jobs[id as usize].has_unplaced() && self.jobs[id as usize].key.is_some() {
+                break;
+            }
+        }
+    }
+
+    /// Tries, in turn: placing now, provisioning flex capacity, preempting. True if the job
+    /// left the queue or started something.
+    fn start_any_way(&mut self, id: JobId, now: Time, out: &mut Vec<Decision>) -> bool {
+        if self.try_start(id, now, None, out) {
+            return true;
+        }
+        if self.try_provision(id, now, out) {
+            return true;
+        }
+        self.config.preemption && self.try_preempt(id, now, out)
+    }
+
+    fn pass_backfill(&mut self, now: Time, out: &mut Vec<Decision>) {
+        let ids: Vec<JobId> =
+            self.queue.iter().take(self.config.backfill_depth).map(|k| k.2).collect();
+        let mut reservation: Option<(Time, Vec<bool>)> = None;
+        for id in ids {
+            if self.jobs[id as usize].key.is_none() {
+                continue;
+            }
+            match &reservation {
+                None => {
+                    if self.start_any_way(id, now, out) {
+                        continue;
+                    }
+                    match self.shadow(id, now) {
+                        Some((t, mask)) => {
+                            self.reservation = Some((id, t));
+                            reservation = Some((t, mask));
+                        }
+                        // No running job has a known end: nothing can be promised, so nothing
+                        // may jump the queue.
+                        None => break,
+                    }
+                }
+                Some((shadow, mask)) => {
+                    let end =
+                        self.jobs[id as usize].job.duration_hint.map(|d| now.saturating_add(d));
+                    let exclude =
+                        if end.is_some_and(|e| e <= *shadow) { None } else { Some(mask.clone()) };
+                    self.try_start(id, now, exclude.as_deref(), out);
+                }
+            }
+        }
+    }
+
+    /// The earliest time the running jobs' expected ends leave room for `id`, and the nodes it
+    /// would take then.
+    fn shadow(&mut self, id: JobId, now: Time) -> Option<(Time, Vec<bool>)> {
+        let mut ends: Vec<(Time, JobId)> = self
+            .running
+            .iter()
+            .filter_map(|&r| {
+                let e = &self.jobs[r as usize];
+                let by_hint = e.started.zip(e.job.duration_hint).map(|(s, d)| s.saturating_add(d));
+                by_hint.or(e.deadline).map(|t| (t.max(now), r))
+            })
+            .collect();
+        ends.sort_unstable();
+        let mut scratch = self.cluster.fork();
+        let e = &self.jobs[id as usize];
+        let ctx = PlaceCtx { token: Entry::token(id), ..PlaceCtx::default() };
+        let mut i = 0;
+        while i < ends.len() {
+            let t = ends[i].0;
+            while i < ends.len() && ends[i].0 == t {
+                for task in self.jobs[ends[i].1 as usize].running_tasks() {
+                    if let Some(p) = &task.placement {
+                        let _ = scratch.release(p);
+                    }
+                }
+                i += 1;
+            }
+            if let Ok(ps) =
+                place_tasks(&mut self.planner, &mut scratch, &e.groups, &e.tasks, &ctx, true)
+            {
+                let mut mask = vec![false; self.cluster.len()];
+                for (_, p) in &ps {
+                    mask[p.node as usize] = true;
+                }
+                return Some((t, mask));
+            }
+        }
+        None
+    }
+
+    fn pass_fair(&mut self, now: Time, out: &mut Vec<Decision>) {
+        let cap = self.cluster.capacity();
+        let caps = [cap.cpu_milli, cap.memory_mib, cap.device_milli.iter().sum::<u64>()];
+        let mut blocked = vec![false; self.by_queue.len()];
+        loop {
+            let mut best: Option<(f64, usize)> = None;
+            for (q, set) in self.by_queue.iter().enumerate() {
+                if blocked[q] || set.is_empty() {
+                    continue;
+                }
+                let w = self
+                    .config
+                    .queue_weights
+                    .get(&self.queue_names[q])
+                    .copied()
+                    .unwrap_or(1.0)
+                    .max(1e-9);
+                let share = (0..3)
+                    .map(|r| {
+                        if caps[r] == 0 {
+                            0.0
+                        } else {
+                            self.queue_usage[q][r] as f64 / caps[r] as f64
+                        }
+                    })
+                    .fold(0.0, f64::max)
+                    / w;
+                if best.is_none_or(|(b, _)| share < b) {
+                    best = Some((share, q));
+                }
+            }
+            let Some((_, q)) = best else { break };
+            let Some(&(_, _, id)) = self.by_queue[q].first() else { break };
+            if !self.start_any_way(id, now, out) || self.jobs[id as usize].key.is_some() {
+                blocked[q] = true;
+            }
+        }
+    }
+
+    /// Places what the job still needs (gang groups all at once). True if anything started.
+    fn try_start(
+        &mut self,
+        id: JobId,
+        now: Time,
+        exclude: Option<&[bool]>,
+        out: &mut Vec<Decision>,
+    ) -> bool {
+        let e = &self.jobs[id as usize];
+        if !e.has_unplaced() {
+            return false;
+        }
+        let ctx = PlaceCtx { token: Entry::token(id), exclude, ..PlaceCtx::default() };
+        let placed = match place_tasks(
+            &mut self.placer,
+            &mut self.cluster,
+            &e.groups,
+            &e.tasks,
+            &ctx,
+            false,
+        ) {
+            Ok(ps) => ps,
+            Err(_) => return false,
+        };
+        self.record_start(id, placed, now, out);
+        true
+    }
+
+    fn record_start(
+        &mut self,
+        id: JobId,
+        placed: Vec<(usize, Placement)>,
+        now: Time,
+        out: &mut Vec<Decision>,
+    ) {
+        let mut starts = Vec::with_capacity(placed.len());
+        let mut on_flex: Option<usize> = None;
+        for (ti, p) in placed {
+            if let Some(Some((pi, si))) = self.flex_slot.get(p.node as usize).copied() {
+                on_flex = Some(pi);
+                let s = &mut self.pools[pi].slots[si];
+                if s.busy_since.is_none() {
+                    s.busy_since = Some(now);
+                }
+                s.idle_since = None;
+            }
+            let e = &mut self.jobs[id as usize];
+            starts.push(TaskStart { task: e.tasks[ti].task, placement: p.clone() });
+            let u = &mut self.queue_usage[e.queue];
+            u[0] += p.cpu_milli;
+            u[1] += p.memory_mib;
+            u[2] += p.device_milli();
+            e.tasks[ti].placement = Some(p);
+        }
+        let e = &mut self.jobs[id as usize];
+        if e.status != JobStatus::Running {
+            e.status = JobStatus::Running;
+            e.started = Some(now);
+            e.first_started.get_or_insert(now);
+            let mut limit = e.job.max_run_duration;
+            if let Some(pi) = on_flex {
+                let m = self.config.pools[pi].max_run_duration;
+                limit = Some(limit.map_or(m, |l| l.min(m)));
+            }
+            if let Some(l) = limit {
+                let d = now.saturating_add(l);
+                e.deadline = Some(d);
+                self.deadlines.insert((d, id));
+            }
+            self.running.insert(id);
+        }
+        if !self.jobs[id as usize].has_unplaced() {
+            self.dequeue(id);
+        }
+        self.unreserve(id, now);
+        out.push(Decision::Start { job: id, tasks: starts });
+    }
+
+    fn release_placement(&mut self, id: JobId, p: &Placement, now: Time) {
+        let _ = self.cluster.release(p);
+        let q = self.jobs[id as usize].queue;
+        let u = &mut self.queue_usage[q];
+        u[0] = u[0].saturating_sub(p.cpu_milli);
+        u[1] = u[1].saturating_sub(p.memory_mib);
+        u[2] = u[2].saturating_sub(p.device_milli());
+        if let Some(Some((pi, si))) = self.flex_slot.get(p.node as usize).copied()
+            && self.cluster.node(p.node).is_some_and(|n| n.is_idle())
+        {
+            let pool = &mut self.pools[pi];
+            if let Some(b) = pool.slots[si].busy_since.take() {
+                pool.busy_seconds += now.saturating_sub(b);
+            }
+            pool.slots[si].idle_since = Some(now);
+        }
+    }
+
+    /// Releases every running task of a job and takes it off the running set.
+    fn release_all(&mut self, id: JobId, now: Time) -> Vec<TaskStart> {
+        let held: Vec<(usize, Placement)> = self.jobs[id as usize]
+            .tasks
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.done)
+            .filter_map(|(i, t)| t.placement.clone().map(|p| (i, p)))
+            .collect();
+        let mut released = Vec::with_capacity(held.len());
+        for (ti, p) in held {
+            self.release_placement(id, &p, now);
+            let e = &mut self.jobs[id as usize];
+            released.push(TaskStart { task: e.tasks[ti].task, placement: p });
+            e.tasks[ti].placement = None;
+        }
+        self.running.remove(&id);
+        if let Some(d) = self.jobs[id as usize].deadline.take() {
+            self.deadlines.remove(&(d, id));
+        }
+        released
+    }
+
+    fn stop_expired(&mut self, now: Time, out: &mut Vec<Decision>) {
+        while let Some(&(d, id)) = self.deadlines.first() {
+            if d > now {
+                break;
+            }
+            let on_flex = self.jobs[id as usize]
+                .running_tasks()
+                .find_map(|t| t.placement.as_ref().and_then(|p| self.flex_slot[p.node as usize]));
+            let tasks = self.release_all(id, d);
+            self.dequeue(id);
+            if let Some((pi, _)) = on_flex {
+                self.pools[pi].stopped += 1;
+            }
+            let e = &mut self.jobs[id as usize];
+            e.status = JobStatus::Stopped;
+            e.finished = Some(d);
+            out.push(Decision::Stop { job: id, reason: StopReason::MaxRunDuration, tasks });
+        }
+    }
+
+    /// Asks a flex-start pool for the capacity this job needs, if one can hold all of it.
+    fn try_provision(&mut self, id: JobId, now: Time, out: &mut Vec<Decision>) -> bool {
+        if self.pools.is_empty() || self.jobs[id as usize].status != JobStatus::Queued {
+            return false;
+        }
+        for pi in 0..self.pools.len() {
+            let mut mask = vec![true; self.cluster.len()];
+            let mut any_off = false;
+            for s in &self.pools[pi].slots {
+                if let Some(n) = self.cluster.node(s.node)
+                    && n.reserved == 0
+                    && matches!(n.status(), NodeStatus::Off | NodeStatus::Ready)
+                {
+                    mask[s.node as usize] = false;
+                    any_off |= n.status() == NodeStatus::Off;
+                }
+            }
+            if !any_off {
+                continue;
+            }
+            let e = &self.jobs[id as usize];
+            let ctx = PlaceCtx {
+                token: Entry::token(id),
+                exclude: Some(&mask),
+                any_status: true,
+                ..PlaceCtx::default()
+            };
+            let Ok(ps) =
+                place_tasks(&mut self.placer, &mut self.cluster, &e.groups, &e.tasks, &ctx, true)
+            else {
+                continue;
+            };
+            let mut nodes: Vec<NodeId> = ps.iter().map(|(_, p)| p.node).collect();
+            for (_, p) in ps.iter().rev() {
+                let _ = self.cluster.release(p);
+            }
+            nodes.sort_unstable();
+            nodes.dedup();
+            let delay = self.config.pools[pi].provisioning_delay;
+            let ready_at = now.saturating_add(delay);
+            let mut new_nodes = Vec::new();
+            for &n in &nodes {
+                if self.cluster.node(n).is_some_and(|x| x.status() == NodeStatus::Off) {
+                    let _ = self.cluster.set_status(n, NodeStatus::Provisioning);
+                    if let Some(Some((p, si))) = self.flex_slot.get(n as usize).copied() {
+                        self.pools[p].slots[si].ready_at = Some(ready_at);
+                    }
+                    new_nodes.push(n);
+                }
+                self.cluster.set_reserved(n, Entry::token(id));
+            }
+            if new_nodes.is_empty() {
+                for &n in &nodes {
+                    self.cluster.set_reserved(n, 0);
+                }
+                continue;
+            }
+            self.pools[pi].waits.push(delay);
+            self.dequeue(id);
+            let e = &mut self.jobs[id as usize];
+            e.status = JobStatus::Provisioning;
+            e.reserved = nodes;
+            e.provision_asked = Some(now);
+            out.push(Decision::Provision {
+                job: id,
+                pool: self.config.pools[pi].name.clone(),
+                nodes: new_nodes,
+                ready_at,
+            });
+            return true;
+        }
+        false
+    }
+
+    /// Brings up flex nodes whose time has come and starts the jobs waiting for them.
+    fn flex_ready(&mut self, now: Time, out: &mut Vec<Decision>) {
+        for pi in 0..self.pools.len() {
+            for si in 0..self.pools[pi].slots.len() {
+                let s = &self.pools[pi].slots[si];
+                if let Some(r) = s.ready_at
+                    && r <= now
+                {
+                    let node = s.node;
+                    let s = &mut self.pools[pi].slots[si];
+                    s.ready_at = None;
+                    s.up_since = Some(r);
+                    s.idle_since = Some(r);
+                    let _ = self.cluster.set_status(node, NodeStatus::Ready);
+                }
+            }
+        }
+        let waiting: Vec<JobId> = (0..self.jobs.len() as JobId)
+            .filter(|&id| self.jobs[id as usize].status == JobStatus::Provisioning)
+            .collect();
+        for id in waiting {
+            let ready = self.jobs[id as usize]
+                .reserved
+                .iter()
+                .all(|&n| self.cluster.node(n).is_some_and(|x| x.status() == NodeStatus::Ready));
+            if !ready {
+                continue;
+            }
+            let mut mask = vec![true; self.cluster.len()];
+            for &n in &self.jobs[id as usize].reserved {
+                mask[n as usize] = false;
+            }
+            self.jobs[id as usize].status = JobStatus::Queued;
+            if !self.try_start(id, now, Some(&mask), out) && !self.try_start(id, now, None, out) {
+                // Should not happen (the nodes were held); queue it again rather than lose it.
+                self.unreserve(id, now);
+                self.enqueue(id);
+            }
+        }
+    }
+
+    fn unreserve(&mut self, id: JobId, now: Time) {
+        let nodes = std::mem::take(&mut self.jobs[id as usize].reserved);
+        for n in nodes {
+            self.cluster.set_reserved(n, 0);
+            if let Some(Some((pi, si))) = self.flex_slot.get(n as usize).copied()
+                && self
+                    .cluster
+                    .node(n)
+                    .is_some_and(|x| x.is_idle() && x.status() == NodeStatus::Ready)
+            {
+                let s = &mut self.pools[pi].slots[si];
+                s.idle_since.get_or_insert(now);
+            }
+        }
+    }
+
+    fn release_idle(&mut self, now: Time, out: &mut Vec<Decision>) {
+        for pi in 0..self.pools.len() {
+            let idle = self.config.pools[pi].idle_release;
+            for si in 0..self.pools[pi].slots.len() {
+                let s = &self.pools[pi].slots[si];
+                let node = s.node;
+                let Some(n) = self.cluster.node(node) else { continue };
+                if n.status() != NodeStatus::Ready || !n.is_idle() || n.reserved != 0 {
+                    continue;
+                }
+                let Some(since) = s.idle_since else { continue };
+                if since + idle > now {
+                    continue;
+                }
+                let at = since + idle;
+                let pool = &mut self.pools[pi];
+                if let Some(u) = pool.slots[si].up_since.take() {
+                    pool.up_seconds += at.saturating_sub(u);
+                }
+                pool.slots[si].idle_since = None;
+                let _ = self.cluster.set_status(node, NodeStatus::Off);
+                out.push(Decision::Release { pool: self.config.pools[pi].name.clone(), node });
+            }
+        }
+    }
+
+    /// Cost and waits of each flex-start pool up to `now` (nodes still up count until `now`).
+    pub fn pool_reports(&self, now: Time) -> Vec<PoolReport> {
+        self.pools
+            .iter()
+            .enumerate()
+            .map(|(pi, p)| {
+                let mut up = p.up_seconds;
+                let mut busy = p.busy_seconds;
+                for s in &p.slots {
+                    if let Some(u) = s.up_since {
+                        up += now.saturating_sub(u);
+                    }
+                    if let Some(b) = s.busy_since {
+                        busy += now.saturating_sub(b);
+                    }
+                }
+                let n = p.waits.len();
+                PoolReport {
+                    pool: self.config.pools[pi].name.clone(),
+                    node_hours_up: up as f64 / 3600.0,
+                    node_hours_used: busy as f64 / 3600.0,
+                    node_hours_idle: up.saturating_sub(busy) as f64 / 3600.0,
+                    provisionings: n as u32,
+                    mean_provisioning_wait: if n == 0 {
+                        0.0
+                    } else {
+                        p.waits.iter().sum::<u64>() as f64 / n as f64
+                    },
+                    max_provisioning_wait: p.waits.iter().copied().max().unwrap_or(0),
+                    stopped_at_max_run: p.stopped,
+                }
+            })
+            .collect()
+    }
+
+    /// Evicts lower-priority jobs so `id` can start: lowest priority first, then least work
+    /// lost (elapsed run time × resources held), then only those actually needed.
+    fn try_preempt(&mut self, id: JobId, now: Time, out: &mut Vec<Decision>) -> bool {
+        let prio = self.jobs[id as usize].job.priority;
+        let mut cands: Vec<(i32, u128, JobId)> = self
+            .running
+            .iter()
+            .filter(|&&r| self.jobs[r as usize].job.priority < prio)
+            .map(|&r| {
+                let e = &self.jobs[r as usize];
+                let u = e.usage();
+                let size = u128::from(u[2]) * 1000 + u128::from(u[0]) + 1;
+                let lost = u128::from(now.saturating_sub(e.started.unwrap_or(now)) + 1) * size;
+                (e.job.priority, lost, r)
+            })
+            .collect();
+        if cands.is_empty() {
+            return false;
+        }
+        cands.sort_unstable();
+        let mut scratch = self.cluster.fork();
+        let ctx = PlaceCtx { token: Entry::token(id), ..PlaceCtx::default() };
+        let release = |c: &mut Cluster, e: &Entry| {
+            for t in e.running_tasks() {
+                if let Some(p) = &t.placement {
+                    let _ = c.release(p);
+                }
+            }
+        };
+        let mut victims: Vec<JobId> = Vec::new();
+        let mut fits = false;
+        for &(_, _, v) in &cands {
+            release(&mut scratch, &self.jobs[v as usize]);
+            victims.push(v);
+            let e = &self.jobs[id as usize];
+            if let Ok(ps) =
+                place_tasks(&mut self.planner, &mut scratch, &e.groups, &e.tasks, &ctx, true)
+            {
+                for (_, p) in ps.iter().rev() {
+                    let _ = scratch.release(p);
+                }
+                fits = true;
+                break;
+            }
+        }
+        if !fits {
+            return false;
+        }
+        // Spare every victim the job can do without, most expensive first.
+        let mut i = victims.len();
+        while i > 0 {
+            i -= 1;
+            let v = victims[i];
+            let ve = &self.jobs[v as usize];
+            let mut restored = true;
+            for t in ve.running_tasks() {
+                if let Some(p) = &t.placement {
+                    restored &= scratch.allocate(p).is_ok();
+                }
+            }
+            let e = &self.jobs[id as usize];
+            let still = restored
+                && match place_tasks(
+                    &mut self.planner,
+                    &mut scratch,
+                    &e.groups,
+                    &e.tasks,
+                    &ctx,
+                    true,
+                ) {
+                    Ok(ps) => {
+                        for (_, p) in ps.iter().rev() {
+                            let _ = scratch.release(p);
+                        }
+                        true
+                    }
+                    Err(_) => false,
+                };
+            if still {
+                victims.remove(i);
+            } else {
+                release(&mut scratch, &self.jobs[v as usize]);
+            }
+        }
+        for &v in &victims {
+            let tasks = self.release_all(v, now);
+            let e = &mut self.jobs[v as usize];
+            e.status = JobStatus::Queued;
+            e.started = None;
+            e.restarts += 1;
+            self.enqueue(v);
+            out.push(Decision::Preempt { job: v, by: id, tasks });
+        }
+        self.try_start(id, now, None, out)
+    }
+
+    /// Checks the books: every held placement adds up to what nodes have free.
+    pub fn audit(&self) -> Result<(), String> {
+        let held: Vec<&Placement> = self
+            .jobs
+            .iter()
+            .flat_map(|e| e.running_tasks().filter_map(|t| t.placement.as_ref()))
+            .collect();
+        self.cluster.audit(held)
+    }
+}
+
+/// Places the unplaced tasks of a job on `cluster` (allocating them): gang and colocated groups
+/// all at once, other tasks one by one. With `all`, every task must be placed or nothing is.
+/// Rolls back everything on failure.
+fn place_tasks(
+    placer: &mut Placer,
+    cluster: &mut Cluster,
+    groups: &[ExpandedGroup],
+    tasks: &[TaskSlot],
+    ctx: &PlaceCtx<'_>,
+    all: bool,
+) -> Result<Vec<(usize, Placement)>, Unschedulable> {
+    let mut done: Vec<(usize, Placement)> = Vec::new();
+    let rollback = |cluster: &mut Cluster, done: &[(usize, Placement)]| {
+        for (_, p) in done.iter().rev() {
+            let _ = cluster.release(p);
+        }
+    };
+    let mut first_err: Option<Unschedulable> = None;
+    for (gi, g) in groups.iter().enumerate() {
+        let idx: Vec<usize> = tasks
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.group == gi && t.placement.is_none() && !t.done)
+            .map(|(i, _)| i)
+            .collect();
+        if idx.is_empty() {
+            continue;
+        }
+        if g.gang || g.colocate || all {
+            let demands: Vec<Demand> = vec![g.demand; idx.len()];
+            match placer.place_gang(cluster, &demands, g.colocate, ctx) {
+                Ok(ps) => done.extend(idx.into_iter().zip(ps)),
+                Err(e) => {
+                    rollback(cluster, &done);
+                    return Err(e);
+                }
+            }
+        } else {
+            for i in idx {
+                match placer.place(cluster, &g.demand, ctx) {
+                    Ok(p) => {
+                        if cluster.allocate(&p).is_ok() {
+                            done.push((i, p));
+                        }
+                    }
+                    Err(report) => {
+                        first_err.get_or_insert(Unschedulable { task: 0, of: 1, report });
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if done.is_empty() {
+        return Err(first_err.unwrap_or_else(|| Unschedulable {
+            task: 0,
+            of: 0,
+            report: crate::placement::FitReport {
+                nodes: cluster.len(),
+                kind: xpu_core::DeviceKind::Gpu,
+                reasons: vec![],
+            },
+        }));
+    }
+    Ok(done)
+}
