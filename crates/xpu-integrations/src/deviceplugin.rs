@@ -159,7 +159,7 @@ impl Dev {
 
 #[derive(Debug, Default)]
 struct Table {
-    /// Sorted by id (= address order), so lookups are binary searches.
+    /// Sorted by id, so lookups are binary searches.
     devs: Vec<Dev>,
     control: Vec<DevNode>,
 }
@@ -195,12 +195,14 @@ impl Plugin {
     /// The devices of `inv` that `resource` selects.
     pub fn new(resource: Resource, inv: &Inventory) -> Plugin {
         let cdi = crate::cdi::names(inv);
-        let devs: Vec<Dev> = inv
+        let mut devs: Vec<Dev> = inv
             .devices
             .iter()
             .filter(|d| resource.matches(d))
             .map(|d| Dev::from_inventory(d, cdi.get(&d.address).cloned()))
             .collect();
+        // Ids sort like addresses except for 5-digit (VMD) domains; lookups need id order.
+        devs.sort_by(|a, b| a.id.cmp(&b.id));
         let table = Table { devs, control: inv.host.control_nodes.clone() };
         let (updates, _) = watch::channel(table.list());
         Plugin { resource, table: RwLock::new(table), updates }
