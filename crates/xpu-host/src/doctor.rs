@@ -576,6 +576,11 @@ fn device_checks(
             Some(format!("driver: {}", d.driver.as_deref().unwrap_or("none"))),
             &fix,
         );
+        // NVSwitches are driven by the fabric manager through /dev/nvidia-nvswitchN, which
+        // discovery does not report; only compute devices need their own node in a container.
+        if d.kind == DeviceKind::Nvswitch {
+            continue;
+        }
         let nodes: Vec<&str> = d
             .dev_nodes
             .iter()

@@ -100,7 +100,8 @@ fn unbind_restores_the_previous_driver_and_override() {
     let root = Root::new(fx.root()).unwrap();
     let mut k = FakeKernel::new(fx.root());
     vfio::bind(&root, &inv(&root), &mut k, &req(&["0000:25:00.0", "0000:2b:00.0"])).unwrap();
-    let out = vfio::unbind(&root, &inv(&root), &mut k, &req(&["0000:25:00.0", "0000:2b:00.0"])).unwrap();
+    let out =
+        vfio::unbind(&root, &inv(&root), &mut k, &req(&["0000:25:00.0", "0000:2b:00.0"])).unwrap();
     assert!(out.devices.iter().all(|d| d.after.as_deref() == Some("nvidia")), "{out:?}");
     assert_eq!(driver(&fx, "0000:25:00.0").as_deref(), Some("nvidia"));
     assert_eq!(override_of(&fx, "0000:25:00.0"), "(null)");
@@ -155,7 +156,12 @@ fn group_binds_every_endpoint_and_leaves_the_bridge() {
 
     // Unbinding one of them alone would leave its peer on vfio-pci beside a host driver.
     let e = vfio::unbind(&root, &inv(&root), &mut k, &req(&["01:00.1"])).unwrap_err();
-    assert!(e.to_string().contains("0000:01:00.0 (vfio-pci), which would stay on vfio-pci; unbind both or pass --group"), "{e}");
+    assert!(
+        e.to_string().contains(
+            "0000:01:00.0 (vfio-pci), which would stay on vfio-pci; unbind both or pass --group"
+        ),
+        "{e}"
+    );
     let r = Request { group: true, ..req(&["01:00.1"]) };
     vfio::unbind(&root, &inv(&root), &mut k, &r).unwrap();
     assert_eq!(driver(&fx, "0000:01:00.0").as_deref(), Some("nvidia"));
@@ -177,7 +183,11 @@ fn failure_mid_way_rolls_back_to_the_exact_starting_state() {
         assert!(matches!(e, VfioError::Failed { .. }), "{msg}");
         assert!(msg.contains("injected failure"), "{msg}");
         assert!(msg.contains("rolled back"), "{msg}");
-        same_tree(&before, &snapshot(fx.root()), &format!("fail_at {fail_at}: {msg}\n{:#?}", k.log()));
+        same_tree(
+            &before,
+            &snapshot(fx.root()),
+            &format!("fail_at {fail_at}: {msg}\n{:#?}", k.log()),
+        );
     }
 }
 
@@ -218,7 +228,13 @@ fn rebinding_a_bound_device_writes_nothing() {
     let before = snapshot(fx.root());
     let root = Root::new(fx.root()).unwrap();
     let mut k = FakeKernel::new(fx.root());
-    let out = vfio::bind(&root, &inv(&root), &mut k, &Request { all_accelerators: true, ..Default::default() }).unwrap();
+    let out = vfio::bind(
+        &root,
+        &inv(&root),
+        &mut k,
+        &Request { all_accelerators: true, ..Default::default() },
+    )
+    .unwrap();
     assert!(k.ops().is_empty(), "{:?}", k.log());
     assert!(!out.changed());
     assert_eq!(out.devices.len(), 14);
@@ -255,7 +271,11 @@ fn dry_run_plans_the_writes_and_makes_none() {
             "echo 0000:25:00.0 > /sys/bus/pci/drivers_probe",
         ]
     );
-    assert!(out.persisted.iter().any(|f| f.path == vfio::PERSIST_RULES && f.diff.contains("KERNEL==\"0000:25:00.0\"")));
+    assert!(
+        out.persisted
+            .iter()
+            .any(|f| f.path == vfio::PERSIST_RULES && f.diff.contains("KERNEL==\"0000:25:00.0\""))
+    );
     same_tree(&before, &snapshot(fx.root()), "");
 }
 
@@ -266,14 +286,18 @@ fn persist_writes_the_boot_rule_and_unbind_removes_it() {
     let mut k = FakeKernel::new(fx.root());
     let r = Request { persist: true, ..req(&["25:00.0", "2b:00.0"]) };
     vfio::bind(&root, &inv(&root), &mut k, &r).unwrap();
-    let rules = std::fs::read_to_string(fx.root().join(vfio::PERSIST_RULES.trim_start_matches('/'))).unwrap();
+    let rules =
+        std::fs::read_to_string(fx.root().join(vfio::PERSIST_RULES.trim_start_matches('/')))
+            .unwrap();
     assert!(rules.contains("KERNEL==\"0000:25:00.0\", DRIVER!=\"vfio-pci\", RUN+=\"/lib/udev/xpu-bind-vfio-pci.sh $kernel\""), "{rules}");
     assert!(rules.contains("KERNEL==\"0000:2b:00.0\""));
     assert!(fx.root().join("lib/udev/xpu-bind-vfio-pci.sh").exists());
     assert!(fx.root().join("etc/modules-load.d/xpu-vfio.conf").exists());
     let r = Request { persist: true, ..req(&["25:00.0"]) };
     vfio::unbind(&root, &inv(&root), &mut k, &r).unwrap();
-    let rules = std::fs::read_to_string(fx.root().join(vfio::PERSIST_RULES.trim_start_matches('/'))).unwrap();
+    let rules =
+        std::fs::read_to_string(fx.root().join(vfio::PERSIST_RULES.trim_start_matches('/')))
+            .unwrap();
     assert!(!rules.contains("0000:25:00.0"), "{rules}");
     assert!(rules.contains("0000:2b:00.0"));
 }
