@@ -22,6 +22,12 @@ struct Cli {
 enum Command {
     /// List accelerators (GPUs, TPUs, NPUs, NVSwitches) and their IOMMU group peers.
     Discover(cmd::discover::Args),
+    /// Check that the host is ready for a profile (vfio-host, tpu-vm, container-host, all).
+    Doctor(cmd::doctor::Args),
+    /// Render or apply the files that make a host ready; tpu-env metadata to an env file.
+    Host(cmd::host::Args),
+    /// Bind devices to vfio-pci and back, keeping IOMMU groups viable.
+    Vfio(cmd::vfio::Args),
     /// Kubernetes: the kubelet device plugin and Node Feature Discovery features.
     K8s(cmd::k8s::Args),
     /// OpenStack: nova.conf PCI passthrough configuration and flavor checks.
@@ -53,6 +59,9 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Discover(args) => cmd::discover::run(args),
+        Command::Doctor(args) => cmd::doctor::run(args),
+        Command::Host(args) => cmd::host::run(args),
+        Command::Vfio(args) => cmd::vfio::run(args),
         Command::K8s(args) => cmd::k8s::run(args),
         Command::Openstack(args) => cmd::openstack::run(args),
         Command::Serve(args) => cmd::server::serve(args),

@@ -1,6 +1,9 @@
 //! One module per subcommand: clap arguments and a `run` that calls the library and prints.
 
 pub mod discover;
+pub mod doctor;
 pub mod k8s;
 pub mod openstack;
+pub mod host;
 pub mod server;
+pub mod vfio;
