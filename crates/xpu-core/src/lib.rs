@@ -6,6 +6,7 @@
 //!   and the classification rule that turns a PCI function into a [`accel::DeviceKind`].
 //! - [`inventory`]: the [`inventory::Inventory`] that `xpu-host::discover` produces and every
 //!   downstream consumer reads.
+//! - [`driver`]: driver capabilities and the driver files (libraries, tools) a container needs.
 //! - [`tpu`]: TPU slice topology math (`2x2x4` → chips and hosts).
 //! - [`kernel`]: the kernel side effects (`driver_override`, `unbind`, `drivers_probe`,
 //!   `modprobe`) as values, and the [`kernel::Kernel`] trait they go through.
@@ -13,6 +14,7 @@
 //!   `PciPassthroughFilter` pool fit check.
 
 pub mod accel;
+pub mod driver;
 pub mod inventory;
 pub mod kernel;
 pub mod job;

@@ -6,6 +6,7 @@
 //! - [`pciids`]: vendor/device/class names from the PCI ID database, offline.
 //! - [`modalias`]: which kernel modules claim a device (`modules.alias`).
 //! - [`devnode`]: `stat` of `/dev` nodes (type, major, minor, mode).
+//! - [`driver_files`]: the driver libraries and tools a container needs (`libcuda`, `nvidia-smi`).
 //! - [`profile`]: host profiles (vfio-host, tpu-vm, container-host) and what each wants.
 //! - [`doctor`]: readiness checks (`xpu doctor`), with [`cgroups`] and [`limits`] readers.
 //! - [`provision`]: the files that make a host ready, rendered, as cloud-init, or applied with
@@ -16,6 +17,7 @@
 pub mod cgroups;
 pub mod devnode;
 pub mod discover;
+pub mod driver_files;
 pub mod doctor;
 pub mod grub;
 pub mod kernel;

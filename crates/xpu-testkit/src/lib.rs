@@ -16,6 +16,8 @@
 #![allow(clippy::unwrap_used)]
 
 pub mod fake_kernel;
+pub mod bundle;
+pub mod driver;
 pub mod hosts;
 pub mod lspci;
 pub mod readiness;

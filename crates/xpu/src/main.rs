@@ -46,9 +46,24 @@ enum Command {
     Cancel(cmd::server::CancelArgs),
     /// The daemon's devices and who holds them.
     Devices(cmd::server::DevicesArgs),
+    /// Container Device Interface specs for this host's accelerators.
+    Cdi(cmd::cdi::Args),
+    /// OCI runtime shim in front of runc (also installed as xpu-container-runtime).
+    Runtime(cmd::runtime::Args),
+    /// OCI createRuntime/prestart hook injecting the devices a container asks for.
+    Hook(cmd::hook::Args),
 }
 
 fn main() -> ExitCode {
+    // The runtime shim takes runc's command line verbatim: clap never sees it.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let invoked_as = argv.first().map(std::path::Path::new).and_then(|p| p.file_name());
+    if invoked_as.is_some_and(|n| n == "xpu-container-runtime") {
+        return cmd::runtime::run(argv[1..].to_vec());
+    }
+    if argv.get(1).is_some_and(|a| a == "runtime") {
+        return cmd::runtime::run(argv[2..].to_vec());
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -71,6 +86,9 @@ fn main() -> ExitCode {
         Command::Logs(args) => cmd::server::logs(args),
         Command::Cancel(args) => cmd::server::cancel(args),
         Command::Devices(args) => cmd::server::devices(args),
+        Command::Cdi(args) => cmd::cdi::run(args),
+        Command::Runtime(args) => return cmd::runtime::run(args.args),
+        Command::Hook(args) => cmd::hook::run(args),
     };
     let code = match result {
         Ok(code) => code,

@@ -1,9 +1,12 @@
 //! One module per subcommand: clap arguments and a `run` that calls the library and prints.
 
+pub mod cdi;
 pub mod discover;
 pub mod doctor;
+pub mod hook;
+pub mod host;
 pub mod k8s;
 pub mod openstack;
-pub mod host;
+pub mod runtime;
 pub mod server;
 pub mod vfio;

@@ -1,0 +1,64 @@
+//! Atomic file replacement: a reader (a container runtime loading a CDI spec, runc loading
+//! `config.json`) sees the old content or the new one, never a partial write.
+
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+/// Writes `bytes` to a temporary file next to `path` (same directory, so the rename stays on one
+/// filesystem), syncs it, and renames it over `path`. The temporary file never outlives a
+/// failure. `mode` applies when `path` does not exist yet; an existing file keeps its mode.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mode = std::fs::metadata(path).map(|m| m.permissions().mode() & 0o7777).unwrap_or(mode);
+    let tmp = dir.join(format!(".{name}.xpu-{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .mode(mode)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_and_keeps_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("spec.yaml");
+        write_atomic(&p, b"one", 0o600).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"one");
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        write_atomic(&p, b"two", 0o644).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
+    }
+
+    #[test]
+    fn failure_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        // Renaming a file over a non-empty directory fails.
+        let p = dir.path().join("target");
+        std::fs::create_dir(&p).unwrap();
+        std::fs::write(p.join("x"), b"").unwrap();
+        assert!(write_atomic(&p, b"data", 0o644).is_err());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+}

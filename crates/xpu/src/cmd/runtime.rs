@@ -1,0 +1,95 @@
+//! `xpu runtime` / `xpu-container-runtime`: the OCI runtime shim in front of runc. Arguments
+//! are runc's and are never parsed by clap: `main` hands them over verbatim.
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+use xpu_container::config::RuntimeConfig;
+use xpu_container::nvml::{Configured, SmiNvml};
+use xpu_container::shim::{self, Host, Outcome};
+use xpu_core::Inventory;
+use xpu_core::driver::DriverFiles;
+use xpu_host::{DiscoverOptions, Root, Scope};
+
+use crate::output::CliError;
+
+/// Reads the host under the configured root with `xpu-host`.
+pub struct HostReader {
+    root: Root,
+}
+
+impl HostReader {
+    pub fn new(cfg: &RuntimeConfig) -> Result<Self, CliError> {
+        let root = if cfg.root == std::path::Path::new("/") {
+            Root::host()
+        } else {
+            Root::new(&cfg.root).map_err(CliError::failed)?
+        };
+        Ok(Self { root })
+    }
+}
+
+impl Host for HostReader {
+    fn inventory(&self) -> Result<Inventory, String> {
+        let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
+        xpu_host::discover(&self.root, &opts).map_err(|e| e.to_string())
+    }
+
+    fn driver_files(&self, inv: &Inventory) -> DriverFiles {
+        xpu_host::driver_files::find(&self.root, inv.host.nvidia_driver_version.as_deref())
+    }
+}
+
+/// NVML facts: `cuda_version` from the config, else `nvidia-smi` under the host root.
+pub fn nvml(cfg: &RuntimeConfig) -> Configured<SmiNvml> {
+    Configured {
+        cuda_version: cfg.cuda_version.clone(),
+        inner: SmiNvml::new(cfg.root.join("usr/bin/nvidia-smi")),
+    }
+}
+
+fn fail(prefix: &str, e: impl Into<anyhow::Error>) -> ExitCode {
+    let e: anyhow::Error = e.into();
+    let chain: Vec<String> = e.chain().map(ToString::to_string).collect();
+    eprintln!("{prefix}: error: {}", chain.join(": "));
+    ExitCode::FAILURE
+}
+
+/// Runs the shim with runc's arguments `args`; returns only when it cannot exec runc.
+pub fn run(args: Vec<OsString>) -> ExitCode {
+    const ME: &str = "xpu-container-runtime";
+    let cfg = match RuntimeConfig::load_default() {
+        Ok(c) => c,
+        Err(e) => return fail(ME, e),
+    };
+    let host = match HostReader::new(&cfg) {
+        Ok(h) => h,
+        Err(e) => return fail(ME, e.error),
+    };
+    match shim::handle(&args, &cfg, &host, &nvml(&cfg)) {
+        Ok((runtime, outcome)) => {
+            if let Outcome::Edited(summary) = &outcome {
+                cfg.log(summary);
+            }
+            let e = shim::exec(&runtime, &args);
+            cfg.log(&e.to_string());
+            fail(ME, e)
+        }
+        Err(e) => {
+            cfg.log(&format!("refused {}: {e}", display_args(&args)));
+            fail(ME, e)
+        }
+    }
+}
+
+fn display_args(args: &[OsString]) -> String {
+    args.iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ")
+}
+
+/// The clap stand-in, for `xpu --help`: `main` dispatches `xpu runtime` before clap parses.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// runc's arguments, passed through verbatim (`create --bundle DIR ID`, `start ID`...).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "RUNC_ARGS")]
+    pub args: Vec<OsString>,
+}

@@ -1,0 +1,358 @@
+//! `xpu-container-runtime` end to end: Debian's runc runs a busybox container through the shim
+//! on fixture hosts whose device nodes are real character devices (`mknod`). Needs root and
+//! runc (installed by scripts/install-test-deps); each test says so and skips, with the reason
+//! printed, only where they are truly absent.
+
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use xpu_testkit::bundle::{
+    self, Bundle, ContainerView, RUNC, RuncState, TestHost, container_id, probe_script, snapshot,
+};
+use xpu_testkit::hosts;
+use xpu_testkit::sysfs::{MAJOR_MISC, MAJOR_NVIDIA, MAJOR_NVIDIA_UVM, MAJOR_VFIO_GROUP};
+
+const XPU: &str = env!("CARGO_BIN_EXE_xpu");
+
+fn unavailable() -> bool {
+    match bundle::container_tests_unavailable() {
+        Some(why) => {
+            eprintln!("skipping: {why}");
+            true
+        }
+        None => false,
+    }
+}
+
+/// `xpu-container-runtime`: a symlink to the xpu binary, so argv[0] dispatch is what runs.
+fn shim_link(dir: &Path) -> PathBuf {
+    let link = dir.join("xpu-container-runtime");
+    if !link.exists() {
+        std::os::unix::fs::symlink(XPU, &link).unwrap();
+    }
+    link
+}
+
+/// Runs `bundle` through the shim and returns the output.
+fn run_shim(host: &TestHost, bundle: &Bundle, test: &str) -> (Output, RuncState) {
+    let state = RuncState::new();
+    let shim = shim_link(host.dir.path());
+    let cfg = host.config.to_str().unwrap();
+    let out = state.run(&shim, &[], bundle, &container_id(test), &[("XPU_RUNTIME_CONFIG", cfg)]);
+    (out, state)
+}
+
+fn view(out: &Output) -> ContainerView {
+    assert!(
+        out.status.success(),
+        "container failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    ContainerView::parse(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn nodes(list: &[(&str, u32, u32)]) -> BTreeMap<String, (char, u32, u32)> {
+    list.iter().map(|(p, ma, mi)| ((*p).to_owned(), ('c', *ma, *mi))).collect()
+}
+
+#[test]
+fn runtime_visible_devices_1_3_needs_root_and_runc() {
+    if unavailable() {
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    let extra = "cat /usr/lib/x86_64-linux-gnu/libcuda.so.1; nvidia-smi; \
+                 cat /dev/nvidia1 2>&1 | head -n1; \
+                 touch /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>&1 | head -n1";
+    let b = Bundle::busybox(&probe_script(extra));
+    b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
+    let (out, _state) = run_shim(&host, &b, "rt13");
+    let v = view(&out);
+    assert_eq!(
+        v.accel_nodes(),
+        nodes(&[
+            ("/dev/nvidia1", MAJOR_NVIDIA, 1),
+            ("/dev/nvidia3", MAJOR_NVIDIA, 3),
+            ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
+            ("/dev/nvidia-uvm", MAJOR_NVIDIA_UVM, 0),
+            ("/dev/nvidia-uvm-tools", MAJOR_NVIDIA_UVM, 1),
+        ]),
+        "exactly GPUs 1 and 3 plus the control nodes"
+    );
+    assert_eq!(v.env["NVIDIA_VISIBLE_DEVICES"], "1,3");
+    assert_eq!(v.env["XPU_DEVICES"], "nvidia.com/gpu=1,nvidia.com/gpu=3");
+    // The driver's files, read-only, and nvidia-smi runs.
+    assert!(v.extra.contains("fake libcuda.so.535.104.05"), "{}", v.extra);
+    assert!(v.extra.contains("NVIDIA-SMI 535.104.05 (xpu fixture)"), "{}", v.extra);
+    assert!(v.extra.contains("Read-only file system"), "{}", v.extra);
+    // The cgroup allows the device: opening it reaches the (absent) driver, ENXIO, not EPERM.
+    assert!(v.extra.contains("No such device or address"), "{}", v.extra);
+    assert!(host.log().contains("nvidia.com/gpu=1,nvidia.com/gpu=3: 5 nodes"), "{}", host.log());
+}
+
+#[test]
+fn runtime_void_and_unset_add_nothing_needs_root_and_runc() {
+    if unavailable() {
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    for (i, env) in [None, Some("NVIDIA_VISIBLE_DEVICES=void"), Some("NVIDIA_VISIBLE_DEVICES=")]
+        .into_iter()
+        .enumerate()
+    {
+        let b = Bundle::busybox(&probe_script(""));
+        if let Some(e) = env {
+            b.add_env(&[e]);
+        }
+        let before = std::fs::read(b.config_path()).unwrap();
+        let (out, _state) = run_shim(&host, &b, &format!("rtvoid{i}"));
+        let v = view(&out);
+        assert!(v.accel_nodes().is_empty(), "{env:?}: {:?}", v.accel_nodes());
+        assert!(!v.env.contains_key("XPU_DEVICES"));
+        assert_eq!(std::fs::read(b.config_path()).unwrap(), before, "{env:?}: spec untouched");
+    }
+}
+
+#[test]
+fn runtime_tpu_container_sees_its_vfio_nodes_needs_root_and_runc() {
+    if unavailable() {
+        return;
+    }
+    let host = TestHost::new(&hosts::tpu_v5p());
+    let b = Bundle::busybox(&probe_script(""));
+    b.add_env(&["XPU_VISIBLE_DEVICES=google.com/tpu=0,tpu:2"]);
+    let (out, _state) = run_shim(&host, &b, "rttpu");
+    let v = view(&out);
+    assert_eq!(
+        v.accel_nodes(),
+        nodes(&[
+            ("/dev/vfio/0", MAJOR_VFIO_GROUP, 0),
+            ("/dev/vfio/2", MAJOR_VFIO_GROUP, 2),
+            ("/dev/vfio/vfio", MAJOR_MISC, 196),
+        ])
+    );
+    assert_eq!(v.env["XPU_DEVICES"], "google.com/tpu=0,google.com/tpu=2");
+}
+
+#[test]
+fn runtime_cdi_annotation_and_none_needs_root_and_runc() {
+    if unavailable() {
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    // A CDI annotation (as a device plugin's Allocate leaves it), another vendor's name ignored.
+    let b = Bundle::busybox(&probe_script(""));
+    let mut c = b.config();
+    c["annotations"] = serde_json::json!({
+        "cdi.k8s.io/xpu": "nvidia.com/gpu=GPU-5eed0007-a100-4000-8000-000000000007,vendor.example/fpga=0"
+    });
+    b.set_config(&c);
+    let (out, _state) = run_shim(&host, &b, "rtcdi");
+    let v = view(&out);
+    assert!(v.accel_nodes().contains_key("/dev/nvidia7"), "{:?}", v.accel_nodes());
+    assert_eq!(v.env["XPU_DEVICES"], "nvidia.com/gpu=7");
+
+    // `none`: the driver without a GPU; utility only, so no UVM.
+    let b = Bundle::busybox(&probe_script("nvidia-smi"));
+    b.add_env(&["NVIDIA_VISIBLE_DEVICES=none", "NVIDIA_DRIVER_CAPABILITIES=utility"]);
+    let (out, _state) = run_shim(&host, &b, "rtnone");
+    let v = view(&out);
+    assert_eq!(v.accel_nodes(), nodes(&[("/dev/nvidiactl", MAJOR_NVIDIA, 255)]));
+    assert!(v.extra.contains("NVIDIA-SMI"), "{}", v.extra);
+}
+
+/// Runs `create` through `xpu runtime` for a request that must fail; returns stderr after
+/// checking that the engine saw a failure and nothing changed.
+fn refused(host: &TestHost, b: &Bundle, test: &str) -> String {
+    let before = std::fs::read(b.config_path()).unwrap();
+    let state = RuncState::new();
+    let out = Command::new(XPU)
+        .args(["runtime", "--root"])
+        .arg(state.path())
+        .args(["create", "--bundle"])
+        .arg(b.dir())
+        .arg(container_id(test))
+        .env("XPU_RUNTIME_CONFIG", &host.config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{test}: create should fail");
+    assert_eq!(std::fs::read(b.config_path()).unwrap(), before, "{test}: spec untouched");
+    assert!(state.containers().is_empty(), "{test}: runc never ran");
+    let leftovers: Vec<_> = std::fs::read_dir(b.dir())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{test}: {leftovers:?}");
+    stderr
+}
+
+#[test]
+fn runtime_bad_input_fails_create_naming_it_needs_root_and_runc() {
+    if unavailable() {
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &["NVIDIA_VISIBLE_DEVICES=1,9"],
+            "NVIDIA_VISIBLE_DEVICES=\"1,9\": GPU index 9 does not exist; this host has 8 NVIDIA GPUs (indices 0-7)",
+        ),
+        (
+            &["NVIDIA_VISIBLE_DEVICES=GPU-nope"],
+            "NVIDIA_VISIBLE_DEVICES=\"GPU-nope\": no NVIDIA GPU has UUID GPU-nope",
+        ),
+        (&["NVIDIA_VISIBLE_DEVICES=MIG-1234"], "MIG devices are not supported yet"),
+        (&["NVIDIA_VISIBLE_DEVICES=0:1"], "MIG devices are not supported yet"),
+        (
+            &["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,gpu"],
+            "NVIDIA_DRIVER_CAPABILITIES=\"compute,gpu\": unknown capability \"gpu\"",
+        ),
+        (
+            &[
+                "NVIDIA_VISIBLE_DEVICES=0",
+                "NVIDIA_REQUIRE_CUDA=cuda>=12.4 brand=tesla,driver>=470,driver<471",
+            ],
+            "NVIDIA_REQUIRE_CUDA=\"cuda>=12.4 brand=tesla,driver>=470,driver<471\": requirement not met",
+        ),
+        (
+            &["XPU_VISIBLE_DEVICES=example.com/fpga=0"],
+            "XPU_VISIBLE_DEVICES=\"example.com/fpga=0\": unknown CDI kind example.com/fpga",
+        ),
+    ];
+    for (i, (env, want)) in cases.iter().enumerate() {
+        let b = Bundle::busybox("true");
+        b.add_env(env);
+        let stderr = refused(&host, &b, &format!("rtbad{i}"));
+        assert!(stderr.contains(want), "{env:?}: {stderr}");
+        assert!(stderr.starts_with("xpu-container-runtime: error:"), "{stderr}");
+    }
+
+    let b = Bundle::busybox("true");
+    std::fs::write(b.config_path(), b"{\"process\": {\"env\": [\"NVIDIA_VISIBLE_DEVICES=0\"]")
+        .unwrap();
+    let stderr = refused(&host, &b, "rtbadjson");
+    assert!(stderr.contains("config.json: not valid JSON"), "{stderr}");
+
+    let b = Bundle::busybox("true");
+    let mut c = b.config();
+    c["process"]["env"] = serde_json::json!("NVIDIA_VISIBLE_DEVICES=0");
+    b.set_config(&c);
+    let stderr = refused(&host, &b, "rtbadenv");
+    assert!(stderr.contains("process.env is not an array of strings"), "{stderr}");
+}
+
+#[test]
+fn runtime_require_is_checked_and_can_be_disabled_needs_root_and_runc() {
+    if unavailable() {
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    // CUDA 12.2 (runtime.toml) meets cuda>=12.0.
+    let b = Bundle::busybox(&probe_script(""));
+    b.add_env(&[
+        "NVIDIA_VISIBLE_DEVICES=0",
+        "NVIDIA_REQUIRE_CUDA=cuda>=12.0 brand=tesla,driver>=470,driver<471",
+    ]);
+    let (out, _state) = run_shim(&host, &b, "rtreq");
+    assert!(view(&out).accel_nodes().contains_key("/dev/nvidia0"));
+    // Not met, but disabled.
+    let b = Bundle::busybox(&probe_script(""));
+    b.add_env(&[
+        "NVIDIA_VISIBLE_DEVICES=0",
+        "NVIDIA_REQUIRE_CUDA=cuda>=13.0",
+        "NVIDIA_DISABLE_REQUIRE=true",
+    ]);
+    let (out, _state) = run_shim(&host, &b, "rtreqoff");
+    assert!(view(&out).accel_nodes().contains_key("/dev/nvidia0"));
+}
+
+#[test]
+fn runtime_refuses_malicious_rootfs_needs_root_and_runc() {
+    if unavailable() {
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    let canary = tempfile::Builder::new().prefix("xpu-canary-").tempdir().unwrap();
+    std::fs::write(canary.path().join("keep"), b"canary").unwrap();
+    let canary_before = snapshot(canary.path());
+    let canary_s = canary.path().to_str().unwrap().to_owned();
+    let cases = [
+        ("/usr/lib/x86_64-linux-gnu", "/", "rtevil1"),
+        ("/usr/lib/x86_64-linux-gnu", canary_s.as_str(), "rtevil2"),
+        ("/dev", "/etc", "rtevil3"),
+        ("/usr/bin", "../../..", "rtevil4"),
+    ];
+    for (at, target, test) in cases {
+        let b = Bundle::busybox("true");
+        b.add_env(&["NVIDIA_VISIBLE_DEVICES=all"]);
+        b.plant_symlink(at, target);
+        let etc_before = snapshot(&b.rootfs().join("etc"));
+        let stderr = refused(&host, &b, test);
+        assert!(stderr.contains(&format!("{at} in the container rootfs")), "{at}: {stderr}");
+        assert!(
+            stderr.contains(&format!("is a symlink to {target}, which points outside the rootfs")),
+            "{stderr}"
+        );
+        assert_eq!(snapshot(&b.rootfs().join("etc")), etc_before);
+    }
+    assert_eq!(snapshot(canary.path()), canary_before, "nothing outside the rootfs changed");
+    assert!(!Path::new("/libcuda.so.1").exists() && !Path::new("/libnvidia-ml.so.1").exists());
+    assert!(host.log().contains("refused"), "{}", host.log());
+}
+
+#[test]
+fn runtime_passes_other_subcommands_through_needs_root_and_runc() {
+    if unavailable() {
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    let shim = shim_link(host.dir.path());
+    let state = RuncState::new();
+    let run = |program: &Path, args: &[&str]| {
+        Command::new(program).args(args).env("XPU_RUNTIME_CONFIG", &host.config).output().unwrap()
+    };
+    let root = state.path().to_str().unwrap();
+    for args in [
+        &["--version"][..],
+        &["--root", root, "list"],
+        &["--root", root, "list", "--format", "json"],
+    ] {
+        let via_shim = run(&shim, args);
+        let direct = run(Path::new(RUNC), args);
+        assert_eq!(via_shim.status.code(), direct.status.code(), "{args:?}");
+        assert_eq!(via_shim.stdout, direct.stdout, "{args:?}");
+    }
+    // A detached create/start/delete cycle through the shim.
+    let b = Bundle::busybox("sleep 10");
+    b.add_env(&["NVIDIA_VISIBLE_DEVICES=2"]);
+    let id = container_id("rtcycle");
+    let ok = |o: Output| assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bundle_dir = b.dir().to_str().unwrap();
+    // The created container keeps its stdio until it runs: give it files, not our pipes.
+    let log = host.dir.path().join("create.out");
+    let created = Command::new(&shim)
+        .args(["--root", root, "create", "--bundle", bundle_dir, &id])
+        .env("XPU_RUNTIME_CONFIG", &host.config)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::create(host.dir.path().join("create.err")).unwrap())
+        .status()
+        .unwrap();
+    assert!(
+        created.success(),
+        "{}",
+        std::fs::read_to_string(host.dir.path().join("create.err")).unwrap_or_default()
+    );
+    ok(run(&shim, &["--root", root, "start", &id]));
+    let st = run(&shim, &["--root", root, "state", &id]);
+    assert!(String::from_utf8_lossy(&st.stdout).contains("\"status\": \"running\""));
+    ok(run(&shim, &["--root", root, "delete", "-f", &id]));
+    assert!(b.config().to_string().contains("/dev/nvidia2"), "create edited the spec");
+}
