@@ -167,6 +167,22 @@ async fn submit(
                 .into_response();
         }
     };
+    if parsed.spec.container.rootfs.is_some() {
+        // Refused rather than run on the host: the container path (runc through
+        // `xpu runtime`) is not wired into the executor yet.
+        let field = match parsed.spec.source {
+            xpu_core::job::Source::Kubernetes => "metadata.annotations.xpu.dev/rootfs",
+            xpu_core::job::Source::Short => "rootfs",
+        };
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({
+                "error": format!("{field}: this daemon runs tasks as host processes only; drop the rootfs to run the command on the host"),
+                "field": field,
+            })),
+        )
+            .into_response();
+    }
     let key =
         headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned).or(q.key);
     if let Some(k) = &key
