@@ -921,6 +921,8 @@ pub enum FitStage {
     Numa { matching: usize, after_numa: usize },
     /// Not enough once PFs are held back from a non-PF request.
     Pf { after_numa: usize, without_pfs: usize },
+    /// The guest has more NUMA nodes than the host has cells.
+    NumaCells { guest: usize, host: usize },
 }
 
 /// A request this host cannot satisfy, and why.
@@ -954,6 +956,10 @@ impl fmt::Display for FitFailure {
                 "alias {alias} needs {n} device(s); {after_numa} match, but {} of them are PFs, which Nova gives only to requests for device_type type-PF",
                 after_numa - without_pfs
             )?,
+            FitStage::NumaCells { guest, host } => write!(
+                f,
+                "alias {alias} cannot be placed: the guest asks for {guest} NUMA node(s) but the host has {host}"
+            )?,
         }
         if let Some(h) = &self.hint {
             write!(f, "; {h}")?;
@@ -970,7 +976,7 @@ pub struct Claimed {
 }
 
 /// The PCI stats of one compute node: its assignable devices grouped into pools.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct PciStats {
     pub devices: Vec<HostDevice>,
     pub pools: Vec<Pool>,
@@ -1278,11 +1284,8 @@ impl PciStats {
             alias: requests.first().map(|r| r.alias_name.clone()).unwrap_or_default(),
             count: requests.first().map_or(0, |r| r.count),
             numa_policy: requests.first().map_or(NumaPolicy::Legacy, |r| r.numa_policy),
-            stage: FitStage::Numa { matching: 0, after_numa: 0 },
-            hint: Some(format!(
-                "the guest asks for {guest_nodes} NUMA node(s) but the host has {}",
-                ids.len()
-            )),
+            stage: FitStage::NumaCells { guest: guest_nodes, host: ids.len() },
+            hint: None,
         }))
     }
 }
@@ -1302,12 +1305,13 @@ pub struct HostChoice {
 /// hosts that support the requests; `PCIWeigher` prefers, among them, the host with the fewest
 /// free PCI devices (stacking, so whole hosts stay free for big requests; ties go to the earlier
 /// host); the chosen host's claim then takes the devices. Other weighers (RAM, CPU, affinity)
-/// are not modelled. On failure, every host's reason, in order.
+/// are not modelled. On failure, every host's reason with the host's index: filter failures in
+/// host order, then claim failures.
 pub fn place(
     hosts: &mut [PciStats],
     requests: &[PciRequest],
     guest_numa_nodes: Option<usize>,
-) -> Result<HostChoice, Vec<FitFailure>> {
+) -> Result<HostChoice, Vec<(usize, FitFailure)>> {
     let mut passing: Vec<(usize, Option<Vec<u32>>)> = Vec::new();
     let mut failures = Vec::new();
     for (i, h) in hosts.iter().enumerate() {
@@ -1317,7 +1321,7 @@ pub fn place(
         };
         match fit {
             Ok(cells) => passing.push((i, cells)),
-            Err(f) => failures.push(f),
+            Err(f) => failures.push((i, f)),
         }
     }
     // Stable: the earlier host wins a tie.
@@ -1327,7 +1331,7 @@ pub fn place(
             Ok(claimed) => return Ok(HostChoice { host: i, numa_cells: cells, claimed }),
             // The filter counts pools; a claim can still fail on PF/VF dependencies, and Nova
             // then reschedules to the next host.
-            Err(f) => failures.push(f),
+            Err(f) => failures.push((i, f)),
         }
     }
     Err(failures)

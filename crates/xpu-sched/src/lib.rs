@@ -61,6 +61,7 @@
 pub mod cluster;
 mod hash;
 pub mod inventory;
+pub mod nova;
 pub mod placement;
 pub mod policy;
 pub mod pool;

@@ -381,7 +381,9 @@ fn guest_numa_fit_tries_host_cells() {
     assert_eq!(h.fit_numa_guest(&req(3, NumaPolicy::Required), 1).unwrap(), [0]);
     assert_eq!(h.fit_numa_guest(&req(6, NumaPolicy::Required), 2).unwrap(), [0, 1]);
     assert!(h.fit_numa_guest(&req(5, NumaPolicy::Required), 1).is_err());
-    assert!(h.fit_numa_guest(&req(1, NumaPolicy::Required), 4).is_err());
+    let e = h.fit_numa_guest(&req(1, NumaPolicy::Required), 4).unwrap_err();
+    assert_eq!(e.stage, FitStage::NumaCells { guest: 4, host: 3 });
+    assert!(e.to_string().contains("asks for 4 NUMA node(s) but the host has 3"), "{e}");
 }
 
 /// An SR-IOV PF with two VFs, all `10de:20f1`, plus a plain GPU.
