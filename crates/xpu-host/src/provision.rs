@@ -297,12 +297,6 @@ fn vfio_files(p: Profile, devices: &[DeviceMatch], extra: &[String], files: &mut
     files.push(HostFile::new(MODULES_LOAD_VFIO, 0o644, c));
 
     if !devices.is_empty() {
-        let mut c = header(
-            p,
-            "vfio-pci claims these devices when it loads; the softdeps load it before the drivers that would claim them first.",
-        );
-        let ids: Vec<String> = devices.iter().map(ToString::to_string).collect();
-        let _ = writeln!(c, "options vfio-pci ids={}", ids.join(","));
         let mut drivers: BTreeSet<String> = BTreeSet::new();
         for d in devices {
             drivers.extend(vendor_drivers(d.vendor).iter().map(|s| (*s).to_owned()));
@@ -313,6 +307,16 @@ fn vfio_files(p: Profile, devices: &[DeviceMatch], extra: &[String], files: &mut
                 .map(|m| xpu_core::kernel::module_name(m))
                 .filter(|m| m != "vfio_pci" && m != "pci_stub"),
         );
+        let mut c = header(
+            p,
+            if drivers.is_empty() {
+                "vfio-pci claims these devices when it loads."
+            } else {
+                "vfio-pci claims these devices when it loads; the softdeps load it before the drivers that would claim them first."
+            },
+        );
+        let ids: Vec<String> = devices.iter().map(ToString::to_string).collect();
+        let _ = writeln!(c, "options vfio-pci ids={}", ids.join(","));
         for d in drivers {
             let _ = writeln!(c, "softdep {d} pre: vfio-pci");
         }
