@@ -447,9 +447,7 @@ fn iommu_checks(root: &Root, inv: &Inventory, facts: &Facts, apply_fix: &str, c:
         Some(detail.to_owned()),
         "enable VT-d (Intel) or AMD-Vi/IOMMU (AMD) in the firmware",
     );
-    let groups =
-        std::fs::read_dir(root.path("/sys/kernel/iommu_groups")).map(|d| d.count()).unwrap_or(0);
-    let _ = inv;
+    let groups = inv.host.iommu_groups;
     c.verdict(
         "iommu.enabled",
         "IOMMU",
@@ -660,7 +658,6 @@ fn passthrough_checks(
         .filter(|b| b.address != a)
         .map(|b| format!("{} ({})", b.address, b.driver.as_deref().unwrap_or("no driver")))
         .collect();
-    let self_blocks = blockers.iter().any(|b| b.address == a);
     let detail = if blockers.is_empty() {
         format!("group {group}: every endpoint on vfio-pci, pci-stub or no driver")
     } else if others.is_empty() {
@@ -673,7 +670,6 @@ fn passthrough_checks(
     } else {
         format!("xpu vfio bind {a} --group")
     };
-    let _ = self_blocks;
     c.verdict(
         format!("device.{a}.group"),
         "DEVICE",
