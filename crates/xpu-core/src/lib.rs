@@ -16,8 +16,8 @@
 pub mod accel;
 pub mod driver;
 pub mod inventory;
-pub mod kernel;
 pub mod job;
+pub mod kernel;
 pub mod labels;
 pub mod nova;
 pub mod pci;
