@@ -10,8 +10,7 @@
 //! - [`nfd`]: Node Feature Discovery local feature files.
 //! - [`novaconf`]: the `nova.conf` `[pci]` entries, scheduler filters and flavor commands for this
 //!   host, and `nova.conf` parsing for the "does this flavor fit" check.
-//! - [`cdi`]: the CDI device names xpu gives accelerators (shared with the container runtime
-//!   side).
+//! - [`cdi`]: the CDI device names `Allocate` returns, from `xpu-container`'s naming convention.
 
 pub mod cdi;
 pub mod deviceplugin;
