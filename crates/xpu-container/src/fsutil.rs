@@ -9,6 +9,14 @@ use std::path::Path;
 /// filesystem), syncs it, and renames it over `path`. The temporary file never outlives a
 /// failure. `mode` applies when `path` does not exist yet; an existing file keeps its mode.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    write_replace(path, bytes, mode, true)
+}
+
+/// [`write_atomic`] without the `fsync`: readers still see the old or the new content (the
+/// rename is atomic), but a power cut may lose the new one. For a bundle's `config.json`, which
+/// runc reads a millisecond later and which does not outlive the container, durability is not
+/// worth the `fsync` on every container start.
+pub fn write_replace(path: &Path, bytes: &[u8], mode: u32, durable: bool) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -25,7 +33,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()>
             .open(&tmp)?;
         f.write_all(bytes)?;
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        f.sync_all()?;
+        if durable {
+            f.sync_all()?;
+        }
         std::fs::rename(&tmp, path)
     })();
     if result.is_err() {

@@ -260,13 +260,14 @@ impl Spec {
         Ok(())
     }
 
-    /// Writes the spec back atomically (temporary file in the bundle, then rename).
+    /// Writes the spec back atomically (temporary file in the bundle, then rename; no `fsync`,
+    /// see [`crate::fsutil::write_replace`]).
     pub fn save(&self) -> Result<(), SpecError> {
         let bytes = serde_json::to_vec(&self.value).map_err(|e| SpecError::Write {
             path: self.path.clone(),
             source: std::io::Error::other(e),
         })?;
-        crate::fsutil::write_atomic(&self.path, &bytes, 0o644)
+        crate::fsutil::write_replace(&self.path, &bytes, 0o644, false)
             .map_err(|source| SpecError::Write { path: self.path.clone(), source })
     }
 }
