@@ -60,9 +60,9 @@ struct File {
 /// Why the settings cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("runtime config {} (from {ENV_VAR}) cannot be read: {source}; fix the path or unset {ENV_VAR}", path.display())]
+    #[error("runtime config {} (from {ENV_VAR}) cannot be read; fix the path or unset {ENV_VAR}", path.display())]
     Missing { path: PathBuf, source: std::io::Error },
-    #[error("runtime config {}: {source}", path.display())]
+    #[error("runtime config {} cannot be read", path.display())]
     Read { path: PathBuf, source: std::io::Error },
     #[error("runtime config {}: {message}", path.display())]
     Invalid { path: PathBuf, message: String },

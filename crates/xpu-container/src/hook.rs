@@ -61,13 +61,13 @@ pub enum HookError {
     Prepare(#[from] ShimError),
     #[error(transparent)]
     Rootfs(#[from] RootfsError),
-    #[error("{what} of container process {pid}: {source}")]
+    #[error("{what} of container process {pid}")]
     Proc { what: &'static str, pid: i64, source: std::io::Error },
     #[error(
         "container process {pid} is in a cgroup v2 hierarchy, where device access is an eBPF program a hook cannot extend; run the container through xpu-container-runtime or CDI instead"
     )]
     CgroupV2 { pid: i64 },
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {}", path.display())]
     Io { op: &'static str, path: PathBuf, source: std::io::Error },
 }
 

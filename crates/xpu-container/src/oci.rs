@@ -17,9 +17,9 @@ use crate::request::Env;
 /// A spec that cannot be read or edited.
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("{}: {source}; the bundle has no readable config.json", path.display())]
+    #[error("{}: the bundle has no readable config.json", path.display())]
     Read { path: PathBuf, source: std::io::Error },
-    #[error("{}: not valid JSON: {source}", path.display())]
+    #[error("{}: not valid JSON", path.display())]
     Json { path: PathBuf, source: serde_json::Error },
     #[error("{}: {field} {problem}", path.display())]
     Shape { path: PathBuf, field: &'static str, problem: String },
@@ -33,7 +33,7 @@ pub enum SpecError {
         path.display()
     )]
     MountConflict { path: PathBuf, destination: String, have: String, want: String },
-    #[error("{}: writing the edited spec failed: {source}", path.display())]
+    #[error("{}: writing the edited spec failed", path.display())]
     Write { path: PathBuf, source: std::io::Error },
 }
 

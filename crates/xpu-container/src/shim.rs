@@ -46,7 +46,7 @@ pub enum ShimError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Spec(#[from] SpecError),
-    #[error("invalid request in config.json: {0}")]
+    #[error("invalid request in config.json")]
     Request(#[from] RequestError),
     #[error(transparent)]
     Require(#[from] RequireError),
@@ -65,8 +65,20 @@ pub enum ShimError {
         path.display()
     )]
     RuntimeIsShim { path: PathBuf, config: String },
-    #[error("exec of the real runtime {} failed: {source}", path.display())]
+    #[error("exec of the real runtime {} failed", path.display())]
     Exec { path: PathBuf, source: std::io::Error },
+}
+
+/// `outer: inner: root cause`, as the CLI prints errors, for logs.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    s
 }
 
 /// What the container gets, computed but not yet applied.

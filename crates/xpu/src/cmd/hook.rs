@@ -30,7 +30,11 @@ pub fn run(args: Args) -> CmdResult {
         Ok(Some(summary)) => cfg.log(&format!("{stage} {}: {summary}", state.id)),
         Ok(None) => {}
         Err(e) => {
-            cfg.log(&format!("{stage} {} refused: {e}", state.id));
+            cfg.log(&format!(
+                "{stage} {} refused: {}",
+                state.id,
+                xpu_container::shim::error_chain(&e)
+            ));
             return Err(CliError::failed(e));
         }
     }

@@ -72,11 +72,11 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
                 cfg.log(summary);
             }
             let e = shim::exec(&runtime, &args);
-            cfg.log(&e.to_string());
+            cfg.log(&shim::error_chain(&e));
             fail(ME, e)
         }
         Err(e) => {
-            cfg.log(&format!("refused {}: {e}", display_args(&args)));
+            cfg.log(&format!("refused {}: {}", display_args(&args), shim::error_chain(&e)));
             fail(ME, e)
         }
     }
