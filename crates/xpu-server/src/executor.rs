@@ -18,12 +18,16 @@ use std::process::Stdio;
 use rustix::process::{Pid, Signal};
 
 /// The supervisor script. `$1` is the task directory; the rest is the program's argv.
+/// Traps are set before anything else, so a SIGTERM that arrives while it starts is not lost:
+/// it is remembered and passed on as soon as the program exists.
 const SUPERVISOR: &str = r#"d=$1; shift
+c=; t=
+trap 't=TERM; [ -n "$c" ] && kill -TERM $c 2>/dev/null' TERM
+trap 't=INT; [ -n "$c" ] && kill -INT $c 2>/dev/null' INT
 echo $$ > "$d/pid"
 "$@" &
 c=$!
-trap 'kill -TERM $c 2>/dev/null' TERM
-trap 'kill -INT $c 2>/dev/null' INT
+[ -n "$t" ] && kill -$t $c 2>/dev/null
 while :; do
   wait $c; rc=$?
   kill -0 $c 2>/dev/null || break
