@@ -35,8 +35,24 @@ pub fn write_replace(path: &Path, bytes: &[u8], mode: u32, durable: bool) -> std
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
         if durable {
             f.sync_all()?;
+            return std::fs::rename(&tmp, path);
         }
-        std::fs::rename(&tmp, path)
+        // Without fsync, swap the files (`RENAME_EXCHANGE`, as atomic as a rename) and drop the
+        // old one: ext4 starts writeback of a file renamed *over* another (`auto_da_alloc`),
+        // 10x the cost of the swap. Only a regular file is swapped out, never a directory.
+        if !std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file()) {
+            return std::fs::rename(&tmp, path);
+        }
+        match rustix::fs::renameat_with(
+            rustix::fs::CWD,
+            &tmp,
+            rustix::fs::CWD,
+            path,
+            rustix::fs::RenameFlags::EXCHANGE,
+        ) {
+            Ok(()) => std::fs::remove_file(&tmp),
+            Err(_) => std::fs::rename(&tmp, path),
+        }
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -59,6 +75,21 @@ mod tests {
         assert_eq!(std::fs::read(&p).unwrap(), b"two");
         assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
+    }
+
+    #[test]
+    fn fast_replace_swaps_files_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.json");
+        write_replace(&p, b"new", 0o644, false).unwrap();
+        write_replace(&p, b"newer", 0o644, false).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"newer");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        let d = dir.path().join("d");
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join("x"), b"").unwrap();
+        assert!(write_replace(&d, b"data", 0o644, false).is_err());
+        assert!(d.join("x").exists(), "a directory is never swapped out");
     }
 
     #[test]
