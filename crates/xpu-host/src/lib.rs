@@ -17,8 +17,8 @@
 pub mod cgroups;
 pub mod devnode;
 pub mod discover;
-pub mod driver_files;
 pub mod doctor;
+pub mod driver_files;
 pub mod grub;
 pub mod kernel;
 pub mod limits;

@@ -15,9 +15,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-pub mod fake_kernel;
 pub mod bundle;
 pub mod driver;
+pub mod fake_kernel;
 pub mod hosts;
 pub mod lspci;
 pub mod readiness;
