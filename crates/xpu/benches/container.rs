@@ -140,6 +140,29 @@ fn main() {
         c.push(run(&shim, &wants, "xpu-bench-c"));
         d.push(run(Path::new(RUNC), &edited, "xpu-bench-d"));
     }
+    // The shim's own work, with no runtime after it: `runtime = "/bin/true"`.
+    let alone = host.dir.path().join("alone.toml");
+    let cfg = std::fs::read_to_string(&host.config).unwrap();
+    std::fs::write(&alone, cfg.replace(RUNC, "/bin/true")).unwrap();
+    let (mut e, mut f) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        std::fs::write(wants.config_path(), &pristine).unwrap();
+        e.push(timed(
+            Command::new(&shim)
+                .args(["create", "--bundle"])
+                .arg(wants.dir())
+                .arg("xpu-bench-e")
+                .env("XPU_RUNTIME_CONFIG", &alone),
+        ));
+        f.push(timed(&mut Command::new("/bin/true")));
+    }
+    let (e, f) = (median(e), median(f));
+    println!(
+        "shim alone (create, NVIDIA_VISIBLE_DEVICES=1,3, then exec /bin/true): median {}; /bin/true {}",
+        ms(e),
+        ms(f)
+    );
+
     let (a, b, c, d) = (median(a), median(b), median(c), median(d));
     let r = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
     println!(
