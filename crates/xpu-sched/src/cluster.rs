@@ -804,7 +804,7 @@ impl Cluster {
         let cid = match self.class_ids.get(&key) {
             Some(&c) => c,
             None => {
-                if self.classes.len() > 4 * self.active.len() + 4096 {
+                if self.classes.len() > 2 * self.active.len() + 256 {
                     self.collect_classes();
                 }
                 let c = self.classes.len() as u32;

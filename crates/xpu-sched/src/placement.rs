@@ -410,6 +410,7 @@ pub struct Placer {
     memo: FxHashMap<u64, f64>,
     memo_epoch: (u64, u64, u64),
     scratch: Vec<u16>,
+    explain: bool,
 }
 
 impl fmt::Debug for Placer {
@@ -428,7 +429,15 @@ impl Placer {
             memo: FxHashMap::default(),
             memo_epoch: (0, 0, 0),
             scratch: Vec::new(),
+            explain: true,
         }
+    }
+
+    /// Whether a failed placement counts the reasons per node (on by default). Callers that
+    /// retry often and drop the reason (a scheduler scanning a long queue) turn it off; the
+    /// report then has no reasons.
+    pub fn set_explain(&mut self, explain: bool) {
+        self.explain = explain;
     }
 
     pub fn policy(&self) -> &dyn Policy {
@@ -544,6 +553,9 @@ impl Placer {
             }
         }
         let Some(id) = chosen else {
+            if !self.explain {
+                return Err(FitReport { nodes: cluster.len(), kind: d.kind, reasons: Vec::new() });
+            }
             return Err(self.report(cluster, d, ctx));
         };
         let node = &cluster.nodes()[id as usize];

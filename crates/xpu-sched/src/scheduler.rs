@@ -91,7 +91,7 @@ fn default_policy() -> PolicyKind {
 }
 
 fn default_depth() -> usize {
-    1000
+    500
 }
 
 impl Default for SchedulerConfig {
@@ -242,6 +242,8 @@ struct Entry {
     deadline: Option<Time>,
     restarts: u32,
     never_fits: Option<Unschedulable>,
+    /// What the unplaced tasks ask for in all (see [`may_fit`]).
+    need: [u64; 7],
     /// Flex-start nodes held for it while they come up, and when they were asked for.
     reserved: Vec<NodeId>,
     provision_asked: Option<Time>,
@@ -284,6 +286,10 @@ pub struct Scheduler {
     queue_names: Vec<String>,
     queue_usage: Vec<[u64; 3]>,
     running: BTreeSet<JobId>,
+    /// Jobs waiting for flex-start nodes.
+    provisioning: BTreeSet<JobId>,
+    /// Queued jobs that can never fit (failed by the next pass).
+    doomed: BTreeSet<JobId>,
     deadlines: BTreeSet<(Time, JobId)>,
     pools: Vec<PoolState>,
     /// Node id to (pool, slot) for flex-start nodes.
@@ -332,8 +338,10 @@ impl Scheduler {
             }
             pools.push(st);
         }
-        let placer = Placer::new(policy, config.seed);
-        let planner = Placer::new(Box::new(crate::policy::BestFit), config.seed);
+        let mut placer = Placer::new(policy, config.seed);
+        placer.set_explain(false);
+        let mut planner = Placer::new(Box::new(crate::policy::BestFit), config.seed);
+        planner.set_explain(false);
         Ok(Self {
             cluster,
             placer,
@@ -345,6 +353,8 @@ impl Scheduler {
             queue_names: Vec::new(),
             queue_usage: Vec::new(),
             running: BTreeSet::new(),
+            provisioning: BTreeSet::new(),
+            doomed: BTreeSet::new(),
             deadlines: BTreeSet::new(),
             pools,
             flex_slot,
@@ -368,6 +378,13 @@ impl Scheduler {
         let policy = self.config.policy.build(mix);
         let seed = self.config.seed;
         self.placer = Placer::new(policy, seed);
+        self.placer.set_explain(false);
+    }
+
+    /// The compact demand of a task spec, interned in this scheduler's cluster (for building a
+    /// [`TaskMix`] from a workload).
+    pub fn demand(&mut self, spec: &crate::request::TaskSpec) -> Result<Demand, RequestError> {
+        spec.demand(&mut self.cluster)
     }
 
     /// Adds a node (a host that joined). Its name must be new.
@@ -464,10 +481,15 @@ impl Scheduler {
             deadline: None,
             restarts: 0,
             never_fits: None,
+            need: [0; 7],
             reserved: Vec::new(),
             provision_asked: None,
         };
+        e.need = unplaced_need(&e.groups, &e.tasks);
         e.never_fits = self.never_fits(id, &e);
+        if e.never_fits.is_some() {
+            self.doomed.insert(id);
+        }
         self.jobs.push(e);
         self.enqueue(id);
         Ok(id)
@@ -525,7 +547,10 @@ impl Scheduler {
         }
         let tasks: Vec<TaskSlot> = e.tasks.clone();
         let ctx = PlaceCtx { token: Entry::token(id), any_status: true, ..PlaceCtx::default() };
-        match place_tasks(&mut self.planner, empty, &groups, &tasks, &ctx, true) {
+        self.planner.set_explain(true);
+        let placed = place_tasks(&mut self.planner, empty, &groups, &tasks, &ctx, true);
+        self.planner.set_explain(false);
+        match placed {
             Ok(ps) => {
                 for (_, p) in ps.iter().rev() {
                     let _ = empty.release(p);
@@ -623,6 +648,8 @@ impl Scheduler {
         self.release_all(id, now);
         self.dequeue(id);
         self.unreserve(id, now);
+        self.provisioning.remove(&id);
+        self.doomed.remove(&id);
         let e = &mut self.jobs[id as usize];
         e.status = JobStatus::Cancelled;
         e.finished = Some(now);
@@ -662,13 +689,11 @@ impl Scheduler {
         let mut out = Vec::new();
         self.flex_ready(now, &mut out);
         self.stop_expired(now, &mut out);
-        let never: Vec<JobId> = self
-            .queue
-            .iter()
-            .map(|k| k.2)
-            .filter(|&id| self.jobs[id as usize].never_fits.is_some())
-            .collect();
+        let never: Vec<JobId> = std::mem::take(&mut self.doomed).into_iter().collect();
         for id in never {
+            if self.jobs[id as usize].status != JobStatus::Queued {
+                continue;
+            }
             self.dequeue(id);
             let e = &mut self.jobs[id as usize];
             e.status = JobStatus::Failed;
@@ -743,8 +768,8 @@ impl Scheduler {
                     let end =
                         self.jobs[id as usize].job.duration_hint.map(|d| now.saturating_add(d));
                     let exclude =
-                        if end.is_some_and(|e| e <= *shadow) { None } else { Some(mask.clone()) };
-                    self.try_start(id, now, exclude.as_deref(), out);
+                        if end.is_some_and(|e| e <= *shadow) { None } else { Some(&mask[..]) };
+                    self.try_start(id, now, exclude, out);
                 }
             }
         }
@@ -763,31 +788,49 @@ impl Scheduler {
             })
             .collect();
         ends.sort_unstable();
-        let mut scratch = self.cluster.fork();
+        // Plan on the live cluster and undo every change afterwards: release and allocate are
+        // exact inverses, and copying a large cluster per pass costs more than the plan.
         let e = &self.jobs[id as usize];
         let ctx = PlaceCtx { token: Entry::token(id), ..PlaceCtx::default() };
+        let mut released: Vec<Placement> = Vec::new();
+        let mut result = None;
         let mut i = 0;
         while i < ends.len() {
             let t = ends[i].0;
             while i < ends.len() && ends[i].0 == t {
                 for task in self.jobs[ends[i].1 as usize].running_tasks() {
-                    if let Some(p) = &task.placement {
-                        let _ = scratch.release(p);
+                    if let Some(p) = &task.placement
+                        && self.cluster.release(p).is_ok()
+                    {
+                        released.push(p.clone());
                     }
                 }
                 i += 1;
             }
-            if let Ok(ps) =
-                place_tasks(&mut self.planner, &mut scratch, &e.groups, &e.tasks, &ctx, true)
+            if may_fit(&self.cluster, e)
+                && let Ok(ps) = place_tasks(
+                    &mut self.planner,
+                    &mut self.cluster,
+                    &e.groups,
+                    &e.tasks,
+                    &ctx,
+                    true,
+                )
             {
                 let mut mask = vec![false; self.cluster.len()];
-                for (_, p) in &ps {
+                for (_, p) in ps.iter().rev() {
                     mask[p.node as usize] = true;
+                    let _ = self.cluster.release(p);
                 }
-                return Some((t, mask));
+                result = Some((t, mask));
+                break;
             }
         }
-        None
+        for p in &released {
+            // Cannot fail: these placements held exactly these resources a moment ago.
+            let _ = self.cluster.allocate(p);
+        }
+        result
     }
 
     fn pass_fair(&mut self, now: Time, out: &mut Vec<Decision>) {
@@ -838,7 +881,7 @@ impl Scheduler {
         out: &mut Vec<Decision>,
     ) -> bool {
         let e = &self.jobs[id as usize];
-        if !e.has_unplaced() {
+        if !e.has_unplaced() || !may_fit(&self.cluster, e) {
             return false;
         }
         let ctx = PlaceCtx { token: Entry::token(id), exclude, ..PlaceCtx::default() };
@@ -900,6 +943,8 @@ impl Scheduler {
             }
             self.running.insert(id);
         }
+        let e = &mut self.jobs[id as usize];
+        e.need = unplaced_need(&e.groups, &e.tasks);
         if !self.jobs[id as usize].has_unplaced() {
             self.dequeue(id);
         }
@@ -942,7 +987,9 @@ impl Scheduler {
             e.tasks[ti].placement = None;
         }
         self.running.remove(&id);
-        if let Some(d) = self.jobs[id as usize].deadline.take() {
+        let e = &mut self.jobs[id as usize];
+        e.need = unplaced_need(&e.groups, &e.tasks);
+        if let Some(d) = e.deadline.take() {
             self.deadlines.remove(&(d, id));
         }
         released
@@ -1027,6 +1074,7 @@ impl Scheduler {
             }
             self.pools[pi].waits.push(delay);
             self.dequeue(id);
+            self.provisioning.insert(id);
             let e = &mut self.jobs[id as usize];
             e.status = JobStatus::Provisioning;
             e.reserved = nodes;
@@ -1059,9 +1107,7 @@ impl Scheduler {
                 }
             }
         }
-        let waiting: Vec<JobId> = (0..self.jobs.len() as JobId)
-            .filter(|&id| self.jobs[id as usize].status == JobStatus::Provisioning)
-            .collect();
+        let waiting: Vec<JobId> = self.provisioning.iter().copied().collect();
         for id in waiting {
             let ready = self.jobs[id as usize]
                 .reserved
@@ -1074,6 +1120,7 @@ impl Scheduler {
             for &n in &self.jobs[id as usize].reserved {
                 mask[n as usize] = false;
             }
+            self.provisioning.remove(&id);
             self.jobs[id as usize].status = JobStatus::Queued;
             if !self.try_start(id, now, Some(&mask), out) && !self.try_start(id, now, None, out) {
                 // Should not happen (the nodes were held); queue it again rather than lose it.
@@ -1265,6 +1312,30 @@ impl Scheduler {
             .collect();
         self.cluster.audit(held)
     }
+}
+
+/// A cheap necessary condition for placing the job's unplaced tasks: the cluster has at least
+/// that much CPU, memory and device capacity free in all (it spares the placement attempt for
+/// the jobs of a long queue that cannot fit anyway).
+fn may_fit(cluster: &Cluster, e: &Entry) -> bool {
+    let cap = cluster.capacity();
+    let used = cluster.used();
+    let need = &e.need;
+    need[0] <= cap.cpu_milli - used.cpu_milli
+        && need[1] <= cap.memory_mib - used.memory_mib
+        && (0..5).all(|k| need[2 + k] <= cap.device_milli[k] - used.device_milli[k])
+}
+
+/// CPU, memory and per-kind device milli the job's unplaced tasks ask for.
+fn unplaced_need(groups: &[ExpandedGroup], tasks: &[TaskSlot]) -> [u64; 7] {
+    let mut need = [0u64; 7];
+    for t in tasks.iter().filter(|t| t.placement.is_none() && !t.done) {
+        let d = &groups[t.group].demand;
+        need[0] += d.cpu_milli;
+        need[1] += d.memory_mib;
+        need[2 + crate::cluster::kind_index(d.kind)] += d.device_milli();
+    }
+    need
 }
 
 /// Places the unplaced tasks of a job on `cluster` (allocating them): gang and colocated groups

@@ -52,6 +52,8 @@ enum Command {
     Runtime(cmd::runtime::Args),
     /// OCI createRuntime/prestart hook injecting the devices a container asks for.
     Hook(cmd::hook::Args),
+    /// Scheduler simulator: the OpenB placement benchmark and trace replay.
+    Sim(cmd::sim::Args),
 }
 
 fn main() -> ExitCode {
@@ -89,6 +91,7 @@ fn main() -> ExitCode {
         Command::Cdi(args) => cmd::cdi::run(args),
         Command::Runtime(args) => return cmd::runtime::run(args.args),
         Command::Hook(args) => cmd::hook::run(args),
+        Command::Sim(args) => cmd::sim::run(args),
     };
     let code = match result {
         Ok(code) => code,

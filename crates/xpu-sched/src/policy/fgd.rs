@@ -20,6 +20,8 @@ use crate::rng::Rng;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TypicalTask {
     pub cpu_milli: u64,
+    /// Mean memory of the tasks of this shape (FGD itself ignores memory).
+    pub memory_mib: u64,
     /// Per GPU; 0 for CPU-only tasks.
     pub milli: u16,
     pub count: u16,
@@ -27,6 +29,9 @@ pub struct TypicalTask {
     /// Frequency, summing to 1 over the mix.
     pub freq: f64,
 }
+
+/// A typical task's shape: CPU milli, GPU milli per GPU, GPU count, allowed models.
+type ShapeKey = (u64, u16, u16, ModelMask);
 
 /// The typical task mix FGD measures fragmentation against.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -38,16 +43,20 @@ impl TaskMix {
     /// Builds the mix from a workload's demands, keeping the most frequent shapes until they
     /// cover `coverage` (0.95 in the paper) of all tasks.
     pub fn from_demands<'a>(demands: impl IntoIterator<Item = &'a Demand>, coverage: f64) -> Self {
-        let mut counts: Vec<((u64, u16, u16, ModelMask), u64)> = Vec::new();
-        let mut index = crate::hash::FxHashMap::<(u64, u16, u16, ModelMask), usize>::default();
+        // (shape, tasks, summed memory)
+        let mut counts: Vec<(ShapeKey, u64, u64)> = Vec::new();
+        let mut index = crate::hash::FxHashMap::<ShapeKey, usize>::default();
         let mut total = 0u64;
         for d in demands {
             let key = (d.cpu_milli, if d.count == 0 { 0 } else { d.milli }, d.count, d.models);
             match index.get(&key) {
-                Some(&i) => counts[i].1 += 1,
+                Some(&i) => {
+                    counts[i].1 += 1;
+                    counts[i].2 += d.memory_mib;
+                }
                 None => {
                     index.insert(key, counts.len());
-                    counts.push((key, 1));
+                    counts.push((key, 1, d.memory_mib));
                 }
             }
             total += 1;
@@ -60,17 +69,18 @@ impl TaskMix {
         let want = coverage * total as f64;
         let mut kept = Vec::new();
         let mut cum = 0u64;
-        for &(key, n) in &counts {
+        for &(key, n, mem) in &counts {
             if cum as f64 >= want {
                 break;
             }
             cum += n;
-            kept.push((key, n));
+            kept.push((key, n, mem));
         }
         let tasks = kept
             .into_iter()
-            .map(|((cpu_milli, milli, count, models), n)| TypicalTask {
+            .map(|((cpu_milli, milli, count, models), n, mem)| TypicalTask {
                 cpu_milli,
+                memory_mib: mem / n,
                 milli,
                 count,
                 models,
@@ -117,6 +127,54 @@ pub(crate) fn fragmentation(mix: &TaskMix, cpu_free: u64, gpus: &[u16], model: u
             if usable >= t.count && cpu_free >= t.cpu_milli { small } else { total }
         };
         frag += t.freq * fragmented as f64;
+    }
+    frag
+}
+
+/// Capacity-based fragmentation (xpu's policy): for each typical task, the free GPU milli a
+/// stream of that task alone could *not* turn into allocation on this node — what is left after
+/// packing as many copies as the GPUs, CPU and memory allow. Multi-GPU typical tasks keep FGD's
+/// rule (all or none of the free GPUs count), which guards whole empty nodes better.
+pub(crate) fn stranded(
+    mix: &TaskMix,
+    cpu_free: u64,
+    mem_free: u64,
+    gpus: &[u16],
+    model: u8,
+) -> f64 {
+    let total: u64 = gpus.iter().map(|&g| u64::from(g)).sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let mut frag = 0.0;
+    for t in &mix.tasks {
+        let usable = if t.milli == 0
+            || model == u8::MAX
+            || (t.models != ANY_MODEL && (t.models >> model) & 1 == 0)
+        {
+            0
+        } else if t.count > 1 {
+            let mut usable = 0u16;
+            let mut small = 0u64;
+            for &g in gpus {
+                if g >= t.milli {
+                    usable += 1;
+                } else {
+                    small += u64::from(g);
+                }
+            }
+            if usable >= t.count && cpu_free >= t.cpu_milli { total - small } else { 0 }
+        } else {
+            let mut by_gpu = 0u64;
+            for &g in gpus {
+                by_gpu += u64::from(g / t.milli);
+            }
+            let by_gpu = if t.count > 1 { by_gpu / u64::from(t.count) } else { by_gpu };
+            let by_cpu = cpu_free.checked_div(t.cpu_milli).unwrap_or(u64::MAX);
+            let by_mem = mem_free.checked_div(t.memory_mib).unwrap_or(u64::MAX);
+            by_gpu.min(by_cpu).min(by_mem) * u64::from(t.count) * u64::from(t.milli)
+        };
+        frag += t.freq * total.saturating_sub(usable) as f64;
     }
     frag
 }
@@ -245,6 +303,7 @@ mod tests {
         let mix = TaskMix {
             tasks: vec![TypicalTask {
                 cpu_milli: 1000,
+                memory_mib: 100,
                 milli: 500,
                 count: 1,
                 models: ANY_MODEL,
@@ -256,5 +315,25 @@ mod tests {
         // Without CPU nothing is usable.
         assert_eq!(fragmentation(&mix, 500, &[300, 700], 0), 1000.0);
         assert_eq!(fragmentation(&mix, 8000, &[0, 0], 0), 0.0);
+    }
+
+    #[test]
+    fn stranding_counts_what_packing_copies_leaves_over() {
+        let mix = TaskMix {
+            tasks: vec![TypicalTask {
+                cpu_milli: 1000,
+                memory_mib: 100,
+                milli: 500,
+                count: 1,
+                models: ANY_MODEL,
+                freq: 1.0,
+            }],
+        };
+        // 700 fits one copy and strands 200; 300 strands all: FGD would say 300.
+        assert_eq!(stranded(&mix, 8000, 10_000, &[300, 700], 0), 500.0);
+        // CPU for one copy only: 1000 free, 500 usable.
+        assert_eq!(stranded(&mix, 1500, 10_000, &[1000], 0), 500.0);
+        // Memory for none: everything stranded (FGD ignores memory).
+        assert_eq!(stranded(&mix, 8000, 50, &[1000], 0), 1000.0);
     }
 }

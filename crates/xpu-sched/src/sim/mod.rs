@@ -1,3 +1,8 @@
-//! The simulator: the OpenB placement benchmark ([`openb`]) and, later, trace replay over time.
+//! The simulator: the OpenB placement benchmark ([`openb`]), trace replay over time
+//! ([`replay`]) on a cluster described by the `--cluster` grammar ([`spec`]), and an SVG plot of
+//! allocation curves ([`plot`]). Pure: traces come in already parsed ([`crate::trace`]).
 
 pub mod openb;
+pub mod plot;
+pub mod replay;
+pub mod spec;

@@ -88,14 +88,25 @@ pub fn run(
     seed: u64,
 ) -> Result<OpenbRun, ClusterError> {
     let mut c = cluster(nodes)?;
-    c.shuffle_ranks(seed ^ 0x0de5_0f7a_5c00);
+    c.shuffle_ranks(rank_seed(seed));
     let ds = demands(&mut c, pods)?;
     let mix = if kind.needs_mix() { TaskMix::from_demands(&ds, 0.95) } else { TaskMix::default() };
-    let mut placer = Placer::new(kind.build(&mix), seed ^ 0x5eed_0f7a_5c00);
+    let mut placer = Placer::new(kind.build(&mix), placer_seed(seed));
     Ok(run_with(&mut c, &mut placer, pods, &ds, seed))
 }
 
-/// Runs a prepared placer over the seed's workload on `c` (fresh).
+/// Seed of the node order that breaks ties (the artifact prefixes node names with a random
+/// permutation per seed, and kube-scheduler then takes the first of the best nodes).
+pub fn rank_seed(seed: u64) -> u64 {
+    seed ^ 0x0de5_0f7a_5c00
+}
+
+/// Seed of the placer's own randomness (Random's node and GPU picks).
+pub fn placer_seed(seed: u64) -> u64 {
+    seed ^ 0x5eed_0f7a_5c00
+}
+
+/// Runs a prepared placer over the seed's workload on `c` (fresh, ranks shuffled).
 pub fn run_with(
     c: &mut Cluster,
     placer: &mut Placer,

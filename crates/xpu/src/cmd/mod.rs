@@ -9,4 +9,5 @@ pub mod k8s;
 pub mod openstack;
 pub mod runtime;
 pub mod server;
+pub mod sim;
 pub mod vfio;

@@ -1,0 +1,460 @@
+//! `xpu sim`: the scheduler simulator. `openb` runs the OpenB placement benchmark (FGD paper,
+//! USENIX ATC '23) for one or more policies over a range of seeds; `replay` replays a job trace
+//! (Philly or OpenB) over time on a cluster described by `--cluster` and reports job completion
+//! times, queueing delays, GPU utilisation and makespan.
+
+use std::io::{IsTerminal, Write as _};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Subcommand, ValueEnum};
+use serde::Serialize;
+use xpu_sched::policy::{PolicyKind, TaskMix};
+use xpu_sched::scheduler::QueuePolicy;
+use xpu_sched::sim::{openb, plot, replay, spec};
+use xpu_sched::trace;
+
+use crate::output::{CliError, CmdResult, print_json, table};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: SimCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SimCommand {
+    /// The OpenB placement benchmark: GPU allocation ratio once 130 % of capacity has arrived.
+    Openb(OpenbArgs),
+    /// Replay a job trace over time and report JCT, queueing delay, utilisation and makespan.
+    Replay(ReplayArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    Table,
+    Json,
+    Csv,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct OpenbArgs {
+    /// Node list (openb_node_list_gpu_node.csv).
+    #[arg(long, value_name = "CSV")]
+    pub nodes: PathBuf,
+    /// Pod list (openb_pod_list_<trace>.csv).
+    #[arg(long, value_name = "CSV")]
+    pub pods: PathBuf,
+    /// Placement policy: random, dotprod, gpuclustering, gpupacking, bestfit, fgd, xpu, or all;
+    /// repeat or separate with commas. Default: xpu.
+    #[arg(long, value_name = "NAME", value_delimiter = ',')]
+    pub policy: Vec<String>,
+    /// Seeds: `42..51` (inclusive), `42` or `42,43,50`.
+    #[arg(long, default_value = "42..51")]
+    pub seeds: String,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Also draw allocation against arrived workload (mean over seeds) for each policy.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// Print placement decisions per second (single thread) to stderr.
+    #[arg(long)]
+    pub bench: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TraceFormat {
+    Philly,
+    Openb,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReplayArgs {
+    /// Trace file.
+    #[arg(long, value_name = "FILE")]
+    pub trace: PathBuf,
+    /// Trace format.
+    #[arg(long, value_enum)]
+    pub format: TraceFormat,
+    /// Pools: `pool=a100:nodes=64:gpus=8`, `;`-separated or repeated; add `:flex:delay=300`
+    /// for a flex-start pool (see `xpu sim replay --help` and the README).
+    #[arg(long, value_name = "SPEC", required = true)]
+    pub cluster: Vec<String>,
+    #[arg(long, default_value = "xpu")]
+    pub policy: String,
+    #[arg(long, value_enum, default_value_t = QueueArg::Fifo)]
+    pub queue: QueueArg,
+    /// Let higher-priority jobs evict lower-priority ones.
+    #[arg(long)]
+    pub preemption: bool,
+    /// Replay only the first N jobs by submit time.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Output format (`--format` names the trace's).
+    #[arg(long, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QueueArg {
+    Fifo,
+    Priority,
+    Sjf,
+    Backfill,
+    Fair,
+}
+
+impl From<QueueArg> for QueuePolicy {
+    fn from(q: QueueArg) -> Self {
+        match q {
+            QueueArg::Fifo => QueuePolicy::Fifo,
+            QueueArg::Priority => QueuePolicy::Priority,
+            QueueArg::Sjf => QueuePolicy::Sjf,
+            QueueArg::Backfill => QueuePolicy::Backfill,
+            QueueArg::Fair => QueuePolicy::Fair,
+        }
+    }
+}
+
+pub fn run(args: Args) -> CmdResult {
+    match args.command {
+        SimCommand::Openb(a) => run_openb(a),
+        SimCommand::Replay(a) => run_replay(a),
+    }
+}
+
+/// `42..51`, `42`, `42,43,50`.
+fn parse_seeds(s: &str) -> Result<Vec<u64>, CliError> {
+    let bad = || {
+        CliError::input(anyhow::anyhow!(
+            "--seeds {s:?} is not a seed list; write 42..51 (inclusive), 42, or 42,43,50"
+        ))
+    };
+    let v: Vec<u64> = if let Some((a, b)) = s.split_once("..") {
+        let a: u64 = a.trim().parse().map_err(|_| bad())?;
+        let b: u64 = b.trim().trim_start_matches('=').parse().map_err(|_| bad())?;
+        if b < a || b - a > 10_000 {
+            return Err(bad());
+        }
+        (a..=b).collect()
+    } else {
+        s.split(',').map(|x| x.trim().parse().map_err(|_| bad())).collect::<Result<_, _>>()?
+    };
+    if v.is_empty() {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
+fn parse_policies(names: &[String]) -> Result<Vec<PolicyKind>, CliError> {
+    if names.is_empty() {
+        return Ok(vec![PolicyKind::Xpu]);
+    }
+    let mut out = Vec::new();
+    for n in names {
+        if n.eq_ignore_ascii_case("all") {
+            out.extend(PolicyKind::ALL);
+            continue;
+        }
+        out.push(
+            n.parse::<PolicyKind>()
+                .map_err(|e| CliError::input(anyhow::anyhow!("--policy: {e}")))?,
+        );
+    }
+    out.dedup();
+    Ok(out)
+}
+
+/// One policy's result, the documented `--format json` shape.
+#[derive(Debug, Serialize)]
+struct OpenbJson {
+    trace: String,
+    policy: String,
+    seeds: Vec<SeedJson>,
+    mean_alloc_at_130: f64,
+    min_alloc_at_130: f64,
+    max_alloc_at_130: f64,
+    /// The paper's published mean for the five baselines and FGD; null for xpu.
+    published_mean: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct SeedJson {
+    seed: u64,
+    alloc_at_130: f64,
+    failed_tasks: usize,
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+fn run_openb(a: OpenbArgs) -> CmdResult {
+    let seeds = parse_seeds(&a.seeds)?;
+    let policies = parse_policies(&a.policy)?;
+    let nodes = trace::read_openb_nodes(&a.nodes).map_err(CliError::input)?;
+    let pods = trace::read_openb_pods(&a.pods).map_err(CliError::input)?;
+    let trace_name = a
+        .pods
+        .file_stem()
+        .map(|s| s.to_string_lossy().trim_start_matches("openb_pod_list_").to_owned())
+        .unwrap_or_default();
+    let mut results: Vec<(PolicyKind, Vec<openb::OpenbRun>)> = Vec::new();
+    let mut decisions = 0usize;
+    let mut placing = 0.0f64;
+    for &kind in &policies {
+        let mut runs = Vec::with_capacity(seeds.len());
+        for &seed in &seeds {
+            let mut c = openb::cluster(&nodes).map_err(CliError::input)?;
+            c.shuffle_ranks(openb::rank_seed(seed));
+            let ds = openb::demands(&mut c, &pods).map_err(CliError::input)?;
+            let mix = if kind.needs_mix() {
+                TaskMix::from_demands(&ds, 0.95)
+            } else {
+                TaskMix::default()
+            };
+            let mut placer = xpu_sched::Placer::new(kind.build(&mix), openb::placer_seed(seed));
+            let start = Instant::now();
+            let r = openb::run_with(&mut c, &mut placer, &pods, &ds, seed);
+            placing += start.elapsed().as_secs_f64();
+            decisions += r.tasks;
+            runs.push(r);
+        }
+        results.push((kind, runs));
+    }
+    if a.bench {
+        eprintln!(
+            "placement: {decisions} decisions in {placing:.3} s = {:.0} decisions/s (single thread, {} nodes)",
+            decisions as f64 / placing.max(1e-9),
+            nodes.len()
+        );
+    }
+    if let Some(path) = &a.plot {
+        let series: Vec<plot::Series> = results
+            .iter()
+            .map(|(k, runs)| plot::Series {
+                label: k.to_string(),
+                points: plot::mean_curve(&runs.iter().map(|r| r.curve.clone()).collect::<Vec<_>>()),
+            })
+            .collect();
+        let svg =
+            plot::svg(&format!("OpenB {trace_name}: GPU allocation vs arrived workload"), &series);
+        std::fs::write(path, svg).map_err(|e| {
+            CliError::failed(anyhow::anyhow!(
+                "cannot write plot {}: {e}; check the directory exists",
+                path.display()
+            ))
+        })?;
+    }
+    let json: Vec<OpenbJson> = results
+        .iter()
+        .map(|(k, runs)| {
+            let s = openb::summarize(runs);
+            OpenbJson {
+                trace: trace_name.clone(),
+                policy: k.to_string(),
+                seeds: runs
+                    .iter()
+                    .map(|r| SeedJson {
+                        seed: r.seed,
+                        alloc_at_130: round2(r.alloc_at_130),
+                        failed_tasks: r.failed_tasks,
+                    })
+                    .collect(),
+                mean_alloc_at_130: round2(s.mean),
+                min_alloc_at_130: round2(s.min),
+                max_alloc_at_130: round2(s.max),
+                published_mean: openb::published(&trace_name, *k),
+            }
+        })
+        .collect();
+    match a.format {
+        Format::Json if json.len() == 1 => print_json(&json[0])?,
+        Format::Json => print_json(&json)?,
+        Format::Csv => {
+            println!("trace,policy,seed,alloc_at_130,failed_tasks");
+            for j in &json {
+                for s in &j.seeds {
+                    println!(
+                        "{},{},{},{:.2},{}",
+                        j.trace, j.policy, s.seed, s.alloc_at_130, s.failed_tasks
+                    );
+                }
+            }
+        }
+        Format::Table => {
+            let mut headers = vec!["seed".to_owned()];
+            headers.extend(json.iter().map(|j| j.policy.clone()));
+            let mut rows: Vec<Vec<String>> = seeds
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let mut r = vec![s.to_string()];
+                    r.extend(json.iter().map(|j| format!("{:.2}", j.seeds[i].alloc_at_130)));
+                    r
+                })
+                .collect();
+            for (label, f) in [
+                (
+                    "mean",
+                    (|j: &OpenbJson| format!("{:.2}", j.mean_alloc_at_130))
+                        as fn(&OpenbJson) -> String,
+                ),
+                ("min", |j| format!("{:.2}", j.min_alloc_at_130)),
+                ("max", |j| format!("{:.2}", j.max_alloc_at_130)),
+                ("published", |j| {
+                    j.published_mean.map_or_else(|| "-".into(), |p| format!("{p:.2}"))
+                }),
+            ] {
+                let mut r = vec![label.to_owned()];
+                r.extend(json.iter().map(f));
+                rows.push(r);
+            }
+            let h: Vec<&str> = headers.iter().map(String::as_str).collect();
+            println!("OpenB {trace_name}: GPU allocation ratio (%) at 130 % arrived");
+            print!("{}", table(&h, &rows));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_replay(a: ReplayArgs) -> CmdResult {
+    let policy: PolicyKind =
+        a.policy.parse().map_err(|e| CliError::input(anyhow::anyhow!("--policy: {e}")))?;
+    let mut pools = Vec::new();
+    for c in &a.cluster {
+        pools.extend(spec::parse_cluster(c).map_err(CliError::input)?);
+    }
+    let mut jobs = match a.format {
+        TraceFormat::Philly => {
+            let t = trace::read_philly(&a.trace).map_err(CliError::input)?;
+            let per = pools.iter().map(|p| p.devices).max().unwrap_or(8);
+            replay::from_philly(&t, per)
+        }
+        TraceFormat::Openb => {
+            let pods = trace::read_openb_pods(&a.trace).map_err(CliError::input)?;
+            let (jobs, skipped) = replay::from_openb(&pods);
+            if jobs.is_empty() {
+                return Err(CliError::input(anyhow::anyhow!(
+                    "trace {} has no pods with creation_time and deletion_time; replay needs arrival and departure times",
+                    a.trace.display()
+                )));
+            }
+            if skipped > 0 {
+                eprintln!("warning: {skipped} pods without creation/deletion times were skipped");
+            }
+            jobs
+        }
+    };
+    if let Some(n) = a.limit {
+        jobs.sort_by_key(|j| j.submit);
+        jobs.truncate(n);
+    }
+    let opts = replay::ReplayOptions {
+        policy,
+        queue: a.queue.into(),
+        preemption: a.preemption,
+        seed: a.seed,
+    };
+    let tty = std::io::stderr().is_terminal();
+    let mut last_draw = 0usize;
+    let mut progress = |done: usize, total: usize| {
+        if tty && (done > last_draw + total / 200 || done == total) {
+            last_draw = done;
+            let width = 40;
+            let filled = done * width / total.max(1);
+            let mut err = std::io::stderr();
+            let _ = write!(
+                err,
+                "\r[{}{}] {done}/{total} jobs",
+                "#".repeat(filled),
+                " ".repeat(width - filled)
+            );
+            let _ = err.flush();
+        }
+    };
+    let start = Instant::now();
+    let report = replay::replay(&pools, &jobs, &opts, &mut progress).map_err(CliError::failed)?;
+    let wall = start.elapsed().as_secs_f64();
+    if tty {
+        eprintln!();
+    }
+    match a.output {
+        Output::Json => {
+            #[derive(Serialize)]
+            struct Out<'a> {
+                #[serde(flatten)]
+                report: &'a replay::ReplayReport,
+                wall_seconds: f64,
+            }
+            print_json(&Out { report: &report, wall_seconds: (wall * 1000.0).round() / 1000.0 })?;
+        }
+        Output::Table => {
+            let gpus: u64 = pools.iter().map(|p| u64::from(p.nodes) * u64::from(p.devices)).sum();
+            println!(
+                "{} jobs on {} nodes / {gpus} devices, policy {}, queue {:?}: {} finished, {} failed (never fit), {} stopped, {} preemptions",
+                report.jobs,
+                pools.iter().map(|p| p.nodes).sum::<u32>(),
+                report.policy,
+                report.queue,
+                report.finished,
+                report.failed,
+                report.stopped,
+                report.preemptions
+            );
+            let row = |name: &str, s: &replay::Stats| {
+                vec![name.to_owned(), hms(s.mean), hms(s.p50), hms(s.p95), hms(s.p99)]
+            };
+            print!(
+                "{}",
+                table(
+                    &["", "mean", "p50", "p95", "p99"],
+                    &[row("JCT", &report.jct), row("queueing delay", &report.queueing)]
+                )
+            );
+            println!(
+                "GPU utilisation {:.2} %, makespan {} ({} s); replayed in {wall:.2} s",
+                report.gpu_utilization,
+                hms(report.makespan as f64),
+                report.makespan
+            );
+            for p in &report.pools {
+                println!(
+                    "pool {}: {} provisionings, mean wait {:.0} s, node-hours up {:.1}, used {:.1}, idle {:.1}, {} stopped at max run",
+                    p.pool,
+                    p.provisionings,
+                    p.mean_provisioning_wait,
+                    p.node_hours_up,
+                    p.node_hours_used,
+                    p.node_hours_idle,
+                    p.stopped_at_max_run
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `1d02h03m` style durations for tables.
+fn hms(secs: f64) -> String {
+    let s = secs.round() as u64;
+    let (d, h, m, s) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
+    if d > 0 {
+        format!("{d}d{h:02}h{m:02}m")
+    } else if h > 0 {
+        format!("{h}h{m:02}m{s:02}s")
+    } else if m > 0 {
+        format!("{m}m{s:02}s")
+    } else {
+        format!("{s}s")
+    }
+}
