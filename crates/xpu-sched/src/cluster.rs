@@ -179,6 +179,11 @@ impl Device {
     pub fn free_milli(&self) -> u16 {
         self.free
     }
+
+    /// The cluster's id of this device's model (bit `id` of a [`ModelMask`]).
+    pub fn model_id(&self) -> u8 {
+        self.model_id
+    }
 }
 
 /// Affinity tag of a request, as GPU clustering groups them: no GPU, a shared GPU, or `n` whole
@@ -269,6 +274,8 @@ pub(crate) struct Shape {
     pub selector_ok: Vec<bool>,
     /// Pool id + 1 (0 = no pool), the key multi-host slices colocate on.
     pub slice: u32,
+    /// For symmetric shapes with devices: their kind and model id (every device the same).
+    pub sym: Option<(DeviceKind, u8)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -302,14 +309,15 @@ impl Selector {
 /// Identifies one distinct node state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct ClassKey {
-    shape: u32,
-    status: NodeStatus,
-    reserved: u32,
-    tags: u16,
-    ndev: u8,
-    cpu_free: u64,
-    mem_free: u64,
-    dev_free: [u16; MAX_DEVICES],
+    pub shape: u32,
+    pub status: NodeStatus,
+    pub reserved: u32,
+    pub tags: u16,
+    pub ndev: u8,
+    pub cpu_free: u64,
+    pub mem_free: u64,
+    /// Free milli per device; sorted largest first when the shape is symmetric.
+    pub dev_free: [u16; MAX_DEVICES],
 }
 
 #[derive(Debug, Clone)]
@@ -318,6 +326,8 @@ pub(crate) struct Class {
     pub members: Vec<NodeId>,
     /// Members by tie-break rank, lowest first.
     pub ranked: BTreeSet<(u32, NodeId)>,
+    /// The lowest rank of a member (`u32::MAX` when empty), read on every tie.
+    pub min_rank: u32,
     /// Position in `Cluster::active`, or `u32::MAX` when the class has no members.
     active_pos: u32,
 }
@@ -594,7 +604,10 @@ impl Cluster {
                     .map(|s| s.matches(&key.labels, key.pool.as_deref()))
                     .collect();
                 let id = self.shapes.len() as u32;
+                let sym =
+                    if symmetric { key.devs.first().map(|d| (d.kind, d.model)) } else { None };
                 self.shapes.push(Shape {
+                    sym,
                     labels: key.labels.clone(),
                     pool: key.pool.clone(),
                     symmetric,
@@ -654,6 +667,7 @@ impl Cluster {
             let class = &mut self.classes[self.nodes[id].class as usize];
             class.ranked.remove(&(old, id as NodeId));
             class.ranked.insert((r, id as NodeId));
+            class.min_rank = class.ranked.first().map_or(u32::MAX, |&(r, _)| r);
             self.ranks[id] = r;
         }
     }
@@ -789,6 +803,7 @@ impl Cluster {
             let class = &mut self.classes[old as usize];
             class.members.swap_remove(pos);
             class.ranked.remove(&(self.ranks[id as usize], id));
+            class.min_rank = class.ranked.first().map_or(u32::MAX, |&(r, _)| r);
             if let Some(&moved) = class.members.get(pos) {
                 self.nodes[moved as usize].class_pos = pos as u32;
             }
@@ -812,6 +827,7 @@ impl Cluster {
                     key,
                     members: Vec::new(),
                     ranked: BTreeSet::new(),
+                    min_rank: u32::MAX,
                     active_pos: u32::MAX,
                 });
                 self.class_ids.insert(key, c);
@@ -825,6 +841,7 @@ impl Cluster {
         }
         class.members.push(id);
         class.ranked.insert((self.ranks[id as usize], id));
+        class.min_rank = class.min_rank.min(self.ranks[id as usize]);
         let pos = class.members.len() as u32 - 1;
         let n = &mut self.nodes[id as usize];
         n.class = cid;

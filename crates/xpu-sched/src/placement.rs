@@ -342,6 +342,45 @@ pub(crate) fn check(
     Ok(())
 }
 
+/// The filters on a whole state class at once, from its key alone (no node is touched): for
+/// symmetric shapes the devices' free capacities are sorted largest first, so `count` devices
+/// with `milli` free exist exactly when the `count`-th largest has. `None` when the shape is
+/// not symmetric and the per-node check must decide.
+#[inline]
+fn class_fits(
+    cluster: &Cluster,
+    key: &crate::cluster::ClassKey,
+    d: &Demand,
+    ctx: &PlaceCtx<'_>,
+) -> Option<bool> {
+    if !ctx.any_status
+        && (key.status != NodeStatus::Ready || (key.reserved != 0 && key.reserved != ctx.token))
+    {
+        return Some(false);
+    }
+    if key.cpu_free < d.cpu_milli || key.mem_free < d.memory_mib {
+        return Some(false);
+    }
+    let shape = &cluster.shapes[key.shape as usize];
+    if !shape.selector_ok.get(d.selector as usize).copied().unwrap_or(false) {
+        return Some(false);
+    }
+    if ctx.slice != 0 && shape.slice != ctx.slice {
+        return Some(false);
+    }
+    if d.count == 0 {
+        return Some(true);
+    }
+    let (kind, model) = shape.sym?;
+    if kind != d.kind
+        || (d.models >> model) & 1 == 0
+        || usize::from(d.count) > usize::from(key.ndev)
+    {
+        return Some(false);
+    }
+    Some(key.dev_free[usize::from(d.count) - 1] >= d.milli)
+}
+
 /// NVLink/NUMA-aware device choice.
 ///
 /// A share of one device goes to the matching device with the least free capacity that still
@@ -407,7 +446,8 @@ pub struct Placer {
     policy: Box<dyn Policy>,
     rng: Rng,
     demands: FxHashMap<Demand, u32>,
-    memo: FxHashMap<u64, f64>,
+    /// Scores by `[class id][demand id]`; NaN where not computed yet.
+    memo: Vec<Vec<f64>>,
     memo_epoch: (u64, u64, u64),
     scratch: Vec<u16>,
     explain: bool,
@@ -426,7 +466,7 @@ impl Placer {
             policy,
             rng: Rng::new(seed),
             demands: FxHashMap::default(),
-            memo: FxHashMap::default(),
+            memo: Vec::new(),
             memo_epoch: (0, 0, 0),
             scratch: Vec::new(),
             explain: true,
@@ -470,7 +510,7 @@ impl Placer {
             self.memo.clear();
             self.memo_epoch = epoch;
         }
-        let did = u64::from(self.demand_id(d));
+        let did = self.demand_id(d);
         let uniform = self.policy.tie_break() == TieBreak::Uniform;
         let mut best = f64::NEG_INFINITY;
         let mut chosen: Option<NodeId> = None;
@@ -484,12 +524,11 @@ impl Placer {
                 {
                     continue;
                 }
-                let key = (u64::from(node.class) << 32) | did;
-                let s = match self.memo.get(&key) {
-                    Some(&s) => s,
+                let s = match memo_get(&self.memo, node.class, did) {
+                    Some(s) => s,
                     None => {
                         let s = sanitize(self.policy.score(cluster, node, d));
-                        self.memo.insert(key, s);
+                        memo_put(&mut self.memo, node.class, did, s);
                         s
                     }
                 };
@@ -513,21 +552,26 @@ impl Placer {
             let mut chosen_class = u32::MAX;
             for &cid in &cluster.active {
                 let class = &cluster.classes[cid as usize];
-                let node = &cluster.nodes()[class.members[0] as usize];
-                if check(cluster, node, d, ctx).is_err() {
+                let fits = match class_fits(cluster, &class.key, d, ctx) {
+                    Some(f) => f,
+                    None => {
+                        check(cluster, &cluster.nodes()[class.members[0] as usize], d, ctx).is_ok()
+                    }
+                };
+                if !fits {
                     continue;
                 }
-                let key = (u64::from(cid) << 32) | did;
-                let s = match self.memo.get(&key) {
-                    Some(&s) => s,
+                let s = match memo_get(&self.memo, cid, did) {
+                    Some(s) => s,
                     None => {
+                        let node = &cluster.nodes()[class.members[0] as usize];
                         let s = sanitize(self.policy.score(cluster, node, d));
-                        self.memo.insert(key, s);
+                        memo_put(&mut self.memo, cid, did, s);
                         s
                     }
                 };
                 let size = class.members.len() as u64;
-                let rank = class.ranked.first().map_or(u32::MAX, |&(r, _)| r);
+                let rank = class.min_rank;
                 let take = if s > best {
                     weight = size;
                     true
@@ -580,14 +624,31 @@ impl Placer {
     /// Counts, per filter, the nodes that cannot take `d`.
     pub fn report(&self, cluster: &Cluster, d: &Demand, ctx: &PlaceCtx<'_>) -> FitReport {
         let mut counts = [0usize; Reason::ALL.len()];
-        for (id, node) in cluster.nodes().iter().enumerate() {
-            let r = if ctx.exclude.is_some_and(|e| e.get(id).copied().unwrap_or(false)) {
-                Err(Reason::ReservedForHead)
-            } else {
-                check(cluster, node, d, ctx)
-            };
-            if let Err(r) = r {
-                counts[Reason::ALL.iter().position(|&x| x == r).unwrap_or(0)] += 1;
+        let mut count = |r: Reason, n: usize| {
+            counts[Reason::ALL.iter().position(|&x| x == r).unwrap_or(0)] += n;
+        };
+        match ctx.exclude {
+            // Nodes of one state class fail the same filter: one check per class.
+            None => {
+                for &cid in &cluster.active {
+                    let class = &cluster.classes[cid as usize];
+                    let node = &cluster.nodes()[class.members[0] as usize];
+                    if let Err(r) = check(cluster, node, d, ctx) {
+                        count(r, class.members.len());
+                    }
+                }
+            }
+            Some(exclude) => {
+                for (id, node) in cluster.nodes().iter().enumerate() {
+                    let r = if exclude.get(id).copied().unwrap_or(false) {
+                        Err(Reason::ReservedForHead)
+                    } else {
+                        check(cluster, node, d, ctx)
+                    };
+                    if let Err(r) = r {
+                        count(r, 1);
+                    }
+                }
             }
         }
         let mut reasons: Vec<(Reason, usize)> =
@@ -708,6 +769,24 @@ fn alloc_bug(cluster: &Cluster, d: &Demand, e: &ClusterError) -> FitReport {
         kind: d.kind,
         reasons: vec![(Reason::InsufficientDevices, cluster.len())],
     }
+}
+
+#[inline]
+fn memo_get(memo: &[Vec<f64>], class: u32, demand: u32) -> Option<f64> {
+    let s = *memo.get(class as usize)?.get(demand as usize)?;
+    if s.is_nan() { None } else { Some(s) }
+}
+
+fn memo_put(memo: &mut Vec<Vec<f64>>, class: u32, demand: u32, s: f64) {
+    let (c, d) = (class as usize, demand as usize);
+    if memo.len() <= c {
+        memo.resize_with(c + 1, Vec::new);
+    }
+    let row = &mut memo[c];
+    if row.len() <= d {
+        row.resize(d + 1, f64::NAN);
+    }
+    row[d] = s;
 }
 
 #[inline]

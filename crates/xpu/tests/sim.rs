@@ -2,7 +2,7 @@
 //! a slice of the real Philly trace under each queue, and clear errors (file, line, column;
 //! exit 2) for malformed input.
 
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -135,6 +135,7 @@ pub(crate) fn fragmentation(mix: &TaskMix, cpu_free: u64, gpus: &[u16], model: u
 /// stream of that task alone could *not* turn into allocation on this node — what is left after
 /// packing as many copies as the GPUs, CPU and memory allow. Multi-GPU typical tasks keep FGD's
 /// rule (all or none of the free GPUs count), which guards whole empty nodes better.
+#[cfg(test)]
 pub(crate) fn stranded(
     mix: &TaskMix,
     cpu_free: u64,
@@ -177,6 +178,80 @@ pub(crate) fn stranded(
         frag += t.freq * total.saturating_sub(usable) as f64;
     }
     frag
+}
+
+/// `floor(free / milli)` for every free value 0..=1000, per typical task: the copies of the task
+/// one GPU holds, looked up instead of divided on the hot path.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CopyTables {
+    tables: Vec<[u8; 1001]>,
+}
+
+impl CopyTables {
+    pub(crate) fn new(mix: &TaskMix) -> Self {
+        let tables = mix
+            .tasks
+            .iter()
+            .map(|t| {
+                let mut tab = [0u8; 1001];
+                if t.milli > 0 {
+                    for (g, slot) in tab.iter_mut().enumerate() {
+                        *slot = (g / usize::from(t.milli)).min(255) as u8;
+                    }
+                }
+                tab
+            })
+            .collect();
+        Self { tables }
+    }
+}
+
+/// xpu's measure in one pass: the mean of FGD's [`fragmentation`] and [`stranded`], equal to
+/// `0.5 * (fragmentation(..) + stranded(..))` (a unit test holds it to that).
+pub(crate) fn blended(
+    mix: &TaskMix,
+    tabs: &CopyTables,
+    cpu_free: u64,
+    mem_free: u64,
+    gpus: &[u16],
+    model: u8,
+) -> f64 {
+    let total: u64 = gpus.iter().map(|&g| u64::from(g)).sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let mut frag = 0.0;
+    for (t, tab) in mix.tasks.iter().zip(&tabs.tables) {
+        let both = if t.milli == 0
+            || model == u8::MAX
+            || (t.models != ANY_MODEL && (t.models >> model) & 1 == 0)
+        {
+            2 * total
+        } else {
+            let mut usable = 0u16;
+            let mut small = 0u64;
+            let mut copies = 0u64;
+            for &g in gpus {
+                if g >= t.milli {
+                    usable += 1;
+                } else {
+                    small += u64::from(g);
+                }
+                copies += u64::from(tab[usize::from(g.min(1000))]);
+            }
+            let fgd = if usable >= t.count && cpu_free >= t.cpu_milli { small } else { total };
+            let strand = if t.count > 1 {
+                fgd
+            } else {
+                let by_cpu = cpu_free.checked_div(t.cpu_milli).unwrap_or(u64::MAX);
+                let by_mem = mem_free.checked_div(t.memory_mib).unwrap_or(u64::MAX);
+                total.saturating_sub(copies.min(by_cpu).min(by_mem) * u64::from(t.milli))
+            };
+            fgd + strand
+        };
+        frag += t.freq * both as f64;
+    }
+    0.5 * frag
 }
 
 /// The GPUs of a node as FGD sees them: free milli of devices the demand may use (its kind and
@@ -315,6 +390,38 @@ mod tests {
         // Without CPU nothing is usable.
         assert_eq!(fragmentation(&mix, 500, &[300, 700], 0), 1000.0);
         assert_eq!(fragmentation(&mix, 8000, &[0, 0], 0), 0.0);
+    }
+
+    #[test]
+    fn the_fused_measure_equals_the_two_measures_it_blends() {
+        let mut rng = Rng::new(3);
+        let mut tasks = Vec::new();
+        for i in 0..20u64 {
+            let count = [0u16, 1, 1, 1, 2, 4, 8][rng.index(7)];
+            let milli = match count {
+                0 => 0,
+                1 if i % 2 == 0 => [100u16, 250, 460, 500, 700][rng.index(5)],
+                _ => 1000,
+            };
+            tasks.push(TypicalTask {
+                cpu_milli: 1000 * (1 + rng.below(16)),
+                memory_mib: 1024 * rng.below(64),
+                milli,
+                count,
+                models: if i % 5 == 0 { 0b10 } else { ANY_MODEL },
+                freq: 0.05,
+            });
+        }
+        let mix = TaskMix { tasks };
+        let tabs = CopyTables::new(&mix);
+        for _ in 0..500 {
+            let gpus: Vec<u16> = (0..8).map(|_| rng.below(1001) as u16).collect();
+            let (cpu, mem, model) = (rng.below(64_000), rng.below(262_144), rng.below(3) as u8);
+            let want = 0.5
+                * (fragmentation(&mix, cpu, &gpus, model) + stranded(&mix, cpu, mem, &gpus, model));
+            let got = blended(&mix, &tabs, cpu, mem, &gpus, model);
+            assert!((want - got).abs() < 1e-6, "{gpus:?} {cpu} {mem}: {want} vs {got}");
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::cluster::{Cluster, MILLI, Node};
 use crate::placement::{Demand, Policy, device_matches, pick_devices};
 use crate::rng::Rng;
 
-use super::fgd::{TaskMix, fragmentation, gpu_view, stranded};
+use super::fgd::{CopyTables, TaskMix, blended, gpu_view};
 
 /// Width of a score band, in milli-GPU of fragmentation change.
 const BAND: f64 = 75.0;
@@ -35,12 +35,14 @@ const BAND: f64 = 75.0;
 #[derive(Debug, Clone)]
 pub struct XpuPolicy {
     mix: TaskMix,
+    tabs: CopyTables,
     buf: Vec<u16>,
 }
 
 impl XpuPolicy {
     pub fn new(mix: TaskMix) -> Self {
-        Self { mix, buf: Vec::new() }
+        let tabs = CopyTables::new(&mix);
+        Self { mix, tabs, buf: Vec::new() }
     }
 
     pub fn mix(&self) -> &TaskMix {
@@ -48,8 +50,7 @@ impl XpuPolicy {
     }
 
     fn frag(&self, cpu: u64, mem: u64, gpus: &[u16], model: u8) -> f64 {
-        0.5 * (fragmentation(&self.mix, cpu, gpus, model)
-            + stranded(&self.mix, cpu, mem, gpus, model))
+        blended(&self.mix, &self.tabs, cpu, mem, gpus, model)
     }
 
     /// (score band, device index for a share).
@@ -64,7 +65,9 @@ impl XpuPolicy {
             // (band, fullness after, position in `gpus`)
             let mut best: Option<(f64, u16, usize)> = None;
             for k in 0..gpus.len() {
-                if gpus[k] >= d.milli {
+                // GPUs with equal free capacity leave equal states (the first one is kept, as
+                // on ties): evaluate each value once.
+                if gpus[k] >= d.milli && !gpus[..k].contains(&gpus[k]) {
                     gpus[k] -= d.milli;
                     let s = band(self.frag(cpu, mem, &gpus, model));
                     let fullness = MILLI - gpus[k];
