@@ -355,3 +355,27 @@ fn a_job_shorter_than_the_limit_finishes_and_a_pool_smaller_than_the_gang_is_not
     assert_eq!(s.job(ok).unwrap().status, JobStatus::Finished);
     s.audit().unwrap();
 }
+
+#[test]
+fn priority_order_ages_waiting_jobs() {
+    // One GPU. Without aging the later priority-5 job goes first; with 10 points per hour, a
+    // priority-0 job that waited an hour overtakes a priority-5 job submitted just now.
+    for (aging, first) in [(0.0, "new-important"), (10.0, "old-patient")] {
+        let config = SchedulerConfig {
+            queue: QueuePolicy::Priority,
+            aging_per_hour: aging,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(gpu_nodes(1, 1), config).unwrap();
+        let blocker = s.submit(gpus("blocker", 1), 0).unwrap();
+        s.schedule(0);
+        let old = s.submit(gpus("old-patient", 1), 0).unwrap();
+        let new = s.submit(gpus("new-important", 1).priority(5), 3600).unwrap();
+        s.finish(blocker, 3600).unwrap();
+        let st = started(&s.schedule(3600));
+        assert_eq!(st.len(), 1);
+        let name = &s.job(st[0]).unwrap().job.name;
+        assert_eq!(name, first, "aging {aging}");
+        assert!(st[0] == old || st[0] == new);
+    }
+}
