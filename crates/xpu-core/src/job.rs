@@ -20,6 +20,16 @@
 //! available. The argv is then `command + args` when `command` is set; with `args` only, the
 //! entrypoint is taken to be the image's base name without tag (`gcr.io/.../sleep:latest` with
 //! `args: ["3600s"]` runs `sleep 3600s`); with neither, the base name alone.
+//!
+//! xpu's own annotations (short-form fields in brackets):
+//! - `xpu.dev/queue` [`queue`], `xpu.dev/priority` [`priority`]: fair-share queue and priority.
+//! - `xpu.dev/gpu-milli: "250"` [`gpuMilli: 250`]: each task gets that many thousandths (1 to
+//!   999) of one GPU instead of whole GPUs, shared with other tasks. The container's GPU limit
+//!   must then be 1 (`nvidia.com/gpu: 1`, that vendor's GPU) or absent (a GPU of any vendor).
+//! - `xpu.dev/rootfs: /srv/rootfs` [`rootfs`]: run each task as an OCI container with this root
+//!   filesystem (a directory on the daemon's host) through `xpu runtime` and runc.
+//! - `xpu.dev/bundle: /srv/bundle` [`bundle`]: the same with an OCI bundle (`config.json` and
+//!   its rootfs); the bundle's `process.args` run when the manifest gives no command.
 
 use std::collections::BTreeMap;
 
@@ -89,6 +99,10 @@ pub struct DeviceRequest {
     /// `nvidia`, `amd`, `google`, `intel`; `None` accepts any vendor.
     pub vendor: Option<String>,
     pub count: u32,
+    /// A share of one device in thousandths (1 to 999; annotation `xpu.dev/gpu-milli`), with
+    /// `count` 1; `None` for whole devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub milli: Option<u16>,
 }
 
 /// What one task needs from a node.
@@ -124,6 +138,10 @@ pub struct Container {
     /// Run as an OCI container with this root filesystem (annotation `xpu.dev/rootfs`, short
     /// form `rootfs`) instead of as a host process.
     pub rootfs: Option<String>,
+    /// Run as an OCI container from this bundle directory (annotation `xpu.dev/bundle`, short
+    /// form `bundle`); `argv` empty means the bundle's own `process.args`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bundle: Option<String>,
     pub resources: Resources,
 }
 
@@ -485,7 +503,18 @@ impl Parser {
             ));
         }
         let rootfs = annotations.get("xpu.dev/rootfs").cloned();
-        let container = self.container(&container, rootfs)?;
+        let bundle = annotations.get("xpu.dev/bundle").cloned();
+        let mut container = self.container(&container, rootfs, bundle)?;
+        if let Some(m) = annotations.get("xpu.dev/gpu-milli") {
+            let path = root.field("metadata.annotations.xpu.dev/gpu-milli");
+            let milli = m
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|n| (1..=999).contains(n))
+                .ok_or_else(|| JobError::new(&path, SHARE_RANGE))?;
+            share_gpu(&mut container.resources, milli, &path)?;
+        }
         let spec = JobSpec {
             name,
             queue,
@@ -505,13 +534,26 @@ impl Parser {
         Ok(spec)
     }
 
-    fn container(&mut self, c: &Obj<'_>, rootfs: Option<String>) -> Result<Container, JobError> {
+    fn container(
+        &mut self,
+        c: &Obj<'_>,
+        rootfs: Option<String>,
+        bundle: Option<String>,
+    ) -> Result<Container, JobError> {
         let name = c.str("name")?.unwrap_or("main").to_owned();
         let image = c.str("image")?.map(str::to_owned);
         let command = c.strings("command")?;
         let args = c.strings("args")?.unwrap_or_default();
         let argv = match (command, rootfs.is_some()) {
             (Some(cmd), _) if !cmd.is_empty() => cmd.into_iter().chain(args).collect(),
+            // A bundle brings its own process.args; args alone cannot be put in front of them.
+            _ if bundle.is_some() && args.is_empty() => Vec::new(),
+            _ if bundle.is_some() => {
+                return Err(JobError::new(
+                    c.field("command"),
+                    "required with args when the job names a bundle (the bundle's process.args run when both are absent)",
+                ));
+            }
             // A rootfs has no image config to read either, so the same rule applies there.
             _ => match image.as_deref().and_then(image_entrypoint) {
                 Some(entry) => {
@@ -564,7 +606,7 @@ impl Parser {
             Some(r) => self.resources(&r)?,
             None => Resources::default(),
         };
-        Ok(Container { name, image, argv, env, working_dir, rootfs, resources })
+        Ok(Container { name, image, argv, env, working_dir, rootfs, bundle, resources })
     }
 
     /// `resources.requests` / `resources.limits`.
@@ -643,6 +685,7 @@ impl Parser {
                             kind,
                             vendor: Some(vendor.to_owned()),
                             count,
+                            milli: None,
                         });
                     }
                 }
@@ -679,10 +722,11 @@ impl Parser {
     /// backoffLimit: 3        # activeDeadlineSeconds: 3600
     /// nodeSelector: {xpu.dev/gpu.product: A100-SXM4-40GB}
     /// env: {WANDB_MODE: offline}
-    /// workingDir: /data      # rootfs: /srv/rootfs (run as an OCI container)
+    /// workingDir: /data      # rootfs: /srv/rootfs or bundle: /srv/bundle (an OCI container)
+    /// gpuMilli: 250          # a quarter of one GPU, shared
     /// ```
     fn short(&mut self, map: &Map<String, Value>) -> Result<JobSpec, JobError> {
-        const KNOWN: [&str; 20] = [
+        const KNOWN: [&str; 22] = [
             "name",
             "command",
             "gpus",
@@ -702,6 +746,8 @@ impl Parser {
             "env",
             "workingDir",
             "rootfs",
+            "bundle",
+            "gpuMilli",
             "image",
         ];
         let o = self.root(map);
@@ -721,7 +767,8 @@ impl Parser {
             Some(_) => o.strings("command")?.unwrap_or_default(),
             None => Vec::new(),
         };
-        if argv.is_empty() {
+        let bundle = o.str("bundle")?.map(str::to_owned);
+        if argv.is_empty() && bundle.is_none() {
             return Err(JobError::new(
                 o.field("command"),
                 "required: the program and its arguments",
@@ -731,7 +778,9 @@ impl Parser {
             Some(n) => n.to_owned(),
             None => argv
                 .first()
-                .map(|a| a.rsplit('/').next().unwrap_or(a).to_owned())
+                .or(bundle.as_ref())
+                .map(|a| a.trim_end_matches('/').rsplit('/').next().unwrap_or(a).to_owned())
+                .filter(|n| !n.is_empty())
                 .unwrap_or_else(|| "job".to_owned()),
         };
         let mut resources = Resources::default();
@@ -743,6 +792,7 @@ impl Parser {
                 kind: DeviceKind::Gpu,
                 vendor: None,
                 count: n as u32,
+                milli: None,
             });
         }
         if let Some(n) = o.uint("tpus", 0, 1024)?
@@ -753,6 +803,7 @@ impl Parser {
                 kind: DeviceKind::Tpu,
                 vendor: Some("google".to_owned()),
                 count: n as u32,
+                milli: None,
             });
         }
         if let Some(d) = o.obj("devices")? {
@@ -772,9 +823,13 @@ impl Parser {
                         kind,
                         vendor: Some(vendor.to_owned()),
                         count: n as u32,
+                        milli: None,
                     });
                 }
             }
+        }
+        if let Some(m) = o.uint("gpuMilli", 1, 999)? {
+            share_gpu(&mut resources, m as u16, &o.field("gpuMilli"))?;
         }
         if let Some(v) = o.get("cpu") {
             resources.cpu_milli = cpu_milli(v).ok_or_else(|| {
@@ -828,6 +883,7 @@ impl Parser {
                 env,
                 working_dir: o.str("workingDir")?.map(str::to_owned),
                 rootfs: o.str("rootfs")?.map(str::to_owned),
+                bundle,
                 resources,
             },
             source: Source::Short,
@@ -868,6 +924,55 @@ fn validate(spec: &JobSpec, prefix: &str) -> Result<(), JobError> {
     }
     if spec.container.argv.iter().any(|a| a.contains('\0')) {
         return Err(JobError::new(join(prefix, "command"), "must not contain NUL"));
+    }
+    let (rootfs_path, bundle_path) = match spec.source {
+        Source::Kubernetes => {
+            ("metadata.annotations.xpu.dev/rootfs", "metadata.annotations.xpu.dev/bundle")
+        }
+        Source::Short => ("rootfs", "bundle"),
+    };
+    let c = &spec.container;
+    if c.rootfs.is_some() && c.bundle.is_some() {
+        return Err(JobError::new(
+            join(prefix, bundle_path),
+            "give either a rootfs or a bundle, not both",
+        ));
+    }
+    for (path, value) in [(rootfs_path, &c.rootfs), (bundle_path, &c.bundle)] {
+        if let Some(v) = value
+            && (!v.starts_with('/') || v.contains('\0'))
+        {
+            return Err(JobError::new(
+                join(prefix, path),
+                "must be an absolute path to a directory on the daemon's host",
+            ));
+        }
+    }
+    Ok(())
+}
+
+const SHARE_RANGE: &str = "must be an integer from 1 to 999 (thousandths of one GPU)";
+
+/// Turns the task's GPU request into a share of one GPU: the GPU limit must be 1 (that vendor's
+/// GPU) or absent (any vendor's).
+fn share_gpu(res: &mut Resources, milli: u16, path: &str) -> Result<(), JobError> {
+    let gpus: Vec<usize> =
+        (0..res.devices.len()).filter(|&i| res.devices[i].kind == DeviceKind::Gpu).collect();
+    match gpus.as_slice() {
+        [] => res.devices.push(DeviceRequest {
+            resource: "gpu".to_owned(),
+            kind: DeviceKind::Gpu,
+            vendor: None,
+            count: 1,
+            milli: Some(milli),
+        }),
+        [i] if res.devices[*i].count == 1 => res.devices[*i].milli = Some(milli),
+        _ => {
+            return Err(JobError::new(
+                path,
+                "a share is of one GPU; set the container's GPU limit to 1 or leave it out",
+            ));
+        }
     }
     Ok(())
 }
@@ -1116,6 +1221,48 @@ spec:
         {
             assert!(parse(text).is_err(), "{text:?}");
         }
+    }
+
+    #[test]
+    fn gpu_shares_and_containers() {
+        let k8s = SINGLE.replace("google.com/tpu: 8", "nvidia.com/gpu: 1").replace(
+            "  name: job-1\n",
+            "  name: job-1\n  annotations:\n    xpu.dev/gpu-milli: \"250\"\n    xpu.dev/rootfs: /srv/r\n",
+        );
+        let s = parse(&k8s).unwrap().spec;
+        let d = &s.container.resources.devices[0];
+        assert_eq!((d.count, d.milli, d.vendor.as_deref()), (1, Some(250), Some("nvidia")));
+        assert_eq!(s.container.rootfs.as_deref(), Some("/srv/r"));
+        assert_eq!(s.container.argv, ["sleep", "3600s"], "a rootfs has no image config either");
+        let with_args = k8s.replace("xpu.dev/rootfs: /srv/r", "xpu.dev/bundle: /srv/b");
+        assert!(parse(&with_args).unwrap_err().message.contains("the bundle's process.args"));
+        let two = k8s.replace("nvidia.com/gpu: 1", "nvidia.com/gpu: 2");
+        assert_eq!(parse(&two).unwrap_err().path, "metadata.annotations.xpu.dev/gpu-milli");
+        let bad = k8s.replace("\"250\"", "\"1000\"");
+        assert_eq!(
+            parse(&bad).unwrap_err().to_string(),
+            "metadata.annotations.xpu.dev/gpu-milli: must be an integer from 1 to 999 (thousandths of one GPU)"
+        );
+        let s = parse("command: [x]\ngpuMilli: 500\n").unwrap().spec;
+        let d = &s.container.resources.devices[0];
+        assert_eq!(
+            (d.resource.as_str(), d.count, d.milli, d.vendor.clone()),
+            ("gpu", 1, Some(500), None)
+        );
+        assert_eq!(parse("command: [x]\ngpus: 2\ngpuMilli: 500\n").unwrap_err().path, "gpuMilli");
+        // A bundle may bring its own command; a rootfs must be absolute; not both.
+        let s = parse("bundle: /srv/train-bundle/\n").unwrap().spec;
+        assert!(s.container.argv.is_empty());
+        assert_eq!(s.name, "train-bundle");
+        assert_eq!(parse("command: [x]\nrootfs: srv\n").unwrap_err().path, "rootfs");
+        assert_eq!(parse("command: [x]\nrootfs: /a\nbundle: /b\n").unwrap_err().path, "bundle");
+        let stored: JobSpec = serde_json::from_str(
+            &serde_json::to_string(&parse("command: [x]\ngpus: 1\n").unwrap().spec)
+                .unwrap()
+                .replace(",\"milli\":null", ""),
+        )
+        .unwrap();
+        assert_eq!(stored.container.resources.devices[0].milli, None, "old stored specs load");
     }
 
     #[test]

@@ -16,8 +16,11 @@
 //!   kube-scheduler-style (`0/1213 nodes are available: 800 Insufficient gpu, ...`).
 //! - [`policy`]: Random, BestFit, DotProduct, GpuPacking, GpuClustering, FGD and xpu's default.
 //! - [`scheduler`]: the queue (FIFO, priority with aging, SJF, EASY backfill, DRF fair share),
-//!   gangs, preemption and flex-start pools ([`pool`]).
+//!   gangs, preemption and flex-start pools ([`pool`]); for a daemon, adopting running work
+//!   after a restart, re-queueing one task, draining a job, and explaining why one waits.
 //! - [`inventory`]: one host's discovered devices as a scheduler node.
+//! - [`manifest`]: a parsed job manifest (Kubernetes Job or xpu's short form) as a scheduler
+//!   job, the way `xpu serve` queues it.
 //! - [`sim`] and [`trace`]: the OpenB placement benchmark and trace replay; `trace` is the only
 //!   module that reads files.
 //!
@@ -61,6 +64,7 @@
 pub mod cluster;
 mod hash;
 pub mod inventory;
+pub mod manifest;
 pub mod nova;
 pub mod placement;
 pub mod policy;
@@ -73,6 +77,7 @@ pub mod trace;
 
 pub use cluster::{Cluster, DeviceSpec, NodeId, NodeSpec, NodeStatus};
 pub use inventory::node_from_inventory;
+pub use manifest::job_from_spec;
 pub use placement::{Demand, FitReport, Placement, Placer, Policy, Unschedulable};
 pub use policy::PolicyKind;
 pub use request::{DeviceAsk, Job, TaskGroup, TaskSpec, Time, TpuAsk};

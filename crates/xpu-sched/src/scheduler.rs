@@ -84,6 +84,20 @@ pub struct SchedulerConfig {
     /// Seeds tie-breaking.
     #[serde(default)]
     pub seed: u64,
+    /// Fair queue only: a job that cannot start holds back only the later jobs of its queue
+    /// that ask for the same device kind (jobs asking for no device form a lane of their own),
+    /// instead of the whole queue. A GPU job waiting for GPUs then never blocks the CPU-only or
+    /// TPU jobs queued behind it, and later GPU jobs still cannot overtake it. Off by default;
+    /// the daemon turns it on.
+    #[serde(default)]
+    pub lanes: bool,
+    /// A job is failed as never fitting only when one of its groups can never fit an empty
+    /// cluster on its own: a gang whole, any other group one task at a time. Without it (the
+    /// default, as a simulator finishing whole jobs needs), every task of the job must fit at
+    /// once. For callers that end tasks one by one ([`Scheduler::finish_task`],
+    /// [`Scheduler::requeue_task`]), so a job may have more tasks than fit at once.
+    #[serde(default)]
+    pub fit_per_task: bool,
 }
 
 fn default_policy() -> PolicyKind {
@@ -105,6 +119,8 @@ impl Default for SchedulerConfig {
             backfill_depth: default_depth(),
             pools: Vec::new(),
             seed: 0,
+            lanes: false,
+            fit_per_task: false,
         }
     }
 }
@@ -179,6 +195,8 @@ pub enum SchedError {
     WrongState { job: JobId, status: JobStatus, action: &'static str },
     #[error("job {job} has no task {task:?}")]
     NoSuchTask { job: JobId, task: TaskRef },
+    #[error("job {job} task {task:?} cannot be adopted: {reason}")]
+    Adopt { job: JobId, task: TaskRef, reason: String },
     #[error(transparent)]
     Request(#[from] RequestError),
     #[error(transparent)]
@@ -247,6 +265,20 @@ struct Entry {
     /// Flex-start nodes held for it while they come up, and when they were asked for.
     reserved: Vec<NodeId>,
     provision_asked: Option<Time>,
+    /// Device kinds its tasks ask for (bit per kind index), or [`CPU_LANE`] for none: the
+    /// lane it waits in when [`SchedulerConfig::lanes`] is on.
+    lane: u8,
+}
+
+/// The lane of jobs that ask for no device.
+const CPU_LANE: u8 = 1 << 5;
+
+fn lane_of(groups: &[ExpandedGroup]) -> u8 {
+    let mut m = 0u8;
+    for g in groups.iter().filter(|g| g.demand.count > 0) {
+        m |= 1 << crate::cluster::kind_index(g.demand.kind);
+    }
+    if m == 0 { CPU_LANE } else { m }
 }
 
 impl Entry {
@@ -283,6 +315,8 @@ pub struct Scheduler {
     jobs: Vec<Entry>,
     queue: BTreeSet<QKey>,
     by_queue: Vec<BTreeSet<QKey>>,
+    /// Per queue, per lane: the queued jobs (kept only with [`SchedulerConfig::lanes`]).
+    by_lane: Vec<BTreeMap<u8, BTreeSet<QKey>>>,
     queue_names: Vec<String>,
     queue_usage: Vec<[u64; 3]>,
     running: BTreeSet<JobId>,
@@ -350,6 +384,7 @@ impl Scheduler {
             jobs: Vec::new(),
             queue: BTreeSet::new(),
             by_queue: Vec::new(),
+            by_lane: Vec::new(),
             queue_names: Vec::new(),
             queue_usage: Vec::new(),
             running: BTreeSet::new(),
@@ -461,6 +496,7 @@ impl Scheduler {
             None => {
                 self.queue_names.push(qname.to_owned());
                 self.by_queue.push(BTreeSet::new());
+                self.by_lane.push(BTreeMap::new());
                 self.queue_usage.push([0; 3]);
                 self.queue_names.len() - 1
             }
@@ -484,8 +520,10 @@ impl Scheduler {
             need: [0; 7],
             reserved: Vec::new(),
             provision_asked: None,
+            lane: 0,
         };
-        e.need = unplaced_need(&e.groups, &e.tasks);
+        e.lane = lane_of(&e.groups);
+        e.need = unplaced_need(&e.groups, &e.tasks, self.config.fit_per_task);
         e.never_fits = self.never_fits(id, &e);
         if e.never_fits.is_some() {
             self.doomed.insert(id);
@@ -545,20 +583,38 @@ impl Scheduler {
             };
             groups.push(spec);
         }
-        let tasks: Vec<TaskSlot> = e.tasks.clone();
         let ctx = PlaceCtx { token: Entry::token(id), any_status: true, ..PlaceCtx::default() };
+        // The whole job at once; with `fit_per_task`, each group on its own, a gang whole and
+        // any other group as one task.
+        let trials: Vec<Vec<TaskSlot>> = if self.config.fit_per_task {
+            groups
+                .iter()
+                .enumerate()
+                .map(|(gi, g)| {
+                    let n = if g.gang || g.colocate { usize::MAX } else { 1 };
+                    e.tasks.iter().filter(|t| t.group == gi).take(n).cloned().collect()
+                })
+                .collect()
+        } else {
+            vec![e.tasks.clone()]
+        };
         self.planner.set_explain(true);
-        let placed = place_tasks(&mut self.planner, empty, &groups, &tasks, &ctx, true);
-        self.planner.set_explain(false);
-        match placed {
-            Ok(ps) => {
-                for (_, p) in ps.iter().rev() {
-                    let _ = empty.release(p);
+        let mut result = None;
+        for tasks in &trials {
+            match place_tasks(&mut self.planner, empty, &groups, tasks, &ctx, true) {
+                Ok(ps) => {
+                    for (_, p) in ps.iter().rev() {
+                        let _ = empty.release(p);
+                    }
                 }
-                None
+                Err(u) => {
+                    result = Some(u);
+                    break;
+                }
             }
-            Err(u) => Some(u),
         }
+        self.planner.set_explain(false);
+        result
     }
 
     fn key_for(&self, id: JobId) -> QKey {
@@ -582,6 +638,9 @@ impl Scheduler {
         e.key = Some(key);
         self.queue.insert(key);
         self.by_queue[e.queue].insert(key);
+        if self.config.lanes {
+            self.by_lane[e.queue].entry(e.lane).or_default().insert(key);
+        }
     }
 
     fn dequeue(&mut self, id: JobId) {
@@ -589,6 +648,9 @@ impl Scheduler {
         if let Some(k) = e.key.take() {
             self.queue.remove(&k);
             self.by_queue[e.queue].remove(&k);
+            if let Some(set) = self.by_lane.get_mut(e.queue).and_then(|l| l.get_mut(&e.lane)) {
+                set.remove(&k);
+            }
         }
     }
 
@@ -654,6 +716,190 @@ impl Scheduler {
         e.status = JobStatus::Cancelled;
         e.finished = Some(now);
         Ok(())
+    }
+
+    /// Rebuilds a job that was already running before the caller restarted (a daemon that
+    /// re-adopts the processes it left running): the job is submitted as with
+    /// [`Scheduler::submit`], then each `(task, node, device indices)` of `running` is allocated
+    /// exactly as given, without asking the policy, each device taking the share the task's
+    /// group asks for. The job runs from `now`; its other tasks queue as usual. On an error (no
+    /// such task, a task given twice, devices of the wrong number or kind, or more than is
+    /// free) nothing stays allocated and the job is left cancelled.
+    pub fn adopt(
+        &mut self,
+        job: Job,
+        running: &[(TaskRef, NodeId, Vec<u16>)],
+        now: Time,
+    ) -> Result<JobId, SchedError> {
+        let id = self.submit(job, now)?;
+        let mut placed: Vec<(usize, Placement)> = Vec::with_capacity(running.len());
+        let mut failure: Option<SchedError> = None;
+        for (task, node, devices) in running {
+            match self.adoption(id, *task, *node, devices, &placed) {
+                Ok(p) => match self.cluster.allocate(&p.1) {
+                    Ok(()) => placed.push(p),
+                    Err(e) => {
+                        failure =
+                            Some(SchedError::Adopt { job: id, task: *task, reason: e.to_string() });
+                        break;
+                    }
+                },
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failure {
+            for (_, p) in placed.iter().rev() {
+                let _ = self.cluster.release(p);
+            }
+            let _ = self.cancel(id, now);
+            return Err(e);
+        }
+        if !placed.is_empty() {
+            let mut ignored = Vec::new();
+            self.record_start(id, placed, now, &mut ignored);
+        }
+        Ok(id)
+    }
+
+    /// The placement of one adopted task, checked against the job and the node.
+    fn adoption(
+        &self,
+        id: JobId,
+        task: TaskRef,
+        node: NodeId,
+        devices: &[u16],
+        placed: &[(usize, Placement)],
+    ) -> Result<(usize, Placement), SchedError> {
+        let e = &self.jobs[id as usize];
+        let bad = |reason: String| SchedError::Adopt { job: id, task, reason };
+        let ti = e
+            .tasks
+            .iter()
+            .position(|t| t.task == task)
+            .ok_or(SchedError::NoSuchTask { job: id, task })?;
+        if placed.iter().any(|(i, _)| *i == ti) {
+            return Err(bad("it is given twice".into()));
+        }
+        let d = e.groups[e.tasks[ti].group].demand;
+        if devices.len() != usize::from(d.count) {
+            return Err(bad(format!("it asks for {} devices, {} given", d.count, devices.len())));
+        }
+        let n =
+            self.cluster.node(node).ok_or(SchedError::Cluster(ClusterError::NoSuchNode(node)))?;
+        for &i in devices {
+            if usize::from(i) >= n.devices.len()
+                || !crate::placement::device_matches(n, usize::from(i), &d)
+            {
+                return Err(bad(format!(
+                    "device {i} of node {:?} is not a {} it may use",
+                    n.name, d.kind
+                )));
+            }
+        }
+        let p = Placement {
+            node,
+            cpu_milli: d.cpu_milli,
+            memory_mib: d.memory_mib,
+            devices: devices
+                .iter()
+                .map(|&index| crate::placement::DeviceShare { index, milli: d.milli })
+                .collect(),
+            tag: crate::cluster::affinity_tag(d.count, d.milli),
+        };
+        Ok((ti, p))
+    }
+
+    /// Gives back what one running task holds and queues that task again, keeping the job's
+    /// place in its queue, while the job's other tasks run on: a failed task retried on whatever
+    /// fits next (Kubernetes makes a new pod under `restartPolicy: Never`), or the next
+    /// completion of a job that runs fewer tasks at once than it has completions. The job stays
+    /// running.
+    pub fn requeue_task(&mut self, id: JobId, task: TaskRef, now: Time) -> Result<(), SchedError> {
+        let ti = self.running_task(id, task, "requeued")?;
+        self.advance(now);
+        if let Some(p) = self.jobs[id as usize].tasks[ti].placement.take() {
+            self.release_placement(id, &p, now);
+        }
+        let e = &mut self.jobs[id as usize];
+        e.need = unplaced_need(&e.groups, &e.tasks, self.config.fit_per_task);
+        if e.key.is_none() {
+            self.enqueue(id);
+        }
+        Ok(())
+    }
+
+    fn running_task(
+        &self,
+        id: JobId,
+        task: TaskRef,
+        action: &'static str,
+    ) -> Result<usize, SchedError> {
+        let e = self.jobs.get(id as usize).ok_or(SchedError::NoSuchJob(id))?;
+        if e.status != JobStatus::Running {
+            return Err(SchedError::WrongState { job: id, status: e.status, action });
+        }
+        e.tasks
+            .iter()
+            .position(|t| t.task == task && t.placement.is_some() && !t.done)
+            .ok_or(SchedError::NoSuchTask { job: id, task })
+    }
+
+    /// Stops placing a job: it leaves the queue and its unplaced tasks are dropped, while its
+    /// running tasks keep what they hold until each is ended with [`Scheduler::finish_task`]
+    /// (the job finishes with the last one). For callers whose tasks take a while to stop (a
+    /// grace period between SIGTERM and SIGKILL): nothing else is placed on devices still in
+    /// use meanwhile. A job with nothing running is cancelled at once.
+    pub fn drain(&mut self, id: JobId, now: Time) -> Result<(), SchedError> {
+        let e = self.jobs.get(id as usize).ok_or(SchedError::NoSuchJob(id))?;
+        if e.status.is_done() {
+            return Err(SchedError::WrongState { job: id, status: e.status, action: "drained" });
+        }
+        if e.running_tasks().next().is_none() {
+            return self.cancel(id, now);
+        }
+        self.advance(now);
+        self.dequeue(id);
+        self.unreserve(id, now);
+        self.provisioning.remove(&id);
+        self.doomed.remove(&id);
+        let e = &mut self.jobs[id as usize];
+        for t in e.tasks.iter_mut().filter(|t| t.placement.is_none()) {
+            t.done = true;
+        }
+        e.need = unplaced_need(&e.groups, &e.tasks, self.config.fit_per_task);
+        Ok(())
+    }
+
+    /// Why a queued job's unplaced tasks cannot start on the cluster as it is now, counted per
+    /// filter the way kube-scheduler reports it (`0/3 nodes are available: 3 Insufficient
+    /// gpu`); `None` when they would fit now (the job waits behind others in its queue) or it
+    /// has nothing left to place. Changes nothing.
+    pub fn explain(&mut self, id: JobId) -> Option<Unschedulable> {
+        let e = self.jobs.get(id as usize)?;
+        if e.status.is_done() || !e.has_unplaced() {
+            return None;
+        }
+        if let Some(u) = &e.never_fits {
+            return Some(u.clone());
+        }
+        let ctx = PlaceCtx { token: Entry::token(id), ..PlaceCtx::default() };
+        self.planner.set_explain(true);
+        let placed =
+            place_tasks(&mut self.planner, &mut self.cluster, &e.groups, &e.tasks, &ctx, false);
+        self.planner.set_explain(false);
+        match placed {
+            Ok(ps) => {
+                for (_, p) in ps.iter().rev() {
+                    // Cannot fail: these placements were just made.
+                    let _ = self.cluster.release(p);
+                }
+                None
+            }
+            Err(u) => Some(u),
+        }
     }
 
     /// The next time [`Scheduler::schedule`] has something to do without new input: flex
@@ -836,11 +1082,14 @@ impl Scheduler {
     fn pass_fair(&mut self, now: Time, out: &mut Vec<Decision>) {
         let cap = self.cluster.capacity();
         let caps = [cap.cpu_milli, cap.memory_mib, cap.device_milli.iter().sum::<u64>()];
-        let mut blocked = vec![false; self.by_queue.len()];
+        // Per queue: lanes held back by a job that could not start (all of them without
+        // `lanes`), and whether the queue has nothing left to try.
+        let mut blocked = vec![0u8; self.by_queue.len()];
+        let mut exhausted = vec![false; self.by_queue.len()];
         loop {
             let mut best: Option<(f64, usize)> = None;
             for (q, set) in self.by_queue.iter().enumerate() {
-                if blocked[q] || set.is_empty() {
+                if exhausted[q] || set.is_empty() {
                     continue;
                 }
                 let w = self
@@ -865,9 +1114,27 @@ impl Scheduler {
                 }
             }
             let Some((_, q)) = best else { break };
-            let Some(&(_, _, id)) = self.by_queue[q].first() else { break };
+            let head = if self.config.lanes {
+                // The first job of the queue whose lane is not held back.
+                self.by_lane[q]
+                    .iter()
+                    .filter(|(lane, _)| *lane & blocked[q] == 0)
+                    .filter_map(|(_, set)| set.first())
+                    .min()
+                    .map(|k| k.2)
+            } else {
+                self.by_queue[q].first().map(|k| k.2)
+            };
+            let Some(id) = head else {
+                exhausted[q] = true;
+                continue;
+            };
             if !self.start_any_way(id, now, out) || self.jobs[id as usize].key.is_some() {
-                blocked[q] = true;
+                if self.config.lanes {
+                    blocked[q] |= self.jobs[id as usize].lane;
+                } else {
+                    exhausted[q] = true;
+                }
             }
         }
     }
@@ -944,7 +1211,7 @@ impl Scheduler {
             self.running.insert(id);
         }
         let e = &mut self.jobs[id as usize];
-        e.need = unplaced_need(&e.groups, &e.tasks);
+        e.need = unplaced_need(&e.groups, &e.tasks, self.config.fit_per_task);
         if !self.jobs[id as usize].has_unplaced() {
             self.dequeue(id);
         }
@@ -988,7 +1255,7 @@ impl Scheduler {
         }
         self.running.remove(&id);
         let e = &mut self.jobs[id as usize];
-        e.need = unplaced_need(&e.groups, &e.tasks);
+        e.need = unplaced_need(&e.groups, &e.tasks, self.config.fit_per_task);
         if let Some(d) = e.deadline.take() {
             self.deadlines.remove(&(d, id));
         }
@@ -1327,10 +1594,20 @@ fn may_fit(cluster: &Cluster, e: &Entry) -> bool {
 }
 
 /// CPU, memory and per-kind device milli the job's unplaced tasks ask for.
-fn unplaced_need(groups: &[ExpandedGroup], tasks: &[TaskSlot]) -> [u64; 7] {
+/// With `per_task`, a group that is not a gang counts one task: what must fit for anything of
+/// it to start.
+fn unplaced_need(groups: &[ExpandedGroup], tasks: &[TaskSlot], per_task: bool) -> [u64; 7] {
     let mut need = [0u64; 7];
+    let mut counted = if per_task { vec![false; groups.len()] } else { Vec::new() };
     for t in tasks.iter().filter(|t| t.placement.is_none() && !t.done) {
-        let d = &groups[t.group].demand;
+        let g = &groups[t.group];
+        if per_task && !(g.gang || g.colocate) {
+            if counted[t.group] {
+                continue;
+            }
+            counted[t.group] = true;
+        }
+        let d = &g.demand;
         need[0] += d.cpu_milli;
         need[1] += d.memory_mib;
         need[2 + crate::cluster::kind_index(d.kind)] += d.device_milli();
