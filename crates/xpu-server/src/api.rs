@@ -108,10 +108,16 @@ async fn metrics(State(s): S) -> Response {
         .iter()
         .map(|st| (st.as_str(), counts.iter().find(|(c, _)| c == st).map_or(0, |(_, n)| *n)))
         .collect();
+    // Per device, the share held (1.0 for a whole device).
     let holders = s
         .view
         .read()
-        .map(|v| v.holders.iter().map(Option::is_some).collect::<Vec<_>>())
+        .map(|v| {
+            v.holders
+                .iter()
+                .map(|h| h.iter().map(|x| f64::from(x.milli)).sum::<f64>().min(1000.0) / 1000.0)
+                .collect::<Vec<_>>()
+        })
         .unwrap_or_default();
     let samples: Vec<DeviceSample<'_>> = s
         .node
@@ -122,7 +128,7 @@ async fn metrics(State(s): S) -> Response {
             kind: d.kind.as_str(),
             vendor: &d.vendor,
             product: &d.product,
-            allocated: holders.get(d.id as usize).copied().unwrap_or(false),
+            allocated: holders.get(d.id as usize).copied().unwrap_or(0.0),
         })
         .collect();
     let text = s.metrics.render(&jobs, &samples, s.leader.load(Ordering::Relaxed));
@@ -167,19 +173,10 @@ async fn submit(
                 .into_response();
         }
     };
-    if parsed.spec.container.rootfs.is_some() {
-        // Refused rather than run on the host: the container path (runc through
-        // `xpu runtime`) is not wired into the executor yet.
-        let field = match parsed.spec.source {
-            xpu_core::job::Source::Kubernetes => "metadata.annotations.xpu.dev/rootfs",
-            xpu_core::job::Source::Short => "rootfs",
-        };
+    if let Err((field, message)) = check_runnable(&s, &parsed.spec) {
         return (
             StatusCode::BAD_REQUEST,
-            Json(json!({
-                "error": format!("{field}: this daemon runs tasks as host processes only; drop the rootfs to run the command on the host"),
-                "field": field,
-            })),
+            Json(json!({ "error": format!("{field}: {message}"), "field": field })),
         )
             .into_response();
     }
@@ -246,6 +243,43 @@ async fn submit(
         resp.headers_mut().insert(header::LOCATION, v);
     }
     resp
+}
+
+/// What the parser cannot know: whether the scheduler can take the task's request, and
+/// whether a container's rootfs or bundle exists on this host. `Err((field, message))`.
+fn check_runnable(s: &Shared, spec: &xpu_core::job::JobSpec) -> Result<(), (String, String)> {
+    use xpu_core::job::Source;
+    let k8s = spec.source == Source::Kubernetes;
+    if let Err(e) = xpu_sched::job_from_spec(spec, &|v, k| s.node.models(v, k)) {
+        let field = match (e.resource(), k8s) {
+            (Some(r), true) => format!("spec.template.spec.containers[0].resources.limits.{r}"),
+            (Some("gpu"), false) => "gpus".to_owned(),
+            (Some(r), false) => format!("devices.{r}"),
+            (None, true) => "spec.template.spec.containers[0].resources.limits".to_owned(),
+            (None, false) => "devices".to_owned(),
+        };
+        return Err((field, e.to_string()));
+    }
+    let c = &spec.container;
+    let (field, path, marker) = match (&c.rootfs, &c.bundle) {
+        (Some(r), _) => {
+            (if k8s { "metadata.annotations.xpu.dev/rootfs" } else { "rootfs" }, r, None)
+        }
+        (None, Some(b)) => (
+            if k8s { "metadata.annotations.xpu.dev/bundle" } else { "bundle" },
+            b,
+            Some("config.json"),
+        ),
+        (None, None) => return Ok(()),
+    };
+    let dir = std::path::Path::new(path);
+    let ok = dir.is_dir() && marker.is_none_or(|m| dir.join(m).is_file());
+    if !ok {
+        let what =
+            if marker.is_some() { "a bundle directory with config.json" } else { "a directory" };
+        return Err((field.to_owned(), format!("{path} is not {what} on the daemon's host")));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Deserialize)]
@@ -466,12 +500,18 @@ async fn devices(State(s): S) -> Response {
         .iter()
         .map(|d| {
             let mut v = serde_json::to_value(d).unwrap_or(Value::Null);
+            let held = holders.get(d.id as usize).cloned().unwrap_or_default();
             if let Value::Object(m) = &mut v {
+                // `holder`: the first task holding it (the only one unless it is shared).
                 m.insert(
                     "holder".into(),
-                    serde_json::to_value(holders.get(d.id as usize).cloned().flatten())
-                        .unwrap_or(Value::Null),
+                    serde_json::to_value(held.first()).unwrap_or(Value::Null),
                 );
+                m.insert(
+                    "allocated_milli".into(),
+                    json!(held.iter().map(|h| u32::from(h.milli)).sum::<u32>()),
+                );
+                m.insert("holders".into(), serde_json::to_value(&held).unwrap_or(Value::Null));
             }
             v
         })

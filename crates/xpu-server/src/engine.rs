@@ -1,13 +1,25 @@
-//! The scheduling loop: holds the active jobs in memory, places their tasks on the node's free
-//! devices, starts them through the [`crate::executor`], and applies what happens next
-//! (success, failure with `restartPolicy`/`backoffLimit`, `activeDeadlineSeconds`, cancel).
+//! The scheduling loop: holds the active jobs in memory, queues them in `xpu-sched` (the node
+//! is a one-node cluster), starts the tasks the scheduler places through the
+//! [`crate::executor`], and applies what happens next (success, failure with
+//! `restartPolicy`/`backoffLimit`, `activeDeadlineSeconds`, cancel).
+//!
+//! The scheduler decides *when* and *where*: jobs wait in their queue until devices are free
+//! (whole or a share of one), gangs start together, priorities order each queue and queues
+//! share the node fairly (dominant resource fairness), with per-kind lanes so a job waiting for
+//! GPUs never holds back CPU-only work (`SchedulerConfig::lanes`). Its clock is the loop's:
+//! whole seconds since this loop started. A job's scheduler tasks are its *slots*
+//! ([`xpu_sched::manifest`]): the loop hands each placed slot the lowest completion index still
+//! to run, and when that task ends either re-queues the slot for the next index (or a retry
+//! under `restartPolicy: Never`), keeps it for an in-place restart (`OnFailure`), or finishes it.
+//! A job that ends is drained: its devices stay held until its last process has exited, so
+//! nothing new lands on a device still in use during the SIGTERM grace period.
 //!
 //! One task owns all of this state; everything else talks to it through messages, so there are
 //! no locks around job state. The store is the source of truth: on becoming leader the loop
-//! rebuilds itself from the store, re-adopting tasks whose supervisor is still alive and
-//! failing (then retrying per policy) those that are gone. It also polls the store every tick,
-//! which is how it learns of jobs submitted and cancelled through other daemons sharing a
-//! PostgreSQL store.
+//! rebuilds itself from the store, re-adopting tasks whose supervisor is still alive (onto the
+//! devices they hold, with `Scheduler::adopt`) and failing (then retrying per policy) those
+//! that are gone. It also polls the store every tick, which is how it learns of jobs submitted
+//! and cancelled through other daemons sharing a PostgreSQL store.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
@@ -18,10 +30,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use xpu_core::DeviceKind;
 use xpu_core::job::{CompletionMode, JobSpec, RestartPolicy};
+use xpu_sched::scheduler::{Decision, JobId, QueuePolicy, SchedError, Scheduler, SchedulerConfig};
+use xpu_sched::{Cluster, NodeSpec, TaskRef};
 
+use crate::Shared;
+use crate::container::{self, ContainerLaunch};
 use crate::executor::{self, Launch, Sig};
 use crate::store::{JobRow, JobState, TaskRow, TaskState, Write, now_ms};
-use crate::{Shared, placement};
 
 /// Messages to the loop.
 #[derive(Debug)]
@@ -58,8 +73,9 @@ pub enum Msg {
 /// What the API shows of the loop's state, replaced after every pass.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct View {
-    /// Per device: the task holding it.
-    pub holders: Vec<Option<Holder>>,
+    /// Per device: the tasks holding it (several when they share it).
+    pub holders: Vec<Vec<Holder>>,
+    /// Queued jobs in queue order.
     pub queued: Vec<QueuedView>,
     pub running: Vec<RunningView>,
     /// (time ms, devices allocated), one sample per change and at most one per second.
@@ -71,6 +87,8 @@ pub struct Holder {
     pub job: i64,
     pub name: String,
     pub task: u32,
+    /// Thousandths of the device held: 1000 for a whole device.
+    pub milli: u16,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -101,16 +119,39 @@ pub struct TaskView {
     pub devices: Vec<u32>,
 }
 
+/// Where one completion index is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Idx {
+    /// Waits for a slot.
+    Pending,
+    /// Running, starting, or waiting to restart in place.
+    Active,
+    Done,
+}
+
 #[derive(Debug)]
 struct Task {
     idx: u32,
+    /// The scheduler task (slot) whose placement it runs on; `None` for a task found dead at
+    /// recovery, which never held anything in this scheduler.
+    slot: Option<u32>,
     attempt: u32,
     devices: Vec<u32>,
     pid: Option<i32>,
     dir: PathBuf,
     started_ms: i64,
-    /// When SIGKILL follows the SIGTERM already sent.
+    /// When the next SIGKILL goes out (SIGTERM has been sent), and how many went out.
     kill_at: Option<Instant>,
+    kills: u8,
+    container: Option<ContainerLaunch>,
+}
+
+/// An index waiting to restart in place (`OnFailure`) on its slot's devices.
+#[derive(Debug)]
+struct Restart {
+    idx: u32,
+    slot: u32,
+    devices: Vec<u32>,
 }
 
 #[derive(Debug)]
@@ -124,22 +165,32 @@ struct Job {
     failures: i64,
     submitted_ms: i64,
     started_ms: Option<i64>,
-    /// Per completion index: succeeded.
-    done: Vec<bool>,
+    /// Per completion index.
+    idx: Vec<Idx>,
+    /// Indices in [`Idx::Pending`], and the lowest that may be.
+    pending: u32,
+    cursor: u32,
     /// Per completion index: the next attempt number.
     next_attempt: Vec<u32>,
     /// Active attempts.
     tasks: Vec<Task>,
-    /// Indices waiting to restart in place (OnFailure) with these devices.
-    restart_in_place: Vec<(u32, Vec<u32>)>,
+    restarts: Vec<Restart>,
     /// Set once the job reached a terminal state; the tasks are being stopped.
     ending: Option<(JobState, String)>,
+    /// Why the last start failed, shown while it waits again.
     reason: String,
+    /// Its id in the scheduler.
+    sched: Option<JobId>,
+    /// Slots queued in the scheduler and not placed yet.
+    waiting_slots: u32,
+    /// Thousandths of each device a task holds.
+    milli: u16,
 }
 
 impl Job {
     fn from_row(row: &JobRow, spec: JobSpec) -> Job {
         let n = spec.completions as usize;
+        let milli = spec.container.resources.devices.first().and_then(|d| d.milli).unwrap_or(1000);
         Job {
             id: row.id,
             name: row.name.clone(),
@@ -149,25 +200,47 @@ impl Job {
             failures: row.failures,
             submitted_ms: row.submitted_at_ms,
             started_ms: row.started_at_ms,
-            done: vec![false; n],
+            idx: vec![Idx::Pending; n],
+            pending: n as u32,
+            cursor: 0,
             next_attempt: vec![0; n],
             tasks: Vec::new(),
-            restart_in_place: Vec::new(),
+            restarts: Vec::new(),
             ending: None,
-            reason: "waiting for the scheduler".to_owned(),
+            reason: String::new(),
+            sched: None,
+            waiting_slots: 0,
+            milli,
             spec,
         }
     }
 
-    /// Indices neither done nor running nor restarting.
-    fn pending(&self) -> Vec<u32> {
-        (0..self.spec.completions)
-            .filter(|&i| {
-                !self.done[i as usize]
-                    && !self.tasks.iter().any(|t| t.idx == i)
-                    && !self.restart_in_place.iter().any(|(j, _)| *j == i)
-            })
-            .collect()
+    fn set(&mut self, i: u32, to: Idx) {
+        let Some(s) = self.idx.get_mut(i as usize) else { return };
+        if *s == Idx::Pending {
+            self.pending -= 1;
+        }
+        if to == Idx::Pending {
+            self.pending += 1;
+            self.cursor = self.cursor.min(i);
+        }
+        *s = to;
+    }
+
+    /// The lowest pending index, now active.
+    fn take_pending(&mut self) -> Option<u32> {
+        if self.pending == 0 {
+            return None;
+        }
+        let start = self.cursor as usize;
+        let i = start + self.idx[start..].iter().position(|s| *s == Idx::Pending)?;
+        self.cursor = i as u32 + 1;
+        self.set(i as u32, Idx::Active);
+        Some(i as u32)
+    }
+
+    fn all_done(&self) -> bool {
+        self.idx.iter().all(|s| *s == Idx::Done)
     }
 }
 
@@ -176,8 +249,15 @@ pub struct Engine {
     rx: mpsc::UnboundedReceiver<Msg>,
     tx: mpsc::UnboundedSender<Msg>,
     jobs: BTreeMap<i64, Job>,
-    /// Per device: (job, index) holding it.
-    held: Vec<Option<(i64, u32)>>,
+    sched: Scheduler,
+    /// Scheduler job id to job id.
+    by_sched: HashMap<JobId, i64>,
+    /// Scheduler device index to node device id, and back.
+    dev_ids: Vec<Option<u32>>,
+    sched_idx: Vec<Option<u16>>,
+    /// Jobs the scheduler still remembers that ended since it was last rebuilt.
+    retired: usize,
+    t0: Instant,
     history: VecDeque<(i64, u32)>,
     leader: bool,
     dirty: bool,
@@ -185,24 +265,70 @@ pub struct Engine {
 
 /// How often the loop polls the store and checks deadlines.
 const TICK: Duration = Duration::from_millis(250);
+/// Queued jobs whose reason to wait is worked out on each pass (the dashboard shows the head).
+const EXPLAINED: usize = 50;
+/// The scheduler keeps every job it was given; it is rebuilt from the active ones once this
+/// many have ended (and more than are active), so a long-lived daemon does not grow.
+const REBUILD_AFTER: usize = 20_000;
+
+/// The scheduler for the daemon's node: fair share across queues, priority inside each, lanes
+/// per device kind, and jobs whose tasks end one by one ([`xpu_sched::manifest`]).
+pub fn scheduler_for(node: &NodeSpec) -> Result<Scheduler, SchedError> {
+    let cluster = Cluster::from_specs([node.clone()])?;
+    let config = SchedulerConfig {
+        queue: QueuePolicy::Fair,
+        lanes: true,
+        fit_per_task: true,
+        ..SchedulerConfig::default()
+    };
+    Scheduler::new(cluster, config)
+}
 
 impl Engine {
     pub fn new(
         shared: Arc<Shared>,
         rx: mpsc::UnboundedReceiver<Msg>,
         tx: mpsc::UnboundedSender<Msg>,
-    ) -> Engine {
-        let n = shared.node.devices.len();
-        Engine {
+    ) -> Result<Engine, SchedError> {
+        let sched = scheduler_for(&shared.node.sched)?;
+        let dev_ids = shared.node.sched_device_ids();
+        let mut sched_idx = vec![None; shared.node.devices.len()];
+        for (i, id) in dev_ids.iter().enumerate() {
+            if let Some(id) = id
+                && let Some(s) = sched_idx.get_mut(*id as usize)
+            {
+                *s = u16::try_from(i).ok();
+            }
+        }
+        Ok(Engine {
             shared,
             rx,
             tx,
             jobs: BTreeMap::new(),
-            held: vec![None; n],
+            sched,
+            by_sched: HashMap::new(),
+            dev_ids,
+            sched_idx,
+            retired: 0,
+            t0: Instant::now(),
             history: VecDeque::new(),
             leader: false,
             dirty: true,
+        })
+    }
+
+    /// The scheduler's clock: whole seconds since the loop started.
+    fn now_s(&self) -> u64 {
+        self.t0.elapsed().as_secs()
+    }
+
+    /// Forgets every job the scheduler holds (the caller re-registers what is active).
+    fn fresh_scheduler(&mut self) {
+        if let Ok(s) = scheduler_for(&self.shared.node.sched) {
+            self.sched = s;
         }
+        self.by_sched.clear();
+        self.retired = 0;
     }
 
     pub async fn run(mut self) {
@@ -225,7 +351,13 @@ impl Engine {
                     continue;
                 }
             }
-            let msg = tokio::time::timeout(TICK, self.rx.recv()).await;
+            // Wake for the scheduler's own next event (none without flex-start pools) or the
+            // tick, whichever is first.
+            let wait = match self.sched.next_wakeup() {
+                Some(t) => Duration::from_secs(t.saturating_sub(self.now_s())).min(TICK),
+                None => TICK,
+            };
+            let msg = tokio::time::timeout(wait, self.rx.recv()).await;
             match msg {
                 Ok(Some(m)) => {
                     self.handle(m);
@@ -241,7 +373,7 @@ impl Engine {
                         self.leader = false;
                         self.shared.leader.store(false, Ordering::Relaxed);
                         self.jobs.clear();
-                        self.held.iter_mut().for_each(|h| *h = None);
+                        self.fresh_scheduler();
                         continue;
                     }
                     self.poll().await;
@@ -262,114 +394,135 @@ impl Engine {
         });
     }
 
-    /// Rebuilds the in-memory state from the store after a start or a takeover.
+    /// Rebuilds the in-memory state and the scheduler from the store after a start or a
+    /// takeover.
     async fn recover(&mut self) {
         self.jobs.clear();
-        self.held.iter_mut().for_each(|h| *h = None);
+        self.fresh_scheduler();
         let shared = self.shared.clone();
         let store = &shared.store;
-        let active = match store.active().await {
-            Ok(a) => a,
-            Err(_) => return,
-        };
+        let Ok(active) = store.active().await else { return };
         for a in &active {
-            self.load(a.id).await;
+            self.fetch(a.id).await;
         }
-        let Ok(tasks) = store.active_tasks().await else { return };
-        let mut by_job: HashMap<i64, Vec<TaskRow>> = HashMap::new();
-        for t in tasks {
-            by_job.entry(t.job_id).or_default().push(t);
-        }
-        // Succeeded indices of active jobs come from their full task lists.
+        // Succeeded indices and attempt numbers come from each job's full task list.
         let ids: Vec<i64> = self.jobs.keys().copied().collect();
-        for id in ids {
+        for &id in &ids {
             if let Ok(all) = store.tasks(id).await
                 && let Some(job) = self.jobs.get_mut(&id)
             {
                 for t in &all {
                     let i = t.idx as usize;
-                    if i < job.done.len() {
+                    if i < job.idx.len() {
                         job.next_attempt[i] = job.next_attempt[i].max(t.attempt as u32 + 1);
                         if t.state == TaskState::Succeeded {
-                            job.done[i] = true;
+                            job.set(i as u32, Idx::Done);
                         }
                     }
                 }
             }
         }
-        for (job_id, rows) in by_job {
-            for t in rows {
-                let dir = PathBuf::from(&t.dir);
-                let pid = t.pid.map(|p| p as i32).or_else(|| executor::recorded_pid(&dir));
-                let alive = pid.is_some_and(|p| executor::is_our_supervisor(p, &dir));
-                let Some(job) = self.jobs.get_mut(&job_id) else {
-                    // The job already ended; a leftover process is stopped.
-                    if let Some(p) = pid.filter(|_| alive) {
-                        executor::signal_group(p, Sig::KILL);
-                    }
-                    continue;
-                };
-                let (idx, attempt) = (t.idx as u32, t.attempt as u32);
-                for &d in &t.devices {
-                    if let Some(h) = self.held.get_mut(d as usize) {
-                        *h = Some((job_id, idx));
-                    }
+        let Ok(tasks) = store.active_tasks().await else { return };
+        let mut dead: Vec<(TaskRow, Option<i32>)> = Vec::new();
+        for t in tasks {
+            let dir = PathBuf::from(&t.dir);
+            let pid = t.pid.map(|p| p as i32).or_else(|| executor::recorded_pid(&dir));
+            let alive = pid.is_some_and(|p| executor::is_our_supervisor(p, &dir));
+            let (idx, attempt) = (t.idx as u32, t.attempt as u32);
+            let container = self.container_for(t.job_id, idx, attempt);
+            let Some(job) = self.jobs.get_mut(&t.job_id) else {
+                // The job already ended; a leftover process is stopped.
+                if let Some(p) = pid.filter(|_| alive) {
+                    executor::signal_group(p, Sig::KILL);
                 }
-                job.tasks.push(Task {
-                    idx,
-                    attempt,
-                    devices: t.devices.clone(),
-                    pid,
-                    dir: dir.clone(),
-                    started_ms: t.started_at_ms,
-                    kill_at: None,
-                });
-                if alive && let Some(p) = pid {
-                    // Recorded as running under its pid (a crash may have come before that).
-                    self.shared.store.write_later(Write::Task(TaskRow {
-                        state: TaskState::Running,
-                        pid: Some(i64::from(p)),
-                        ..t.clone()
-                    }));
-                    self.event(
-                        Some(job_id),
-                        "adopted",
-                        format!("task {idx} attempt {attempt} (pid {p}) re-adopted after restart"),
-                    );
-                    watch_adopted(self.tx.clone(), job_id, idx, attempt, p, dir);
-                } else {
-                    // Gone: its recorded exit status is used when the supervisor wrote one.
-                    let code = executor::recorded_exit(&dir);
-                    if code.is_none() {
-                        self.event(
-                            Some(job_id),
-                            "lost",
-                            format!("task {idx} attempt {attempt} was not running after restart; counted as failed"),
-                        );
-                    }
-                    let _ = self.tx.send(Msg::Exited { job: job_id, idx, attempt, code });
-                }
+                continue;
+            };
+            if !alive {
+                dead.push((t, pid));
+                continue;
             }
+            let Some(p) = pid else { continue };
+            job.set(idx, Idx::Active);
+            job.tasks.push(Task {
+                idx,
+                slot: None,
+                attempt,
+                devices: t.devices.clone(),
+                pid,
+                dir: dir.clone(),
+                started_ms: t.started_at_ms,
+                kill_at: None,
+                kills: 0,
+                container,
+            });
+            // Recorded as running under its pid (a crash may have come before that).
+            self.shared.store.write_later(Write::Task(TaskRow {
+                state: TaskState::Running,
+                pid: Some(i64::from(p)),
+                ..t.clone()
+            }));
+            self.event(
+                Some(t.job_id),
+                "adopted",
+                format!("task {idx} attempt {attempt} (pid {p}) re-adopted after restart"),
+            );
+            watch_adopted(self.tx.clone(), t.job_id, idx, attempt, p, dir);
+        }
+        // Into the scheduler, running tasks on the devices they hold.
+        for &id in &ids {
+            self.register(id);
+        }
+        for a in active.iter().filter(|a| a.cancel_requested) {
+            self.cancel(a.id);
+        }
+        // Tasks that did not survive: their recorded exit status when the supervisor wrote
+        // one, else failed; then retried per the job's policy.
+        for (t, pid) in dead {
+            let dir = PathBuf::from(&t.dir);
+            let (idx, attempt) = (t.idx as u32, t.attempt as u32);
+            let container = self.container_for(t.job_id, idx, attempt);
+            let Some(job) = self.jobs.get_mut(&t.job_id) else { continue };
+            job.set(idx, Idx::Active);
+            job.tasks.push(Task {
+                idx,
+                slot: None,
+                attempt,
+                devices: t.devices.clone(),
+                pid,
+                dir: dir.clone(),
+                started_ms: t.started_at_ms,
+                kill_at: None,
+                kills: 0,
+                container,
+            });
+            let code = executor::recorded_exit(&dir);
+            if code.is_none() {
+                self.event(
+                    Some(t.job_id),
+                    "lost",
+                    format!(
+                        "task {idx} attempt {attempt} was not running after restart; counted as failed"
+                    ),
+                );
+            }
+            self.exited(t.job_id, idx, attempt, code);
         }
         self.dirty = true;
     }
 
-    /// Loads one job from the store into memory (unless already there).
-    async fn load(&mut self, id: i64) {
+    /// Reads one job from the store into memory (unless already there), not yet scheduled.
+    async fn fetch(&mut self, id: i64) -> bool {
         if self.jobs.contains_key(&id) {
-            return;
+            return false;
         }
-        let Ok(Some(row)) = self.shared.store.job(id).await else { return };
+        let Ok(Some(row)) = self.shared.store.job(id).await else { return false };
         if row.state.is_terminal() {
-            return;
+            return false;
         }
         match serde_json::from_str::<JobSpec>(&row.spec) {
             Ok(spec) => {
-                let cancel = row.cancel_requested;
                 self.jobs.insert(id, Job::from_row(&row, spec));
-                if cancel {
-                    self.cancel(id);
-                }
+                true
             }
             Err(e) => {
                 self.finish_job_now(
@@ -378,6 +531,17 @@ impl Engine {
                     format!("stored spec is unreadable: {e}"),
                     0,
                 );
+                false
+            }
+        }
+    }
+
+    /// Loads one job from the store and queues it.
+    async fn load(&mut self, id: i64, cancel: bool) {
+        if self.fetch(id).await {
+            self.register(id);
+            if cancel {
+                self.cancel(id);
             }
         }
     }
@@ -387,7 +551,7 @@ impl Engine {
         let Ok(active) = self.shared.store.active().await else { return };
         for a in active {
             if !self.jobs.contains_key(&a.id) {
-                self.load(a.id).await;
+                self.load(a.id, a.cancel_requested).await;
             } else if a.cancel_requested && self.jobs.get(&a.id).is_some_and(|j| j.ending.is_none())
             {
                 self.cancel(a.id);
@@ -395,11 +559,115 @@ impl Engine {
         }
     }
 
+    /// Gives a job to the scheduler: its slots, with the tasks it already runs (and the
+    /// in-place restarts it holds devices for) adopted onto their devices.
+    fn register(&mut self, id: i64) {
+        if let Err(message) = self.try_register(id) {
+            self.end_job(id, JobState::Failed, message);
+        }
+    }
+
+    fn try_register(&mut self, id: i64) -> Result<(), String> {
+        let now = self.now_s();
+        let shared = self.shared.clone();
+        let node = &shared.node;
+        let Some(job) = self.jobs.get_mut(&id) else { return Ok(()) };
+        let remaining = job.idx.iter().filter(|s| **s != Idx::Done).count() as u32;
+        if remaining == 0 && job.tasks.is_empty() && job.restarts.is_empty() {
+            // Every index succeeded before a restart, but the job was not yet marked.
+            let n = job.spec.completions;
+            self.end_job(id, JobState::Succeeded, format!("{n} of {n} completions succeeded"));
+            return Ok(());
+        }
+        let mut sj = xpu_sched::job_from_spec(&job.spec, &|v, k| node.models(v, k))
+            .map_err(|e| format!("not schedulable: {e}"))?;
+        // Slots: as many as may run at once, and at least what already runs.
+        let mut running: Vec<(TaskRef, u32, Vec<u16>)> = Vec::new();
+        let mut slot = 0u32;
+        let sched_idx = &self.sched_idx;
+        let to_sched = |devs: &[u32]| -> Vec<u16> {
+            devs.iter().filter_map(|&d| sched_idx.get(d as usize).copied().flatten()).collect()
+        };
+        for t in &mut job.tasks {
+            t.slot = Some(slot);
+            running.push((TaskRef { group: 0, index: slot }, 0, to_sched(&t.devices)));
+            slot += 1;
+        }
+        for r in &mut job.restarts {
+            r.slot = slot;
+            running.push((TaskRef { group: 0, index: slot }, 0, to_sched(&r.devices)));
+            slot += 1;
+        }
+        let adopted = running.len() as u32;
+        let count = job.spec.effective_parallelism().min(remaining).max(adopted).max(1);
+        let fresh = job.started_ms.is_none() && adopted == 0 && remaining == job.spec.completions;
+        sj.groups[0].count = count;
+        sj.groups[0].gang = job.spec.is_gang() && fresh;
+        let result = if running.is_empty() {
+            self.sched.submit(sj.clone(), now)
+        } else {
+            self.sched.adopt(sj.clone(), &running, now)
+        };
+        let sid = match result {
+            Ok(sid) => sid,
+            Err(e) if !running.is_empty() => {
+                // Its tasks run on, outside the scheduler's books; what it needs next queues.
+                shared.store.write_later(Write::Event {
+                    at_ms: now_ms(),
+                    job_id: Some(id),
+                    kind: "adopt-failed".to_owned(),
+                    message: format!(
+                        "running tasks could not be placed back on their devices: {e}"
+                    ),
+                });
+                for t in &mut job.tasks {
+                    t.slot = None;
+                }
+                for r in std::mem::take(&mut job.restarts) {
+                    job.set(r.idx, Idx::Pending);
+                }
+                self.sched.submit(sj, now).map_err(|e| format!("not schedulable: {e}"))?
+            }
+            Err(e) => return Err(format!("not schedulable: {e}")),
+        };
+        job.sched = Some(sid);
+        let held = job.tasks.iter().filter(|t| t.slot.is_some()).count() + job.restarts.len();
+        job.waiting_slots = count.saturating_sub(held as u32);
+        let ending = job.ending.is_some();
+        self.by_sched.insert(sid, id);
+        if ending {
+            let _ = self.sched.drain(sid, now);
+        }
+        Ok(())
+    }
+
+    /// The container an attempt of a job runs in, when the job names a rootfs or a bundle.
+    fn container_for(&self, job_id: i64, idx: u32, attempt: u32) -> Option<ContainerLaunch> {
+        let job = self.jobs.get(&job_id)?;
+        let c = &job.spec.container;
+        let source = match (&c.rootfs, &c.bundle) {
+            (Some(r), _) => container::Source::Rootfs(PathBuf::from(r)),
+            (None, Some(b)) => container::Source::Bundle(PathBuf::from(b)),
+            (None, None) => return None,
+        };
+        let data = &self.shared.data_dir;
+        Some(ContainerLaunch {
+            runtime: self.shared.runtime.clone(),
+            state_dir: data.join("runc"),
+            id: container::container_id(data, job_id, idx, attempt),
+            source,
+            hostname: self.shared.node.hostname.clone(),
+        })
+    }
+
     fn handle(&mut self, m: Msg) {
         self.dirty = true;
         match m {
             Msg::Submitted { row, spec } => {
-                self.jobs.entry(row.id).or_insert_with(|| Job::from_row(&row, *spec));
+                if let std::collections::btree_map::Entry::Vacant(e) = self.jobs.entry(row.id) {
+                    e.insert(Job::from_row(&row, *spec));
+                    self.register(row.id);
+                }
             }
             Msg::Cancel(id) => self.cancel(id),
             Msg::Started { job, idx, attempt, pid } => {
@@ -434,19 +702,27 @@ impl Engine {
     }
 
     /// Moves a job to a terminal state: records it, and stops its tasks (SIGTERM now, SIGKILL
-    /// after the grace period). The job leaves memory when its last task has exited.
+    /// after the grace period). The scheduler keeps their devices held until each has exited;
+    /// the job leaves memory when its last task has.
     fn end_job(&mut self, id: i64, state: JobState, message: String) {
         let grace = self.shared.grace;
+        let now = self.now_s();
         let Some(job) = self.jobs.get_mut(&id) else { return };
         job.ending = Some((state, message.clone()));
         job.state = state;
-        job.restart_in_place.clear();
+        let restarts: Vec<Restart> = std::mem::take(&mut job.restarts);
         let failures = job.failures;
         for t in &mut job.tasks {
             if let Some(p) = t.pid {
                 executor::signal_group(p, Sig::TERM);
             }
             t.kill_at = Some(Instant::now() + grace);
+        }
+        if let Some(sid) = job.sched {
+            let _ = self.sched.drain(sid, now);
+            for r in restarts {
+                let _ = self.sched.finish_task(sid, TaskRef { group: 0, index: r.slot }, now);
+            }
         }
         self.shared.store.write_later(Write::SetJob {
             id,
@@ -477,12 +753,29 @@ impl Engine {
             && job.ending.is_some()
             && job.tasks.is_empty()
         {
+            if let Some(sid) = job.sched {
+                self.by_sched.remove(&sid);
+            }
             self.jobs.remove(&id);
+            self.retired += 1;
         }
     }
 
-    fn release(&mut self, devices: &[u32]) {
-        release(&mut self.held, devices);
+    /// A slot whose task ended: queued again when the job has an index waiting for it (the
+    /// next completion, or a retry), otherwise finished.
+    fn release_slot(&mut self, id: i64, slot: Option<u32>) {
+        let now = self.now_s();
+        let Some(slot) = slot else { return };
+        let Some(job) = self.jobs.get_mut(&id) else { return };
+        let Some(sid) = job.sched else { return };
+        let task = TaskRef { group: 0, index: slot };
+        if job.ending.is_none() && job.pending > job.waiting_slots {
+            if self.sched.requeue_task(sid, task, now).is_ok() {
+                job.waiting_slots += 1;
+            }
+        } else {
+            let _ = self.sched.finish_task(sid, task, now);
+        }
     }
 
     fn exited(&mut self, job_id: i64, idx: u32, attempt: u32, code: Option<i32>) {
@@ -512,16 +805,20 @@ impl Engine {
             exit_code: code.map(i64::from),
             dir: task.dir.display().to_string(),
         }));
+        if let Some(c) = task.container.clone() {
+            // `runc run` deletes its container when it exits; one killed with it is not.
+            tokio::spawn(async move { container::runtime_call(&c, &["delete", "-f"]).await });
+        }
         if job.ending.is_some() {
-            self.release(&task.devices);
+            self.release_slot(job_id, task.slot);
             self.reap(job_id);
             return;
         }
         if ok {
-            job.done[idx as usize] = true;
-            let all = job.done.iter().all(|d| *d);
+            job.set(idx, Idx::Done);
+            let all = job.all_done();
             let n = job.spec.completions;
-            release(&mut self.held, &task.devices);
+            self.release_slot(job_id, task.slot);
             if all {
                 self.end_job(
                     job_id,
@@ -539,24 +836,28 @@ impl Engine {
         };
         let msg = format!("task {idx} attempt {attempt} failed: {what}");
         let (failures, limit) = (job.failures, i64::from(job.spec.backoff_limit));
-        let policy = job.spec.restart_policy;
         let state = job.state;
-        match policy {
-            // Restarted in place: keeps its devices.
-            RestartPolicy::OnFailure if failures <= limit => {
-                job.restart_in_place.push((idx, task.devices.clone()))
-            }
-            _ => release(&mut self.held, &task.devices),
-        }
         // Kubernetes: the Job fails once failures exceed backoffLimit.
         if failures > limit {
             self.event(Some(job_id), "task-failed", msg.clone());
+            self.release_slot(job_id, task.slot);
             self.end_job(
                 job_id,
                 JobState::Failed,
                 format!("{msg}; backoffLimit {limit} reached (BackoffLimitExceeded)"),
             );
             return;
+        }
+        match (job.spec.restart_policy, task.slot) {
+            // Restarted in place: keeps its slot, so its devices.
+            (RestartPolicy::OnFailure, Some(slot)) => {
+                job.restarts.push(Restart { idx, slot, devices: task.devices.clone() })
+            }
+            // A new attempt, placed anew (Kubernetes makes a new pod).
+            _ => {
+                job.set(idx, Idx::Pending);
+                self.release_slot(job_id, task.slot);
+            }
         }
         self.event(
             Some(job_id),
@@ -582,10 +883,23 @@ impl Engine {
                 if let (Some(at), Some(p)) = (t.kill_at, t.pid)
                     && now >= at
                 {
-                    executor::signal_group(p, Sig::KILL);
+                    // A container's processes are in their own session, out of the group's
+                    // reach: runc kills them, and runc exits with them. The group follows
+                    // next time if anything is still there.
+                    if let Some(c) = t.container.clone() {
+                        tokio::spawn(async move {
+                            container::runtime_call(&c, &["kill", "KILL"]).await;
+                        });
+                    }
+                    if t.container.is_none() || t.kills > 0 {
+                        executor::signal_group(p, Sig::KILL);
+                    }
+                    t.kills = t.kills.saturating_add(1);
                     t.kill_at = Some(now + Duration::from_secs(5));
                 }
             }
+            // activeDeadlineSeconds counts from the job's first start, as recorded in the
+            // store, so a daemon restart does not reset it.
             if job.ending.is_none()
                 && let (Some(d), Some(start)) = (job.spec.active_deadline_seconds, job.started_ms)
                 && now_ms - start > (d as i64).saturating_mul(1000)
@@ -603,142 +917,110 @@ impl Engine {
         self.dirty = true;
     }
 
-    /// One scheduling pass: restarts in place, then places pending tasks in queue order.
+    /// One scheduling pass: restarts in place, then what the scheduler decides.
     fn schedule(&mut self) {
         if !self.dirty {
             return;
         }
         let t0 = Instant::now();
+        if self.retired > REBUILD_AFTER && self.retired > self.jobs.len() {
+            self.rebuild();
+        }
         // Restarts in place first: they already hold their devices.
-        let restarts: Vec<(i64, u32, Vec<u32>)> = self
+        let restarts: Vec<(i64, Restart)> = self
             .jobs
             .values_mut()
             .flat_map(|j| {
                 let id = j.id;
-                j.restart_in_place.drain(..).map(move |(i, d)| (id, i, d))
+                j.restarts.drain(..).map(move |r| (id, r))
             })
             .collect();
-        for (id, idx, devices) in restarts {
-            self.start(id, idx, devices);
+        for (id, r) in restarts {
+            self.start(id, r.idx, Some(r.slot), r.devices);
         }
-        let order = placement::order(self.jobs.values().filter(|j| j.ending.is_none()).map(|j| {
-            placement::QueueEntry {
-                id: j.id,
-                priority: j.priority,
-                queue: &j.queue,
-                running: j.tasks.len(),
-            }
-        }));
-        let node = &self.shared.node;
-        let mut free = placement::Free::new(
-            node,
-            &self.held,
-            self.jobs.values().map(|j| {
-                (
-                    j.tasks.len() as u64 * j.spec.container.resources.cpu_milli,
-                    j.tasks.len() as u64 * j.spec.container.resources.memory_mib,
-                )
-            }),
-        );
-        let mut starts: Vec<(i64, u32, Vec<u32>)> = Vec::new();
-        let mut fail: Vec<(i64, String)> = Vec::new();
-        let mut blocked_kinds: Vec<DeviceKind> = Vec::new();
-        let mut done_jobs: Vec<i64> = Vec::new();
-        for id in order {
-            let Some(job) = self.jobs.get_mut(&id) else { continue };
-            let pending = job.pending();
-            if pending.is_empty() {
-                if job.tasks.is_empty()
-                    && job.restart_in_place.is_empty()
-                    && job.done.iter().all(|d| *d)
-                {
-                    // Every index succeeded before a restart, but the job was not yet marked.
-                    done_jobs.push(id);
-                }
-                continue;
-            }
-            let res = &job.spec.container.resources;
-            if let Err(why) = placement::feasible(node, &job.spec) {
-                fail.push((id, why));
-                continue;
-            }
-            let kinds: Vec<DeviceKind> = res.devices.iter().map(|d| d.kind).collect();
-            // A job that waits for devices holds back later jobs wanting the same kind, so a
-            // stream of small jobs cannot starve it.
-            if kinds.iter().any(|k| blocked_kinds.contains(k)) {
-                job.reason = "behind a higher-priority or earlier job waiting for the same devices"
-                    .to_owned();
-                continue;
-            }
-            let room = job.spec.effective_parallelism() as usize
-                - job.tasks.len().min(job.spec.effective_parallelism() as usize);
-            let want: Vec<u32> = if job.spec.is_gang() {
-                if !job.tasks.is_empty() || pending.len() > room {
-                    // A gang restarts missing members individually once it has run.
-                    pending.into_iter().take(room).collect()
-                } else {
-                    pending
-                }
-            } else {
-                pending.into_iter().take(room).collect()
-            };
-            if want.is_empty() {
-                continue;
-            }
-            let gang = job.spec.is_gang() && job.tasks.is_empty();
-            let mut trial = free.clone();
-            let mut placed = Vec::new();
-            for &idx in &want {
-                match trial.take(node, res) {
-                    Ok(devs) => placed.push((idx, devs)),
-                    Err(why) => {
-                        job.reason = why;
-                        break;
+        let now = self.now_s();
+        for d in self.sched.schedule(now) {
+            match d {
+                Decision::Start { job, tasks } => {
+                    for t in tasks {
+                        let devices: Vec<u32> = t
+                            .placement
+                            .devices
+                            .iter()
+                            .filter_map(|s| {
+                                self.dev_ids.get(usize::from(s.index)).copied().flatten()
+                            })
+                            .collect();
+                        self.placed(job, t.task, devices);
                     }
                 }
+                Decision::Fail { job, error } => {
+                    if let Some(&id) = self.by_sched.get(&job) {
+                        let detail = self.jobs.get(&id).map(|j| why_never(&self.shared, &j.spec));
+                        let detail =
+                            detail.flatten().map(|d| format!(" ({d})")).unwrap_or_default();
+                        self.end_job(
+                            id,
+                            JobState::Failed,
+                            format!("unschedulable on this node: {error}{detail}"),
+                        );
+                    }
+                }
+                // Not configured (no preemption, deadlines, or flex-start pools), so not expected;
+                // a stop is treated as the end of the job rather than ignored.
+                Decision::Preempt { job, .. } | Decision::Stop { job, .. } => {
+                    if let Some(&id) = self.by_sched.get(&job) {
+                        self.end_job(id, JobState::Failed, "stopped by the scheduler".to_owned());
+                    }
+                }
+                Decision::Provision { .. } | Decision::Release { .. } => {}
             }
-            if gang && placed.len() < want.len() {
-                job.reason = format!(
-                    "gang of {} tasks waits until all fit at once: {}",
-                    want.len(),
-                    job.reason
-                );
-                blocked_kinds.extend(kinds);
-                continue;
-            }
-            if placed.is_empty() {
-                blocked_kinds.extend(kinds);
-                continue;
-            }
-            free = trial;
-            for (idx, devs) in placed {
-                starts.push((id, idx, devs));
-            }
-        }
-        for id in done_jobs {
-            self.end_job(id, JobState::Succeeded, "all completions succeeded".to_owned());
-        }
-        for (id, why) in fail {
-            self.end_job(id, JobState::Failed, format!("unschedulable on this node: {why}"));
-        }
-        for (id, idx, devs) in starts {
-            self.start(id, idx, devs);
         }
         self.shared.metrics.sched_pass.observe(t0.elapsed().as_secs_f64());
     }
 
-    /// Starts one attempt on the given devices: records it durably, then spawns it.
-    fn start(&mut self, job_id: i64, idx: u32, devices: Vec<u32>) {
-        let shared = self.shared.clone();
-        let Some(job) = self.jobs.get_mut(&job_id) else { return };
-        let attempt = job.next_attempt[idx as usize];
-        job.next_attempt[idx as usize] += 1;
-        let now = now_ms();
-        for &d in &devices {
-            if let Some(h) = self.held.get_mut(d as usize) {
-                *h = Some((job_id, idx));
+    /// A slot the scheduler placed: it runs the job's lowest pending index.
+    fn placed(&mut self, sid: JobId, task: TaskRef, devices: Vec<u32>) {
+        let now = self.now_s();
+        let Some(&id) = self.by_sched.get(&sid) else {
+            let _ = self.sched.finish_task(sid, task, now);
+            return;
+        };
+        let Some(job) = self.jobs.get_mut(&id) else { return };
+        job.waiting_slots = job.waiting_slots.saturating_sub(1);
+        let idx = if job.ending.is_some() { None } else { job.take_pending() };
+        match idx {
+            Some(idx) => self.start(id, idx, Some(task.index), devices),
+            None => {
+                let _ = self.sched.finish_task(sid, task, now);
             }
         }
+    }
+
+    /// A new scheduler holding only the active jobs (see [`REBUILD_AFTER`]).
+    fn rebuild(&mut self) {
+        self.fresh_scheduler();
+        let ids: Vec<i64> = self.jobs.keys().copied().collect();
+        for id in ids {
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.sched = None;
+            }
+            self.register(id);
+        }
+    }
+
+    /// Starts one attempt on the given devices: records it durably, then spawns it.
+    fn start(&mut self, job_id: i64, idx: u32, slot: Option<u32>, devices: Vec<u32>) {
+        let shared = self.shared.clone();
+        let Some(attempt) =
+            self.jobs.get(&job_id).and_then(|j| j.next_attempt.get(idx as usize).copied())
+        else {
+            return;
+        };
+        let container = self.container_for(job_id, idx, attempt);
+        let Some(job) = self.jobs.get_mut(&job_id) else { return };
+        job.next_attempt[idx as usize] += 1;
+        let now = now_ms();
         if job.started_ms.is_none() {
             job.started_ms = Some(now);
             shared.metrics.queue_wait.observe((now - job.submitted_ms).max(0) as f64 / 1000.0);
@@ -757,14 +1039,17 @@ impl Engine {
         let dir = executor::task_dir(&shared.data_dir, job_id, idx, attempt);
         job.tasks.push(Task {
             idx,
+            slot,
             attempt,
             devices: devices.clone(),
             pid: None,
             dir: dir.clone(),
             started_ms: now,
             kill_at: None,
+            kills: 0,
+            container: container.clone(),
         });
-        let env = task_env(&shared, job, idx, &devices);
+        let env = task_env(&shared, job, idx, &devices, container.is_some());
         let launch = Launch {
             job_id,
             idx,
@@ -773,6 +1058,7 @@ impl Engine {
             env,
             working_dir: job.spec.container.working_dir.clone(),
             dir: dir.clone(),
+            container,
         };
         let row = TaskRow {
             job_id,
@@ -832,21 +1118,24 @@ impl Engine {
         }
         self.dirty = false;
         let now = now_ms();
-        let holders: Vec<Option<Holder>> = self
-            .held
-            .iter()
-            .map(|h| {
-                h.and_then(|(job, task)| {
-                    self.jobs.get(&job).map(|j| Holder { job, name: j.name.clone(), task })
-                })
-            })
-            .collect();
-        let allocated = holders.iter().filter(|h| h.is_some()).count() as u32;
-        let last = self.history.back().copied();
-        match last {
-            Some((t, n)) if n == allocated => {
-                let _ = t;
+        let mut holders: Vec<Vec<Holder>> = vec![Vec::new(); self.shared.node.devices.len()];
+        for j in self.jobs.values() {
+            let held = j
+                .tasks
+                .iter()
+                .map(|t| (t.idx, &t.devices))
+                .chain(j.restarts.iter().map(|r| (r.idx, &r.devices)));
+            for (task, devices) in held {
+                for &d in devices {
+                    if let Some(h) = holders.get_mut(d as usize) {
+                        h.push(Holder { job: j.id, name: j.name.clone(), task, milli: j.milli });
+                    }
+                }
             }
+        }
+        let allocated = holders.iter().filter(|h| !h.is_empty()).count() as u32;
+        match self.history.back().copied() {
+            Some((_, n)) if n == allocated => {}
             Some((t, _)) if now - t < 1000 => {
                 if let Some(b) = self.history.back_mut() {
                     *b = (t, allocated);
@@ -857,30 +1146,35 @@ impl Engine {
         while self.history.len() > 2000 {
             self.history.pop_front();
         }
-        let order = placement::order(self.jobs.values().filter(|j| j.ending.is_none()).map(|j| {
-            placement::QueueEntry {
-                id: j.id,
-                priority: j.priority,
-                queue: &j.queue,
-                running: j.tasks.len(),
-            }
-        }));
+        let order: Vec<JobId> = self.sched.queued().collect();
         let mut queued = Vec::new();
-        for id in order {
-            if let Some(j) = self.jobs.get(&id)
-                && j.tasks.is_empty()
-                && j.state == JobState::Queued
-            {
-                queued.push(QueuedView {
-                    id,
-                    name: j.name.clone(),
-                    queue: j.queue.clone(),
-                    priority: j.priority,
-                    submitted_at_ms: j.submitted_ms,
-                    position: queued.len() + 1,
-                    reason: j.reason.clone(),
-                });
+        for sid in order {
+            let Some(&id) = self.by_sched.get(&sid) else { continue };
+            let Some(j) = self.jobs.get(&id) else { continue };
+            if !j.tasks.is_empty() || j.state != JobState::Queued || j.ending.is_some() {
+                continue;
             }
+            let reason = if queued.len() < EXPLAINED {
+                match self.sched.explain(sid) {
+                    Some(u) => u.to_string(),
+                    None if !j.reason.is_empty() => j.reason.clone(),
+                    None => format!(
+                        "waiting behind earlier or higher-priority jobs of queue {} that ask for the same devices",
+                        j.queue
+                    ),
+                }
+            } else {
+                "queued".to_owned()
+            };
+            queued.push(QueuedView {
+                id,
+                name: j.name.clone(),
+                queue: j.queue.clone(),
+                priority: j.priority,
+                submitted_at_ms: j.submitted_ms,
+                position: queued.len() + 1,
+                reason,
+            });
         }
         let running = self
             .jobs
@@ -910,15 +1204,63 @@ impl Engine {
     }
 }
 
-/// The environment of one task: the job's own variables, then what xpu sets (which wins).
-fn task_env(shared: &Shared, job: &Job, idx: u32, devices: &[u32]) -> Vec<(String, String)> {
+/// For a job the scheduler found can never run here: what in its manifest the node cannot
+/// satisfy, naming the label or resource (the scheduler's report counts filters, not fields).
+fn why_never(shared: &Shared, spec: &JobSpec) -> Option<String> {
+    let node = &shared.node;
+    for (k, v) in &spec.node_selector {
+        match node.labels.get(k) {
+            Some(have) if have == v => {}
+            Some(have) => {
+                return Some(format!("nodeSelector {k}={v} does not match the node's {k}={have}"));
+            }
+            None => return Some(format!("nodeSelector {k}={v}: the node has no label {k}")),
+        }
+    }
+    for req in &spec.container.resources.devices {
+        let have = node
+            .devices
+            .iter()
+            .filter(|d| d.kind == req.kind && req.vendor.as_ref().is_none_or(|v| *v == d.vendor))
+            .count();
+        let per_task = req.count as usize;
+        let tasks = if spec.is_gang() { spec.completions as usize } else { 1 };
+        if have < per_task * tasks {
+            return Some(format!(
+                "asks {} {} {}; the node has {have}",
+                per_task * tasks,
+                req.resource,
+                if tasks > 1 { "for the whole gang" } else { "per task" }
+            ));
+        }
+    }
+    None
+}
+
+/// The environment of one task: the job's own variables, then what xpu sets (which wins). A
+/// container is told which devices to inject instead of host index lists (see
+/// [`crate::node::Node::container_device_env`]).
+fn task_env(
+    shared: &Shared,
+    job: &Job,
+    idx: u32,
+    devices: &[u32],
+    container: bool,
+) -> Vec<(String, String)> {
     let spec = &job.spec;
     let mut env: Vec<(String, String)> =
         spec.container.env.iter().map(|e| (e.name.clone(), e.value.clone())).collect();
-    env.extend(shared.node.device_env(devices));
+    if container {
+        env.extend(shared.node.container_device_env(devices));
+    } else {
+        env.extend(shared.node.device_env(devices));
+    }
     env.push(("XPU_JOB_ID".into(), job.id.to_string()));
     env.push(("XPU_JOB_NAME".into(), job.name.clone()));
     env.push(("XPU_TASK_INDEX".into(), idx.to_string()));
+    if job.milli < 1000 && devices.iter().any(|&d| is_gpu(shared, d)) {
+        env.push(("XPU_GPU_MILLI".into(), job.milli.to_string()));
+    }
     if spec.completion_mode == CompletionMode::Indexed {
         // Kubernetes sets JOB_COMPLETION_INDEX for Indexed Jobs; GKE's TPU webhook sets the TPU
         // worker id to the same index and lists every worker's hostname in index order.
@@ -931,12 +1273,8 @@ fn task_env(shared: &Shared, job: &Job, idx: u32, devices: &[u32]) -> Vec<(Strin
     env
 }
 
-fn release(held: &mut [Option<(i64, u32)>], devices: &[u32]) {
-    for &d in devices {
-        if let Some(h) = held.get_mut(d as usize) {
-            *h = None;
-        }
-    }
+fn is_gpu(shared: &Shared, d: u32) -> bool {
+    shared.node.devices.get(d as usize).is_some_and(|x| x.kind == DeviceKind::Gpu)
 }
 
 /// Watches a re-adopted supervisor (not our child, so it cannot be waited for) until it is

@@ -6,7 +6,8 @@
 //! a task outlives a daemon crash and the restarted daemon can re-adopt it (the pid is alive and
 //! its command line names the task directory) and still learn its exit status. The supervisor
 //! forwards SIGTERM to the program, so cancellation is SIGTERM to the whole group, then SIGKILL
-//! after a grace period.
+//! after a grace period. A containerised task's program is `xpu runtime ... run` (see
+//! [`crate::container`]), which the supervisor treats like any other.
 //!
 //! This module only starts, signals and watches processes; the scheduling loop decides.
 
@@ -18,17 +19,27 @@ use std::process::Stdio;
 use rustix::process::{Pid, Signal};
 
 /// The supervisor script. `$1` is the task directory; the rest is the program's argv.
-/// Traps are set before anything else, so a SIGTERM that arrives while it starts is not lost:
-/// it is remembered and passed on as soon as the program exists.
+///
+/// Traps are set before anything else (and before the `pid` file exists, which is what callers
+/// wait for), so a SIGTERM that arrives while it starts is remembered rather than fatal. A
+/// signal is passed on only once the program's process has reset its signal handlers (it
+/// creates `started` right before `exec`): until then it still runs the shell's handlers it was
+/// forked with, and a signal landing there (the whole group is signalled at once, and on a
+/// loaded machine the fork may not have run yet) would be swallowed, leaving the program to run
+/// to the end. The trap only records the signal; the loop forwards it when `wait` returns.
 const SUPERVISOR: &str = r#"d=$1; shift
-c=; t=
-trap 't=TERM; [ -n "$c" ] && kill -TERM $c 2>/dev/null' TERM
-trap 't=INT; [ -n "$c" ] && kill -INT $c 2>/dev/null' INT
+c=; t=; f=
+trap 't=TERM' TERM
+trap 't=INT' INT
+rm -f "$d/started"
 echo $$ > "$d/pid"
-"$@" &
+{ : > "$d/started"; exec "$@"; } &
 c=$!
-[ -n "$t" ] && kill -$t $c 2>/dev/null
 while :; do
+  if [ -n "$t" ] && [ "$t" != "$f" ]; then
+    while [ ! -e "$d/started" ] && kill -0 $c 2>/dev/null; do sleep 0.01 2>/dev/null; done
+    kill -$t $c 2>/dev/null; f=$t
+  fi
   wait $c; rc=$?
   kill -0 $c 2>/dev/null || break
 done
@@ -46,6 +57,8 @@ pub enum ExecError {
     Spawn { program: String, job: i64, idx: u32, source: std::io::Error },
     #[error("job {job}: working directory {dir} does not exist; create it or fix workingDir")]
     WorkingDir { job: i64, dir: String },
+    #[error(transparent)]
+    Bundle(#[from] crate::container::BundleError),
 }
 
 /// Everything needed to start one task attempt.
@@ -59,6 +72,8 @@ pub struct Launch {
     pub env: Vec<(String, String)>,
     pub working_dir: Option<String>,
     pub dir: PathBuf,
+    /// Run as a container (`argv`, `env` and `working_dir` then go into its `config.json`).
+    pub container: Option<crate::container::ContainerLaunch>,
 }
 
 /// A started task.
@@ -75,6 +90,9 @@ pub fn task_dir(data_dir: &Path, job_id: i64, idx: u32, attempt: u32) -> PathBuf
 
 /// Variables passed through from the daemon's environment; everything else is the job's own.
 const PASS_ENV: [&str; 6] = ["PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ"];
+/// Also passed to the container runtime: where the shim reads its settings
+/// (`xpu_container::config::ENV_VAR`).
+const RUNTIME_ENV: [&str; 1] = ["XPU_RUNTIME_CONFIG"];
 
 /// Starts the attempt. The directory is created; `output.log` is opened for appending so an
 /// `OnFailure` restart in place keeps the earlier output.
@@ -91,6 +109,24 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
     let log2 = log
         .try_clone()
         .map_err(|source| ExecError::Dir { path: log_path.display().to_string(), source })?;
+    if let Some(c) = &l.container {
+        let p = crate::container::Process {
+            job: l.job_id,
+            argv: &l.argv,
+            env: &l.env,
+            working_dir: l.working_dir.as_deref(),
+        };
+        crate::container::write_bundle(&l.dir, c, &p)?;
+        let argv = crate::container::run_argv(c, &l.dir);
+        let mut cmd = supervisor(&l.dir, &argv, log, log2);
+        for k in RUNTIME_ENV {
+            if let Some(v) = std::env::var_os(k) {
+                cmd.env(k, v);
+            }
+        }
+        cmd.current_dir(&l.dir);
+        return finish_spawn(cmd, l, "xpu runtime");
+    }
     let cwd = match &l.working_dir {
         Some(w) if Path::new(w).is_absolute() => {
             if !Path::new(w).is_dir() {
@@ -106,8 +142,24 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
         }
         None => l.dir.clone(),
     };
+    let mut cmd = supervisor(&l.dir, &l.argv, log, log2);
+    for (k, v) in &l.env {
+        cmd.env(k, v);
+    }
+    cmd.current_dir(cwd);
+    let program = l.argv.first().cloned().unwrap_or_default();
+    finish_spawn(cmd, l, &program)
+}
+
+/// The supervisor running `argv` with the daemon's pass-through environment, output to the log.
+fn supervisor<S: AsRef<std::ffi::OsStr>>(
+    dir: &Path,
+    argv: &[S],
+    log: std::fs::File,
+    log2: std::fs::File,
+) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new("/bin/sh");
-    cmd.arg("-c").arg(SUPERVISOR).arg(SUPERVISOR_NAME).arg(&l.dir).args(&l.argv);
+    cmd.arg("-c").arg(SUPERVISOR).arg(SUPERVISOR_NAME).arg(dir).args(argv);
     cmd.env_clear();
     for k in PASS_ENV {
         if let Some(v) = std::env::var_os(k) {
@@ -117,18 +169,22 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
     if std::env::var_os("PATH").is_none() {
         cmd.env("PATH", "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin");
     }
-    for (k, v) in &l.env {
-        cmd.env(k, v);
-    }
-    cmd.current_dir(cwd)
-        .stdin(Stdio::null())
+    cmd.stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log2))
         // Its own process group, so a signal reaches everything the task started.
         .process_group(0)
         .kill_on_drop(false);
+    cmd
+}
+
+fn finish_spawn(
+    mut cmd: tokio::process::Command,
+    l: &Launch,
+    program: &str,
+) -> Result<Spawned, ExecError> {
     let child = cmd.spawn().map_err(|source| ExecError::Spawn {
-        program: l.argv.first().cloned().unwrap_or_default(),
+        program: program.to_owned(),
         job: l.job_id,
         idx: l.idx,
         source,
@@ -177,19 +233,34 @@ pub fn is_our_supervisor(pid: i32, dir: &Path) -> bool {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use std::time::{Duration, Instant};
+
+    fn launch(dir: PathBuf, argv: &[&str]) -> Launch {
+        Launch {
+            job_id: 1,
+            idx: 0,
+            attempt: 0,
+            argv: argv.iter().map(|a| (*a).to_owned()).collect(),
+            env: vec![("FOO".into(), "bar".into())],
+            working_dir: None,
+            dir,
+            container: None,
+        }
+    }
+
+    /// Waits for a condition, with a deadline generous enough for a loaded 2-core machine.
+    async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 
     #[tokio::test]
     async fn supervisor_records_pid_and_exit() {
         let tmp = tempfile::tempdir().unwrap();
-        let l = Launch {
-            job_id: 1,
-            idx: 0,
-            attempt: 0,
-            argv: vec!["sh".into(), "-c".into(), "echo hi $FOO; exit 3".into()],
-            env: vec![("FOO".into(), "bar".into())],
-            working_dir: None,
-            dir: tmp.path().join("t"),
-        };
+        let l = launch(tmp.path().join("t"), &["sh", "-c", "echo hi $FOO; exit 3"]);
         let mut s = spawn(&l).unwrap();
         let status = s.child.wait().await.unwrap();
         assert_eq!(status.code(), Some(3));
@@ -201,27 +272,44 @@ mod tests {
     #[tokio::test]
     async fn sigterm_reaches_the_program_and_is_recorded() {
         let tmp = tempfile::tempdir().unwrap();
-        let l = Launch {
-            job_id: 1,
-            idx: 0,
-            attempt: 0,
-            argv: vec!["sleep".into(), "30".into()],
-            env: vec![],
-            working_dir: None,
-            dir: tmp.path().join("t"),
-        };
+        let l = launch(tmp.path().join("t"), &["sleep", "300"]);
         let mut s = spawn(&l).unwrap();
-        for _ in 0..100 {
-            if recorded_pid(&l.dir).is_some() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        // The pid file is written after the traps are set: from then on a SIGTERM is passed on
+        // however early it comes, even before the program has started.
+        until("the pid file", || recorded_pid(&l.dir).is_some()).await;
         assert!(is_our_supervisor(s.pid, &l.dir));
         signal_group(s.pid, Signal::TERM);
-        let status = s.child.wait().await.unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(60), s.child.wait())
+            .await
+            .expect("SIGTERM did not end the task")
+            .unwrap();
         assert_eq!(status.code(), Some(143));
         assert_eq!(recorded_exit(&l.dir), Some(143));
         assert!(!is_our_supervisor(s.pid, &l.dir));
+    }
+
+    #[tokio::test]
+    async fn sigterm_at_every_moment_of_start_up_is_never_lost() {
+        // Signals sent at once, and at staggered moments while the supervisor forks and the
+        // program execs: every task must end by SIGTERM (143), none may sleep on.
+        let tmp = tempfile::tempdir().unwrap();
+        let mut tasks = Vec::new();
+        for i in 0..12u64 {
+            let l = launch(tmp.path().join(format!("t{i}")), &["sleep", "300"]);
+            let s = spawn(&l).unwrap();
+            tasks.push((i, l, s));
+        }
+        for (i, l, s) in &tasks {
+            until("the pid file", || recorded_pid(&l.dir).is_some()).await;
+            tokio::time::sleep(Duration::from_micros(300 * i)).await;
+            signal_group(s.pid, Signal::TERM);
+        }
+        for (_, l, mut s) in tasks {
+            let status = tokio::time::timeout(Duration::from_secs(60), s.child.wait())
+                .await
+                .expect("a SIGTERM was lost during start-up")
+                .unwrap();
+            assert_eq!(status.code(), Some(143), "{}", l.dir.display());
+        }
     }
 }

@@ -3,25 +3,28 @@
 //! A team with a few accelerator hosts queues jobs onto free devices without Kubernetes: the
 //! daemon accepts Kubernetes `batch/v1` Job manifests (and xpu's short form) over an HTTP API
 //! on a Unix socket and/or TCP, keeps every job durably in SQLite (default) or PostgreSQL,
-//! places tasks on the node's devices, runs them as process groups with the device environment
-//! set, and shows it all on a live dashboard and in Prometheus metrics.
+//! queues them in `xpu-sched` onto the node's devices (whole or shared), runs them as process
+//! groups, or as runc containers through `xpu runtime`, with the device environment set, and
+//! shows it all on a live dashboard and in Prometheus metrics.
 //!
 //! - [`store`]: SQLite/PostgreSQL, migrations, group commit, leadership lock.
-//! - [`engine`]: the scheduling loop; [`placement`]: queue order and device choice.
-//! - [`executor`]: process groups, supervisor, re-adoption after a crash.
+//! - [`engine`]: the scheduling loop around `xpu-sched`.
+//! - [`executor`]: process groups, supervisor, re-adoption after a crash; [`container`]: the
+//!   OCI bundle and runtime command line of a containerised task.
 //! - [`api`]: the HTTP routes, OpenAPI document, dashboard and metrics endpoints.
 //! - [`client`]: the small HTTP/1.1 client the CLI uses (Unix socket or TCP).
 //! - [`node`]: the node's devices, labels and device environment.
 
 pub mod api;
 pub mod client;
+pub mod container;
 pub mod engine;
 pub mod executor;
 pub mod metrics;
 pub mod node;
-pub mod placement;
 pub mod store;
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -47,6 +50,8 @@ pub enum ServeError {
     Io { what: &'static str, path: String, source: std::io::Error },
     #[error("listening on {addr}: {source}; pick a free address with --listen")]
     Listen { addr: String, source: std::io::Error },
+    #[error("this node cannot be scheduled on; drop some --devices")]
+    Scheduler(#[source] xpu_sched::scheduler::SchedError),
 }
 
 /// `xpu serve` options.
@@ -68,6 +73,9 @@ pub struct ServeOptions {
     pub node_name: Option<String>,
     /// Time between SIGTERM and SIGKILL when stopping a task.
     pub grace: Duration,
+    /// The OCI runtime shim containerised tasks run through (`[/usr/bin/xpu, runtime]`); it
+    /// takes runc's arguments.
+    pub runtime: Vec<OsString>,
 }
 
 impl ServeOptions {
@@ -82,6 +90,7 @@ impl ServeOptions {
             labels: Vec::new(),
             node_name: None,
             grace: Duration::from_secs(10),
+            runtime: default_runtime(),
         }
     }
 
@@ -94,6 +103,13 @@ impl ServeOptions {
             .clone()
             .unwrap_or_else(|| format!("sqlite://{}", self.data_dir.join("xpu.db").display()))
     }
+}
+
+/// `xpu runtime` of the running binary (the daemon is `xpu serve`).
+fn default_runtime() -> Vec<OsString> {
+    let exe =
+        std::env::current_exe().map_or_else(|_| OsString::from("xpu"), |p| p.into_os_string());
+    vec![exe, OsString::from("runtime")]
 }
 
 /// State shared by the API handlers and the scheduling loop.
@@ -109,6 +125,7 @@ pub struct Shared {
     pub token: String,
     pub started_ms: i64,
     pub grace: Duration,
+    pub runtime: Vec<OsString>,
     db_url: String,
 }
 
@@ -174,8 +191,10 @@ pub fn node_for(opts: &ServeOptions) -> Result<Node, ServeError> {
     let (cpu, mem) = node::host_capacity(&opts.root);
     let mut node = node::node_from_inventory(&inv, &opts.labels, cpu, mem);
     if let Some(n) = &opts.node_name {
-        node.name = n.clone();
+        node.rename(n);
     }
+    // The scheduler takes it, or says why not (more than 32 devices, say).
+    engine::scheduler_for(&node.sched).map_err(ServeError::Scheduler)?;
     Ok(node)
 }
 
@@ -202,9 +221,11 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         token,
         started_ms: store::now_ms(),
         grace: opts.grace,
+        runtime: opts.runtime.clone(),
         db_url,
     });
-    tokio::spawn(Engine::new(shared.clone(), rx, tx).run());
+    let engine = Engine::new(shared.clone(), rx, tx).map_err(ServeError::Scheduler)?;
+    tokio::spawn(engine.run());
 
     let socket = opts.socket_path();
     let _ = std::fs::remove_file(&socket);

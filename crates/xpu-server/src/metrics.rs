@@ -84,7 +84,8 @@ pub struct DeviceSample<'a> {
     pub kind: &'a str,
     pub vendor: &'a str,
     pub product: &'a str,
-    pub allocated: bool,
+    /// Share held by tasks: 1 for a whole device, 0.25 for a quarter, 0 when free.
+    pub allocated: f64,
 }
 
 /// Escapes a label value (backslash, quote, newline).
@@ -106,7 +107,7 @@ impl Metrics {
             let _ = writeln!(out, "xpu_jobs{{state=\"{state}\"}} {n}");
         }
         out.push_str(
-            "# HELP xpu_device_allocated Whether a device is held by a task (1) or free (0).\n# TYPE xpu_device_allocated gauge\n",
+            "# HELP xpu_device_allocated Share of a device held by tasks (1 whole, 0.25 a quarter, 0 free).\n# TYPE xpu_device_allocated gauge\n",
         );
         for d in devices {
             let _ = writeln!(
@@ -116,14 +117,14 @@ impl Metrics {
                 esc(d.kind),
                 esc(d.vendor),
                 esc(d.product),
-                u8::from(d.allocated)
+                d.allocated
             );
         }
-        let held = devices.iter().filter(|d| d.allocated).count();
+        let held: f64 = devices.iter().map(|d| d.allocated).sum();
         let _ = writeln!(
             out,
             "# HELP xpu_devices_allocated_ratio Share of the node's devices held by tasks.\n# TYPE xpu_devices_allocated_ratio gauge\nxpu_devices_allocated_ratio {}",
-            if devices.is_empty() { 0.0 } else { held as f64 / devices.len() as f64 }
+            if devices.is_empty() { 0.0 } else { held / devices.len() as f64 }
         );
         self.queue_wait.render(
             &mut out,
@@ -175,7 +176,7 @@ mod tests {
                 kind: "gpu",
                 vendor: "nvidia",
                 product: "A\"1",
-                allocated: true,
+                allocated: 1.0,
             }],
             true,
         );

@@ -1,12 +1,14 @@
 //! The daemon's node: the accelerators it schedules (from the discovered [`Inventory`], plus
-//! fake ones from `--devices` for testing on machines without accelerators), its labels, and
-//! the per-vendor environment that tells a task which devices it got.
+//! fake ones from `--devices` for testing on machines without accelerators), its labels, the
+//! same node as an `xpu-sched` [`NodeSpec`], and the per-vendor environment that tells a task
+//! which devices it got.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 use xpu_core::accel::{ACCELERATORS, Accelerator};
 use xpu_core::{DeviceKind, Inventory, PciAddress, PciDevice};
+use xpu_sched::NodeSpec;
 
 /// One schedulable device. `id` is its index in [`Node::devices`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -34,6 +36,10 @@ pub struct Node {
     pub devices: Vec<Device>,
     pub cpu_milli: u64,
     pub memory_mib: u64,
+    /// The node as the scheduler sees it (`xpu_sched::node_from_inventory`, with these labels);
+    /// its device `i` is the device whose PCI address is `sched.devices[i].id`.
+    #[serde(skip)]
+    pub sched: NodeSpec,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -135,7 +141,8 @@ fn tpu_topology(dims: u8, chips: usize) -> Option<&'static str> {
 }
 
 /// Builds the node from an inventory. Schedulable devices are GPUs, TPUs and NPUs (NVSwitches
-/// are fabric, not something a job asks for).
+/// are fabric, not something a job asks for), minus SR-IOV physical functions whose virtual
+/// functions are enabled (the VFs are the units), the same rule as `xpu_sched`'s.
 pub fn node_from_inventory(
     inv: &Inventory,
     extra_labels: &[(String, String)],
@@ -146,7 +153,7 @@ pub fn node_from_inventory(
     let mut counters: BTreeMap<(String, DeviceKind), u32> = BTreeMap::new();
     for d in inv.devices.iter().filter(|d| {
         matches!(d.kind, DeviceKind::Gpu | DeviceKind::Tpu | DeviceKind::Npu)
-            && d.sriov.kind != xpu_core::SriovType::Pf
+            && !(d.sriov.kind == xpu_core::SriovType::Pf && d.sriov.num_vfs.is_some_and(|n| n > 0))
     }) {
         let vendor = vendor_name(d);
         let n = counters.entry((vendor.clone(), d.kind)).or_default();
@@ -179,10 +186,77 @@ pub fn node_from_inventory(
     for (k, v) in extra_labels {
         labels.insert(k.clone(), v.clone());
     }
-    Node { name: hostname.clone(), hostname, labels, devices, cpu_milli, memory_mib }
+    let mut sched = xpu_sched::node_from_inventory(inv, Some(&hostname), cpu_milli, memory_mib);
+    sched.labels = labels.clone();
+    Node { name: hostname.clone(), hostname, labels, devices, cpu_milli, memory_mib, sched }
 }
 
 impl Node {
+    /// Renames the node (`--node-name`).
+    pub fn rename(&mut self, name: &str) {
+        self.name = name.to_owned();
+        self.sched.name = name.to_owned();
+    }
+
+    /// For each scheduler device index, the id of the same device in [`Node::devices`].
+    pub fn sched_device_ids(&self) -> Vec<Option<u32>> {
+        self.sched
+            .devices
+            .iter()
+            .map(|s| self.devices.iter().find(|d| d.address == s.id).map(|d| d.id))
+            .collect()
+    }
+
+    /// The device models of a vendor and kind on this node, as the scheduler names them.
+    pub fn models(&self, vendor: &str, kind: DeviceKind) -> Vec<String> {
+        let mut m: Vec<String> = self
+            .devices
+            .iter()
+            .filter(|d| d.vendor == vendor && d.kind == kind)
+            .filter_map(|d| self.sched.devices.iter().find(|s| s.id == d.address))
+            .map(|s| s.model.clone())
+            .collect();
+        m.sort();
+        m.dedup();
+        m
+    }
+
+    /// What a containerised task is told (the environment in its `config.json`): the
+    /// `xpu runtime` shim reads `NVIDIA_VISIBLE_DEVICES` (host indices, `void` for none) and
+    /// `XPU_VISIBLE_DEVICES` (CDI names of AMD GPUs and TPUs) and injects exactly those devices.
+    /// The index lists of [`Node::device_env`] are left out: in the container the task's devices
+    /// are the only ones, numbered from 0, so a host index there would hide them.
+    pub fn container_device_env(&self, held: &[u32]) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        let devs: Vec<&Device> =
+            held.iter().filter_map(|&i| self.devices.get(i as usize)).collect();
+        if self.devices.iter().any(|d| d.vendor == "nvidia" && d.kind == DeviceKind::Gpu) {
+            let ids: Vec<String> = devs
+                .iter()
+                .filter(|d| d.vendor == "nvidia" && d.kind == DeviceKind::Gpu)
+                .map(|d| d.vendor_index.to_string())
+                .collect();
+            let v = if ids.is_empty() { "void".to_owned() } else { ids.join(",") };
+            env.push(("NVIDIA_VISIBLE_DEVICES".to_owned(), v));
+        }
+        // CDI kinds of the other vendors (xpu-container's naming: index in PCI address order).
+        let cdi: Vec<String> = devs
+            .iter()
+            .filter_map(|d| {
+                let kind = match (d.vendor.as_str(), d.kind) {
+                    ("amd", DeviceKind::Gpu) => "amd.com/gpu",
+                    ("google", DeviceKind::Tpu) => "google.com/tpu",
+                    _ => return None,
+                };
+                Some(format!("{kind}={}", d.vendor_index))
+            })
+            .collect();
+        if !cdi.is_empty() {
+            env.push(("XPU_VISIBLE_DEVICES".to_owned(), cdi.join(",")));
+        }
+        env
+    }
+
     /// The environment telling a task which devices it holds. Every vendor family present on
     /// the node gets its variable, empty when the task holds none of its devices, so a task
     /// never sees devices it was not given.
@@ -270,5 +344,19 @@ mod tests {
         assert_eq!(get("HIP_VISIBLE_DEVICES"), None);
         let none = node.device_env(&[]);
         assert!(none.contains(&("NVIDIA_VISIBLE_DEVICES".to_owned(), "void".to_owned())));
+        let c = node.container_device_env(&[1, 3, 5, 6]);
+        assert_eq!(
+            c,
+            [
+                ("NVIDIA_VISIBLE_DEVICES".to_owned(), "1,3".to_owned()),
+                ("XPU_VISIBLE_DEVICES".to_owned(), "google.com/tpu=1,google.com/tpu=2".to_owned())
+            ]
+        );
+        // The scheduler's node has the same devices, mapped back by address.
+        assert_eq!(node.sched.devices.len(), 12);
+        let ids = node.sched_device_ids();
+        assert!(ids.iter().enumerate().all(|(i, id)| *id == Some(i as u32)), "{ids:?}");
+        assert_eq!(node.models("nvidia", DeviceKind::Gpu), ["A100-SXM4-40GB"]);
+        assert!(node.models("amd", DeviceKind::Gpu).is_empty());
     }
 }

@@ -1,16 +1,23 @@
 //! `xpu serve` end to end, the same suite against a real SQLite file and a real PostgreSQL
 //! server: submit → schedule → run → finish with the seeds' Job manifests, restart policies and
-//! backoff limits, the Indexed job's environment, cancel, deadlines, logs, bad manifests, the
-//! CLI's JSON shapes, and every path the OpenAPI document lists.
+//! backoff limits, the Indexed job's environment, queueing with the scheduler's reasons, shared
+//! GPUs, priority and fair share, cancel, deadlines, logs, bad manifests, the CLI's JSON
+//! shapes, and every path the OpenAPI document lists.
+//!
+//! Nothing here sleeps a fixed time to let the daemon act: each step waits for the state it
+//! needs (up to `serve_support::WAIT`), so the suite holds on a loaded two-core machine.
 
 #![allow(clippy::unwrap_used)]
 
 mod serve_support;
 
-use std::time::Duration;
-
 use serde_json::Value;
 use serve_support::{Daemon, Postgres, kill_tasks};
+
+/// A shell loop that waits until `gate` exists (the test opens it).
+fn wait_gate(gate: &std::path::Path) -> String {
+    format!("while [ ! -e {} ]; do sleep 0.05; done", gate.display())
+}
 
 /// The GKE seed's single-host Job with its placeholders filled for a v6e host with 8 chips.
 const SEED_SINGLE: &str = r#"
@@ -115,6 +122,8 @@ fn suite(d: &Daemon, scratch: &std::path::Path) {
     restart_policies(d, scratch);
     indexed_job_env(d, scratch);
     gpu_env_and_queueing(d, scratch);
+    shared_gpus(d, scratch);
+    priority_and_fair_share(d, scratch);
     cancel(d);
     deadline(d);
     bad_manifests(d);
@@ -125,7 +134,7 @@ fn suite(d: &Daemon, scratch: &std::path::Path) {
 
 fn submit_schedule_run_finish(d: &Daemon) {
     let id = d.submit(SEED_SINGLE);
-    let j = d.wait_state(id, &["succeeded", "failed"], 30);
+    let j = d.wait_state(id, &["succeeded", "failed"]);
     assert_eq!(j["state"], "succeeded", "{j}");
     assert_eq!(j["spec"]["container"]["argv"], serde_json::json!(["sleep", "0.2s"]));
     let t = &j["tasks"][0];
@@ -143,7 +152,7 @@ fn restart_policies(d: &Daemon, scratch: &std::path::Path) {
         c = counter.display()
     );
     let id = d.submit(&short(&cmd, "gpus: 1\nrestartPolicy: OnFailure\nbackoffLimit: 2\n"));
-    let j = d.wait_state(id, &["succeeded", "failed"], 30);
+    let j = d.wait_state(id, &["succeeded", "failed"]);
     assert_eq!(j["state"], "succeeded", "{j}");
     assert_eq!(j["failures"], 2);
     let tasks = j["tasks"].as_array().unwrap();
@@ -154,7 +163,7 @@ fn restart_policies(d: &Daemon, scratch: &std::path::Path) {
 
     // Never with backoffLimit 1: two failures fail the job (BackoffLimitExceeded).
     let id = d.submit(&short("exit 7", "restartPolicy: Never\nbackoffLimit: 1\n"));
-    let j = d.wait_state(id, &["succeeded", "failed"], 30);
+    let j = d.wait_state(id, &["succeeded", "failed"]);
     assert_eq!(j["state"], "failed", "{j}");
     assert_eq!(j["failures"], 2);
     assert_eq!(j["tasks"].as_array().unwrap().len(), 2);
@@ -165,7 +174,7 @@ fn restart_policies(d: &Daemon, scratch: &std::path::Path) {
     let k8s = SEED_SINGLE
         .replace("image: gcr.io/k8s-staging-perf-tests/sleep:latest\n        args: [\"0.2s\"] # the seed sleeps 3600s", "command: [\"false\"]");
     let id = d.submit(&k8s);
-    let j = d.wait_state(id, &["succeeded", "failed"], 60);
+    let j = d.wait_state(id, &["succeeded", "failed"]);
     assert_eq!(j["state"], "failed");
     assert_eq!(j["failures"], 7, "{j}");
 }
@@ -174,7 +183,7 @@ fn indexed_job_env(d: &Daemon, scratch: &std::path::Path) {
     let out = scratch.join("indexed");
     std::fs::create_dir_all(&out).unwrap();
     let id = d.submit(&seed_multi(&out.display().to_string()));
-    let j = d.wait_state(id, &["succeeded", "failed"], 30);
+    let j = d.wait_state(id, &["succeeded", "failed"]);
     assert_eq!(j["state"], "succeeded", "{j}");
     let host = d.get("/v1/status")["hostname"].as_str().unwrap().to_owned();
     let mut chips = Vec::new();
@@ -193,28 +202,32 @@ fn indexed_job_env(d: &Daemon, scratch: &std::path::Path) {
 fn gpu_env_and_queueing(d: &Daemon, scratch: &std::path::Path) {
     // Two GPU jobs fill the node; a third waits in the queue with a reason, then runs.
     let gate = scratch.join("gate");
-    let hold = format!(
-        "while [ ! -e {} ]; do sleep 0.05; done; echo $CUDA_VISIBLE_DEVICES $NVIDIA_VISIBLE_DEVICES",
-        gate.display()
-    );
+    let hold = format!("{}; echo $CUDA_VISIBLE_DEVICES $NVIDIA_VISIBLE_DEVICES", wait_gate(&gate));
     let a = d.submit(&short(&hold, "gpus: 1\n"));
     let b = d.submit(&short(&hold, "gpus: 1\n"));
     let c = d.submit(&short("echo third $CUDA_VISIBLE_DEVICES", "gpus: 1\n"));
-    d.wait_state(a, &["running"], 10);
-    d.wait_state(b, &["running"], 10);
-    std::thread::sleep(Duration::from_millis(400));
-    let q = d.get("/v1/queue");
-    let waiting: Vec<i64> =
-        q["queued"].as_array().unwrap().iter().map(|x| x["id"].as_i64().unwrap()).collect();
-    assert_eq!(waiting, vec![c], "{q}");
-    assert!(q["queued"][0]["reason"].as_str().unwrap().contains("insufficient"), "{q}");
+    d.wait_state(a, &["running"]);
+    d.wait_state(b, &["running"]);
+    // The third waits, and the scheduler says why, kube-scheduler style.
+    let q = d.wait_for("job c queued with a reason", || {
+        let q = d.get("/v1/queue");
+        (q["queued"][0]["id"] == c && q["queued"][0]["reason"].is_string()).then_some(q)
+    });
+    assert_eq!(q["queued"].as_array().unwrap().len(), 1, "{q}");
+    assert_eq!(q["queued"][0]["reason"], "0/1 nodes are available: 1 Insufficient gpu", "{q}");
+    let shown = d.cli(&["job", &c.to_string()]);
+    assert!(
+        String::from_utf8_lossy(&shown.stdout).contains("Insufficient gpu"),
+        "xpu job shows the reason: {}",
+        String::from_utf8_lossy(&shown.stdout)
+    );
     let devs = d.get("/v1/devices");
     let held: Vec<&Value> =
         devs["devices"].as_array().unwrap().iter().filter(|x| x["kind"] == "gpu").collect();
     assert!(held.iter().all(|x| x["holder"].is_object()), "{devs}");
     std::fs::write(&gate, "").unwrap();
     for id in [a, b, c] {
-        assert_eq!(d.wait_state(id, &["succeeded", "failed"], 20)["state"], "succeeded");
+        assert_eq!(d.wait_state(id, &["succeeded", "failed"])["state"], "succeeded");
     }
     let logs: Vec<String> = [a, b]
         .iter()
@@ -228,9 +241,107 @@ fn gpu_env_and_queueing(d: &Daemon, scratch: &std::path::Path) {
     assert_eq!(got, vec!["0 0\n".to_owned(), "1 1\n".to_owned()], "each job saw only its own GPU");
 }
 
+fn shared_gpus(d: &Daemon, scratch: &std::path::Path) {
+    // One job holds a whole GPU; two jobs asking half a GPU each share the other one and run
+    // at the same time; a third half-GPU job waits until a share frees up.
+    let gate = scratch.join("share-gate");
+    let whole = d.submit(&short(&wait_gate(&gate), "gpus: 1\n"));
+    d.wait_state(whole, &["running"]);
+    let marks = scratch.join("share-marks");
+    std::fs::create_dir_all(&marks).unwrap();
+    let half = format!(
+        "echo $CUDA_VISIBLE_DEVICES $XPU_GPU_MILLI > {}/$XPU_JOB_ID; {}",
+        marks.display(),
+        wait_gate(&gate)
+    );
+    let s1 = d.submit(&short(&half, "gpuMilli: 500\n"));
+    let s2 = d.submit(&short(&half, "gpuMilli: 500\n"));
+    let s3 = d.submit(&short(&half, "gpuMilli: 500\n"));
+    // Both halves are running at once: each has written its mark while the gate is closed.
+    for id in [s1, s2] {
+        d.wait_for(&format!("job {id} running on its share"), || {
+            marks.join(id.to_string()).exists().then_some(())
+        });
+    }
+    let seen = |id: i64| std::fs::read_to_string(marks.join(id.to_string())).unwrap();
+    assert_eq!(seen(s1), seen(s2), "the two halves share one GPU");
+    assert!(seen(s1).ends_with(" 500\n"), "{}", seen(s1));
+    let q = d.wait_for("the third half queued with a reason", || {
+        let q = d.get("/v1/queue");
+        let mine = q["queued"].as_array()?.iter().find(|x| x["id"] == s3)?.clone();
+        mine["reason"].is_string().then_some(mine)
+    });
+    assert_eq!(q["reason"], "0/1 nodes are available: 1 Insufficient gpu", "{q}");
+    assert_eq!(d.get(&format!("/v1/jobs/{s3}"))["state"], "queued");
+    let devs = d.get("/v1/devices");
+    let shared: Vec<&Value> = devs["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["holders"].as_array().unwrap().len() == 2)
+        .collect();
+    assert_eq!(shared.len(), 1, "{devs}");
+    assert_eq!(shared[0]["allocated_milli"], 1000);
+    assert_eq!(shared[0]["holders"][0]["milli"], 500);
+    let table = String::from_utf8_lossy(&d.cli(&["devices"]).stdout).into_owned();
+    assert!(table.contains(&format!("job {s1} (sh) task 0 500m")), "{table}");
+    let metrics =
+        String::from_utf8(d.client().request("GET", "/metrics", None, &[]).unwrap().body).unwrap();
+    let gpu_lines: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("xpu_device_allocated{") && l.contains("kind=\"gpu\""))
+        .collect();
+    assert_eq!(gpu_lines.len(), 2, "{metrics}");
+    assert!(gpu_lines.iter().all(|l| l.ends_with(" 1")), "both GPUs fully held: {gpu_lines:?}");
+    std::fs::write(&gate, "").unwrap();
+    for id in [whole, s1, s2, s3] {
+        assert_eq!(d.wait_state(id, &["succeeded", "failed"])["state"], "succeeded");
+    }
+}
+
+fn priority_and_fair_share(d: &Daemon, scratch: &std::path::Path) {
+    // Both GPUs held; then queue a gets a low- and a high-priority job, and queue b one job,
+    // submitted last. When the GPUs free up, a's high-priority job starts first (priority
+    // inside a queue) and b's job next (b holds nothing, a already half the GPUs: fair
+    // share), ahead of a's older low-priority job, which waits.
+    let hold_gate = scratch.join("fair-hold");
+    let gate = scratch.join("fair-gate");
+    let hold = d.submit(&short(&wait_gate(&hold_gate), "gpus: 2\nqueue: ops\n"));
+    d.wait_state(hold, &["running"]);
+    let job = |q: &str, p: i32| {
+        d.submit(&short(&wait_gate(&gate), &format!("gpus: 1\nqueue: {q}\npriority: {p}\n")))
+    };
+    let a_low = job("a", 0);
+    let a_high = job("a", 5);
+    let b = job("b", 0);
+    let q = d.wait_for("three jobs queued", || {
+        let q = d.get("/v1/queue");
+        (q["queued"].as_array()?.len() == 3).then_some(q)
+    });
+    let order: Vec<i64> =
+        q["queued"].as_array().unwrap().iter().map(|x| x["id"].as_i64().unwrap()).collect();
+    assert_eq!(order, vec![a_high, a_low, b], "queue order: priority, then submission");
+    std::fs::write(&hold_gate, "").unwrap();
+    d.wait_state(a_high, &["running"]);
+    d.wait_state(b, &["running"]);
+    let q = d.wait_for("a's low-priority job alone in the queue", || {
+        let q = d.get("/v1/queue");
+        (q["queued"].as_array()?.len() == 1).then_some(q)
+    });
+    assert_eq!(q["queued"][0]["id"], a_low, "{q}");
+    assert_eq!(d.get(&format!("/v1/jobs/{a_low}"))["state"], "queued");
+    std::fs::write(&gate, "").unwrap();
+    for id in [hold, a_high, b, a_low] {
+        assert_eq!(d.wait_state(id, &["succeeded", "failed"])["state"], "succeeded");
+    }
+}
+
 fn cancel(d: &Daemon) {
-    let id = d.submit(&short("trap '' TERM; echo started; sleep 30", "gpus: 0\n"));
-    d.wait_state(id, &["running"], 10);
+    let id = d.submit(&short("trap '' TERM; echo started; sleep 300", "gpus: 0\n"));
+    d.wait_state(id, &["running"]);
+    // Running, with its pid recorded, and past the trap: SIGTERM is now ignored.
+    let pid = d.wait_pid(id);
+    d.wait_log(id, "started");
     // Follow the log while it runs: the stream ends when the task is stopped.
     let follower = {
         let socket = d.socket();
@@ -241,18 +352,14 @@ fn cancel(d: &Daemon) {
                 .unwrap()
         })
     };
-    std::thread::sleep(Duration::from_millis(300));
-    let pid = d.get(&format!("/v1/jobs/{id}"))["tasks"][0]["pid"].as_i64().unwrap();
     let out = d.cli(&["cancel", &id.to_string()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let j = d.wait_state(id, &["cancelled"], 10);
+    let j = d.wait_state(id, &["cancelled"]);
     assert_eq!(j["message"], "cancelled by request");
     // The task ignores SIGTERM, so it is gone only after SIGKILL (grace 1 s).
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
-        assert!(std::time::Instant::now() < deadline, "task {pid} survived cancel");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    d.wait_for(&format!("task {pid} to be gone after cancel"), || {
+        (!std::path::Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+    });
     let followed = follower.join().unwrap();
     assert!(followed.status.success());
     assert_eq!(String::from_utf8_lossy(&followed.stdout), "started\n");
@@ -261,8 +368,8 @@ fn cancel(d: &Daemon) {
 }
 
 fn deadline(d: &Daemon) {
-    let id = d.submit(&short("sleep 30", "activeDeadlineSeconds: 1\n"));
-    let j = d.wait_state(id, &["succeeded", "failed"], 15);
+    let id = d.submit(&short("sleep 300", "activeDeadlineSeconds: 1\n"));
+    let j = d.wait_state(id, &["succeeded", "failed"]);
     assert_eq!(j["state"], "failed");
     assert!(j["message"].as_str().unwrap().contains("DeadlineExceeded"), "{j}");
 }
@@ -291,7 +398,7 @@ fn bad_manifests(d: &Daemon) {
     );
     // A job whose nodeSelector the node cannot satisfy fails with the label named.
     let id = d.submit(&SEED_SINGLE.replace("tpu-v6e-slice", "tpu-v5p-slice"));
-    let j = d.wait_state(id, &["failed"], 10);
+    let j = d.wait_state(id, &["failed"]);
     assert!(j["message"].as_str().unwrap().contains("cloud.google.com/gke-tpu-accelerator"), "{j}");
     let r = d.client().request("GET", "/v1/jobs/999999", None, &[]).unwrap();
     assert_eq!(r.status, 404);
@@ -311,7 +418,7 @@ fn cli_shapes(d: &Daemon) {
         d.cli(&["submit", "--gpus", "0", "--name", "cli-job", "--", "sh", "-c", "echo from-cli"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let id: i64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-    d.wait_state(id, &["succeeded"], 10);
+    d.wait_state(id, &["succeeded"]);
     let logs = d.cli(&["logs", &id.to_string()]);
     assert_eq!(String::from_utf8_lossy(&logs.stdout), "from-cli\n");
     let v = d.cli_json(&["jobs", "--format", "json", "--limit", "3"]);

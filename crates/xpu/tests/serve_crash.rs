@@ -16,6 +16,13 @@ use serve_support::{Daemon, Postgres, kill_tasks};
 use xpu_server::client::{Client, Target};
 
 const JOBS: usize = 2000;
+
+/// Whether a process is alive: present and not a zombie.
+fn alive(pid: i64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
+}
 const CLIENTS: usize = 8;
 
 /// Every key a client saw acknowledged, with the id it got.
@@ -71,12 +78,12 @@ fn kill9_during_2000_submissions_loses_and_duplicates_nothing() {
     let lost = d.submit(
         "name: lost\ncommand: [sleep, \"60\"]\nrestartPolicy: OnFailure\nbackoffLimit: 1\n",
     );
-    d.wait_state(blocker, &["running"], 10);
-    d.wait_state(lost, &["running"], 10);
-    std::thread::sleep(Duration::from_millis(300));
-    let blocker_pid = d.get(&format!("/v1/jobs/{blocker}"))["tasks"][0]["pid"].as_i64().unwrap();
+    d.wait_state(blocker, &["running"]);
+    d.wait_state(lost, &["running"]);
+    // Both recorded as running under their pids before the crash.
+    let blocker_pid = d.wait_pid(blocker);
+    let lost_pid = d.wait_pid(lost);
     let lost_job = d.get(&format!("/v1/jobs/{lost}"));
-    let lost_pid = lost_job["tasks"][0]["pid"].as_i64().unwrap();
     eprintln!("blocker pid {blocker_pid}, lost pid {lost_pid}: {lost_job}");
     assert!(lost_pid > 1 && blocker_pid > 1);
 
@@ -91,14 +98,15 @@ fn kill9_during_2000_submissions_loses_and_duplicates_nothing() {
         .collect();
     let t0 = Instant::now();
     while acked.lock().unwrap().len() < JOBS / 3 {
-        assert!(t0.elapsed() < Duration::from_secs(60), "submissions too slow");
+        assert!(t0.elapsed() < Duration::from_secs(serve_support::WAIT), "submissions too slow");
         std::thread::sleep(Duration::from_millis(5));
     }
     d.kill9();
     let at_kill = acked.lock().unwrap().len();
-    // While the daemon is down, the "lost" task's process group dies too.
+    // While the daemon is down, the "lost" task's process group dies too; the restart comes
+    // once it is gone (or a zombie nobody has reaped yet).
     xpu_server::executor::signal_group(lost_pid as i32, xpu_server::executor::Sig::KILL);
-    std::thread::sleep(Duration::from_millis(300));
+    d.wait_for("the lost task to die", || (!alive(lost_pid)).then_some(()));
     d.restart();
     for w in workers {
         w.join().unwrap();
@@ -145,15 +153,11 @@ fn kill9_during_2000_submissions_loses_and_duplicates_nothing() {
     assert!(ev["events"].as_array().unwrap().iter().any(|e| e["kind"] == "adopted"), "{ev}");
 
     // The dead one was failed (no exit status) and restarted per OnFailure.
-    d.wait_state(lost, &["running", "failed"], 10);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let l = loop {
-        let l2 = d.get(&format!("/v1/jobs/{lost}"));
-        if l2["tasks"].as_array().unwrap().len() >= 2 || Instant::now() > deadline {
-            break l2;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    d.wait_state(lost, &["running", "failed"]);
+    let l = d.wait_for("the lost task's retry to run", || {
+        let l = d.get(&format!("/v1/jobs/{lost}"));
+        (l["tasks"].as_array()?.len() >= 2 && l["tasks"][1]["state"] == "running").then_some(l)
+    });
     assert_eq!(l["failures"], 1, "{l}");
     assert_eq!(l["tasks"][0]["state"], "failed");
     assert!(l["tasks"][0]["exit_code"].is_null());
@@ -162,17 +166,12 @@ fn kill9_during_2000_submissions_loses_and_duplicates_nothing() {
     // The re-adopted task's exit status is still learned: cancel it and see it recorded.
     let r = d.client().request("POST", &format!("/v1/jobs/{blocker}/cancel"), None, &[]).unwrap();
     assert_eq!(r.status, 202);
-    d.wait_state(blocker, &["cancelled"], 10);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
+    d.wait_state(blocker, &["cancelled"]);
+    let b = d.wait_for("the re-adopted task's end to be recorded", || {
         let b = d.get(&format!("/v1/jobs/{blocker}"));
-        if b["tasks"][0]["state"] == "cancelled" {
-            assert_eq!(b["tasks"][0]["exit_code"], 143, "{b}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "{b}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        (b["tasks"][0]["state"] == "cancelled").then_some(b)
+    });
+    assert_eq!(b["tasks"][0]["exit_code"], 143, "{b}");
     d.kill9();
     kill_tasks(&data);
 }
@@ -189,31 +188,29 @@ fn postgres_leader_killed_second_daemon_takes_over() {
     let url = pg.database("leader");
     let dir = tempfile::tempdir().unwrap();
     let mut a = Daemon::start(&dir.path().join("a"), Some(&url), &["--node-name", "node-a"]);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while a.get("/v1/status")["leader"] != true {
-        assert!(Instant::now() < deadline, "first daemon never led");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    a.wait_for("the first daemon to lead", || {
+        (a.get("/v1/status")["leader"] == true).then_some(())
+    });
     let b = Daemon::start(&dir.path().join("b"), Some(&url), &["--node-name", "node-b"]);
-    std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(b.get("/v1/status")["leader"], false, "exactly one daemon schedules");
+    // b tries for leadership every second; over a few tries it must never get it.
+    let watch = Instant::now();
+    while watch.elapsed() < Duration::from_millis(2500) {
+        assert_eq!(b.get("/v1/status")["leader"], false, "exactly one daemon schedules");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     // Submitted through the follower, scheduled and run by the leader.
     let id = b.submit("command: [sh, -c, \"echo on $XPU_JOB_ID\"]\n");
-    let j = b.wait_state(id, &["succeeded"], 15);
+    let j = b.wait_state(id, &["succeeded"]);
     assert_eq!(j["tasks"][0]["node"], "node-a");
     let long = b.submit("command: [sleep, \"60\"]\nrestartPolicy: Never\nbackoffLimit: 1\n");
-    b.wait_state(long, &["running"], 15);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while b.get(&format!("/v1/jobs/{long}"))["tasks"][0]["pid"].is_null() {
-        assert!(Instant::now() < deadline, "the task's pid was never recorded");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    b.wait_state(long, &["running"]);
+    b.wait_pid(long);
 
     let killed_at = Instant::now();
     a.kill9();
     let id2 = b.submit("command: [sh, -c, \"echo after takeover\"]\n");
-    let j2 = b.wait_state(id2, &["succeeded"], 20);
+    let j2 = b.wait_state(id2, &["succeeded"]);
     let took = killed_at.elapsed();
     eprintln!("takeover and run after leader kill: {took:?}");
     assert_eq!(j2["tasks"][0]["node"], "node-b");
@@ -235,7 +232,7 @@ fn postgres_leader_killed_second_daemon_takes_over() {
     let retried = tasks.len() == 2 && tasks[1]["node"] == "node-b";
     assert!(adopted || retried, "{l}");
     b.client().request("POST", &format!("/v1/jobs/{long}/cancel"), None, &[]).unwrap();
-    b.wait_state(long, &["cancelled"], 10);
+    b.wait_state(long, &["cancelled"]);
     kill_tasks(&dir.path().join("a"));
     kill_tasks(&dir.path().join("b"));
 }

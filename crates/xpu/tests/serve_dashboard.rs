@@ -8,7 +8,6 @@ mod serve_support;
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 use serve_support::{Daemon, kill_tasks};
 
@@ -45,11 +44,15 @@ fn dashboard_in_headless_chromium_shows_a_submitted_job() {
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(&dir.path().join("data"), None, &["--devices", "nvidia-a100:2"]);
     let done = d.submit("name: finished-job\ncommand: [\"true\"]\n");
-    d.wait_state(done, &["succeeded"], 10);
+    d.wait_state(done, &["succeeded"]);
     let running = d.submit("name: training-run\ncommand: [sleep, \"60\"]\ngpus: 2\n");
     let queued = d.submit("name: waiting-job\ncommand: [\"true\"]\ngpus: 1\n");
-    d.wait_state(running, &["running"], 10);
-    std::thread::sleep(Duration::from_millis(500));
+    d.wait_state(running, &["running"]);
+    // The page shows what the API shows: wait until the queue has the waiting job's reason.
+    d.wait_for("the waiting job's reason in the queue", || {
+        let q = d.get("/v1/queue");
+        (q["queued"][0]["id"] == queued && q["queued"][0]["reason"].is_string()).then_some(())
+    });
 
     let profile = dir.path().join("profile");
     let out = chromium(&profile, &["--dump-dom".to_owned()], &format!("{}/", d.url()));
@@ -62,11 +65,10 @@ fn dashboard_in_headless_chromium_shows_a_submitted_job() {
         "device holder missing:\n{dom}"
     );
     assert!(dom.contains("waiting-job"), "queued job missing:\n{dom}");
-    assert!(dom.contains("insufficient"), "queue reason missing:\n{dom}");
+    assert!(dom.contains("Insufficient gpu"), "queue reason missing:\n{dom}");
     assert!(dom.contains(&format!("data-job=\"{done}\"")) && dom.contains("succeeded"));
     assert!(dom.contains("<path d=\"M"), "allocation chart not drawn:\n{dom}");
     assert!(dom.contains("scheduling (leader)"));
-    let _ = queued;
 
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("xpu-dashboard.png");
     let _ = std::fs::remove_file(&shot);

@@ -170,6 +170,10 @@ pub struct SubmitArgs {
     /// GPUs per task for a command given after `--` (0 for none).
     #[arg(long, value_name = "N")]
     pub gpus: Option<u32>,
+    /// A share of one GPU per task instead, in thousandths (250 is a quarter), shared with
+    /// other tasks.
+    #[arg(long, value_name = "MILLI", conflicts_with = "gpus", value_parser = clap::value_parser!(u16).range(1..=999))]
+    pub gpu_milli: Option<u16>,
     #[arg(long)]
     pub name: Option<String>,
     #[arg(long)]
@@ -206,7 +210,10 @@ pub fn submit(args: SubmitArgs) -> CmdResult {
         (None, _) => {
             let mut m = serde_json::Map::new();
             m.insert("command".into(), json!(args.command));
-            m.insert("gpus".into(), json!(args.gpus.unwrap_or(0)));
+            match args.gpu_milli {
+                Some(milli) => m.insert("gpuMilli".into(), json!(milli)),
+                None => m.insert("gpus".into(), json!(args.gpus.unwrap_or(0))),
+            };
             if let Some(n) = &args.name {
                 m.insert("name".into(), json!(n));
             }
@@ -456,15 +463,25 @@ pub fn devices(args: DevicesArgs) -> CmdResult {
                 .unwrap_or_default()
                 .iter()
                 .map(|d| {
-                    let holder = match d["holder"].as_object() {
-                        Some(h) => format!(
-                            "job {} ({}) task {}",
-                            h.get("job").map(ToString::to_string).unwrap_or_default(),
-                            h.get("name").and_then(Value::as_str).unwrap_or(""),
-                            h.get("task").map(ToString::to_string).unwrap_or_default()
-                        ),
-                        None => "free".to_owned(),
-                    };
+                    let held: Vec<String> = d["holders"]
+                        .as_array()
+                        .map(Vec::as_slice)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|h| {
+                            let share = match h["milli"].as_u64() {
+                                Some(m) if m < 1000 => format!(" {m}m"),
+                                _ => String::new(),
+                            };
+                            format!(
+                                "job {} ({}) task {}{share}",
+                                h["job"],
+                                h["name"].as_str().unwrap_or(""),
+                                h["task"]
+                            )
+                        })
+                        .collect();
+                    let holder = if held.is_empty() { "free".to_owned() } else { held.join(", ") };
                     vec![
                         d["id"].to_string(),
                         d["kind"].as_str().unwrap_or("").to_owned(),

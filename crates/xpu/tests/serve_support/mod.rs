@@ -14,6 +14,11 @@ use xpu_server::client::{Client, Target};
 
 pub const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
 
+/// Seconds a test waits for something the daemon does: generous, because CI runs the whole
+/// suite at once on two cores. Every wait polls and ends as soon as its condition holds, so
+/// this costs nothing when the machine is idle; no test sleeps a fixed time instead.
+pub const WAIT: u64 = 120;
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -70,7 +75,7 @@ impl Postgres {
             .spawn()
             .map_err(|e| e.to_string())?;
         let pg = Postgres { port, child, _dir: dir };
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + Duration::from_secs(WAIT);
         loop {
             let ok = Command::new(format!("{PG_BIN}/pg_isready"))
                 .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-q"])
@@ -81,7 +86,7 @@ impl Postgres {
                 break;
             }
             if Instant::now() > deadline {
-                return Err("postgres did not become ready in 30 s".into());
+                return Err(format!("postgres did not become ready in {WAIT} s"));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -121,6 +126,8 @@ pub struct Daemon {
     pub data_dir: PathBuf,
     pub port: u16,
     pub args: Vec<String>,
+    /// Added to the daemon's environment.
+    pub env: Vec<(String, String)>,
 }
 
 pub fn xpu_bin() -> &'static str {
@@ -130,6 +137,16 @@ pub fn xpu_bin() -> &'static str {
 impl Daemon {
     /// Starts `xpu serve` with `extra` args and waits until its socket answers.
     pub fn start(data_dir: &Path, db: Option<&str>, extra: &[&str]) -> Daemon {
+        Self::start_with_env(data_dir, db, extra, &[])
+    }
+
+    /// [`Daemon::start`] with variables added to the daemon's environment.
+    pub fn start_with_env(
+        data_dir: &Path,
+        db: Option<&str>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let port = free_port();
         let mut args: Vec<String> = vec![
             "serve".into(),
@@ -145,19 +162,21 @@ impl Daemon {
             args.push(db.into());
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        Self::spawn(data_dir, port, args)
+        let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        Self::spawn(data_dir, port, args, env)
     }
 
-    fn spawn(data_dir: &Path, port: u16, args: Vec<String>) -> Daemon {
+    fn spawn(data_dir: &Path, port: u16, args: Vec<String>, env: Vec<(String, String)>) -> Daemon {
         std::fs::create_dir_all(data_dir).unwrap();
         let log = std::fs::File::create(data_dir.join(format!("daemon-{port}.log"))).unwrap();
         let child = Command::new(xpu_bin())
             .args(&args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .spawn()
             .unwrap();
-        let d = Daemon { child, data_dir: data_dir.to_owned(), port, args };
+        let d = Daemon { child, data_dir: data_dir.to_owned(), port, args, env };
         d.wait_ready();
         d
     }
@@ -166,20 +185,30 @@ impl Daemon {
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let again = Self::spawn(&self.data_dir, self.port, self.args.clone());
+        let again = Self::spawn(&self.data_dir, self.port, self.args.clone(), self.env.clone());
         *self = again;
     }
 
     fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        self.wait_for("the daemon to answer", || {
+            self.client()
+                .request("GET", "/v1/status", None, &[])
+                .ok()
+                .filter(|r| r.status == 200)
+                .map(|_| ())
+        });
+    }
+
+    /// Polls `f` until it gives `Some` and returns that; fails after [`WAIT`] seconds, naming
+    /// `what` and showing the daemon's log.
+    pub fn wait_for<T>(&self, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+        let deadline = Instant::now() + Duration::from_secs(WAIT);
         loop {
-            if let Ok(r) = self.client().request("GET", "/v1/status", None, &[])
-                && r.status == 200
-            {
-                return;
+            if let Some(v) = f() {
+                return v;
             }
-            assert!(Instant::now() < deadline, "daemon did not answer within 30 s: {}", self.log());
-            std::thread::sleep(Duration::from_millis(50));
+            assert!(Instant::now() < deadline, "timed out waiting for {what}\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -230,9 +259,10 @@ impl Daemon {
         r.json().unwrap()["id"].as_i64().unwrap()
     }
 
-    /// Waits until the job is in a terminal state (or `state`) and returns it.
-    pub fn wait_state(&self, id: i64, want: &[&str], secs: u64) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(secs);
+    /// Waits (up to [`WAIT`] seconds) until the job is in one of the `want` states and
+    /// returns it.
+    pub fn wait_state(&self, id: i64, want: &[&str]) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(WAIT);
         loop {
             let j = self.get(&format!("/v1/jobs/{id}"));
             if want.contains(&j["state"].as_str().unwrap_or("")) {
@@ -243,8 +273,23 @@ impl Daemon {
                 "job {id} never reached {want:?}: {j}\n{}",
                 self.log()
             );
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Waits until the job's first task has a pid recorded, and returns it.
+    pub fn wait_pid(&self, id: i64) -> i64 {
+        self.wait_for(&format!("job {id}'s task pid"), || {
+            self.get(&format!("/v1/jobs/{id}"))["tasks"][0]["pid"].as_i64()
+        })
+    }
+
+    /// Waits until the job's log (task 0) contains `text`.
+    pub fn wait_log(&self, id: i64, text: &str) {
+        self.wait_for(&format!("{text:?} in job {id}'s log"), || {
+            let r = self.client().request("GET", &format!("/v1/jobs/{id}/logs"), None, &[]).ok()?;
+            String::from_utf8_lossy(&r.body).contains(text).then_some(())
+        });
     }
 }
 

@@ -1,0 +1,317 @@
+//! Tasks that run as OCI containers: a job naming a root filesystem (`xpu.dev/rootfs`) or a
+//! bundle (`xpu.dev/bundle`) gets a bundle of its own in each attempt's task directory, and the
+//! task's program is `xpu runtime --root <data-dir>/runc run --bundle <task-dir> <id>`: the
+//! `xpu-container-runtime` shim reads the device environment, injects those devices, and execs
+//! runc, which runs the container in the foreground with its output in the task's log.
+//!
+//! For a rootfs, `config.json` is what `runc spec` writes (OCI runtime spec 1.0.2,
+//! <https://github.com/opencontainers/runtime-spec/blob/v1.0.2/config.md>), with three
+//! differences that make it behave like a Kubernetes container: no network namespace (the host's
+//! network, as multi-host training needs to reach its peers), a writable root, and the hostname
+//! of the node. For a bundle, its own `config.json` is the base, with `root.path` made absolute.
+//! Either way the manifest sets `process.args` (when it gives a command), `process.cwd`
+//! (`workingDir`) and adds its environment and the device environment to `process.env`.
+//!
+//! Stopping follows the process tasks: SIGTERM to the supervisor's group reaches runc, which
+//! passes it to the container's init; SIGKILL goes through `runc kill <id> KILL`, because the
+//! container's processes are in their own session and would outlive runc.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+/// How to start one attempt's container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerLaunch {
+    /// The runtime shim's command: `[/usr/bin/xpu, runtime]`.
+    pub runtime: Vec<OsString>,
+    /// runc's state directory (`runc --root`).
+    pub state_dir: PathBuf,
+    /// Container id: unique on the machine, since runc names cgroups after it.
+    pub id: String,
+    pub source: Source,
+    pub hostname: String,
+}
+
+/// Where the container's filesystem comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Rootfs(PathBuf),
+    Bundle(PathBuf),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    #[error("job {job}: rootfs {path} is not a directory; create it or fix xpu.dev/rootfs")]
+    NoRootfs { job: i64, path: String },
+    #[error("job {job}: bundle {path} has no readable config.json ({source}); fix xpu.dev/bundle")]
+    NoBundle { job: i64, path: String, source: std::io::Error },
+    #[error("job {job}: {path} is not valid OCI config JSON: {message}")]
+    BadConfig { job: i64, path: String, message: String },
+    #[error("job {job}: bundle {path} has no process.args and the manifest gives no command")]
+    NoCommand { job: i64, path: String },
+    #[error("writing {path}: {source}")]
+    Write { path: String, source: std::io::Error },
+}
+
+/// What goes into the container's process.
+pub struct Process<'a> {
+    pub job: i64,
+    /// Empty: the bundle's own `process.args`.
+    pub argv: &'a [String],
+    pub env: &'a [(String, String)],
+    pub working_dir: Option<&'a str>,
+}
+
+/// `runc spec`'s default configuration with a rootfs, without the network namespace and with a
+/// writable root (see the module docs).
+fn default_config(rootfs: &Path, hostname: &str) -> Value {
+    let caps = json!(["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]);
+    json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["sh"],
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "TERM=xterm"],
+            "cwd": "/",
+            "capabilities": {
+                "bounding": caps, "effective": caps, "permitted": caps, "ambient": caps
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+            "noNewPrivileges": true
+        },
+        "root": {"path": rootfs, "readonly": false},
+        "hostname": hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+             "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+             "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}
+        ],
+        "linux": {
+            "resources": {"devices": [{"allow": false, "access": "rwm"}]},
+            "namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
+            "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys",
+                "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats",
+                "/proc/sched_debug", "/sys/firmware", "/proc/scsi"],
+            "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys",
+                "/proc/sysrq-trigger"]
+        }
+    })
+}
+
+/// The configuration for one attempt, before it is written.
+pub fn config(c: &ContainerLaunch, p: &Process<'_>) -> Result<Value, BundleError> {
+    let mut cfg = match &c.source {
+        Source::Rootfs(rootfs) => {
+            if !rootfs.is_dir() {
+                return Err(BundleError::NoRootfs {
+                    job: p.job,
+                    path: rootfs.display().to_string(),
+                });
+            }
+            default_config(rootfs, &c.hostname)
+        }
+        Source::Bundle(dir) => {
+            let path = dir.join("config.json");
+            let text = std::fs::read(&path).map_err(|source| BundleError::NoBundle {
+                job: p.job,
+                path: dir.display().to_string(),
+                source,
+            })?;
+            let bad = |message: String| BundleError::BadConfig {
+                job: p.job,
+                path: path.display().to_string(),
+                message,
+            };
+            let mut v: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+            // The bundle's relative root is relative to the bundle, not to the task directory.
+            let root = v
+                .pointer("/root/path")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("root.path is missing".to_owned()))?;
+            let abs = dir.join(root);
+            if let Some(r) = v.pointer_mut("/root/path") {
+                *r = json!(abs);
+            }
+            if !v.get("process").is_some_and(Value::is_object) {
+                return Err(bad("process is missing".to_owned()));
+            }
+            v
+        }
+    };
+    let bad = |message: &str| BundleError::BadConfig {
+        job: p.job,
+        path: "config.json".to_owned(),
+        message: message.to_owned(),
+    };
+    let process = cfg
+        .get_mut("process")
+        .and_then(Value::as_object_mut)
+        .ok_or_else(|| bad("process is not an object"))?;
+    process.insert("terminal".into(), json!(false));
+    if !p.argv.is_empty() {
+        process.insert("args".into(), json!(p.argv));
+    } else if process.get("args").and_then(Value::as_array).is_none_or(|a| a.is_empty()) {
+        let path = match &c.source {
+            Source::Rootfs(r) | Source::Bundle(r) => r.display().to_string(),
+        };
+        return Err(BundleError::NoCommand { job: p.job, path });
+    }
+    if let Some(w) = p.working_dir {
+        // OCI requires an absolute cwd; Kubernetes' workingDir is absolute in practice.
+        let cwd = if w.starts_with('/') { w.to_owned() } else { format!("/{w}") };
+        process.insert("cwd".into(), json!(cwd));
+    }
+    // The base environment, then the job's and xpu's variables; a later name replaces an
+    // earlier one, so the device variables always win.
+    let mut env: Vec<String> = process
+        .get("env")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect())
+        .unwrap_or_default();
+    for (k, v) in p.env {
+        env.retain(|e| e.split_once('=').map_or(e.as_str(), |(n, _)| n) != k);
+        env.push(format!("{k}={v}"));
+    }
+    process.insert("env".into(), json!(env));
+    Ok(cfg)
+}
+
+/// Writes `<dir>/config.json` for the attempt.
+pub fn write_bundle(dir: &Path, c: &ContainerLaunch, p: &Process<'_>) -> Result<(), BundleError> {
+    let cfg = config(c, p)?;
+    let path = dir.join("config.json");
+    let bytes = serde_json::to_vec_pretty(&cfg).map_err(|e| BundleError::BadConfig {
+        job: p.job,
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?;
+    std::fs::write(&path, bytes)
+        .map_err(|source| BundleError::Write { path: path.display().to_string(), source })
+}
+
+/// The supervisor's program for the attempt: `xpu runtime --root STATE run --bundle DIR ID`.
+pub fn run_argv(c: &ContainerLaunch, dir: &Path) -> Vec<OsString> {
+    let mut argv = c.runtime.clone();
+    argv.push("--root".into());
+    argv.push(c.state_dir.clone().into_os_string());
+    argv.push("run".into());
+    argv.push("--bundle".into());
+    argv.push(dir.as_os_str().to_owned());
+    argv.push(c.id.clone().into());
+    argv
+}
+
+/// Runs `xpu runtime --root STATE <args...> ID` (runc's `kill`, `delete`) and waits for it;
+/// failures (the container is already gone) are not errors.
+pub async fn runtime_call(c: &ContainerLaunch, args: &[&str]) {
+    let mut cmd = tokio::process::Command::new(&c.runtime[0]);
+    cmd.args(&c.runtime[1..])
+        .arg("--root")
+        .arg(&c.state_dir)
+        .args(args)
+        .arg(&c.id)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    if let Ok(mut child) = cmd.spawn() {
+        let _ = child.wait().await;
+    }
+}
+
+/// A container id for an attempt: `xpu-<hash of the data dir>-<job>-<index>-<attempt>`, so
+/// daemons with different data dirs on one machine never collide in runc's cgroup names.
+pub fn container_id(data_dir: &Path, job: i64, idx: u32, attempt: u32) -> String {
+    // FNV-1a over the path: stable across restarts, which re-adoption relies on.
+    let mut h: u32 = 0x811c_9dc5;
+    for b in data_dir.as_os_str().as_encoded_bytes() {
+        h = (h ^ u32::from(*b)).wrapping_mul(0x0100_0193);
+    }
+    format!("xpu-{h:08x}-{job}-{idx}-{attempt}")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn launch(source: Source) -> ContainerLaunch {
+        ContainerLaunch {
+            runtime: vec!["/usr/bin/xpu".into(), "runtime".into()],
+            state_dir: "/var/lib/xpu/runc".into(),
+            id: "xpu-1-0-0".into(),
+            source,
+            hostname: "node-a".into(),
+        }
+    }
+
+    #[test]
+    fn rootfs_config_is_runc_spec_with_the_manifest() {
+        let tmp = tempfile::tempdir().unwrap();
+        let c = launch(Source::Rootfs(tmp.path().to_owned()));
+        let env = [("A".to_owned(), "1".to_owned()), ("PATH".to_owned(), "/bin".to_owned())];
+        let argv = ["sh".to_owned(), "-c".to_owned(), "true".to_owned()];
+        let p = Process { job: 1, argv: &argv, env: &env, working_dir: Some("work") };
+        let v = config(&c, &p).unwrap();
+        assert_eq!(v["process"]["args"], json!(["sh", "-c", "true"]));
+        assert_eq!(v["process"]["env"], json!(["TERM=xterm", "A=1", "PATH=/bin"]));
+        assert_eq!(v["process"]["cwd"], "/work");
+        assert_eq!(v["root"]["path"], json!(tmp.path()));
+        assert_eq!(v["hostname"], "node-a");
+        let ns: Vec<&str> = v["linux"]["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["type"].as_str().unwrap())
+            .collect();
+        assert!(!ns.contains(&"network"), "the host's network");
+        assert_eq!(
+            run_argv(&c, Path::new("/d")),
+            [
+                "/usr/bin/xpu",
+                "runtime",
+                "--root",
+                "/var/lib/xpu/runc",
+                "run",
+                "--bundle",
+                "/d",
+                "xpu-1-0-0"
+            ]
+            .map(OsString::from)
+        );
+        let missing = launch(Source::Rootfs("/nonexistent/rootfs".into()));
+        assert!(config(&missing, &p).unwrap_err().to_string().contains("is not a directory"));
+    }
+
+    #[test]
+    fn bundle_config_keeps_its_own_and_takes_the_manifest() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut base = default_config(Path::new("rootfs"), "runc");
+        base["process"]["args"] = json!(["/app/train"]);
+        base["process"]["env"] = json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=all"]);
+        std::fs::write(tmp.path().join("config.json"), base.to_string()).unwrap();
+        let c = launch(Source::Bundle(tmp.path().to_owned()));
+        let env = [("NVIDIA_VISIBLE_DEVICES".to_owned(), "2".to_owned())];
+        let p = Process { job: 1, argv: &[], env: &env, working_dir: None };
+        let v = config(&c, &p).unwrap();
+        assert_eq!(v["process"]["args"], json!(["/app/train"]), "the bundle's command");
+        assert_eq!(v["process"]["env"], json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=2"]));
+        assert_eq!(v["root"]["path"], json!(tmp.path().join("rootfs")));
+        assert_eq!(v["hostname"], "runc", "the bundle's own settings stay");
+        let empty = launch(Source::Bundle(tmp.path().join("nope")));
+        assert!(config(&empty, &p).unwrap_err().to_string().contains("no readable config.json"));
+        assert_ne!(container_id(Path::new("/a"), 1, 0, 0), container_id(Path::new("/b"), 1, 0, 0));
+    }
+}

@@ -1,0 +1,193 @@
+//! `xpu serve` running jobs that name a rootfs or a bundle as real runc containers through the
+//! `xpu runtime` shim, on a fixture 8×A100 host whose device nodes are real character devices
+//! (`mknod`): the container sees exactly the GPUs the scheduler gave its task, output reaches
+//! the task's log, exit statuses and `restartPolicy` count as for process tasks, cancel sends
+//! SIGTERM through runc to the container, `activeDeadlineSeconds` ends one that ignores it with
+//! `runc kill`, and a bundle runs its own command. Needs root and runc (installed by
+//! scripts/install-test-deps); skips, saying so, only where they are truly absent.
+
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+mod serve_support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serve_support::{Daemon, kill_tasks};
+use xpu_testkit::bundle::{self, Bundle, ContainerView, RUNC, TestHost, probe_script};
+use xpu_testkit::hosts;
+use xpu_testkit::sysfs::{MAJOR_NVIDIA, MAJOR_NVIDIA_UVM};
+
+/// Deletes whatever containers are left in the daemon's runc state directory.
+struct Cleanup {
+    data: PathBuf,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        kill_tasks(&self.data);
+        for id in containers(&self.data) {
+            let _ = Command::new(RUNC)
+                .arg("--root")
+                .arg(self.data.join("runc"))
+                .args(["delete", "-f", &id])
+                .output();
+        }
+    }
+}
+
+/// Container ids runc knows in the daemon's state directory.
+fn containers(data: &Path) -> Vec<String> {
+    std::fs::read_dir(data.join("runc"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default()
+}
+
+fn logs(d: &Daemon, id: i64) -> String {
+    let r = d.client().request("GET", &format!("/v1/jobs/{id}/logs"), None, &[]).unwrap();
+    String::from_utf8(r.body).unwrap()
+}
+
+/// A short-form job running `script` with `sh -c` in `rootfs`.
+fn job(script: &str, rootfs: &Path, extra: &str) -> String {
+    format!(
+        "command: [sh, -c, {}]\nrootfs: {}\n{extra}",
+        serde_json::to_string(script).unwrap(),
+        rootfs.display()
+    )
+}
+
+/// The device nodes GPUs `gpus` (host indices) of the fixture bring into a container.
+fn gpu_nodes(gpus: &[u32]) -> BTreeMap<String, (char, u32, u32)> {
+    let mut m: BTreeMap<String, (char, u32, u32)> =
+        gpus.iter().map(|&g| (format!("/dev/nvidia{g}"), ('c', MAJOR_NVIDIA, g))).collect();
+    m.insert("/dev/nvidiactl".into(), ('c', MAJOR_NVIDIA, 255));
+    m.insert("/dev/nvidia-uvm".into(), ('c', MAJOR_NVIDIA_UVM, 0));
+    m.insert("/dev/nvidia-uvm-tools".into(), ('c', MAJOR_NVIDIA_UVM, 1));
+    m
+}
+
+#[test]
+fn rootfs_and_bundle_jobs_run_as_runc_containers_needs_root_and_runc() {
+    if let Some(why) = bundle::container_tests_unavailable() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    let tmp = tempfile::tempdir().unwrap();
+    let image = Bundle::busybox_in(&tmp.path().join("image"), "true");
+    let rootfs = image.rootfs();
+    let data = tmp.path().join("data");
+    let _cleanup = Cleanup { data: data.clone() };
+    let cfg = host.config.to_str().unwrap().to_owned();
+    let d = Daemon::start_with_env(
+        &data,
+        None,
+        &["--root", host.fixture.root().to_str().unwrap()],
+        &[("XPU_RUNTIME_CONFIG", &cfg)],
+    );
+    let devs = d.get("/v1/devices");
+    assert_eq!(devs["devices"].as_array().unwrap().len(), 8, "{devs}");
+
+    // Two GPU containers at once: each sees exactly the two GPUs its task holds.
+    let gate = rootfs.join("tmp/gate");
+    let probe = format!("{}; while [ ! -e /tmp/gate ]; do sleep 0.05; done", probe_script("true"));
+    let a = d.submit(&job(&probe, &rootfs, "gpus: 2\nenv: {MY_VAR: from-manifest}\n"));
+    let b = d.submit(&job(&probe, &rootfs, "gpus: 2\n"));
+    for id in [a, b] {
+        d.wait_state(id, &["running"]);
+        d.wait_log(id, "== extra");
+    }
+    std::fs::write(&gate, "").unwrap();
+    let mut held = Vec::new();
+    for id in [a, b] {
+        let j = d.wait_state(id, &["succeeded", "failed"]);
+        assert_eq!(j["state"], "succeeded", "{j}\n{}", logs(&d, id));
+        let gpus: Vec<u32> = j["tasks"][0]["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(gpus.len(), 2);
+        let v = ContainerView::parse(&logs(&d, id));
+        assert_eq!(v.accel_nodes(), gpu_nodes(&gpus), "job {id} sees exactly its GPUs");
+        let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        assert_eq!(v.env["NVIDIA_VISIBLE_DEVICES"], list.join(","));
+        assert_eq!(v.env["XPU_JOB_ID"], id.to_string());
+        assert!(!v.env.contains_key("CUDA_VISIBLE_DEVICES"), "no host indices inside");
+        held.extend(gpus);
+    }
+    held.sort_unstable();
+    held.dedup();
+    assert_eq!(held.len(), 4, "the two containers held different GPUs");
+    let first = ContainerView::parse(&logs(&d, a));
+    assert_eq!(first.env["MY_VAR"], "from-manifest");
+    assert!(host.log().contains("nvidia.com/gpu="), "the shim injected them: {}", host.log());
+
+    // Exit status and restartPolicy: Never, backoffLimit 1 → two attempts, then failed.
+    let id =
+        d.submit(&job("echo failing; exit 3", &rootfs, "restartPolicy: Never\nbackoffLimit: 1\n"));
+    let j = d.wait_state(id, &["succeeded", "failed"]);
+    assert_eq!(j["state"], "failed", "{j}");
+    let tasks = j["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), 2);
+    assert!(tasks.iter().all(|t| t["exit_code"] == 3), "{j}");
+    assert!(j["message"].as_str().unwrap().contains("BackoffLimitExceeded"));
+    assert_eq!(logs(&d, id), "failing\n");
+
+    // Cancel: SIGTERM reaches the container's init through runc; it exits on its own.
+    let id = d.submit(&job(
+        "trap 'echo got TERM; exit 143' TERM; echo ready; while :; do sleep 1 & wait $!; done",
+        &rootfs,
+        "gpus: 1\n",
+    ));
+    d.wait_log(id, "ready");
+    let out = d.cli(&["cancel", &id.to_string()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let t = d.wait_for("the cancelled container's end", || {
+        let j = d.get(&format!("/v1/jobs/{id}"));
+        (j["tasks"][0]["state"] == "cancelled").then(|| j["tasks"][0].clone())
+    });
+    assert_eq!(t["exit_code"], 143, "{t}");
+    assert_eq!(logs(&d, id), "ready\ngot TERM\n");
+
+    // Deadline: the container's init ignores SIGTERM (PID 1 without a handler), so after the
+    // grace period `runc kill` ends it.
+    let id = d.submit(&job("echo sleeping; sleep 300", &rootfs, "activeDeadlineSeconds: 1\n"));
+    let j = d.wait_state(id, &["failed"]);
+    assert!(j["message"].as_str().unwrap().contains("DeadlineExceeded"), "{j}");
+    let t = d.wait_for("the killed container's end", || {
+        let j = d.get(&format!("/v1/jobs/{id}"));
+        (j["tasks"][0]["state"] == "failed").then(|| j["tasks"][0].clone())
+    });
+    assert_eq!(t["exit_code"], 137, "{t}");
+
+    // A bundle brings its own command.
+    let own =
+        Bundle::busybox_in(&tmp.path().join("bundle"), "echo from the bundle $XPU_TASK_INDEX");
+    let id = d.submit(&format!("bundle: {}\n", own.dir().display()));
+    let j = d.wait_state(id, &["succeeded", "failed"]);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    assert_eq!(logs(&d, id), "from the bundle 0\n");
+
+    // Nothing is left in runc's state: every container was deleted when it ended.
+    d.wait_for("runc's state to be empty", || containers(&data).is_empty().then_some(()));
+
+    // A rootfs that is not there is refused at submit, naming the field.
+    let r = d
+        .client()
+        .request(
+            "POST",
+            "/v1/jobs",
+            Some(b"command: [\"true\"]\nrootfs: /nonexistent/rootfs\n"),
+            &[],
+        )
+        .unwrap();
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json().unwrap()["error"],
+        "rootfs: /nonexistent/rootfs is not a directory on the daemon's host"
+    );
+}
