@@ -677,7 +677,7 @@ impl Engine {
                 {
                     t.pid = Some(pid);
                     if j.ending.is_some() {
-                        executor::signal_group(pid, Sig::TERM);
+                        executor::signal_task(pid, Sig::TERM);
                         t.kill_at = Some(Instant::now() + self.shared.grace);
                     }
                 }
@@ -714,7 +714,7 @@ impl Engine {
         let failures = job.failures;
         for t in &mut job.tasks {
             if let Some(p) = t.pid {
-                executor::signal_group(p, Sig::TERM);
+                executor::signal_task(p, Sig::TERM);
             }
             t.kill_at = Some(Instant::now() + grace);
         }

@@ -4,10 +4,12 @@
 //! The task's program runs under a small `/bin/sh` supervisor that is the process group leader.
 //! It writes its pid to `pid` at start and the program's exit status to `exit` when it ends, so
 //! a task outlives a daemon crash and the restarted daemon can re-adopt it (the pid is alive and
-//! its command line names the task directory) and still learn its exit status. The supervisor
-//! forwards SIGTERM to the program, so cancellation is SIGTERM to the whole group, then SIGKILL
-//! after a grace period. A containerised task's program is `xpu runtime ... run` (see
-//! [`crate::container`]), which the supervisor treats like any other.
+//! its command line names the task directory) and still learn its exit status. Cancellation is
+//! SIGTERM to the supervisor, which passes it on to its whole process group (the program and
+//! whatever it started), each process getting it exactly once, then SIGKILL to the group after a
+//! grace period. A containerised task's program is `xpu runtime ... run` (see
+//! [`crate::container`]), which the supervisor treats like any other: runc, in the group, gets
+//! the one SIGTERM and passes it to the container's init.
 //!
 //! This module only starts, signals and watches processes; the scheduling loop decides.
 
@@ -21,14 +23,15 @@ use rustix::process::{Pid, Signal};
 /// The supervisor script. `$1` is the task directory; the rest is the program's argv.
 ///
 /// Traps are set before anything else (and before the `pid` file exists, which is what callers
-/// wait for), so a SIGTERM that arrives while it starts is remembered rather than fatal. A
-/// signal is passed on only once the program's process has reset its signal handlers (it
-/// creates `started` right before `exec`): until then it still runs the shell's handlers it was
-/// forked with, and a signal landing there (the whole group is signalled at once, and on a
-/// loaded machine the fork may not have run yet) would be swallowed, leaving the program to run
-/// to the end. The trap only records the signal; the loop forwards it when `wait` returns.
+/// wait for), so a SIGTERM that arrives while it starts is remembered rather than fatal. The
+/// trap only records the signal; the loop passes it on when `wait` returns, to the whole group
+/// at once (`kill 0`), after ignoring it itself, so every process gets it exactly once. It does
+/// so only once the program's process has reset its signal handlers (it creates `started` right
+/// before `exec`): until then that process still runs the shell's handlers it was forked with,
+/// and a signal landing there (on a loaded machine the fork may not even have run yet) would be
+/// swallowed, leaving the program to run to the end.
 const SUPERVISOR: &str = r#"d=$1; shift
-c=; t=; f=
+c=; t=
 trap 't=TERM' TERM
 trap 't=INT' INT
 rm -f "$d/started"
@@ -36,9 +39,10 @@ echo $$ > "$d/pid"
 { : > "$d/started"; exec "$@"; } &
 c=$!
 while :; do
-  if [ -n "$t" ] && [ "$t" != "$f" ]; then
+  if [ -n "$t" ]; then
     while [ ! -e "$d/started" ] && kill -0 $c 2>/dev/null; do sleep 0.01 2>/dev/null; done
-    kill -$t $c 2>/dev/null; f=$t
+    trap '' TERM INT
+    kill -$t 0 2>/dev/null; t=
   fi
   wait $c; rc=$?
   kill -0 $c 2>/dev/null || break
@@ -193,6 +197,17 @@ fn finish_spawn(
     Ok(Spawned { pid, child })
 }
 
+/// Asks the task to stop: `sig` (SIGTERM) to its supervisor, which passes it to everything in
+/// the task exactly once. Pids 0 and 1 are refused.
+pub fn signal_task(pid: i32, sig: Signal) {
+    if pid <= 1 {
+        return;
+    }
+    if let Some(pid) = Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process(pid, sig);
+    }
+}
+
 /// Sends `sig` to the task's process group; a group that is already gone is not an error.
 /// Pids 0 and 1 are refused: `kill(-1)` would signal every process on the host.
 pub fn signal_group(pid: i32, sig: Signal) {
@@ -278,7 +293,7 @@ mod tests {
         // however early it comes, even before the program has started.
         until("the pid file", || recorded_pid(&l.dir).is_some()).await;
         assert!(is_our_supervisor(s.pid, &l.dir));
-        signal_group(s.pid, Signal::TERM);
+        signal_task(s.pid, Signal::TERM);
         let status = tokio::time::timeout(Duration::from_secs(60), s.child.wait())
             .await
             .expect("SIGTERM did not end the task")
@@ -286,6 +301,32 @@ mod tests {
         assert_eq!(status.code(), Some(143));
         assert_eq!(recorded_exit(&l.dir), Some(143));
         assert!(!is_our_supervisor(s.pid, &l.dir));
+    }
+
+    #[tokio::test]
+    async fn sigterm_reaches_every_process_of_the_task_once() {
+        // The program and a child it started each count the SIGTERMs they get.
+        let tmp = tempfile::tempdir().unwrap();
+        let script = "trap 'echo parent >> n; exit 143' TERM; \
+                      sh -c 'trap \"echo child >> n; exit 0\" TERM; echo > ready; while :; do sleep 1 & wait $!; done' & \
+                      while :; do sleep 1 & wait $!; done";
+        let l = launch(tmp.path().join("t"), &["sh", "-c", script]);
+        let mut s = spawn(&l).unwrap();
+        until("the child to start", || l.dir.join("ready").exists()).await;
+        signal_task(s.pid, Signal::TERM);
+        let status = tokio::time::timeout(Duration::from_secs(60), s.child.wait())
+            .await
+            .expect("SIGTERM did not end the task")
+            .unwrap();
+        assert_eq!(status.code(), Some(143));
+        until("the child's line", || {
+            std::fs::read_to_string(l.dir.join("n")).is_ok_and(|n| n.contains("child"))
+        })
+        .await;
+        let mut got: Vec<String> =
+            std::fs::read_to_string(l.dir.join("n")).unwrap().lines().map(str::to_owned).collect();
+        got.sort();
+        assert_eq!(got, ["child", "parent"], "each process got SIGTERM once");
     }
 
     #[tokio::test]
@@ -302,7 +343,7 @@ mod tests {
         for (i, l, s) in &tasks {
             until("the pid file", || recorded_pid(&l.dir).is_some()).await;
             tokio::time::sleep(Duration::from_micros(300 * i)).await;
-            signal_group(s.pid, Signal::TERM);
+            signal_task(s.pid, Signal::TERM);
         }
         for (_, l, mut s) in tasks {
             let status = tokio::time::timeout(Duration::from_secs(60), s.child.wait())

@@ -124,6 +124,7 @@ fn suite(d: &Daemon, scratch: &std::path::Path) {
     gpu_env_and_queueing(d, scratch);
     shared_gpus(d, scratch);
     priority_and_fair_share(d, scratch);
+    completions_beyond_parallelism(d, scratch);
     cancel(d);
     deadline(d);
     bad_manifests(d);
@@ -250,14 +251,15 @@ fn shared_gpus(d: &Daemon, scratch: &std::path::Path) {
     let marks = scratch.join("share-marks");
     std::fs::create_dir_all(&marks).unwrap();
     let half = format!(
-        "echo $CUDA_VISIBLE_DEVICES $XPU_GPU_MILLI > {}/$XPU_JOB_ID; {}",
+        "cd {}; echo $CUDA_VISIBLE_DEVICES $XPU_GPU_MILLI > .$XPU_JOB_ID; mv .$XPU_JOB_ID $XPU_JOB_ID; {}",
         marks.display(),
         wait_gate(&gate)
     );
     let s1 = d.submit(&short(&half, "gpuMilli: 500\n"));
     let s2 = d.submit(&short(&half, "gpuMilli: 500\n"));
     let s3 = d.submit(&short(&half, "gpuMilli: 500\n"));
-    // Both halves are running at once: each has written its mark while the gate is closed.
+    // Both halves are running at once: each has written its mark while the gate is closed
+    // (renamed into place, so a mark that exists is complete).
     for id in [s1, s2] {
         d.wait_for(&format!("job {id} running on its share"), || {
             marks.join(id.to_string()).exists().then_some(())
@@ -334,6 +336,28 @@ fn priority_and_fair_share(d: &Daemon, scratch: &std::path::Path) {
     for id in [hold, a_high, b, a_low] {
         assert_eq!(d.wait_state(id, &["succeeded", "failed"])["state"], "succeeded");
     }
+}
+
+fn completions_beyond_parallelism(d: &Daemon, scratch: &std::path::Path) {
+    // Five Indexed completions, two at a time: each slot is placed again for the next index,
+    // every index runs once, and never more than two run at once.
+    let dir = scratch.join("slots");
+    std::fs::create_dir_all(dir.join("running")).unwrap();
+    let cmd = format!(
+        "cd {}; touch running/$JOB_COMPLETION_INDEX; echo $JOB_COMPLETION_INDEX $(ls running | wc -l) >> seen; sleep 0.2; rm running/$JOB_COMPLETION_INDEX",
+        dir.display()
+    );
+    let id = d.submit(&short(&cmd, "completions: 5\nparallelism: 2\nindexed: true\n"));
+    let j = d.wait_state(id, &["succeeded", "failed"]);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    let seen = std::fs::read_to_string(dir.join("seen")).unwrap();
+    let mut idx: Vec<u32> =
+        seen.lines().map(|l| l.split(' ').next().unwrap().parse().unwrap()).collect();
+    idx.sort_unstable();
+    assert_eq!(idx, vec![0, 1, 2, 3, 4], "{seen}");
+    let most = seen.lines().map(|l| l.split(' ').nth(1).unwrap().parse::<u32>().unwrap()).max();
+    assert!(most <= Some(2), "parallelism 2 exceeded: {seen}");
+    assert_eq!(j["tasks"].as_array().unwrap().len(), 5);
 }
 
 fn cancel(d: &Daemon) {

@@ -144,13 +144,27 @@ fn kill9_during_2000_submissions_loses_and_duplicates_nothing() {
     let names: HashSet<_> = seen.keys().collect();
     assert_eq!(names.len(), JOBS);
 
+    // The re-adopted task still holds the only GPU in the scheduler's books: none of the
+    // 2,000 GPU jobs started on it, and the device shows its holder.
+    let running = d.get("/v1/jobs?state=running&limit=1000");
+    let ids: HashSet<i64> =
+        running["jobs"].as_array().unwrap().iter().map(|j| j["id"].as_i64().unwrap()).collect();
+    assert!(ids.iter().all(|id| *id == blocker || *id == lost), "{running}");
+    // (The loop publishes its view once it has re-read the store, a moment after the API
+    // answers.)
+    d.wait_for("the GPU's holder to be the re-adopted task", || {
+        (d.get("/v1/devices")["devices"][0]["holder"]["job"] == blocker).then_some(())
+    });
+
     // The running task was re-adopted: same pid, still running, and an event says so.
     let b = d.get(&format!("/v1/jobs/{blocker}"));
     assert_eq!(b["state"], "running", "{b}");
     assert_eq!(b["tasks"].as_array().unwrap().len(), 1);
     assert_eq!(b["tasks"][0]["pid"].as_i64(), Some(blocker_pid));
-    let ev = d.get(&format!("/v1/events?job={blocker}"));
-    assert!(ev["events"].as_array().unwrap().iter().any(|e| e["kind"] == "adopted"), "{ev}");
+    d.wait_for("the adopted event", || {
+        let ev = d.get(&format!("/v1/events?job={blocker}"));
+        ev["events"].as_array()?.iter().any(|e| e["kind"] == "adopted").then_some(())
+    });
 
     // The dead one was failed (no exit status) and restarted per OnFailure.
     d.wait_state(lost, &["running", "failed"]);
@@ -215,22 +229,22 @@ fn postgres_leader_killed_second_daemon_takes_over() {
     eprintln!("takeover and run after leader kill: {took:?}");
     assert_eq!(j2["tasks"][0]["node"], "node-b");
     assert_eq!(b.get("/v1/status")["leader"], true);
-    let ev = b.get("/v1/events?limit=1000");
-    assert!(
-        ev["events"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|e| e["kind"] == "leader" && e["message"].as_str().unwrap().contains("node-b")),
-        "{ev}"
-    );
+    b.wait_for("node-b's leader event", || {
+        let ev = b.get("/v1/events?limit=1000");
+        let mine = |e: &serde_json::Value| {
+            e["kind"] == "leader" && e["message"].as_str().is_some_and(|m| m.contains("node-b"))
+        };
+        ev["events"].as_array()?.iter().any(mine).then_some(())
+    });
     // The task that ran under the dead leader is accounted for: re-adopted (same machine) or
     // failed and retried on the new leader.
-    let l = b.get(&format!("/v1/jobs/{long}"));
-    let tasks = l["tasks"].as_array().unwrap();
-    let adopted = tasks.len() == 1 && tasks[0]["state"] == "running";
-    let retried = tasks.len() == 2 && tasks[1]["node"] == "node-b";
-    assert!(adopted || retried, "{l}");
+    b.wait_for("the dead leader's task to be re-adopted or retried", || {
+        let l = b.get(&format!("/v1/jobs/{long}"));
+        let tasks = l["tasks"].as_array()?;
+        let adopted = tasks.len() == 1 && tasks[0]["state"] == "running";
+        let retried = tasks.len() == 2 && tasks[1]["node"] == "node-b";
+        (adopted || retried).then_some(())
+    });
     b.client().request("POST", &format!("/v1/jobs/{long}/cancel"), None, &[]).unwrap();
     b.wait_state(long, &["cancelled"]);
     kill_tasks(&dir.path().join("a"));
