@@ -57,11 +57,18 @@ impl CdiKind {
 
     /// The kind a device is published under, if any.
     pub fn of(d: &PciDevice) -> Option<CdiKind> {
-        match (d.kind, d.vendor_id) {
-            (DeviceKind::Gpu, Some(VENDOR_NVIDIA)) => Some(CdiKind::NvidiaGpu),
-            (DeviceKind::Gpu, Some(VENDOR_AMD)) => Some(CdiKind::AmdGpu),
-            (DeviceKind::Tpu, Some(VENDOR_GOOGLE)) => Some(CdiKind::GoogleTpu),
-            _ => None,
+        Self::ALL.into_iter().find(|k| {
+            let (vendor, kind) = k.device();
+            d.kind == kind && d.vendor_id == Some(vendor)
+        })
+    }
+
+    /// The PCI vendor and device kind of this kind's devices.
+    pub fn device(self) -> (u16, DeviceKind) {
+        match self {
+            CdiKind::NvidiaGpu => (VENDOR_NVIDIA, DeviceKind::Gpu),
+            CdiKind::GoogleTpu => (VENDOR_GOOGLE, DeviceKind::Tpu),
+            CdiKind::AmdGpu => (VENDOR_AMD, DeviceKind::Gpu),
         }
     }
 

@@ -131,8 +131,10 @@ impl RuntimeConfig {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        // One write, so that lines of concurrent containers do not interleave (`O_APPEND`).
+        let entry = format!("{secs} xpu[{}]: {line}\n", std::process::id());
         if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-            let _ = writeln!(f, "{secs} xpu[{}]: {line}", std::process::id());
+            let _ = f.write_all(entry.as_bytes());
         }
     }
 }

@@ -138,12 +138,8 @@ pub fn run(
     })?;
 
     let fs = Rootfs::open(&prepared.rootfs)?;
-    for n in &edits.nodes {
-        fs.check(&n.path)?;
-    }
-    for (_, dest) in &trees {
-        fs.check(dest)?;
-    }
+    let nodes = edits.nodes.iter().map(|n| n.path.as_str());
+    fs.check_all(nodes.chain(trees.iter().map(|(_, dest)| *dest)))?;
     for n in &edits.nodes {
         let ft = match n.node_type {
             NodeType::Char => FileType::CharacterDevice,

@@ -125,6 +125,57 @@ pub fn resolve(
     Ok(Request { check_require: !disable && sel.wants_nvidia_driver(inv), selection: sel, names })
 }
 
+/// An accelerator a request can name, as [`Host::inventory`](crate::shim::Host::inventory)
+/// takes it: its PCI vendor (any when `None`) and its kind.
+pub type Wanted = (Option<u16>, DeviceKind);
+
+/// The accelerators `env` and `annotations` can name, found before the host is read so that
+/// discovery reads only those: `NVIDIA_VISIBLE_DEVICES` and `nvidia.com/gpu` names want NVIDIA
+/// GPUs, `gpu:0` GPUs of any vendor, and so on. Per kind and vendor, [`resolve`] then sees the
+/// same devices in the same order as on a full inventory. `None` when an entry is not
+/// understood: the full read follows and [`resolve`] reports the entry.
+pub fn wanted(env: &Env, annotations: &BTreeMap<String, String>) -> Option<Vec<Wanted>> {
+    let cdi = |item: &str| -> Option<Option<Wanted>> {
+        let name: QualifiedName = item.parse().ok()?;
+        Some(CdiKind::from_kind(&name.kind).map(|k| {
+            let (vendor, kind) = k.device();
+            (Some(vendor), kind)
+        }))
+    };
+    let items = |v: &str| -> Vec<String> {
+        v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect()
+    };
+    let mut out = Vec::new();
+    if let Some(v) = env.get(NVIDIA_VISIBLE_DEVICES)
+        && !matches!(v.trim(), "" | "void" | "none")
+    {
+        let (vendor, kind) = CdiKind::NvidiaGpu.device();
+        out.push((Some(vendor), kind));
+    }
+    if let Some(v) = env.get(XPU_VISIBLE_DEVICES)
+        && !matches!(v.trim(), "" | "void")
+    {
+        for item in items(v) {
+            if item.contains('=') {
+                // An unknown CDI kind is an error for XPU_VISIBLE_DEVICES.
+                out.push(cdi(&item)??);
+            } else {
+                let (kind, _) = item.split_once(':')?;
+                out.push((None, kind.parse().ok()?));
+            }
+        }
+    }
+    for (_, v) in annotations.iter().filter(|(k, _)| k.starts_with(CDI_ANNOTATION_PREFIX)) {
+        for item in items(v) {
+            // Other vendors' kinds are the engine's business.
+            out.extend(cdi(&item)?);
+        }
+    }
+    out.sort();
+    out.dedup();
+    Some(out)
+}
+
 fn parse_bool(v: &str) -> Option<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Some(true),
@@ -323,6 +374,56 @@ mod tests {
         assert_eq!(parse_bus_id("GPU-1"), None);
         assert!(is_mig_index("0:1"));
         assert!(!is_mig_index("25:00.0"));
+    }
+
+    /// The shim reads only what [`wanted`] names; every request must resolve (or fail) on that
+    /// narrow inventory exactly as on the full one.
+    #[test]
+    fn narrow_inventory_resolves_like_the_full_one() {
+        let requests: &[(&str, &str)] = &[
+            (NVIDIA_VISIBLE_DEVICES, "1,3"),
+            (NVIDIA_VISIBLE_DEVICES, "all"),
+            (NVIDIA_VISIBLE_DEVICES, "none"),
+            (NVIDIA_VISIBLE_DEVICES, "9"),
+            (NVIDIA_VISIBLE_DEVICES, "0000:4d:00.0,GPU-nope"),
+            (NVIDIA_VISIBLE_DEVICES, "MIG-1"),
+            (XPU_VISIBLE_DEVICES, "gpu:0,gpu:1"),
+            (XPU_VISIBLE_DEVICES, "gpu:all"),
+            (XPU_VISIBLE_DEVICES, "tpu:3"),
+            (XPU_VISIBLE_DEVICES, "nvswitch:0"),
+            (XPU_VISIBLE_DEVICES, "google.com/tpu=all,amd.com/gpu=1"),
+            (XPU_VISIBLE_DEVICES, "nvidia.com/gpu=0"),
+            (XPU_VISIBLE_DEVICES, "intel.com/gpu=0"),
+            (XPU_VISIBLE_DEVICES, "fpga:0"),
+            (XPU_VISIBLE_DEVICES, "junk"),
+            ("cdi.k8s.io/x", "nvidia.com/gpu=2,vendor.com/nic=1"),
+            ("cdi.k8s.io/y", "amd.com/gpu=all"),
+            ("cdi.k8s.io/z", "not a name"),
+        ];
+        let caps = Capabilities::parse("utility,compute").unwrap();
+        for spec in xpu_testkit::hosts::all() {
+            let f = spec.build();
+            let root = xpu_host::Root::new(f.root()).unwrap();
+            let full = xpu_host::discover(&root, &xpu_host::DiscoverOptions::default()).unwrap();
+            for &(var, value) in requests {
+                let (mut env, mut ann) = (Env::default(), BTreeMap::new());
+                if var.starts_with(CDI_ANNOTATION_PREFIX) {
+                    ann.insert(var.to_owned(), value.to_owned());
+                } else {
+                    env = Env::from_entries([format!("{var}={value}").as_str()]);
+                }
+                let only = wanted(&env, &ann);
+                let narrow = xpu_host::discover_nodes(&root, only.as_deref()).unwrap();
+                let view = |inv: &Inventory| {
+                    resolve(&env, &ann, inv, caps).map(|r| {
+                        let addrs: Vec<_> =
+                            r.selection.devices.iter().map(|&i| inv.devices[i].address).collect();
+                        (addrs, r.names, r.selection.nvidia_driver, r.check_require)
+                    })
+                };
+                assert_eq!(view(&narrow), view(&full), "{} {var}={value}", spec.name);
+            }
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 
-use xpu_core::driver::DriverFiles;
+use xpu_core::driver::{Capabilities, DriverFiles};
 use xpu_core::{Inventory, PciDevice};
 
 use crate::cdi::CdiKind;
@@ -24,7 +24,9 @@ use crate::config::{ConfigError, RuntimeConfig};
 use crate::edits::{self, EditError, Edits};
 use crate::nvml::{Nvml, Version};
 use crate::oci::{Spec, SpecError};
-use crate::request::{self, CDI_ANNOTATION_PREFIX, NVIDIA_VISIBLE_DEVICES, Request, RequestError};
+use crate::request::{
+    self, CDI_ANNOTATION_PREFIX, NVIDIA_VISIBLE_DEVICES, Request, RequestError, Wanted,
+};
 use crate::require::{self, RequireError};
 use crate::rootfs::{Rootfs, RootfsError};
 
@@ -33,10 +35,13 @@ pub const XPU_DEVICES: &str = "XPU_DEVICES";
 
 /// The host as the shim sees it; the binary implements it with `xpu-host`.
 pub trait Host {
-    /// The accelerators and their nodes.
-    fn inventory(&self) -> Result<Inventory, String>;
-    /// NVIDIA's driver files; called only when a container needs them.
-    fn driver_files(&self, inv: &Inventory) -> DriverFiles;
+    /// The accelerators matching one of `only` (all of them when `None`) with their device
+    /// nodes, driver and UUID, and the host's control nodes and NVIDIA driver version: what
+    /// [`request::wanted`] says the container can name. The shim runs on every container start,
+    /// so it reads no more than that (`xpu_host::discover_nodes`).
+    fn inventory(&self, only: Option<&[Wanted]>) -> Result<Inventory, String>;
+    /// NVIDIA's driver files for `caps`; called only when a container needs them.
+    fn driver_files(&self, inv: &Inventory, caps: Capabilities) -> DriverFiles;
 }
 
 /// Why a container cannot be prepared.
@@ -136,13 +141,14 @@ pub fn prepare(
     }
     let env = spec.env()?;
     let annotations = spec.annotations()?;
-    let inv = host.inventory().map_err(ShimError::Host)?;
+    let only = request::wanted(&env, &annotations);
+    let inv = host.inventory(only.as_deref()).map_err(ShimError::Host)?;
     let req = request::resolve(&env, &annotations, &inv, cfg.default_capabilities)?;
     if req.selection.is_empty() {
         return Ok(None);
     }
     let wants_driver = req.selection.wants_nvidia_driver(&inv);
-    let files = wants_driver.then(|| host.driver_files(&inv));
+    let files = wants_driver.then(|| host.driver_files(&inv, req.selection.capabilities));
     if req.check_require {
         let gpus: Vec<&PciDevice> = req
             .selection
@@ -164,12 +170,8 @@ pub fn prepare(
     }
     let rootfs = spec.rootfs(bundle)?;
     let fs = Rootfs::open(&rootfs)?;
-    for n in &edits.nodes {
-        fs.check(&n.path)?;
-    }
-    for m in &edits.mounts {
-        fs.check(&m.destination)?;
-    }
+    let nodes = edits.nodes.iter().map(|n| n.path.as_str());
+    fs.check_all(nodes.chain(edits.mounts.iter().map(|m| m.destination.as_str())))?;
     Ok(Some(Prepared { spec, request: req, edits, rootfs }))
 }
 
@@ -265,8 +267,13 @@ pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
         runtime: cfg.runtime.clone(),
         config: config.clone(),
     })?;
-    let me = std::fs::canonicalize("/proc/self/exe").ok();
-    if me.is_some() && std::fs::canonicalize(&path).ok() == me {
+    // The same file, by device and inode (a symlink or hard link to this binary too).
+    let id = |m: std::fs::Metadata| {
+        use std::os::unix::fs::MetadataExt;
+        (m.dev(), m.ino())
+    };
+    let me = std::fs::metadata("/proc/self/exe").ok().map(id);
+    if me.is_some() && std::fs::metadata(&path).ok().map(id) == me {
         return Err(ShimError::RuntimeIsShim { path, config });
     }
     Ok(path)

@@ -13,9 +13,20 @@
 //! Cost is kept low for the default view: the cheap attributes (ids, class, IOMMU group) are read
 //! for every function to find the accelerators and their group peers, and the rest only for the
 //! functions that will be shown.
+//!
+//! [`discover_nodes`] is the narrow read for callers that only hand devices over (the container
+//! runtime shim and hook, which run on every container start): the accelerators of the kinds
+//! asked for, each with its driver, IOMMU group, UUID and device nodes, and of the host only the
+//! NVIDIA driver version and the control nodes. A function of another vendor costs one read of
+//! its `vendor` attribute; kernel modules, names, `/proc/cpuinfo` and the rest are not read.
 
 use std::collections::{BTreeSet, HashSet};
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, Mode, OFlags};
+use rustix::io::Errno;
 
 use xpu_core::accel::{self, DeviceKind, VENDOR_AMD, VENDOR_NVIDIA};
 use xpu_core::inventory::{HostInfo, Inventory, Link, PciDevice, SriovType};
@@ -44,6 +55,18 @@ pub struct DiscoverOptions {
     pub skip_names: bool,
 }
 
+/// An accelerator a narrow read wants: its PCI vendor (any when `None`) and its kind.
+pub type Wanted = (Option<u16>, DeviceKind);
+
+/// How much of each kept function, and of the host, to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Detail {
+    /// Everything `xpu discover` shows.
+    Full,
+    /// What handing the device to a container needs: driver, IOMMU group, UUID, device nodes.
+    Nodes,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoverError {
     #[error(transparent)]
@@ -65,6 +88,31 @@ pub const CONTROL_NODES: [&str; 6] = [
 
 /// Reads the host under `root`.
 pub fn discover(root: &Root, opts: &DiscoverOptions) -> Result<Inventory, DiscoverError> {
+    read(root, opts, None, Detail::Full)
+}
+
+/// The narrow read (see the module documentation): the accelerators matching one of `only`
+/// (every accelerator when `None`; none when empty, for a caller that needs only the host's
+/// control nodes), in address order. Within a kind and vendor the devices and their order are
+/// those [`discover`] finds, so per-kind indices agree. Group peers are not included; of
+/// [`HostInfo`] only `nvidia_driver_version` and `control_nodes` are filled in, and fields the
+/// read skips (ids of the subsystem, NUMA node, SR-IOV, link, kernel modules, names) are `null`.
+pub fn discover_nodes(root: &Root, only: Option<&[Wanted]>) -> Result<Inventory, DiscoverError> {
+    let accelerators = [
+        (None, DeviceKind::Gpu),
+        (None, DeviceKind::Tpu),
+        (None, DeviceKind::Npu),
+        (None, DeviceKind::Nvswitch),
+    ];
+    read(root, &DiscoverOptions::default(), Some(only.unwrap_or(&accelerators)), Detail::Nodes)
+}
+
+fn read(
+    root: &Root,
+    opts: &DiscoverOptions,
+    only: Option<&[Wanted]>,
+    detail: Detail,
+) -> Result<Inventory, DiscoverError> {
     if !root.is_host() {
         // Re-validate: a root can vanish between parsing and use.
         Root::new(root.base())?;
@@ -78,7 +126,9 @@ pub fn discover(root: &Root, opts: &DiscoverOptions) -> Result<Inventory, Discov
                 let name = entry.file_name();
                 let name = name.to_string_lossy();
                 match name.parse::<PciAddress>() {
-                    Ok(addr) => devices.push(read_basic(&dir.join(&*name), addr, &mut w, root)),
+                    Ok(addr) => {
+                        devices.extend(read_basic(dir.join(&*name), addr, &mut w, root, only));
+                    }
                     Err(_) => {
                         w.push(format!("{}/{name}: not a PCI address; ignored", root.display(&dir)))
                     }
@@ -90,6 +140,8 @@ pub fn discover(root: &Root, opts: &DiscoverOptions) -> Result<Inventory, Discov
     devices.sort_by_key(|d| d.address);
 
     let keep: Vec<bool> = match opts.scope {
+        // A narrow read kept only what it wants.
+        _ if only.is_some() => vec![true; devices.len()],
         Scope::All => vec![true; devices.len()],
         Scope::Accelerators => {
             let groups: BTreeSet<u32> = devices
@@ -108,8 +160,9 @@ pub fn discover(root: &Root, opts: &DiscoverOptions) -> Result<Inventory, Discov
     let mut keep = keep.into_iter();
     devices.retain(|_| keep.next().unwrap_or(false));
 
-    let host = read_host(root, &mut w);
-    let aliases = host.kernel_release.as_deref().and_then(|rel| {
+    let host = read_host(root, detail, &mut w);
+    let release = host.kernel_release.as_deref().filter(|_| detail == Detail::Full);
+    let aliases = release.and_then(|rel| {
         let path = modalias::find(root, rel)?;
         match ModuleAliases::load(&path) {
             Ok(a) => Some(a),
@@ -120,10 +173,10 @@ pub fn discover(root: &Root, opts: &DiscoverOptions) -> Result<Inventory, Discov
         }
     });
     for d in &mut devices {
-        let path = dir.join(d.address.to_string());
-        read_details(root, &path, d, aliases.as_ref(), &mut w);
+        let dev = Dev::open(dir.join(d.address.to_string()));
+        read_details(root, &dev, d, aliases.as_ref(), detail, &mut w);
     }
-    if !opts.skip_names && !devices.is_empty() {
+    if detail == Detail::Full && !opts.skip_names && !devices.is_empty() {
         add_names(root, opts, &mut devices, &mut w);
     }
     assign_interconnect_domains(&mut devices);
@@ -148,17 +201,101 @@ enum Attr {
 }
 
 fn read_attr(path: &Path) -> Attr {
-    match std::fs::read(path) {
+    match read_small(path) {
         Ok(bytes) => Attr::Value(String::from_utf8_lossy(&bytes).trim().to_owned()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Attr::Missing,
         Err(e) => Attr::Unreadable(e),
     }
 }
 
+/// A small file's content, read to its end. Unlike `std::fs::read` it does not `stat` the file
+/// for a size hint: sysfs reports 4096 bytes for every attribute, and the `stat` is a fifth of
+/// the system calls of a discovery.
+fn read_small(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut buf = [0u8; 1024];
+    let mut out = Vec::new();
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => return Ok(out),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A function's sysfs directory: its path (for messages and directory listings) and, when it
+/// opens, a descriptor its attributes are opened from, so that the kernel walks the long path
+/// under the root (and the `devices/<address>` symlink) once per function instead of once per
+/// attribute.
+struct Dev {
+    path: PathBuf,
+    fd: Option<OwnedFd>,
+}
+
+impl Dev {
+    fn open(path: PathBuf) -> Dev {
+        let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let fd = rustix::fs::open(&path, flags, Mode::empty()).ok();
+        Dev { path, fd }
+    }
+
+    fn join(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+
+    /// Attribute `name`, as [`read_attr`] reads it.
+    fn attr(&self, name: &str) -> Attr {
+        let Some(fd) = &self.fd else { return read_attr(&self.join(name)) };
+        let bytes = rustix::fs::openat(fd, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+            .and_then(|f| {
+                let mut buf = [0u8; 1024];
+                let mut out = Vec::new();
+                loop {
+                    match rustix::io::read(&f, &mut buf) {
+                        Ok(0) => return Ok(out),
+                        Ok(n) => out.extend_from_slice(&buf[..n]),
+                        Err(Errno::INTR) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            });
+        match bytes {
+            Ok(bytes) => Attr::Value(String::from_utf8_lossy(&bytes).trim().to_owned()),
+            Err(Errno::NOENT) => Attr::Missing,
+            Err(e) => Attr::Unreadable(std::io::Error::from_raw_os_error(e.raw_os_error())),
+        }
+    }
+
+    /// The target of link `name`.
+    fn read_link(&self, name: &str) -> Option<PathBuf> {
+        match &self.fd {
+            Some(fd) => rustix::fs::readlinkat(fd, name, Vec::new())
+                .ok()
+                .map(|t| PathBuf::from(std::ffi::OsString::from_vec(t.into_bytes()))),
+            None => std::fs::read_link(self.join(name)).ok(),
+        }
+    }
+
+    /// Whether `name` exists; `follow`: and, when it is a link, its target does too.
+    fn exists(&self, name: &str, follow: bool) -> bool {
+        match &self.fd {
+            Some(fd) => {
+                let flags = if follow { AtFlags::empty() } else { AtFlags::SYMLINK_NOFOLLOW };
+                rustix::fs::statat(fd, name, flags).is_ok()
+            }
+            None if follow => std::fs::metadata(self.join(name)).is_ok(),
+            None => std::fs::symlink_metadata(self.join(name)).is_ok(),
+        }
+    }
+}
+
 /// A hex attribute (`0x10de`). `required` attributes warn when missing; all warn when garbled.
-fn hex_attr(root: &Root, dev: &Path, name: &str, required: bool, w: &mut Warnings) -> Option<u32> {
+fn hex_attr(root: &Root, dev: &Dev, name: &str, required: bool, w: &mut Warnings) -> Option<u32> {
     let path = dev.join(name);
-    match read_attr(&path) {
+    match dev.attr(name) {
         Attr::Value(s) => {
             let v = parse_sysfs_hex(&s);
             if v.is_none() {
@@ -184,12 +321,12 @@ fn hex_attr(root: &Root, dev: &Path, name: &str, required: bool, w: &mut Warning
 /// A decimal attribute; garbage warns, a missing file is silent (optional by nature).
 fn dec_attr<T: std::str::FromStr>(
     root: &Root,
-    dev: &Path,
+    dev: &Dev,
     name: &str,
     w: &mut Warnings,
 ) -> Option<T> {
     let path = dev.join(name);
-    match read_attr(&path) {
+    match dev.attr(name) {
         Attr::Value(s) => {
             let v = s.parse().ok();
             if v.is_none() {
@@ -207,13 +344,12 @@ fn dec_attr<T: std::str::FromStr>(
 
 /// The last component of a sysfs link (`driver -> ../../bus/pci/drivers/nvidia`), when the link
 /// exists and its target does too. A dangling link warns.
-fn link_name(root: &Root, dev: &Path, name: &str, w: &mut Warnings) -> Option<String> {
-    let path = dev.join(name);
-    let target = std::fs::read_link(&path).ok()?;
-    if std::fs::metadata(&path).is_err() {
+fn link_name(root: &Root, dev: &Dev, name: &str, w: &mut Warnings) -> Option<String> {
+    let target = dev.read_link(name)?;
+    if !dev.exists(name, true) {
         w.push(format!(
             "{}: dangling link to {}; field left null",
-            root.display(&path),
+            root.display(&dev.join(name)),
             target.display()
         ));
         return None;
@@ -221,11 +357,27 @@ fn link_name(root: &Root, dev: &Path, name: &str, w: &mut Warnings) -> Option<St
     target.file_name().map(|n| n.to_string_lossy().into_owned())
 }
 
-/// Ids, class and IOMMU group: enough to classify and to find group peers.
-fn read_basic(dev: &Path, addr: PciAddress, w: &mut Warnings, root: &Root) -> PciDevice {
+/// Ids, class and IOMMU group: enough to classify and to find group peers. `None` when `only`
+/// does not want the function; the vendor is read first so that other vendors' functions cost
+/// one read.
+fn read_basic(
+    dev: PathBuf,
+    addr: PciAddress,
+    w: &mut Warnings,
+    root: &Root,
+    only: Option<&[Wanted]>,
+) -> Option<PciDevice> {
+    let dev = &Dev::open(dev);
     let mut d = PciDevice::new(addr);
     let id16 = |v: Option<u32>| v.and_then(|v| u16::try_from(v).ok());
     d.vendor_id = id16(hex_attr(root, dev, "vendor", true, w));
+    let vendor = d.vendor_id;
+    let vendor_ok = |(v, _): &Wanted| v.is_none() || *v == vendor;
+    if let Some(only) = only
+        && !only.iter().any(vendor_ok)
+    {
+        return None;
+    }
     d.device_id = id16(hex_attr(root, dev, "device", true, w));
     if let Some(class) = hex_attr(root, dev, "class", true, w)
         && class <= 0xff_ffff
@@ -233,25 +385,43 @@ fn read_basic(dev: &Path, addr: PciAddress, w: &mut Warnings, root: &Root) -> Pc
         d.class = Some((class >> 8) as u16);
         d.prog_if = Some((class & 0xff) as u8);
     }
+    d.kind = accel::classify(d.vendor_id, d.device_id, d.class_code());
+    if let Some(only) = only
+        && !only.iter().any(|want| vendor_ok(want) && want.1 == d.kind)
+    {
+        return None;
+    }
     d.iommu_group = link_name(root, dev, "iommu_group", w).and_then(|g| {
         let n = g.parse().ok();
         if n.is_none() {
-            w.push(format!("{}/iommu_group: group {g:?} is not a number", root.display(dev)));
+            w.push(format!("{}/iommu_group: group {g:?} is not a number", root.display(&dev.path)));
         }
         n
     });
-    d.kind = accel::classify(d.vendor_id, d.device_id, d.class_code());
-    d
+    Some(d)
 }
 
 /// Everything else, for the functions that will be shown.
 fn read_details(
     root: &Root,
-    dev: &Path,
+    dev: &Dev,
     d: &mut PciDevice,
     aliases: Option<&ModuleAliases>,
+    detail: Detail,
     w: &mut Warnings,
 ) {
+    if let (Some(v), Some(id)) = (d.vendor_id, d.device_id)
+        && let Some(a) = accel::lookup(v, id)
+    {
+        d.product = Some(a.product.to_owned());
+        d.generation = Some(a.generation.to_owned());
+    }
+    if detail == Detail::Nodes {
+        d.driver = link_name(root, dev, "driver", w);
+        read_dev_nodes(root, dev, d, w);
+        return;
+    }
+
     let id16 = |v: Option<u32>| v.and_then(|v| u16::try_from(v).ok());
     d.subsystem_vendor_id = id16(hex_attr(root, dev, "subsystem_vendor", true, w));
     d.subsystem_device_id = id16(hex_attr(root, dev, "subsystem_device", true, w));
@@ -260,16 +430,9 @@ fn read_details(
         .or_else(|| revision_from_config(dev));
     d.driver = link_name(root, dev, "driver", w);
 
-    if let (Some(v), Some(id)) = (d.vendor_id, d.device_id)
-        && let Some(a) = accel::lookup(v, id)
-    {
-        d.product = Some(a.product.to_owned());
-        d.generation = Some(a.generation.to_owned());
-    }
-
     if let Some(aliases) = aliases {
         let path = dev.join("modalias");
-        d.kernel_modules = match read_attr(&path) {
+        d.kernel_modules = match dev.attr("modalias") {
             Attr::Value(m) => Some(aliases.modules_for(&m)),
             Attr::Missing => None,
             Attr::Unreadable(e) => {
@@ -285,7 +448,7 @@ fn read_details(
     // that can create VFs (`sriov_totalvfs` > 0) is a PF; anything else is a plain PCI device.
     d.sriov.total_vfs = dec_attr(root, dev, "sriov_totalvfs", w);
     d.sriov.num_vfs = dec_attr(root, dev, "sriov_numvfs", w);
-    if std::fs::symlink_metadata(dev.join("physfn")).is_ok() {
+    if dev.exists("physfn", false) {
         d.sriov.kind = SriovType::Vf;
         d.sriov.physfn = link_name(root, dev, "physfn", w).and_then(|n| n.parse().ok());
     } else if d.sriov.total_vfs.is_some_and(|n| n > 0) {
@@ -300,21 +463,21 @@ fn read_details(
     };
 
     if d.vendor_id == Some(VENDOR_AMD) && d.kind == DeviceKind::Gpu {
-        d.interconnect_domain = xgmi_hive(dev);
+        d.interconnect_domain = xgmi_hive(&dev.path);
     }
     read_dev_nodes(root, dev, d, w);
 }
 
 /// Revision from config space byte 8, for kernels without the `revision` attribute.
-fn revision_from_config(dev: &Path) -> Option<u8> {
+fn revision_from_config(dev: &Dev) -> Option<u8> {
     let bytes = std::fs::read(dev.join("config")).ok()?;
     bytes.get(8).copied()
 }
 
 /// `16.0 GT/s PCIe` (newer kernels) or `16 GT/s` → `16.0 GT/s`; `Unknown` → null.
-fn link_speed(root: &Root, dev: &Path, name: &str, w: &mut Warnings) -> Option<String> {
+fn link_speed(root: &Root, dev: &Dev, name: &str, w: &mut Warnings) -> Option<String> {
     let path = dev.join(name);
-    let s = match read_attr(&path) {
+    let s = match dev.attr(name) {
         Attr::Value(s) => s,
         Attr::Missing => return None,
         Attr::Unreadable(e) => {
@@ -333,7 +496,7 @@ fn link_speed(root: &Root, dev: &Path, name: &str, w: &mut Warnings) -> Option<S
     }
 }
 
-fn read_dev_nodes(root: &Root, dev: &Path, d: &mut PciDevice, w: &mut Warnings) {
+fn read_dev_nodes(root: &Root, dev: &Dev, d: &mut PciDevice, w: &mut Warnings) {
     let mut nodes = Vec::new();
 
     // NVIDIA: the driver publishes each GPU's minor number and UUID under /proc.
@@ -395,11 +558,23 @@ fn read_dev_nodes(root: &Root, dev: &Path, d: &mut PciDevice, w: &mut Warnings) 
     }
 }
 
-fn read_host(root: &Root, w: &mut Warnings) -> HostInfo {
+fn read_host(root: &Root, detail: Detail, w: &mut Warnings) -> HostInfo {
     let text = |p: &str| match read_attr(&root.path(p)) {
         Attr::Value(s) if !s.is_empty() => Some(s),
         _ => None,
     };
+    let nvidia_driver_version = text("/proc/driver/nvidia/version").and_then(|v| {
+        let found = nvidia_version(&v);
+        if found.is_none() {
+            w.push("/proc/driver/nvidia/version: no driver version found".to_owned());
+        }
+        found
+    });
+    let control_nodes = CONTROL_NODES.iter().filter_map(|p| devnode::stat(root, p)).collect();
+    if detail == Detail::Nodes {
+        // Not /proc/cpuinfo (milliseconds on a large host) nor the IOMMU group count.
+        return HostInfo { nvidia_driver_version, control_nodes, ..HostInfo::default() };
+    }
     let cpu_vendor = std::fs::read(root.path("/proc/cpuinfo")).ok().and_then(|b| {
         let s = String::from_utf8_lossy(&b);
         s.lines().find(|l| l.starts_with("vendor_id")).and_then(|l| {
@@ -414,20 +589,13 @@ fn read_host(root: &Root, w: &mut Warnings) -> HostInfo {
     let iommu_groups = std::fs::read_dir(root.path("/sys/kernel/iommu_groups"))
         .map(|d| d.flatten().count() as u32)
         .unwrap_or(0);
-    let nvidia_driver_version = text("/proc/driver/nvidia/version").and_then(|v| {
-        let found = nvidia_version(&v);
-        if found.is_none() {
-            w.push("/proc/driver/nvidia/version: no driver version found".to_owned());
-        }
-        found
-    });
     HostInfo {
         hostname: text("/proc/sys/kernel/hostname").or_else(|| text("/etc/hostname")),
         kernel_release: text("/proc/sys/kernel/osrelease"),
         cpu_vendor,
         iommu_groups,
         nvidia_driver_version,
-        control_nodes: CONTROL_NODES.iter().filter_map(|p| devnode::stat(root, p)).collect(),
+        control_nodes,
     }
 }
 
@@ -509,5 +677,56 @@ mod tests {
         let v = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\nGCC version:  gcc version 12.2.0";
         assert_eq!(nvidia_version(v).as_deref(), Some("535.104.05"));
         assert_eq!(nvidia_version("garbage"), None);
+    }
+
+    /// What the narrow read keeps of a device: enough to hand it to a container.
+    type NodesView =
+        (PciAddress, Option<u16>, DeviceKind, Option<String>, Option<String>, Vec<String>);
+
+    fn nodes_view<'a>(devices: impl Iterator<Item = &'a PciDevice>) -> Vec<NodesView> {
+        devices
+            .map(|d| {
+                let nodes = d.dev_nodes.iter().map(|n| n.path.clone()).collect();
+                (d.address, d.vendor_id, d.kind, d.driver.clone(), d.uuid.clone(), nodes)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn narrow_read_agrees_with_the_full_one_on_every_fixture() {
+        for spec in xpu_testkit::hosts::all() {
+            let f = spec.build();
+            let root = Root::new(f.root()).unwrap();
+            let full = discover(&root, &DiscoverOptions::default()).unwrap();
+            let name = &spec.name;
+            let narrow = discover_nodes(&root, None).unwrap();
+            assert_eq!(
+                nodes_view(narrow.devices.iter()),
+                nodes_view(full.devices.iter().filter(|d| d.kind.is_accelerator())),
+                "{name}"
+            );
+            assert_eq!(narrow.host.control_nodes, full.host.control_nodes, "{name}");
+            assert_eq!(narrow.host.nvidia_driver_version, full.host.nvidia_driver_version);
+            assert!(
+                narrow.host.cpu_vendor.is_none()
+                    && narrow.devices.iter().all(|d| d.numa_node.is_none())
+            );
+
+            for want in [
+                (Some(VENDOR_NVIDIA), DeviceKind::Gpu),
+                (None, DeviceKind::Tpu),
+                (Some(VENDOR_AMD), DeviceKind::Gpu),
+            ] {
+                let some = discover_nodes(&root, Some(&[want])).unwrap();
+                let expect = full
+                    .devices
+                    .iter()
+                    .filter(|d| d.kind == want.1 && want.0.is_none_or(|v| d.vendor_id == Some(v)));
+                assert_eq!(nodes_view(some.devices.iter()), nodes_view(expect), "{name} {want:?}");
+            }
+            let none = discover_nodes(&root, Some(&[])).unwrap();
+            assert!(none.devices.is_empty(), "{name}");
+            assert_eq!(none.host.control_nodes, full.host.control_nodes, "{name}");
+        }
     }
 }

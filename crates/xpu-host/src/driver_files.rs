@@ -8,7 +8,9 @@
 //! then in the usual library directories; the file matching the running driver version
 //! (`libcuda.so.535.104.05`) wins, and every symlink next to it that resolves to it
 //! (`libcuda.so.1`) becomes a second container path for the same file, so no symlink has to be
-//! created inside the container.
+//! created inside the container. In a directory the cache names for the library, with the driver
+//! version known, those symlinks are the names the cache lists there and the development link
+//! (`libcuda.so`), probed one by one; other directories are listed.
 //!
 //! AMD and Google: ROCm and libtpu are shipped in the container image, so the host has no files
 //! to contribute; containers get their device nodes only.
@@ -16,10 +18,13 @@
 //! Missing files are normal (a compute-only host has no graphics libraries) and are skipped
 //! silently; unreadable directories and a garbled linker cache are warnings.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
-use xpu_core::driver::{Capability, DriverFile, DriverFiles, DriverVendor, FileKind};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+
+use xpu_core::driver::{Capabilities, Capability, DriverFile, DriverFiles, DriverVendor, FileKind};
 
 use crate::Root;
 
@@ -111,34 +116,53 @@ const BIN_DIRS: [&str; 6] =
 /// The dynamic linker's cache.
 pub const LD_SO_CACHE: &str = "/etc/ld.so.cache";
 
-/// Finds the NVIDIA driver files under `root`. `driver_version` (from
+/// Finds the NVIDIA driver files under `root`, for every capability. `driver_version` (from
 /// `/proc/driver/nvidia/version`, see [`xpu_core::HostInfo::nvidia_driver_version`]) picks the
 /// matching library builds; without it the highest-versioned build of each library is taken.
 pub fn find(root: &Root, driver_version: Option<&str>) -> DriverFiles {
-    let mut s = Search::new(root);
-    let mut files = Vec::new();
-    let cache = s.load_cache();
+    find_for(root, driver_version, Capabilities::all())
+}
 
-    for &(cap, stems) in NVIDIA_LIBRARIES {
+/// [`find`] for the capabilities `caps` only (the runtime shim, which knows the container's
+/// `NVIDIA_DRIVER_CAPABILITIES`): the files of other capabilities are not looked for, and
+/// library directories are listed keeping only the names of the libraries looked for, so a
+/// host's large `/usr/lib/x86_64-linux-gnu` costs its `getdents` and no `readlink` per entry.
+/// `find_for(.., caps).select(Nvidia, caps)` is `find(..).select(Nvidia, caps)`.
+pub fn find_for(root: &Root, driver_version: Option<&str>, caps: Capabilities) -> DriverFiles {
+    let libraries: Vec<(Capability, &[&str])> =
+        NVIDIA_LIBRARIES.iter().copied().filter(|(c, _)| caps.contains(*c)).collect();
+    let compat32: Vec<&str> = if caps.contains(Capability::Compat32) {
+        NVIDIA_LIBRARIES
+            .iter()
+            .filter(|(c, _)| COMPAT32_OF.contains(c))
+            .flat_map(|(_, stems)| stems.iter().copied())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut stems: Vec<&str> = libraries.iter().flat_map(|(_, s)| s.iter().copied()).collect();
+    stems.extend(compat32.iter().copied());
+    let mut s = Search::new(root, stems);
+    let mut files = Vec::new();
+    let cache = if s.stems.is_empty() { None } else { s.load_cache() };
+
+    for (cap, stems) in libraries {
         for stem in stems {
             if let Some(f) = s.library(stem, cap, driver_version, cache.as_ref(), false) {
                 files.push(f);
             }
         }
     }
-    for &(_, stems) in NVIDIA_LIBRARIES.iter().filter(|(c, _)| COMPAT32_OF.contains(c)) {
-        for stem in stems {
-            if let Some(f) =
-                s.library(stem, Capability::Compat32, driver_version, cache.as_ref(), true)
-            {
-                files.push(f);
-            }
+    for stem in compat32 {
+        if let Some(f) = s.library(stem, Capability::Compat32, driver_version, cache.as_ref(), true)
+        {
+            files.push(f);
         }
     }
-    for &(cap, names) in NVIDIA_BINARIES {
+    for &(cap, names) in NVIDIA_BINARIES.iter().filter(|(c, _)| caps.contains(*c)) {
         for name in names {
             if let Some(path) =
-                BIN_DIRS.iter().map(|d| format!("{d}/{name}")).find(|p| s.root.path(p).is_file())
+                BIN_DIRS.iter().find(|d| s.is_file_in(d, name, true)).map(|d| format!("{d}/{name}"))
             {
                 files.push(DriverFile {
                     vendor: DriverVendor::Nvidia,
@@ -150,7 +174,7 @@ pub fn find(root: &Root, driver_version: Option<&str>) -> DriverFiles {
             }
         }
     }
-    for &(cap, path) in NVIDIA_CONFIGS {
+    for &(cap, path) in NVIDIA_CONFIGS.iter().filter(|(c, _)| caps.contains(*c)) {
         if s.root.path(path).is_file() {
             files.push(DriverFile {
                 vendor: DriverVendor::Nvidia,
@@ -161,8 +185,9 @@ pub fn find(root: &Root, driver_version: Option<&str>) -> DriverFiles {
             });
         }
     }
-    if std::fs::symlink_metadata(s.root.path(PERSISTENCED_SOCKET))
-        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+    if caps.contains(Capability::Utility)
+        && std::fs::symlink_metadata(s.root.path(PERSISTENCED_SOCKET))
+            .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
     {
         files.push(DriverFile {
             vendor: DriverVendor::Nvidia,
@@ -191,14 +216,27 @@ struct Entry {
 
 struct Search<'a> {
     root: &'a Root,
+    /// The library stems looked for: listings keep only names starting with one.
+    stems: Vec<&'a str>,
     /// Directory listings, read once each.
     dirs: HashMap<String, Option<Listing>>,
+    /// Directories opened for probing, once each.
+    fds: HashMap<String, Option<OwnedFd>>,
+    /// (device, inode) of the directories opened.
+    seen: HashSet<(u64, u64)>,
     warnings: Vec<String>,
 }
 
 impl<'a> Search<'a> {
-    fn new(root: &'a Root) -> Self {
-        Self { root, dirs: HashMap::new(), warnings: Vec::new() }
+    fn new(root: &'a Root, stems: Vec<&'a str>) -> Self {
+        Self {
+            root,
+            stems,
+            dirs: HashMap::new(),
+            fds: HashMap::new(),
+            seen: HashSet::new(),
+            warnings: Vec::new(),
+        }
     }
 
     fn load_cache(&mut self) -> Option<LdCache> {
@@ -217,10 +255,16 @@ impl<'a> Search<'a> {
 
     fn listing(&mut self, dir: &str) -> Option<&Listing> {
         if !self.dirs.contains_key(dir) {
+            let stems = &self.stems;
             let listing = match std::fs::read_dir(self.root.path(dir)) {
                 Ok(entries) => Some(
                     entries
                         .flatten()
+                        .filter(|e| {
+                            let name = e.file_name();
+                            let name = name.as_encoded_bytes();
+                            stems.iter().any(|s| name.starts_with(s.as_bytes()))
+                        })
                         .map(|e| {
                             let name = e.file_name().to_string_lossy().into_owned();
                             let ft = e.file_type().ok();
@@ -269,17 +313,49 @@ impl<'a> Search<'a> {
             }
         }
         for dir in dirs {
-            let Some(listing) = self.listing(&dir) else { continue };
-            let Some(file) = pick_build(listing, stem, version) else { continue };
-            let mut links: Vec<String> = listing
-                .iter()
-                .filter(|(name, e)| {
-                    name.starts_with(stem)
-                        && e.link.is_some()
-                        && resolves_to(listing, name, &file, 0)
-                })
-                .map(|(name, _)| format!("{dir}/{name}"))
-                .collect();
+            let cached: Vec<&str> =
+                cache.map(|c| c.names_in(stem, &dir, bits32).collect()).unwrap_or_default();
+            // With the driver version known, only `stem.<version>` can be the build: look for it
+            // before listing anything. Listing a host's library directory (thousands of
+            // entries) costs a millisecond, on every container start.
+            if let Some(v) = version
+                && !self.is_file_in(&dir, &format!("{stem}.{v}"), false)
+            {
+                continue;
+            }
+            let (file, mut links) = match version {
+                // The links the linker cache names next to the build, and the development link
+                // `stem`, probed by name.
+                Some(v) if !cached.is_empty() => {
+                    let file = format!("{stem}.{v}");
+                    let mut names = cached;
+                    names.push(stem);
+                    names.sort_unstable();
+                    names.dedup();
+                    let links: Vec<String> = names
+                        .into_iter()
+                        .filter(|n| *n != file && self.links_to(&dir, n, &file, 0))
+                        .map(|n| format!("{dir}/{n}"))
+                        .collect();
+                    (file, links)
+                }
+                // A directory the cache does not name for it, or no driver version to match:
+                // list it.
+                _ => {
+                    let Some(listing) = self.listing(&dir) else { continue };
+                    let Some(file) = pick_build(listing, stem, version) else { continue };
+                    let links: Vec<String> = listing
+                        .iter()
+                        .filter(|(name, e)| {
+                            name.starts_with(stem)
+                                && e.link.is_some()
+                                && resolves_to(listing, name, &file, 0)
+                        })
+                        .map(|(name, _)| format!("{dir}/{name}"))
+                        .collect();
+                    (file, links)
+                }
+            };
             links.sort();
             let path = format!("{dir}/{file}");
             // A 64-bit search must not pick up a 32-bit build from /usr/lib and the reverse.
@@ -297,6 +373,45 @@ impl<'a> Search<'a> {
             });
         }
         None
+    }
+}
+
+impl Search<'_> {
+    /// An `O_PATH` descriptor of `dir`, opened once: probes resolve one name from it instead of
+    /// the whole path under the root.
+    /// A directory met before under another name (`/lib/x86_64-linux-gnu` is
+    /// `/usr/lib/x86_64-linux-gnu` on a merged-`/usr` host) is `None`: it holds nothing new.
+    fn dir_fd(&mut self, dir: &str) -> Option<&OwnedFd> {
+        if !self.fds.contains_key(dir) {
+            let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+            let fd =
+                rustix::fs::open(self.root.path(dir), flags, Mode::empty()).ok().filter(|fd| {
+                    rustix::fs::fstat(fd).is_ok_and(|st| self.seen.insert((st.st_dev, st.st_ino)))
+                });
+            self.fds.insert(dir.to_owned(), fd);
+        }
+        self.fds.get(dir).and_then(Option::as_ref)
+    }
+
+    /// Whether `dir/name` is a regular file; `follow`: or a symlink to one.
+    fn is_file_in(&mut self, dir: &str, name: &str, follow: bool) -> bool {
+        let Some(fd) = self.dir_fd(dir) else { return false };
+        let flags = if follow { AtFlags::empty() } else { AtFlags::SYMLINK_NOFOLLOW };
+        rustix::fs::statat(fd, name, flags)
+            .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::RegularFile)
+    }
+
+    /// Whether `dir/name` is a symlink that leads to `file` through same-directory links, read
+    /// with `readlink` (the probing counterpart of [`resolves_to`]).
+    fn links_to(&mut self, dir: &str, name: &str, file: &str, depth: u8) -> bool {
+        if depth > 8 {
+            return false;
+        }
+        let Some(fd) = self.dir_fd(dir) else { return false };
+        let Ok(target) = rustix::fs::readlinkat(fd, name, Vec::new()) else { return false };
+        // Only links within the directory (`libcuda.so.1 -> libcuda.so.535.104.05`).
+        let Some(t) = target.to_str().ok().filter(|t| !t.contains('/')) else { return false };
+        t == file || self.links_to(dir, t, file, depth + 1)
     }
 }
 
@@ -351,9 +466,15 @@ fn elf_class_matches(path: &Path, bits32: bool) -> bool {
 /// library names (sonames) and the paths they resolve to.
 #[derive(Debug, Clone, Default)]
 pub struct LdCache {
-    /// (soname, path, 64-bit)
-    entries: Vec<(String, String, bool)>,
+    /// The new-format block: header, entry table, string table.
+    data: Vec<u8>,
+    /// (soname, path, 64-bit), as byte ranges of `data`; both checked to be UTF-8. Kept as
+    /// ranges so that reading a host's cache (thousands of entries) allocates nothing per entry.
+    entries: Vec<(Span, Span, bool)>,
 }
+
+/// A string in [`LdCache::data`]: offset and length.
+type Span = (u32, u32);
 
 /// Why a linker cache could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -374,10 +495,25 @@ const FLAG_ARCH_MASK: i32 = 0xff00;
 const FLAG_X8664_LIB64: i32 = 0x0300;
 const FLAG_ELF_LIBC6: i32 = 0x0003;
 
+/// Whether `name` is a build or link of `stem` (`libcuda.so`, `libcuda.so.1`).
+fn of_stem(name: &[u8], stem: &str) -> bool {
+    name.strip_prefix(stem.as_bytes()).is_some_and(|r| r.is_empty() || r[0] == b'.')
+}
+
 impl LdCache {
     /// Parses the new (glibc 2.32+ default) format, alone or after the old-format block.
     pub fn parse(bytes: &[u8]) -> Result<Self, LdCacheError> {
-        let start = memchr::memmem::find(bytes, CACHE_MAGIC).ok_or(LdCacheError::NoHeader)?;
+        // No `memchr` here: its first call detects CPU features, and in a virtual machine each
+        // `cpuid` traps to the hypervisor; the shim pays that on every container start. The new
+        // format starts the file (glibc 2.32+) or follows the old one.
+        let start = if bytes.starts_with(CACHE_MAGIC) {
+            0
+        } else {
+            bytes
+                .windows(CACHE_MAGIC.len())
+                .position(|w| w == CACHE_MAGIC)
+                .ok_or(LdCacheError::NoHeader)?
+        };
         let new = &bytes[start..];
         if new.len() < HEADER_LEN {
             return Err(LdCacheError::Truncated("header"));
@@ -392,10 +528,11 @@ impl LdCache {
             .filter(|&end| end <= new.len())
             .ok_or(LdCacheError::Truncated("entry table"))?;
         // String offsets are relative to the start of the new-format header.
-        let string_at = |off: u32| -> Option<String> {
+        let string_at = |off: u32| -> Option<Span> {
             let s = new.get(off as usize..)?;
-            let end = memchr::memchr(0, s)?;
-            std::str::from_utf8(&s[..end]).ok().map(str::to_owned)
+            let end = s.iter().position(|&b| b == 0)?;
+            std::str::from_utf8(&s[..end]).ok()?;
+            Some((off, u32::try_from(end).ok()?))
         };
         let mut entries = Vec::with_capacity(nlibs);
         for e in new[HEADER_LEN..table_end].chunks_exact(ENTRY_LEN) {
@@ -409,23 +546,50 @@ impl LdCache {
             };
             entries.push((name, path, flags & FLAG_ARCH_MASK == FLAG_X8664_LIB64));
         }
-        Ok(Self { entries })
+        Ok(Self { data: new.to_vec(), entries })
+    }
+
+    fn bytes(&self, (off, len): Span) -> &[u8] {
+        self.data.get(off as usize..off as usize + len as usize).unwrap_or_default()
+    }
+
+    fn str(&self, span: Span) -> &str {
+        // Checked to be UTF-8 when parsed.
+        std::str::from_utf8(self.bytes(span)).unwrap_or_default()
     }
 
     /// The path the cache gives for `soname` (`libc.so.6`), 64-bit builds.
     pub fn lookup(&self, soname: &str) -> Option<&str> {
-        self.entries.iter().find(|(n, _, b64)| n == soname && *b64).map(|(_, p, _)| p.as_str())
-    }
-
-    /// Directories holding a build of `stem` (`libcuda.so` matches `libcuda.so.1`).
-    fn dirs_of<'s>(&'s self, stem: &'s str, bits32: bool) -> impl Iterator<Item = &'s str> {
         self.entries
             .iter()
-            .filter(move |(n, _, b64)| {
-                *b64 != bits32
-                    && n.strip_prefix(stem).is_some_and(|r| r.is_empty() || r.starts_with('.'))
-            })
-            .filter_map(|(_, p, _)| p.rsplit_once('/').map(|(d, _)| d))
+            .find(|(n, _, b64)| *b64 && self.bytes(*n) == soname.as_bytes())
+            .map(|(_, p, _)| self.str(*p))
+    }
+
+    /// Paths of the builds and links of `stem` (`libcuda.so` matches `libcuda.so.1`).
+    fn paths_of<'s>(&'s self, stem: &'s str, bits32: bool) -> impl Iterator<Item = &'s str> {
+        self.entries
+            .iter()
+            .filter(move |(n, _, b64)| *b64 != bits32 && of_stem(self.bytes(*n), stem))
+            .map(|(_, p, _)| self.str(*p))
+    }
+
+    /// Directories holding a build of `stem`.
+    fn dirs_of<'s>(&'s self, stem: &'s str, bits32: bool) -> impl Iterator<Item = &'s str> {
+        self.paths_of(stem, bits32).filter_map(|p| p.rsplit_once('/').map(|(d, _)| d))
+    }
+
+    /// The file names the cache lists for builds of `stem` in directory `dir` (`libcuda.so.1`).
+    fn names_in<'s>(
+        &'s self,
+        stem: &'s str,
+        dir: &'s str,
+        bits32: bool,
+    ) -> impl Iterator<Item = &'s str> {
+        self.paths_of(stem, bits32)
+            .filter_map(move |p| p.rsplit_once('/').filter(|(d, _)| *d == dir))
+            .map(|(_, name)| name)
+            .filter(move |name| of_stem(name.as_bytes(), stem))
     }
 
     pub fn len(&self) -> usize {
@@ -526,5 +690,23 @@ mod tests {
         assert!(any.files.iter().any(|f| f.path == drv.lib("libcuda.so")));
         let other = find(&root, Some("550.54.14"));
         assert!(other.files.iter().all(|f| f.kind != FileKind::Library));
+    }
+
+    #[test]
+    fn finding_by_capability_finds_what_selecting_would() {
+        let fx = xpu_testkit::hosts::a100_8x().build();
+        xpu_testkit::driver::install_nvidia(fx.root(), "535.104.05");
+        let root = Root::new(fx.root()).unwrap();
+        let all = find(&root, Some("535.104.05"));
+        for list in
+            ["utility", "utility,compute", "compute,compat32", "video,graphics,display", "ngx"]
+        {
+            let caps = Capabilities::parse(list).unwrap();
+            let some = find_for(&root, Some("535.104.05"), caps);
+            let want: Vec<&DriverFile> = all.select(DriverVendor::Nvidia, caps).collect();
+            assert_eq!(some.files.iter().collect::<Vec<_>>(), want, "{list}");
+            assert_eq!(some.warnings, all.warnings);
+        }
+        assert!(find_for(&root, None, Capabilities::default()).files.is_empty());
     }
 }

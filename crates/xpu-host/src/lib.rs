@@ -31,5 +31,5 @@ pub mod root;
 pub mod textdiff;
 pub mod vfio;
 
-pub use discover::{DiscoverError, DiscoverOptions, Scope, discover};
+pub use discover::{DiscoverError, DiscoverOptions, Scope, Wanted, discover, discover_nodes};
 pub use root::{Root, RootError};

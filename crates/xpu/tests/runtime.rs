@@ -16,6 +16,8 @@ use xpu_testkit::hosts;
 use xpu_testkit::sysfs::{MAJOR_MISC, MAJOR_NVIDIA, MAJOR_NVIDIA_UVM, MAJOR_VFIO_GROUP};
 
 const XPU: &str = env!("CARGO_BIN_EXE_xpu");
+/// The lean shim binary, which links only `xpu-container` and `xpu-host`.
+const LEAN: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
 
 fn unavailable() -> bool {
     match bundle::container_tests_unavailable() {
@@ -38,10 +40,14 @@ fn shim_link(dir: &Path) -> PathBuf {
 
 /// Runs `bundle` through the shim and returns the output.
 fn run_shim(host: &TestHost, bundle: &Bundle, test: &str) -> (Output, RuncState) {
+    run_program(&shim_link(host.dir.path()), host, bundle, test)
+}
+
+/// Runs `bundle` through `shim` (the `xpu` symlink or the lean binary).
+fn run_program(shim: &Path, host: &TestHost, bundle: &Bundle, test: &str) -> (Output, RuncState) {
     let state = RuncState::new();
-    let shim = shim_link(host.dir.path());
     let cfg = host.config.to_str().unwrap();
-    let out = state.run(&shim, &[], bundle, &container_id(test), &[("XPU_RUNTIME_CONFIG", cfg)]);
+    let out = state.run(shim, &[], bundle, &container_id(test), &[("XPU_RUNTIME_CONFIG", cfg)]);
     (out, state)
 }
 
@@ -68,10 +74,19 @@ fn runtime_visible_devices_1_3_needs_root_and_runc() {
     let extra = "cat /usr/lib/x86_64-linux-gnu/libcuda.so.1; nvidia-smi; \
                  cat /dev/nvidia1 2>&1 | head -n1; \
                  touch /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>&1 | head -n1";
-    let b = Bundle::busybox(&probe_script(extra));
-    b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
-    let (out, _state) = run_shim(&host, &b, "rt13");
-    let v = view(&out);
+    // Through `xpu` called xpu-container-runtime, and through the lean binary.
+    for (i, shim) in [shim_link(host.dir.path()), PathBuf::from(LEAN)].iter().enumerate() {
+        let b = Bundle::busybox(&probe_script(extra));
+        b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
+        let (out, _state) = run_program(shim, &host, &b, &format!("rt13-{i}"));
+        check_gpus_1_and_3(&view(&out));
+    }
+    let logged = host.log().matches("nvidia.com/gpu=1,nvidia.com/gpu=3: 5 nodes").count();
+    assert_eq!(logged, 2, "{}", host.log());
+}
+
+/// What a container given `NVIDIA_VISIBLE_DEVICES=1,3` on the 8xA100 fixture sees.
+fn check_gpus_1_and_3(v: &ContainerView) {
     assert_eq!(
         v.accel_nodes(),
         nodes(&[
@@ -91,7 +106,6 @@ fn runtime_visible_devices_1_3_needs_root_and_runc() {
     assert!(v.extra.contains("Read-only file system"), "{}", v.extra);
     // The cgroup allows the device: opening it reaches the (absent) driver, ENXIO, not EPERM.
     assert!(v.extra.contains("No such device or address"), "{}", v.extra);
-    assert!(host.log().contains("nvidia.com/gpu=1,nvidia.com/gpu=3: 5 nodes"), "{}", host.log());
 }
 
 #[test]

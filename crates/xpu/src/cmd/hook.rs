@@ -24,7 +24,7 @@ pub fn run(args: Args) -> CmdResult {
     })?;
     let state = hook::parse_state(&input).map_err(CliError::input)?;
     let cfg = RuntimeConfig::load_default().map_err(CliError::failed)?;
-    let host = HostReader::new(&cfg)?;
+    let host = HostReader::new(&cfg).map_err(CliError::failed)?;
     let stage = args.stage.as_deref().unwrap_or("hook");
     match hook::run(&state, &cfg, &host, &nvml(&cfg)) {
         Ok(Some(summary)) => cfg.log(&format!("{stage} {}: {summary}", state.id)),

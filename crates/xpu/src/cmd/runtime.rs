@@ -1,17 +1,23 @@
 //! `xpu runtime` / `xpu-container-runtime`: the OCI runtime shim in front of runc. Arguments
 //! are runc's and are never parsed by clap: `main` hands them over verbatim.
+//!
+//! Two binaries run this module: `xpu` (as `xpu runtime`, or called `xpu-container-runtime`
+//! through a symlink), and the lean `xpu-container-runtime` binary
+//! (`src/bin/xpu-container-runtime.rs`), which includes this file and links only `xpu-container`
+//! and `xpu-host`. The shim runs on every container start, and the full binary's start-up (the
+//! daemon, scheduler and integrations it also carries) is a millisecond of that; so this module
+//! uses nothing else of the `xpu` binary.
 
 use std::ffi::OsString;
 use std::process::ExitCode;
 
 use xpu_container::config::RuntimeConfig;
 use xpu_container::nvml::{Configured, SmiNvml};
+use xpu_container::request::Wanted;
 use xpu_container::shim::{self, Host, Outcome};
 use xpu_core::Inventory;
-use xpu_core::driver::DriverFiles;
-use xpu_host::{DiscoverOptions, Root, Scope};
-
-use crate::output::CliError;
+use xpu_core::driver::{Capabilities, DriverFiles};
+use xpu_host::{Root, RootError};
 
 /// Reads the host under the configured root with `xpu-host`.
 pub struct HostReader {
@@ -19,24 +25,24 @@ pub struct HostReader {
 }
 
 impl HostReader {
-    pub fn new(cfg: &RuntimeConfig) -> Result<Self, CliError> {
+    pub fn new(cfg: &RuntimeConfig) -> Result<Self, RootError> {
         let root = if cfg.root == std::path::Path::new("/") {
             Root::host()
         } else {
-            Root::new(&cfg.root).map_err(CliError::failed)?
+            Root::new(&cfg.root)?
         };
         Ok(Self { root })
     }
 }
 
 impl Host for HostReader {
-    fn inventory(&self) -> Result<Inventory, String> {
-        let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
-        xpu_host::discover(&self.root, &opts).map_err(|e| e.to_string())
+    fn inventory(&self, only: Option<&[Wanted]>) -> Result<Inventory, String> {
+        xpu_host::discover_nodes(&self.root, only).map_err(|e| e.to_string())
     }
 
-    fn driver_files(&self, inv: &Inventory) -> DriverFiles {
-        xpu_host::driver_files::find(&self.root, inv.host.nvidia_driver_version.as_deref())
+    fn driver_files(&self, inv: &Inventory, caps: Capabilities) -> DriverFiles {
+        let version = inv.host.nvidia_driver_version.as_deref();
+        xpu_host::driver_files::find_for(&self.root, version, caps)
     }
 }
 
@@ -64,7 +70,7 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
     };
     let host = match HostReader::new(&cfg) {
         Ok(h) => h,
-        Err(e) => return fail(ME, e.error),
+        Err(e) => return fail(ME, e),
     };
     match shim::handle(&args, &cfg, &host, &nvml(&cfg)) {
         Ok((runtime, outcome)) => {
