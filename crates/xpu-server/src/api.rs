@@ -523,11 +523,15 @@ async fn devices(State(s): S) -> Response {
 }
 
 async fn queue(State(s): S) -> Response {
-    let v = s.view.read().map(|v| (v.queued.clone(), v.running.clone(), v.history.clone()));
+    let v = s
+        .view
+        .read()
+        .map(|v| (v.queued.clone(), v.queued_total, v.running.clone(), v.history.clone()));
     match v {
-        Ok((queued, running, history)) => Json(json!({
+        Ok((queued, queued_total, running, history)) => Json(json!({
             "leader": s.leader.load(Ordering::Relaxed),
             "queued": queued,
+            "queued_total": queued_total,
             "running": running,
             "allocation_history": history.iter().map(|(t, n)| json!([t, n])).collect::<Vec<_>>(),
             "devices": s.node.devices.len(),

@@ -75,8 +75,10 @@ pub enum Msg {
 pub struct View {
     /// Per device: the tasks holding it (several when they share it).
     pub holders: Vec<Vec<Holder>>,
-    /// Queued jobs in queue order.
+    /// Queued jobs in queue order, the first [`QUEUE_VIEW`] of them.
     pub queued: Vec<QueuedView>,
+    /// Queued jobs in all.
+    pub queued_total: usize,
     pub running: Vec<RunningView>,
     /// (time ms, devices allocated), one sample per change and at most one per second.
     pub history: VecDeque<(i64, u32)>,
@@ -267,6 +269,8 @@ pub struct Engine {
 const TICK: Duration = Duration::from_millis(250);
 /// Queued jobs whose reason to wait is worked out on each pass (the dashboard shows the head).
 const EXPLAINED: usize = 50;
+/// Queued jobs the view lists; a queue of 30,000 would make every dashboard refresh megabytes.
+pub const QUEUE_VIEW: usize = 1000;
 /// The scheduler keeps every job it was given; it is rebuilt from the active ones once this
 /// many have ended (and more than are active), so a long-lived daemon does not grow.
 const REBUILD_AFTER: usize = 20_000;
@@ -1148,10 +1152,15 @@ impl Engine {
         }
         let order: Vec<JobId> = self.sched.queued().collect();
         let mut queued = Vec::new();
+        let mut queued_total = 0;
         for sid in order {
             let Some(&id) = self.by_sched.get(&sid) else { continue };
             let Some(j) = self.jobs.get(&id) else { continue };
             if !j.tasks.is_empty() || j.state != JobState::Queued || j.ending.is_some() {
+                continue;
+            }
+            queued_total += 1;
+            if queued.len() >= QUEUE_VIEW {
                 continue;
             }
             let reason = if queued.len() < EXPLAINED {
@@ -1197,7 +1206,7 @@ impl Engine {
                     .collect(),
             })
             .collect();
-        let view = View { holders, queued, running, history: self.history.clone() };
+        let view = View { holders, queued, queued_total, running, history: self.history.clone() };
         if let Ok(mut v) = self.shared.view.write() {
             *v = view;
         }

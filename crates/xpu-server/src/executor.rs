@@ -34,7 +34,6 @@ const SUPERVISOR: &str = r#"d=$1; shift
 c=; t=
 trap 't=TERM' TERM
 trap 't=INT' INT
-rm -f "$d/started"
 echo $$ > "$d/pid"
 { : > "$d/started"; exec "$@"; } &
 c=$!
@@ -103,7 +102,10 @@ const RUNTIME_ENV: [&str; 1] = ["XPU_RUNTIME_CONFIG"];
 pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
     std::fs::create_dir_all(&l.dir)
         .map_err(|source| ExecError::Dir { path: l.dir.display().to_string(), source })?;
+    // Left by an earlier run in this directory, they would be read as this run's (the
+    // supervisor only creates them; it runs no `rm`, which would cost a fork at every start).
     let _ = std::fs::remove_file(l.dir.join("exit"));
+    let _ = std::fs::remove_file(l.dir.join("started"));
     let log_path = l.dir.join("output.log");
     let log = OpenOptions::new()
         .create(true)

@@ -128,6 +128,8 @@ pub struct Daemon {
     pub args: Vec<String>,
     /// Added to the daemon's environment.
     pub env: Vec<(String, String)>,
+    /// Leave the tasks running on drop (the daemon is being replaced by a restarted one).
+    keep_tasks: bool,
 }
 
 pub fn xpu_bin() -> &'static str {
@@ -176,7 +178,7 @@ impl Daemon {
             .stderr(Stdio::from(log))
             .spawn()
             .unwrap();
-        let d = Daemon { child, data_dir: data_dir.to_owned(), port, args, env };
+        let d = Daemon { child, data_dir: data_dir.to_owned(), port, args, env, keep_tasks: false };
         d.wait_ready();
         d
     }
@@ -186,7 +188,8 @@ impl Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let again = Self::spawn(&self.data_dir, self.port, self.args.clone(), self.env.clone());
-        *self = again;
+        let mut old = std::mem::replace(self, again);
+        old.keep_tasks = true;
     }
 
     fn wait_ready(&self) {
@@ -297,6 +300,10 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // Tasks outlive their daemon by design; a test that ends (or fails) leaves none behind.
+        if !self.keep_tasks {
+            kill_tasks(&self.data_dir);
+        }
     }
 }
 
