@@ -257,8 +257,10 @@ pub struct Engine {
     /// Scheduler device index to node device id, and back.
     dev_ids: Vec<Option<u32>>,
     sched_idx: Vec<Option<u16>>,
-    /// Jobs the scheduler still remembers that ended since it was last rebuilt.
+    /// Jobs the scheduler still remembers that ended since it was last rebuilt, and how many
+    /// make it rebuild ([`REBUILD_AFTER`]).
     retired: usize,
+    rebuild_after: usize,
     t0: Instant,
     history: VecDeque<(i64, u32)>,
     leader: bool,
@@ -314,6 +316,7 @@ impl Engine {
             dev_ids,
             sched_idx,
             retired: 0,
+            rebuild_after: REBUILD_AFTER,
             t0: Instant::now(),
             history: VecDeque::new(),
             leader: false,
@@ -927,7 +930,7 @@ impl Engine {
             return;
         }
         let t0 = Instant::now();
-        if self.retired > REBUILD_AFTER && self.retired > self.jobs.len() {
+        if self.retired > self.rebuild_after && self.retired > self.jobs.len() {
             self.rebuild();
         }
         // Restarts in place first: they already hold their devices.
@@ -1303,4 +1306,124 @@ fn watch_adopted(
         let code = executor::recorded_exit(&dir);
         let _ = tx.send(Msg::Exited { job, idx, attempt, code });
     });
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::node::{add_fakes, node_from_inventory, parse_fake};
+    use crate::store::{NewJob, Outcome, Store};
+    use std::sync::RwLock;
+    use std::sync::atomic::AtomicBool;
+
+    async fn shared(dir: &std::path::Path, tx: mpsc::UnboundedSender<Msg>) -> Arc<Shared> {
+        let mut inv = xpu_core::Inventory::default();
+        add_fakes(&mut inv, &[parse_fake("nvidia-a100:2").unwrap()]);
+        let url = format!("sqlite://{}", dir.join("xpu.db").display());
+        Arc::new(Shared {
+            store: Store::open(&url).await.unwrap(),
+            node: node_from_inventory(&inv, &[], 4000, 4096),
+            data_dir: dir.to_owned(),
+            engine: tx,
+            view: RwLock::new(View::default()),
+            metrics: Metrics::default(),
+            leader: AtomicBool::new(false),
+            token: String::new(),
+            started_ms: 0,
+            grace: Duration::from_secs(1),
+            runtime: vec!["xpu".into(), "runtime".into()],
+            db_url: url,
+        })
+    }
+
+    async fn submit(s: &Shared, manifest: &str) -> i64 {
+        let spec = xpu_core::job::parse(manifest).unwrap().spec;
+        let json = serde_json::to_string(&spec).unwrap();
+        let new = NewJob {
+            key: None,
+            name: spec.name.clone(),
+            queue: spec.queue.clone(),
+            priority: 0,
+            spec: json.clone(),
+            at_ms: now_ms(),
+        };
+        let Outcome::Submitted { id, .. } =
+            s.store.write(Write::Submit(new.clone())).await.unwrap()
+        else {
+            panic!("not submitted")
+        };
+        let row = s.store.job(id).await.unwrap().unwrap();
+        s.engine.send(Msg::Submitted { row, spec: Box::new(spec) }).unwrap();
+        id
+    }
+
+    async fn until<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(v) = f().await {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn state(s: &Shared, id: i64) -> JobState {
+        s.store.job(id).await.unwrap().unwrap().state
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rebuilding_the_scheduler_keeps_running_tasks_on_their_devices() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let s = shared(tmp.path(), tx.clone()).await;
+        let mut engine = Engine::new(s.clone(), rx, tx).unwrap();
+        engine.rebuild_after = 3;
+        tokio::spawn(engine.run());
+        let gate = tmp.path().join("gate");
+        let hold = format!(
+            "command: [sh, -c, \"while [ ! -e {} ]; do sleep 0.05; done\"]\ngpus: 1\n",
+            gate.display()
+        );
+        let holder = submit(&s, &hold).await;
+        until("the holder to run", async || {
+            (state(&s, holder).await == JobState::Running).then_some(())
+        })
+        .await;
+        // Enough quick jobs end that the scheduler is rebuilt (more than 3 retired).
+        let mut quick = Vec::new();
+        for _ in 0..8 {
+            quick.push(submit(&s, "command: [\"true\"]\n").await);
+        }
+        for id in quick {
+            until("a quick job", async || {
+                (state(&s, id).await == JobState::Succeeded).then_some(())
+            })
+            .await;
+        }
+        // Two GPU jobs: one GPU is still the holder's after the rebuild, so one of them waits.
+        let a = submit(&s, &hold).await;
+        let b = submit(&s, &hold).await;
+        until("one of them to run", async || {
+            let (x, y) = (state(&s, a).await, state(&s, b).await);
+            (x == JobState::Running || y == JobState::Running).then_some(())
+        })
+        .await;
+        let view = until("the queue to show the other", async || {
+            let v = s.view.read().unwrap().clone();
+            (v.queued.len() == 1).then_some(v)
+        })
+        .await;
+        assert_eq!(view.queued[0].reason, "0/1 nodes are available: 1 Insufficient gpu");
+        assert!(view.holders.iter().any(|h| h.iter().any(|x| x.job == holder)), "{view:?}");
+        std::fs::write(&gate, "").unwrap();
+        for id in [holder, a, b] {
+            until("all to succeed", async || {
+                (state(&s, id).await == JobState::Succeeded).then_some(())
+            })
+            .await;
+        }
+    }
 }
