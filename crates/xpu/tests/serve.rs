@@ -526,3 +526,34 @@ fn postgres_store_suite() {
     assert_eq!(d.get("/v1/status")["leader"], true);
     kill_tasks(&d.data_dir);
 }
+
+/// A script that has just started `xpu serve` can submit at once with `--wait-server`: the
+/// client waits for the daemon to answer instead of failing on a socket that is not there yet.
+#[test]
+fn submit_waits_for_a_starting_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let socket = format!("unix://{}/xpu.sock", data.display());
+    let early = std::process::Command::new(serve_support::xpu_bin())
+        .args(["submit", "--server", &socket, "--wait-server", "60", "--", "true"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let d = start(&data, None);
+    let out = early.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let id: i64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    d.wait_state(id, &["succeeded"]);
+
+    // No daemon at all: the wait ends with the connection error, naming the fix.
+    let none = format!("unix://{}/none.sock", dir.path().display());
+    let out = std::process::Command::new(serve_support::xpu_bin())
+        .args(["jobs", "--server", &none, "--wait-server", "0.3"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is xpu serve running?") && err.contains("waited 0.3 s"), "{err}");
+    kill_tasks(&d.data_dir);
+}

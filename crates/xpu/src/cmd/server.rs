@@ -112,6 +112,10 @@ pub struct Conn {
     /// File holding the bearer token (the daemon's <data-dir>/token) [default: $XPU_TOKEN].
     #[arg(long, value_name = "FILE")]
     pub token_file: Option<PathBuf>,
+    /// Wait up to this many seconds for the daemon to answer before sending the request (for
+    /// scripts that have just started `xpu serve`).
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.0)]
+    pub wait_server: f64,
 }
 
 impl Conn {
@@ -133,7 +137,30 @@ impl Conn {
             ),
             None => std::env::var("XPU_TOKEN").ok(),
         };
-        Ok(Client::new(target, token))
+        let mut client = Client::new(target, token);
+        if self.wait_server > 0.0 {
+            wait_for(&mut client, self.wait_server)?;
+        }
+        Ok(client)
+    }
+}
+
+/// Polls `/v1/status` until the daemon answers or `seconds` pass; the last error is returned.
+fn wait_for(client: &mut Client, seconds: f64) -> Result<(), CliError> {
+    if !seconds.is_finite() || seconds > 86_400.0 {
+        return Err(CliError::input(anyhow!(
+            "--wait-server {seconds}: give a number of seconds from 0 to 86400"
+        )));
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds);
+    loop {
+        match client.request("GET", "/v1/status", None, &[]) {
+            Ok(_) => return Ok(()),
+            Err(e) if std::time::Instant::now() >= deadline => {
+                return Err(CliError::failed(anyhow!("{e} (waited {seconds} s)")));
+            }
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+        }
     }
 }
 
