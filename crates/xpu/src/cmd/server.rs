@@ -152,14 +152,14 @@ fn wait_for(client: &mut Client, seconds: f64) -> Result<(), CliError> {
             "--wait-server {seconds}: give a number of seconds from 0 to 86400"
         )));
     }
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds);
+    let deadline = std::time::Instant::now() + Duration::from_secs_f64(seconds);
     loop {
         match client.request("GET", "/v1/status", None, &[]) {
             Ok(_) => return Ok(()),
             Err(e) if std::time::Instant::now() >= deadline => {
                 return Err(CliError::failed(anyhow!("{e} (waited {seconds} s)")));
             }
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     }
 }
