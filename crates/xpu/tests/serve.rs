@@ -557,3 +557,54 @@ fn submit_waits_for_a_starting_daemon() {
     assert!(err.contains("is xpu serve running?") && err.contains("waited 0.3 s"), "{err}");
     kill_tasks(&d.data_dir);
 }
+
+/// TCP off loopback asks for the bearer token from `<data-dir>/token` (mode 0600) on every
+/// route; the Unix socket (mode 0660) does not.
+#[test]
+fn token_guards_tcp_off_loopback() {
+    use std::os::unix::fs::PermissionsExt;
+    use xpu_server::client::{Client, Target};
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let port = serve_support::free_port();
+    let mut child = std::process::Command::new(serve_support::xpu_bin())
+        .args(["serve", "--data-dir"])
+        .arg(&data)
+        .args(["--listen", &format!("0.0.0.0:{port}"), "--devices", "nvidia-a100:1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let socket = Target::Unix(data.join("xpu.sock"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while Client::new(socket.clone(), None).request("GET", "/v1/status", None, &[]).is_err() {
+        assert!(std::time::Instant::now() < deadline, "the daemon did not answer on its socket");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mode = |p: &str| std::fs::metadata(data.join(p)).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode("token"), 0o600);
+    assert_eq!(mode("xpu.sock"), 0o660);
+    let token = std::fs::read_to_string(data.join("token")).unwrap().trim().to_owned();
+    assert_eq!(token.len(), 64, "{token}");
+
+    let tcp = Target::Tcp(format!("127.0.0.1:{port}"));
+    for path in ["/v1/status", "/v1/jobs", "/metrics", "/"] {
+        let r = Client::new(tcp.clone(), None).request("GET", path, None, &[]).unwrap();
+        assert_eq!(r.status, 401, "{path} without a token");
+        assert!(r.error_message().contains("bearer token"), "{}", r.error_message());
+        let wrong = "0".repeat(64);
+        assert_eq!(status_with(&tcp, Some(&wrong), path), 401, "{path} with a wrong token");
+        assert_eq!(status_with(&tcp, Some(&token), path), 200, "{path} with the token");
+    }
+    let r = Client::new(socket, None).request("GET", "/v1/jobs", None, &[]).unwrap();
+    assert_eq!(r.status, 200);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// The status a GET of `path` gets with `token`.
+fn status_with(target: &xpu_server::client::Target, token: Option<&str>, path: &str) -> u16 {
+    let mut c = xpu_server::client::Client::new(target.clone(), token.map(str::to_owned));
+    c.request("GET", path, None, &[]).unwrap().status
+}
