@@ -252,6 +252,17 @@ pub struct ContainerView {
 }
 
 impl ContainerView {
+    /// What a container run printed; fails the test, showing its output, when it failed.
+    pub fn of(out: &Output) -> ContainerView {
+        assert!(
+            out.status.success(),
+            "container failed: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        ContainerView::parse(&String::from_utf8_lossy(&out.stdout))
+    }
+
     pub fn parse(stdout: &str) -> ContainerView {
         let mut v = ContainerView::default();
         let mut section = String::new();
@@ -348,6 +359,23 @@ impl TestHost {
     /// The shim's log.
     pub fn log(&self) -> String {
         fs::read_to_string(self.dir.path().join("xpu.log")).unwrap_or_default()
+    }
+}
+
+/// Character device nodes as [`ContainerView::nodes`] lists them: (path, major, minor).
+pub fn char_nodes(list: &[(&str, u32, u32)]) -> BTreeMap<String, (char, u32, u32)> {
+    list.iter().map(|(p, ma, mi)| ((*p).to_owned(), ('c', *ma, *mi))).collect()
+}
+
+/// True (after saying why on stderr) when this machine cannot run the container tests.
+#[allow(clippy::print_stderr)]
+pub fn skip_container_tests() -> bool {
+    match container_tests_unavailable() {
+        Some(why) => {
+            eprintln!("skipping: {why}");
+            true
+        }
+        None => false,
     }
 }
 

@@ -4,7 +4,6 @@
 
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Output;
 
@@ -16,16 +15,6 @@ use xpu_testkit::sysfs::{MAJOR_MISC, MAJOR_NVIDIA, MAJOR_NVIDIA_UVM, MAJOR_VFIO_
 
 const XPU: &str = env!("CARGO_BIN_EXE_xpu");
 
-fn unavailable() -> bool {
-    match bundle::container_tests_unavailable() {
-        Some(why) => {
-            eprintln!("skipping: {why}");
-            true
-        }
-        None => false,
-    }
-}
-
 /// Adds `xpu hook STAGE` to the bundle and runs it with plain runc.
 fn run_hooked(host: &TestHost, b: &Bundle, stage: &str, test: &str) -> (Output, RuncState) {
     let env = vec![format!("XPU_RUNTIME_CONFIG={}", host.config.display())];
@@ -35,23 +24,9 @@ fn run_hooked(host: &TestHost, b: &Bundle, stage: &str, test: &str) -> (Output, 
     (out, state)
 }
 
-fn view(out: &Output) -> ContainerView {
-    assert!(
-        out.status.success(),
-        "container failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    ContainerView::parse(&String::from_utf8_lossy(&out.stdout))
-}
-
-fn nodes(list: &[(&str, u32, u32)]) -> BTreeMap<String, (char, u32, u32)> {
-    list.iter().map(|(p, ma, mi)| ((*p).to_owned(), ('c', *ma, *mi))).collect()
-}
-
 #[test]
 fn hook_visible_devices_1_3_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -62,10 +37,10 @@ fn hook_visible_devices_1_3_needs_root_and_runc() {
     b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
     let spec_before = b.config();
     let (out, _state) = run_hooked(&host, &b, "createRuntime", "hk13");
-    let v = view(&out);
+    let v = ContainerView::of(&out);
     assert_eq!(
         v.accel_nodes(),
-        nodes(&[
+        bundle::char_nodes(&[
             ("/dev/nvidia1", MAJOR_NVIDIA, 1),
             ("/dev/nvidia3", MAJOR_NVIDIA, 3),
             ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
@@ -87,7 +62,7 @@ fn hook_visible_devices_1_3_needs_root_and_runc() {
 
 #[test]
 fn hook_void_and_unset_add_nothing_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -97,24 +72,24 @@ fn hook_void_and_unset_add_nothing_needs_root_and_runc() {
             b.add_env(&[e]);
         }
         let (out, _state) = run_hooked(&host, &b, "createRuntime", &format!("hkvoid{i}"));
-        let v = view(&out);
+        let v = ContainerView::of(&out);
         assert!(v.accel_nodes().is_empty(), "{env:?}: {:?}", v.accel_nodes());
     }
 }
 
 #[test]
 fn hook_tpu_container_sees_its_vfio_nodes_as_prestart_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::tpu_v5p());
     let b = Bundle::busybox(&probe_script(""));
     b.add_env(&["XPU_VISIBLE_DEVICES=tpu:1,tpu:3"]);
     let (out, _state) = run_hooked(&host, &b, "prestart", "hktpu");
-    let v = view(&out);
+    let v = ContainerView::of(&out);
     assert_eq!(
         v.accel_nodes(),
-        nodes(&[
+        bundle::char_nodes(&[
             ("/dev/vfio/1", MAJOR_VFIO_GROUP, 1),
             ("/dev/vfio/3", MAJOR_VFIO_GROUP, 3),
             ("/dev/vfio/vfio", MAJOR_MISC, 196),
@@ -124,7 +99,7 @@ fn hook_tpu_container_sees_its_vfio_nodes_as_prestart_needs_root_and_runc() {
 
 #[test]
 fn hook_refuses_malicious_rootfs_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -158,7 +133,7 @@ fn hook_refuses_malicious_rootfs_needs_root_and_runc() {
 
 #[test]
 fn hook_rejects_bad_state_and_bad_values_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());

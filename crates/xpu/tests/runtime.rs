@@ -5,7 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -18,16 +17,6 @@ use xpu_testkit::sysfs::{MAJOR_MISC, MAJOR_NVIDIA, MAJOR_NVIDIA_UVM, MAJOR_VFIO_
 const XPU: &str = env!("CARGO_BIN_EXE_xpu");
 /// The lean shim binary, which links only `xpu-container` and `xpu-host`.
 const LEAN: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
-
-fn unavailable() -> bool {
-    match bundle::container_tests_unavailable() {
-        Some(why) => {
-            eprintln!("skipping: {why}");
-            true
-        }
-        None => false,
-    }
-}
 
 /// `xpu-container-runtime`: a symlink to the xpu binary, so argv[0] dispatch is what runs.
 fn shim_link(dir: &Path) -> PathBuf {
@@ -51,23 +40,9 @@ fn run_program(shim: &Path, host: &TestHost, bundle: &Bundle, test: &str) -> (Ou
     (out, state)
 }
 
-fn view(out: &Output) -> ContainerView {
-    assert!(
-        out.status.success(),
-        "container failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    ContainerView::parse(&String::from_utf8_lossy(&out.stdout))
-}
-
-fn nodes(list: &[(&str, u32, u32)]) -> BTreeMap<String, (char, u32, u32)> {
-    list.iter().map(|(p, ma, mi)| ((*p).to_owned(), ('c', *ma, *mi))).collect()
-}
-
 #[test]
 fn runtime_visible_devices_1_3_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -79,7 +54,7 @@ fn runtime_visible_devices_1_3_needs_root_and_runc() {
         let b = Bundle::busybox(&probe_script(extra));
         b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
         let (out, _state) = run_program(shim, &host, &b, &format!("rt13-{i}"));
-        check_gpus_1_and_3(&view(&out));
+        check_gpus_1_and_3(&ContainerView::of(&out));
     }
     let logged = host.log().matches("nvidia.com/gpu=1,nvidia.com/gpu=3: 5 nodes").count();
     assert_eq!(logged, 2, "{}", host.log());
@@ -89,7 +64,7 @@ fn runtime_visible_devices_1_3_needs_root_and_runc() {
 fn check_gpus_1_and_3(v: &ContainerView) {
     assert_eq!(
         v.accel_nodes(),
-        nodes(&[
+        bundle::char_nodes(&[
             ("/dev/nvidia1", MAJOR_NVIDIA, 1),
             ("/dev/nvidia3", MAJOR_NVIDIA, 3),
             ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
@@ -110,7 +85,7 @@ fn check_gpus_1_and_3(v: &ContainerView) {
 
 #[test]
 fn runtime_void_and_unset_add_nothing_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -124,7 +99,7 @@ fn runtime_void_and_unset_add_nothing_needs_root_and_runc() {
         }
         let before = std::fs::read(b.config_path()).unwrap();
         let (out, _state) = run_shim(&host, &b, &format!("rtvoid{i}"));
-        let v = view(&out);
+        let v = ContainerView::of(&out);
         assert!(v.accel_nodes().is_empty(), "{env:?}: {:?}", v.accel_nodes());
         assert!(!v.env.contains_key("XPU_DEVICES"));
         assert_eq!(std::fs::read(b.config_path()).unwrap(), before, "{env:?}: spec untouched");
@@ -133,17 +108,17 @@ fn runtime_void_and_unset_add_nothing_needs_root_and_runc() {
 
 #[test]
 fn runtime_tpu_container_sees_its_vfio_nodes_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::tpu_v5p());
     let b = Bundle::busybox(&probe_script(""));
     b.add_env(&["XPU_VISIBLE_DEVICES=google.com/tpu=0,tpu:2"]);
     let (out, _state) = run_shim(&host, &b, "rttpu");
-    let v = view(&out);
+    let v = ContainerView::of(&out);
     assert_eq!(
         v.accel_nodes(),
-        nodes(&[
+        bundle::char_nodes(&[
             ("/dev/vfio/0", MAJOR_VFIO_GROUP, 0),
             ("/dev/vfio/2", MAJOR_VFIO_GROUP, 2),
             ("/dev/vfio/vfio", MAJOR_MISC, 196),
@@ -154,7 +129,7 @@ fn runtime_tpu_container_sees_its_vfio_nodes_needs_root_and_runc() {
 
 #[test]
 fn runtime_cdi_annotation_and_none_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -166,7 +141,7 @@ fn runtime_cdi_annotation_and_none_needs_root_and_runc() {
     });
     b.set_config(&c);
     let (out, _state) = run_shim(&host, &b, "rtcdi");
-    let v = view(&out);
+    let v = ContainerView::of(&out);
     assert!(v.accel_nodes().contains_key("/dev/nvidia7"), "{:?}", v.accel_nodes());
     assert_eq!(v.env["XPU_DEVICES"], "nvidia.com/gpu=7");
 
@@ -174,8 +149,8 @@ fn runtime_cdi_annotation_and_none_needs_root_and_runc() {
     let b = Bundle::busybox(&probe_script("nvidia-smi"));
     b.add_env(&["NVIDIA_VISIBLE_DEVICES=none", "NVIDIA_DRIVER_CAPABILITIES=utility"]);
     let (out, _state) = run_shim(&host, &b, "rtnone");
-    let v = view(&out);
-    assert_eq!(v.accel_nodes(), nodes(&[("/dev/nvidiactl", MAJOR_NVIDIA, 255)]));
+    let v = ContainerView::of(&out);
+    assert_eq!(v.accel_nodes(), bundle::char_nodes(&[("/dev/nvidiactl", MAJOR_NVIDIA, 255)]));
     assert!(v.extra.contains("NVIDIA-SMI"), "{}", v.extra);
 }
 
@@ -209,7 +184,7 @@ fn refused(host: &TestHost, b: &Bundle, test: &str) -> String {
 
 #[test]
 fn runtime_bad_input_fails_create_naming_it_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -264,7 +239,7 @@ fn runtime_bad_input_fails_create_naming_it_needs_root_and_runc() {
 
 #[test]
 fn runtime_require_is_checked_and_can_be_disabled_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -275,7 +250,7 @@ fn runtime_require_is_checked_and_can_be_disabled_needs_root_and_runc() {
         "NVIDIA_REQUIRE_CUDA=cuda>=12.0 brand=tesla,driver>=470,driver<471",
     ]);
     let (out, _state) = run_shim(&host, &b, "rtreq");
-    assert!(view(&out).accel_nodes().contains_key("/dev/nvidia0"));
+    assert!(ContainerView::of(&out).accel_nodes().contains_key("/dev/nvidia0"));
     // Not met, but disabled.
     let b = Bundle::busybox(&probe_script(""));
     b.add_env(&[
@@ -284,12 +259,12 @@ fn runtime_require_is_checked_and_can_be_disabled_needs_root_and_runc() {
         "NVIDIA_DISABLE_REQUIRE=true",
     ]);
     let (out, _state) = run_shim(&host, &b, "rtreqoff");
-    assert!(view(&out).accel_nodes().contains_key("/dev/nvidia0"));
+    assert!(ContainerView::of(&out).accel_nodes().contains_key("/dev/nvidia0"));
 }
 
 #[test]
 fn runtime_refuses_malicious_rootfs_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
@@ -323,7 +298,7 @@ fn runtime_refuses_malicious_rootfs_needs_root_and_runc() {
 
 #[test]
 fn runtime_passes_other_subcommands_through_needs_root_and_runc() {
-    if unavailable() {
+    if bundle::skip_container_tests() {
         return;
     }
     let host = TestHost::new(&hosts::a100_8x());
