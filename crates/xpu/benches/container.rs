@@ -3,17 +3,18 @@
 //! - in process, on the 8×A100 fixture: the full discovery against the shim's narrow one
 //!   (`discover_nodes`), NVIDIA's driver files for every capability against the default
 //!   `utility,compute`, and CDI generation;
-//! - process start: `/bin/true`, the lean `xpu-container-runtime` binary and the full `xpu`
-//!   binary (called `xpu-container-runtime` through a symlink), each passing a `state` command
-//!   through to `runtime = "/bin/true"`; then the shim's whole work for a request
-//!   (`NVIDIA_VISIBLE_DEVICES=1,3`, `create`, then exec of `/bin/true`);
+//! - process start: `/bin/true`, the lean `xpu-container-runtime` binary as cargo builds it,
+//!   the same statically linked by `scripts/build-shim` (when that build is newer than its
+//!   sources), and the full `xpu` binary (called `xpu-container-runtime` through a symlink),
+//!   each passing a `state` command through to `runtime = "/bin/true"`; then the shim's whole
+//!   work for a request (`NVIDIA_VISIBLE_DEVICES=1,3`, `create`, then exec of `/bin/true`);
 //! - `xpu cdi generate` on the 8×A100 fixture, process wall time (target: under 5 ms);
 //! - `runc run` of a busybox container through the shim against plain `runc run`, interleaved,
 //!   as ratios of medians (target: at most 1.05×):
 //!   - nothing requested (the shim only passes through);
 //!   - `NVIDIA_VISIBLE_DEVICES=1,3` against plain runc on the bundle the shim produced (the
 //!     shim's own cost: discovery, driver files, checks, the spec rewrite, the exec), through
-//!     the lean binary and through the full one;
+//!     each of those binaries;
 //!   - and the same request against plain runc on the untouched bundle (what the user sees,
 //!     including runc creating the extra nodes and mounts).
 //!
@@ -21,6 +22,9 @@
 //! created), as an engine creates a bundle. Overwriting the existing file instead would make
 //! ext4 allocate and start writing its blocks on close (`auto_da_alloc`), and the shim, which
 //! swaps in its edited spec and removes the old file, would pay for freeing them.
+//!
+//! The `runc run` cases are interleaved in a shuffled order each round: a container's teardown
+//! slows whatever starts next, so a fixed order favours some cases.
 //!
 //! The benchmark runs at the highest scheduling priority when it may (it is root for runc), so
 //! that other work on the machine disturbs the figures less; it prints the load average.
@@ -30,7 +34,7 @@
 
 #![allow(clippy::print_stdout, clippy::print_stderr, clippy::unwrap_used)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -141,10 +145,17 @@ fn main() {
         ms(median(runs))
     );
 
-    // The shim as engines install it: the lean binary, and the full one through a symlink.
+    // The shim as engines install it: the lean binary (as cargo builds it, and statically
+    // linked by `scripts/build-shim` when that build is current), and the full one through a
+    // symlink.
     let full = host.dir.path().join("xpu-container-runtime");
     std::os::unix::fs::symlink(XPU, &full).unwrap();
-    let lean = Path::new(LEAN);
+    let mut shims: Vec<(&str, PathBuf)> = vec![("lean", PathBuf::from(LEAN))];
+    match static_shim() {
+        Ok(p) => shims.push(("lean static", p)),
+        Err(why) => println!("not measuring the static shim: {why}"),
+    }
+    shims.push(("xpu", full));
 
     // Process start and the shim's own work, with no runtime after it: `runtime = "/bin/true"`.
     let alone = host.dir.path().join("alone.toml");
@@ -154,37 +165,38 @@ fn main() {
     wants.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
     let pristine = std::fs::read(wants.config_path()).unwrap();
     let n_start = 300;
-    let (mut t_true, mut t_pass_lean, mut t_pass_full) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut t_alone_lean, mut t_alone_full) = (Vec::new(), Vec::new());
-    let alone_create = |program: &Path| {
-        let mut c = Command::new(program);
-        c.args(["create", "--bundle"]).arg(wants.dir()).arg("xpu-bench-e");
-        c.env("XPU_RUNTIME_CONFIG", &alone);
-        c
-    };
+    let mut t_true = Vec::new();
+    let mut t_pass = vec![Vec::new(); shims.len()];
+    let mut t_alone = vec![Vec::new(); shims.len()];
     for _ in 0..n_start {
         t_true.push(timed(&mut Command::new("/bin/true")));
-        for (program, into) in [(lean, &mut t_pass_lean), (full.as_path(), &mut t_pass_full)] {
-            into.push(timed(
+        for (k, (_, program)) in shims.iter().enumerate() {
+            t_pass[k].push(timed(
                 Command::new(program).args(["state", "x"]).env("XPU_RUNTIME_CONFIG", &alone),
             ));
+            fresh_config(&wants, &pristine);
+            let mut c = Command::new(program);
+            c.args(["create", "--bundle"]).arg(wants.dir()).arg("xpu-bench-e");
+            t_alone[k].push(timed(c.env("XPU_RUNTIME_CONFIG", &alone)));
         }
-        fresh_config(&wants, &pristine);
-        t_alone_lean.push(timed(&mut alone_create(lean)));
-        fresh_config(&wants, &pristine);
-        t_alone_full.push(timed(&mut alone_create(&full)));
     }
     let t_true = median(t_true);
+    let each = |t: Vec<Vec<Duration>>| {
+        shims
+            .iter()
+            .zip(t)
+            .map(|((label, _), t)| format!("{label} {}", ms(median(t))))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!(
-        "process start (a pass-through to /bin/true): /bin/true {}; lean xpu-container-runtime {}; xpu as xpu-container-runtime {}",
+        "process start (a pass-through to /bin/true): /bin/true {}; {}",
         ms(t_true),
-        ms(median(t_pass_lean)),
-        ms(median(t_pass_full))
+        each(t_pass)
     );
     println!(
-        "shim alone (create, NVIDIA_VISIBLE_DEVICES=1,3, then exec /bin/true): lean {}, xpu {}; /bin/true {}",
-        ms(median(t_alone_lean)),
-        ms(median(t_alone_full)),
+        "shim alone (create, NVIDIA_VISIBLE_DEVICES=1,3, then exec /bin/true): {}; /bin/true {}",
+        each(t_alone),
         ms(t_true)
     );
 
@@ -199,47 +211,125 @@ fn main() {
         timed(&mut c)
     };
     fresh_config(&wants, &pristine);
-    run(lean, &wants, "xpu-bench-warm");
+    run(&shims[0].1, &wants, "xpu-bench-warm");
     std::fs::copy(wants.config_path(), edited.config_path()).unwrap();
 
-    let (mut a, mut b, mut c, mut c_full, mut d) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Interleaved, in a shuffled order each round, so that no case always follows the same
+    // one (a container's teardown slows whatever runs next): plain runc on the plain and on the
+    // edited bundle, and each shim with nothing requested and with the request. Every case
+    // writes its `config.json` afresh first, untimed, as an engine does.
+    let plain_bytes = std::fs::read(plain.config_path()).unwrap();
+    let edited_bytes = std::fs::read(edited.config_path()).unwrap();
+    // The floor for any shim in front of runc: a shell script that only execs it.
+    let wrapper = host.dir.path().join("exec-runc.sh");
+    std::fs::write(&wrapper, format!("#!/bin/sh\nexec {RUNC} \"$@\"\n")).unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .unwrap();
+    let (mut a, mut d, mut w) = (Vec::new(), Vec::new(), Vec::new());
+    let mut nothing = vec![Vec::new(); shims.len()];
+    let mut request = vec![Vec::new(); shims.len()];
     let n: usize = std::env::var("XPU_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
+    let mut cases: Vec<(usize, usize)> = vec![(0, 0), (1, 0), (4, 0)];
+    cases.extend((0..shims.len()).flat_map(|k| [(2, k), (3, k)]));
+    let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
     for _ in 0..n {
-        a.push(run(Path::new(RUNC), &plain, "xpu-bench-a"));
-        b.push(run(lean, &plain, "xpu-bench-b"));
-        fresh_config(&wants, &pristine);
-        c.push(run(lean, &wants, "xpu-bench-c"));
-        d.push(run(Path::new(RUNC), &edited, "xpu-bench-d"));
-        fresh_config(&wants, &pristine);
-        c_full.push(run(&full, &wants, "xpu-bench-f"));
+        // Fisher-Yates with xorshift64: deterministic, no dependency.
+        for i in (1..cases.len()).rev() {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            cases.swap(i, (rng % (i as u64 + 1)) as usize);
+        }
+        for &(case, k) in &cases {
+            match case {
+                0 => {
+                    fresh_config(&plain, &plain_bytes);
+                    a.push(run(Path::new(RUNC), &plain, "xpu-bench-a"));
+                }
+                1 => {
+                    fresh_config(&edited, &edited_bytes);
+                    d.push(run(Path::new(RUNC), &edited, "xpu-bench-d"));
+                }
+                4 => {
+                    fresh_config(&plain, &plain_bytes);
+                    w.push(run(&wrapper, &plain, "xpu-bench-w"));
+                }
+                2 => {
+                    fresh_config(&plain, &plain_bytes);
+                    nothing[k].push(run(&shims[k].1, &plain, "xpu-bench-b"));
+                }
+                _ => {
+                    fresh_config(&wants, &pristine);
+                    request[k].push(run(&shims[k].1, &wants, "xpu-bench-c"));
+                }
+            }
+        }
     }
 
-    let (a, b, c, c_full, d) = (median(a), median(b), median(c), median(c_full), median(d));
+    let (a, d, w) = (median(a), median(d), median(w));
     let r = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
     println!(
         "runc run, plain (busybox true):               median {} ({n} runs each, interleaved)",
         ms(a)
     );
-    println!(
-        "runc run via shim, nothing requested:         median {} = {:.3}x plain (target <= 1.05x)",
-        ms(b),
-        r(b, a)
-    );
     println!("plain runc run on the shim-edited bundle:     median {}", ms(d));
     println!(
-        "runc run via shim, NVIDIA_VISIBLE_DEVICES=1,3: median {} = {:.3}x the same edits without the shim (target <= 1.05x)",
-        ms(c),
-        r(c, d)
+        "runc run through `exec runc \"$@\"` in sh:      median {} = {:.3}x plain (the floor for any exec shim)",
+        ms(w),
+        r(w, a)
     );
-    println!(
-        "  (= {:.3}x plain runc on the unedited bundle, runc's extra nodes and mounts included)",
-        r(c, a)
-    );
-    println!(
-        "  the same through the full xpu binary:       median {} = {:.3}x",
-        ms(c_full),
-        r(c_full, d)
-    );
+    for (k, (label, _)) in shims.iter().enumerate() {
+        let (b, c) =
+            (median(std::mem::take(&mut nothing[k])), median(std::mem::take(&mut request[k])));
+        println!("through the {label} shim:");
+        println!(
+            "  nothing requested:             median {} = {:.3}x plain (target <= 1.05x)",
+            ms(b),
+            r(b, a)
+        );
+        println!(
+            "  NVIDIA_VISIBLE_DEVICES=1,3:    median {} = {:.3}x the same edits without the shim (target <= 1.05x); {:.3}x plain runc on the unedited bundle",
+            ms(c),
+            r(c, d),
+            r(c, a)
+        );
+    }
     println!("load average at the end: {}", bundle::load_average());
+}
+
+/// The statically linked shim `scripts/build-shim` leaves in `<target>/shim/`, when it is newer
+/// than every source file it is built from.
+fn static_shim() -> Result<PathBuf, String> {
+    let target = Path::new(LEAN).parent().and_then(Path::parent).ok_or("no target directory")?;
+    let shim = target.join("shim/xpu-container-runtime");
+    let built = std::fs::metadata(&shim)
+        .and_then(|m| m.modified())
+        .map_err(|_| format!("{} is not there; scripts/build-shim builds it", shim.display()))?;
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let sources = ["xpu-core/src", "xpu-host/src", "xpu-container/src", "xpu/src"];
+    let mut newest = None;
+    for dir in sources {
+        newest = newest.max(newest_file(&crates.join(dir)));
+    }
+    match newest {
+        Some(t) if t > built => {
+            Err(format!("{} is older than its sources; run scripts/build-shim", shim.display()))
+        }
+        _ => Ok(shim),
+    }
+}
+
+/// The latest modification time of any file under `dir`.
+fn newest_file(dir: &Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() {
+            newest_file(&path)
+        } else {
+            entry.metadata().and_then(|m| m.modified()).ok()
+        };
+        newest = newest.max(t);
+    }
+    newest
 }
