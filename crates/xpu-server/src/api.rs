@@ -40,6 +40,7 @@ type S = State<Arc<Shared>>;
 pub fn router(shared: Arc<Shared>, require_token: bool) -> Router {
     let mut r = Router::new()
         .route("/", get(dashboard))
+        .route("/login", get(login))
         .route("/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
@@ -66,20 +67,62 @@ fn unavailable(e: impl std::fmt::Display) -> Response {
     error(StatusCode::SERVICE_UNAVAILABLE, format!("store: {e}; retry, or check the database"))
 }
 
+/// The cookie a browser holds after `/login?token=...`: `fetch` and page loads send it on
+/// their own, which a bearer header cannot do for a dashboard.
+const COOKIE: &str = "xpu_token";
+
 async fn auth(State(s): S, req: Request, next: Next) -> Response {
-    let ok = req
+    let bearer = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|t| constant_time_eq(t.trim().as_bytes(), s.token.as_bytes()));
-    if ok {
+        .map(str::trim);
+    let cookie = req
+        .headers()
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='));
+    let ok = [bearer, cookie]
+        .into_iter()
+        .flatten()
+        .any(|t| constant_time_eq(t.as_bytes(), s.token.as_bytes()));
+    // `/login` checks the token it is given itself.
+    if ok || req.uri().path() == "/login" {
         next.run(req).await
     } else {
         error(
             StatusCode::UNAUTHORIZED,
-            "missing or wrong bearer token; send Authorization: Bearer <contents of <data-dir>/token>",
+            "missing or wrong bearer token; send Authorization: Bearer <contents of <data-dir>/token>, or in a browser open /login?token=<contents of <data-dir>/token> once",
         )
+    }
+}
+
+#[derive(Deserialize)]
+struct LoginQuery {
+    token: Option<String>,
+}
+
+/// `GET /login?token=T`: with the daemon's token, sets the dashboard's cookie (HttpOnly,
+/// SameSite=Strict, so other sites cannot ride on it) and redirects to `/`.
+async fn login(State(s): S, Query(q): Query<LoginQuery>) -> Response {
+    let Some(token) = q.token.filter(|t| constant_time_eq(t.trim().as_bytes(), s.token.as_bytes()))
+    else {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong token; open /login?token=<contents of <data-dir>/token>",
+        );
+    };
+    let cookie = format!("{COOKIE}={}; Path=/; HttpOnly; SameSite=Strict", token.trim());
+    match HeaderValue::from_str(&cookie) {
+        Ok(v) => (
+            StatusCode::SEE_OTHER,
+            [(header::SET_COOKIE, v), (header::LOCATION, HeaderValue::from_static("/"))],
+        )
+            .into_response(),
+        Err(_) => error(StatusCode::BAD_REQUEST, "token: not a valid header value"),
     }
 }
 

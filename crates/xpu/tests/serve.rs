@@ -599,8 +599,36 @@ fn token_guards_tcp_off_loopback() {
     }
     let r = Client::new(socket, None).request("GET", "/v1/jobs", None, &[]).unwrap();
     assert_eq!(r.status, 200);
+
+    // A browser logs in once with the token and then carries an HttpOnly, SameSite=Strict cookie.
+    assert_eq!(status_with(&tcp, None, "/login?token=nope"), 401);
+    assert_eq!(status_with(&tcp, None, "/login"), 401);
+    let head = raw_get(port, &format!("/login?token={token}"));
+    assert!(head.starts_with("HTTP/1.1 303"), "{head}");
+    let want = format!("set-cookie: xpu_token={token}; Path=/; HttpOnly; SameSite=Strict");
+    assert!(head.to_lowercase().contains(&want.to_lowercase()), "{head}");
+    assert!(head.to_lowercase().contains("location: /\r\n"), "{head}");
+    for path in ["/", "/v1/jobs", "/metrics"] {
+        let cookie = format!("theme=dark; xpu_token={token}");
+        let mut c = Client::new(tcp.clone(), None);
+        let r = c.request("GET", path, None, &[("Cookie", cookie.as_str())]).unwrap();
+        assert_eq!(r.status, 200, "{path} with the cookie");
+        let mut c = Client::new(tcp.clone(), None);
+        let r = c.request("GET", path, None, &[("Cookie", "xpu_token=0000")]).unwrap();
+        assert_eq!(r.status, 401, "{path} with a wrong cookie");
+    }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// The status line and headers of a GET of `path` on 127.0.0.1:`port`.
+fn raw_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.split("\r\n\r\n").next().unwrap_or_default().to_owned() + "\r\n"
 }
 
 /// The status a GET of `path` gets with `token`.
