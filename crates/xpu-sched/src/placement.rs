@@ -381,6 +381,18 @@ fn class_fits(
     Some(key.dev_free[usize::from(d.count) - 1] >= d.milli)
 }
 
+/// The single device a policy chose for a share (`chosen`), else the default choice
+/// [`pick_devices`].
+pub fn chosen_or_picked(chosen: Option<usize>, node: &Node, d: &Demand, out: &mut Vec<u16>) {
+    match chosen {
+        Some(i) => {
+            out.clear();
+            out.push(i as u16);
+        }
+        None => pick_devices(node, d, out),
+    }
+}
+
 /// NVLink/NUMA-aware device choice.
 ///
 /// A share of one device goes to the matching device with the least free capacity that still

@@ -115,6 +115,22 @@ impl Client {
         ClientError::Protocol { target: self.target.to_string(), what: what.into() }
     }
 
+    /// Polls `/v1/status` until the daemon answers (with any status) or `timeout` passes, for
+    /// callers that have just started it; the last connection error when it never does.
+    pub fn wait_until_answering(
+        &mut self,
+        timeout: std::time::Duration,
+    ) -> Result<(), ClientError> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match self.request("GET", "/v1/status", None, &[]) {
+                Ok(_) => return Ok(()),
+                Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            }
+        }
+    }
+
     /// Sends a request and reads the whole response.
     pub fn request(
         &mut self,

@@ -148,6 +148,25 @@ struct Task {
     container: Option<ContainerLaunch>,
 }
 
+impl Task {
+    /// A task found in the store at start-up, on the devices it recorded; it holds no slot in
+    /// this scheduler until the job is registered.
+    fn recovered(t: &TaskRow, pid: Option<i32>, container: Option<ContainerLaunch>) -> Task {
+        Task {
+            idx: t.idx as u32,
+            slot: None,
+            attempt: t.attempt as u32,
+            devices: t.devices.clone(),
+            pid,
+            dir: PathBuf::from(&t.dir),
+            started_ms: t.started_at_ms,
+            kill_at: None,
+            kills: 0,
+            container,
+        }
+    }
+}
+
 /// An index waiting to restart in place (`OnFailure`) on its slot's devices.
 #[derive(Debug)]
 struct Restart {
@@ -450,18 +469,7 @@ impl Engine {
             }
             let Some(p) = pid else { continue };
             job.set(idx, Idx::Active);
-            job.tasks.push(Task {
-                idx,
-                slot: None,
-                attempt,
-                devices: t.devices.clone(),
-                pid,
-                dir: dir.clone(),
-                started_ms: t.started_at_ms,
-                kill_at: None,
-                kills: 0,
-                container,
-            });
+            job.tasks.push(Task::recovered(&t, pid, container));
             // Recorded as running under its pid (a crash may have come before that).
             self.shared.store.write_later(Write::Task(TaskRow {
                 state: TaskState::Running,
@@ -490,18 +498,7 @@ impl Engine {
             let container = self.container_for(t.job_id, idx, attempt);
             let Some(job) = self.jobs.get_mut(&t.job_id) else { continue };
             job.set(idx, Idx::Active);
-            job.tasks.push(Task {
-                idx,
-                slot: None,
-                attempt,
-                devices: t.devices.clone(),
-                pid,
-                dir: dir.clone(),
-                started_ms: t.started_at_ms,
-                kill_at: None,
-                kills: 0,
-                container,
-            });
+            job.tasks.push(Task::recovered(&t, pid, container));
             let code = executor::recorded_exit(&dir);
             if code.is_none() {
                 self.event(

@@ -13,7 +13,7 @@
 //! shapes that together reach 95 % of the tasks and renormalising.
 
 use crate::cluster::{ANY_MODEL, Cluster, MILLI, ModelMask, Node};
-use crate::placement::{Demand, Policy, device_matches, pick_devices};
+use crate::placement::{Demand, Policy, chosen_or_picked, device_matches};
 use crate::rng::Rng;
 
 /// One task shape of the typical mix.
@@ -345,13 +345,8 @@ impl Policy for Fgd {
         self.evaluate(node, d).0
     }
     fn devices(&mut self, _: &Cluster, node: &Node, d: &Demand, _: &mut Rng, out: &mut Vec<u16>) {
-        match self.evaluate(node, d) {
-            (_, Some(i)) => {
-                out.clear();
-                out.push(i as u16);
-            }
-            _ => pick_devices(node, d, out),
-        }
+        let chosen = self.evaluate(node, d).1;
+        chosen_or_picked(chosen, node, d, out);
     }
 }
 

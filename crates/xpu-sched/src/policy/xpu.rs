@@ -23,7 +23,7 @@
 //! small (0.1–0.8 points) and reported as measured.
 
 use crate::cluster::{Cluster, MILLI, Node};
-use crate::placement::{Demand, Policy, device_matches, pick_devices};
+use crate::placement::{Demand, Policy, chosen_or_picked, device_matches};
 use crate::rng::Rng;
 
 use super::fgd::{CopyTables, TaskMix, blended, gpu_view};
@@ -111,12 +111,7 @@ impl Policy for XpuPolicy {
         self.evaluate(node, d).0
     }
     fn devices(&mut self, _: &Cluster, node: &Node, d: &Demand, _: &mut Rng, out: &mut Vec<u16>) {
-        match self.evaluate(node, d) {
-            (_, Some(i)) => {
-                out.clear();
-                out.push(i as u16);
-            }
-            _ => pick_devices(node, d, out),
-        }
+        let chosen = self.evaluate(node, d).1;
+        chosen_or_picked(chosen, node, d, out);
     }
 }

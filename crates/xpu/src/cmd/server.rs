@@ -145,23 +145,16 @@ impl Conn {
     }
 }
 
-/// Polls `/v1/status` until the daemon answers or `seconds` pass; the last error is returned.
+/// Waits up to `seconds` for the daemon to answer (`--wait-server`).
 fn wait_for(client: &mut Client, seconds: f64) -> Result<(), CliError> {
     if !seconds.is_finite() || seconds > 86_400.0 {
         return Err(CliError::input(anyhow!(
             "--wait-server {seconds}: give a number of seconds from 0 to 86400"
         )));
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs_f64(seconds);
-    loop {
-        match client.request("GET", "/v1/status", None, &[]) {
-            Ok(_) => return Ok(()),
-            Err(e) if std::time::Instant::now() >= deadline => {
-                return Err(CliError::failed(anyhow!("{e} (waited {seconds} s)")));
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
+    client
+        .wait_until_answering(Duration::from_secs_f64(seconds))
+        .map_err(|e| CliError::failed(anyhow!("{e} (waited {seconds} s)")))
 }
 
 /// Sends a request; 4xx become input errors (exit 2), 5xx and transport failures exit 1.
