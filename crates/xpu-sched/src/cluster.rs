@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 use xpu_core::DeviceKind;
 
+use crate::constraints::{Requirement, Taint, Toleration};
 use crate::hash::FxHashMap;
 
 /// Index of a node in its [`Cluster`].
@@ -99,6 +100,10 @@ pub struct NodeSpec {
     pub memory_mib: u64,
     #[serde(default)]
     pub devices: Vec<DeviceSpec>,
+    /// Kubernetes taints; a task lands here only if it tolerates each `NoSchedule` and
+    /// `NoExecute` one.
+    #[serde(default)]
+    pub taints: Vec<Taint>,
 }
 
 impl NodeSpec {
@@ -110,7 +115,13 @@ impl NodeSpec {
             cpu_milli,
             memory_mib,
             devices: Vec::new(),
+            taints: Vec::new(),
         }
+    }
+
+    pub fn taint(mut self, t: Taint) -> Self {
+        self.taints.push(t);
+        self
     }
 
     pub fn label(mut self, k: impl Into<String>, v: impl Into<String>) -> Self {
@@ -267,6 +278,7 @@ pub(crate) struct DevStatic {
 pub(crate) struct Shape {
     pub labels: BTreeMap<String, String>,
     pub pool: Option<String>,
+    pub taints: Vec<Taint>,
     /// All devices interchangeable (same kind, model, NUMA node and domain): class keys sort
     /// free capacities, so permutations of one state share a class.
     pub symmetric: bool,
@@ -284,6 +296,7 @@ struct ShapeKey {
     memory_mib: u64,
     labels: BTreeMap<String, String>,
     pool: Option<String>,
+    taints: Vec<Taint>,
     devs: Vec<DevStatic>,
 }
 
@@ -293,16 +306,27 @@ struct ShapeKey {
 pub struct Selector {
     pub labels: Vec<(String, String)>,
     pub pool: Option<String>,
+    /// Required node affinity terms (ORed; each term's requirements ANDed); empty: any node.
+    pub affinity: Vec<Vec<Requirement>>,
+    /// What the task tolerates; a node's filtering taints must all be tolerated.
+    pub tolerations: Vec<Toleration>,
 }
 
 impl Selector {
-    fn matches(&self, labels: &BTreeMap<String, String>, pool: Option<&str>) -> bool {
+    fn matches(
+        &self,
+        labels: &BTreeMap<String, String>,
+        pool: Option<&str>,
+        taints: &[Taint],
+    ) -> bool {
         if let Some(p) = &self.pool
             && pool != Some(p.as_str())
         {
             return false;
         }
         self.labels.iter().all(|(k, v)| labels.get(k) == Some(v))
+            && crate::constraints::affinity_matches(&self.affinity, labels)
+            && crate::constraints::tolerated(taints, &self.tolerations)
     }
 }
 
@@ -506,7 +530,11 @@ impl Cluster {
         }
         let id = self.selectors.len() as u32;
         for shape in &mut self.shapes {
-            shape.selector_ok.push(sel.matches(&shape.labels, shape.pool.as_deref()));
+            shape.selector_ok.push(sel.matches(
+                &shape.labels,
+                shape.pool.as_deref(),
+                &shape.taints,
+            ));
         }
         self.selectors.push(sel.clone());
         self.selector_ids.insert(sel, id);
@@ -582,6 +610,11 @@ impl Cluster {
             memory_mib: spec.memory_mib,
             labels: spec.labels.clone(),
             pool: spec.pool.clone(),
+            taints: {
+                let mut t = spec.taints.clone();
+                t.sort();
+                t
+            },
             devs: statics,
         };
         let shape = match self.shape_ids.get(&key) {
@@ -601,7 +634,7 @@ impl Cluster {
                 let selector_ok = self
                     .selectors
                     .iter()
-                    .map(|s| s.matches(&key.labels, key.pool.as_deref()))
+                    .map(|s| s.matches(&key.labels, key.pool.as_deref(), &key.taints))
                     .collect();
                 let id = self.shapes.len() as u32;
                 let sym =
@@ -610,6 +643,7 @@ impl Cluster {
                     sym,
                     labels: key.labels.clone(),
                     pool: key.pool.clone(),
+                    taints: key.taints.clone(),
                     symmetric,
                     selector_ok,
                     slice,
@@ -974,7 +1008,7 @@ mod tests {
         .unwrap();
         let sel = |pairs: &[(&str, &str)]| Selector {
             labels: pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            pool: None,
+            ..Selector::default()
         };
         let s1 = c.selector_id(&sel(&[("zone", "x")]));
         let s2 = c.selector_id(&sel(&[("zone", "x"), ("tier", "silver")]));

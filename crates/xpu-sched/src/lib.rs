@@ -62,6 +62,7 @@
 //! nodes coming up or due for release, jobs reaching their maximum run time).
 
 pub mod cluster;
+pub mod constraints;
 mod hash;
 pub mod inventory;
 pub mod manifest;

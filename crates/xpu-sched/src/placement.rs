@@ -925,7 +925,7 @@ mod tests {
         let mut c = Cluster::from_specs(specs).unwrap();
         let sel = c.selector_id(&crate::cluster::Selector {
             labels: vec![("zone".into(), "a".into())],
-            pool: None,
+            ..Default::default()
         });
         let p = Placer::new(Box::new(Zero), 1);
         let r = p.report(&c, &Demand::whole(8000, 10, DeviceKind::Gpu, 2), &PlaceCtx::default());

@@ -65,6 +65,12 @@ pub struct TaskSpec {
     /// Only nodes of this pool.
     #[serde(default)]
     pub pool: Option<String>,
+    /// Required node affinity terms (Kubernetes semantics, see [`crate::constraints`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub affinity: Vec<Vec<crate::constraints::Requirement>>,
+    /// Tolerated node taints.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<crate::constraints::Toleration>,
 }
 
 /// A set of identical tasks.
@@ -209,6 +215,8 @@ impl TaskSpec {
         let sel = Selector {
             labels: self.node_selector.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             pool: self.pool.clone(),
+            affinity: self.affinity.clone(),
+            tolerations: self.tolerations.clone(),
         };
         d.selector = cluster.selector_id(&sel);
         Ok(d)

@@ -556,6 +556,7 @@ impl Scheduler {
                             interconnect_domain: d.interconnect_domain.clone(),
                         })
                         .collect(),
+                    taints: self.cluster.shape_of(n).taints.clone(),
                 };
                 // Same node set, so selector and model ids line up by re-interning below.
                 if empty.add_node(spec).is_err() {

@@ -1,0 +1,225 @@
+//! Node constraints with Kubernetes semantics beyond a plain `nodeSelector`: required node
+//! affinity (`requiredDuringSchedulingIgnoredDuringExecution`, every operator), taints and
+//! tolerations. Plain data, no Kubernetes types: `xpu-kube` converts a Pod's fields into these,
+//! and [`crate::cluster::Selector`] evaluates them once per node shape.
+//!
+//! Semantics follow the Kubernetes API reference (core/v1 `NodeSelectorRequirement`,
+//! `Toleration`, `Taint`): terms are ORed, the requirements of one term ANDed; `Gt`/`Lt` compare
+//! the label's value as an integer and fail when it is not one; a taint whose effect is
+//! `NoSchedule` or `NoExecute` must be tolerated, `PreferNoSchedule` is a preference and never
+//! filters.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `NodeSelectorRequirement.operator`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Operator {
+    In,
+    NotIn,
+    Exists,
+    DoesNotExist,
+    Gt,
+    Lt,
+}
+
+impl std::str::FromStr for Operator {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "In" => Self::In,
+            "NotIn" => Self::NotIn,
+            "Exists" => Self::Exists,
+            "DoesNotExist" => Self::DoesNotExist,
+            "Gt" => Self::Gt,
+            "Lt" => Self::Lt,
+            _ => {
+                return Err(format!(
+                    "unknown operator {s:?}; expected In, NotIn, Exists, DoesNotExist, Gt or Lt"
+                ));
+            }
+        })
+    }
+}
+
+/// One `matchExpressions` entry (node labels) or `matchFields` entry (`metadata.name`, passed
+/// as the pseudo-label [`NODE_NAME_FIELD`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Requirement {
+    pub key: String,
+    pub operator: Operator,
+    #[serde(default)]
+    pub values: Vec<String>,
+}
+
+/// The key a `matchFields` requirement on `metadata.name` is evaluated against.
+pub const NODE_NAME_FIELD: &str = "metadata.name";
+
+impl Requirement {
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        let v = labels.get(&self.key);
+        match self.operator {
+            Operator::In => v.is_some_and(|v| self.values.iter().any(|x| x == v)),
+            Operator::NotIn => v.is_none_or(|v| !self.values.iter().any(|x| x == v)),
+            Operator::Exists => v.is_some(),
+            Operator::DoesNotExist => v.is_none(),
+            Operator::Gt | Operator::Lt => {
+                let (Some(v), [bound]) = (v, self.values.as_slice()) else { return false };
+                let (Ok(v), Ok(bound)) = (v.parse::<i64>(), bound.parse::<i64>()) else {
+                    return false;
+                };
+                if self.operator == Operator::Gt { v > bound } else { v < bound }
+            }
+        }
+    }
+}
+
+/// `Taint.effect` / `Toleration.effect`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Effect {
+    NoSchedule,
+    PreferNoSchedule,
+    NoExecute,
+}
+
+impl std::str::FromStr for Effect {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "NoSchedule" => Self::NoSchedule,
+            "PreferNoSchedule" => Self::PreferNoSchedule,
+            "NoExecute" => Self::NoExecute,
+            _ => {
+                return Err(format!(
+                    "unknown effect {s:?}; expected NoSchedule, PreferNoSchedule or NoExecute"
+                ));
+            }
+        })
+    }
+}
+
+/// A node taint.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Taint {
+    pub key: String,
+    #[serde(default)]
+    pub value: String,
+    pub effect: Effect,
+}
+
+/// A pod toleration. `key: None` with `exists` tolerates every taint.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Toleration {
+    #[serde(default)]
+    pub key: Option<String>,
+    /// `operator: Exists`; otherwise `Equal`.
+    #[serde(default)]
+    pub exists: bool,
+    #[serde(default)]
+    pub value: String,
+    /// `None`: every effect.
+    #[serde(default)]
+    pub effect: Option<Effect>,
+}
+
+impl Toleration {
+    pub fn tolerates(&self, t: &Taint) -> bool {
+        if self.effect.is_some_and(|e| e != t.effect) {
+            return false;
+        }
+        match &self.key {
+            None => self.exists,
+            Some(k) if k != &t.key => false,
+            Some(_) => self.exists || self.value == t.value,
+        }
+    }
+}
+
+/// Whether every taint that filters (`NoSchedule`, `NoExecute`) is tolerated.
+pub fn tolerated(taints: &[Taint], tolerations: &[Toleration]) -> bool {
+    taints
+        .iter()
+        .filter(|t| t.effect != Effect::PreferNoSchedule)
+        .all(|t| tolerations.iter().any(|tol| tol.tolerates(t)))
+}
+
+/// Required node affinity: empty matches every node; otherwise any term whose requirements all
+/// match. A term with no requirements matches nothing (as in Kubernetes).
+pub fn affinity_matches(terms: &[Vec<Requirement>], labels: &BTreeMap<String, String>) -> bool {
+    terms.is_empty() || terms.iter().any(|t| !t.is_empty() && t.iter().all(|r| r.matches(labels)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect()
+    }
+
+    fn req(key: &str, op: Operator, values: &[&str]) -> Requirement {
+        Requirement {
+            key: key.into(),
+            operator: op,
+            values: values.iter().map(|v| (*v).into()).collect(),
+        }
+    }
+
+    #[test]
+    fn every_operator_follows_the_api_reference() {
+        let l = labels(&[("zone", "a"), ("gpus", "8")]);
+        assert!(req("zone", Operator::In, &["a", "b"]).matches(&l));
+        assert!(!req("zone", Operator::In, &["b"]).matches(&l));
+        assert!(req("zone", Operator::NotIn, &["b"]).matches(&l));
+        assert!(req("absent", Operator::NotIn, &["b"]).matches(&l), "NotIn holds when unset");
+        assert!(req("zone", Operator::Exists, &[]).matches(&l));
+        assert!(req("absent", Operator::DoesNotExist, &[]).matches(&l));
+        assert!(req("gpus", Operator::Gt, &["4"]).matches(&l));
+        assert!(!req("gpus", Operator::Lt, &["4"]).matches(&l));
+        assert!(!req("zone", Operator::Gt, &["1"]).matches(&l), "not an integer: no match");
+        assert!(!req("gpus", Operator::Gt, &["1", "2"]).matches(&l), "Gt takes one value");
+    }
+
+    #[test]
+    fn terms_are_ored_and_requirements_anded() {
+        let l = labels(&[("zone", "a"), ("tier", "gold")]);
+        let t1 = vec![req("zone", Operator::In, &["b"])];
+        let t2 = vec![req("zone", Operator::In, &["a"]), req("tier", Operator::In, &["gold"])];
+        assert!(affinity_matches(&[], &l));
+        assert!(affinity_matches(&[t1.clone(), t2], &l));
+        assert!(!affinity_matches(&[t1], &l));
+        assert!(!affinity_matches(&[vec![]], &l), "an empty term matches nothing");
+    }
+
+    #[test]
+    fn tolerations_follow_the_api_reference() {
+        let gpu = Taint {
+            key: "nvidia.com/gpu".into(),
+            value: "present".into(),
+            effect: Effect::NoSchedule,
+        };
+        let soft =
+            Taint { key: "x".into(), value: String::new(), effect: Effect::PreferNoSchedule };
+        let exists = Toleration {
+            key: Some("nvidia.com/gpu".into()),
+            exists: true,
+            value: String::new(),
+            effect: None,
+        };
+        let wrong_value = Toleration {
+            key: Some("nvidia.com/gpu".into()),
+            exists: false,
+            value: "no".into(),
+            effect: None,
+        };
+        let all = Toleration { key: None, exists: true, value: String::new(), effect: None };
+        let other_effect = Toleration { effect: Some(Effect::NoExecute), ..exists.clone() };
+        assert!(tolerated(std::slice::from_ref(&gpu), std::slice::from_ref(&exists)));
+        assert!(!tolerated(std::slice::from_ref(&gpu), &[wrong_value]));
+        assert!(tolerated(std::slice::from_ref(&gpu), &[all]));
+        assert!(!tolerated(std::slice::from_ref(&gpu), &[other_effect]));
+        assert!(!tolerated(std::slice::from_ref(&gpu), &[]));
+        assert!(tolerated(&[soft], &[]), "PreferNoSchedule never filters");
+    }
+}
