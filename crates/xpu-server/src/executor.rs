@@ -20,7 +20,15 @@ use std::process::Stdio;
 
 use rustix::process::{Pid, Signal};
 
-/// The supervisor script. `$1` is the task directory; the rest is the program's argv.
+/// The supervisor script. `$1` is the task directory, `$2` the supervisor's own `PATH`; the rest
+/// is the program's argv.
+///
+/// The shell starts with the job's environment, because the program it forks inherits it, so
+/// nothing the supervisor does itself may depend on that environment: every expansion is quoted
+/// (a job's `IFS` does not split it), and right after the fork it takes the daemon's `PATH` for
+/// the one external command it runs (`sleep`), so a job's `PATH` (`/opt/conda/bin`) cannot hide
+/// it. The exit status is written with a builtin: the daemon reads `exit` only once the
+/// supervisor is gone, so the write needs no rename to be seen whole.
 ///
 /// Traps are set before anything else (and before the `pid` file exists, which is what callers
 /// wait for), so a SIGTERM that arrives while it starts is remembered rather than fatal. The
@@ -30,24 +38,25 @@ use rustix::process::{Pid, Signal};
 /// before `exec`): until then that process still runs the shell's handlers it was forked with,
 /// and a signal landing there (on a loaded machine the fork may not even have run yet) would be
 /// swallowed, leaving the program to run to the end.
-const SUPERVISOR: &str = r#"d=$1; shift
+const SUPERVISOR: &str = r#"d=$1; p=$2; shift 2
 c=; t=
 trap 't=TERM' TERM
 trap 't=INT' INT
-echo $$ > "$d/pid"
+echo "$$" > "$d/pid"
 { : > "$d/started"; exec "$@"; } &
 c=$!
+PATH=$p
 while :; do
   if [ -n "$t" ]; then
-    while [ ! -e "$d/started" ] && kill -0 $c 2>/dev/null; do sleep 0.01 2>/dev/null; done
+    while [ ! -e "$d/started" ] && kill -0 "$c" 2>/dev/null; do sleep 0.01 2>/dev/null; done
     trap '' TERM INT
-    kill -$t 0 2>/dev/null; t=
+    kill "-$t" 0 2>/dev/null; t=
   fi
-  wait $c; rc=$?
-  kill -0 $c 2>/dev/null || break
+  wait "$c"; rc=$?
+  kill -0 "$c" 2>/dev/null || break
 done
-echo $rc > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
-exit $rc"#;
+echo "$rc" > "$d/exit"
+exit "$rc""#;
 
 /// The process name the supervisor runs under (`ps` shows it).
 const SUPERVISOR_NAME: &str = "xpu-task";
@@ -93,6 +102,8 @@ pub fn task_dir(data_dir: &Path, job_id: i64, idx: u32, attempt: u32) -> PathBuf
 
 /// Variables passed through from the daemon's environment; everything else is the job's own.
 const PASS_ENV: [&str; 6] = ["PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ"];
+/// The `PATH` of tasks and of the supervisor when the daemon has none.
+const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin";
 /// Also passed to the container runtime: where the shim reads its settings
 /// (`xpu_container::config::ENV_VAR`).
 const RUNTIME_ENV: [&str; 1] = ["XPU_RUNTIME_CONFIG"];
@@ -164,17 +175,16 @@ fn supervisor<S: AsRef<std::ffi::OsStr>>(
     log: std::fs::File,
     log2: std::fs::File,
 ) -> tokio::process::Command {
+    let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
     let mut cmd = tokio::process::Command::new("/bin/sh");
-    cmd.arg("-c").arg(SUPERVISOR).arg(SUPERVISOR_NAME).arg(dir).args(argv);
+    cmd.arg("-c").arg(SUPERVISOR).arg(SUPERVISOR_NAME).arg(dir).arg(&path).args(argv);
     cmd.env_clear();
     for k in PASS_ENV {
         if let Some(v) = std::env::var_os(k) {
             cmd.env(k, v);
         }
     }
-    if std::env::var_os("PATH").is_none() {
-        cmd.env("PATH", "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin");
-    }
+    cmd.env("PATH", &path);
     cmd.stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log2))
@@ -284,6 +294,19 @@ mod tests {
         assert_eq!(recorded_exit(&l.dir), Some(3));
         assert_eq!(recorded_pid(&l.dir), Some(s.pid));
         assert_eq!(std::fs::read_to_string(l.dir.join("output.log")).unwrap(), "hi bar\n");
+    }
+
+    #[tokio::test]
+    async fn the_jobs_path_does_not_reach_the_supervisor() {
+        // A job's PATH without the usual commands (a conda environment): the program gets it,
+        // and the supervisor still records the exit status the daemon reads after a restart.
+        let tmp = tempfile::tempdir().unwrap();
+        let mut l = launch(tmp.path().join("t"), &["/bin/sh", "-c", "echo $PATH"]);
+        l.env.push(("PATH".into(), "/opt/conda/bin".into()));
+        let mut s = spawn(&l).unwrap();
+        assert_eq!(s.child.wait().await.unwrap().code(), Some(0));
+        assert_eq!(recorded_exit(&l.dir), Some(0));
+        assert_eq!(std::fs::read_to_string(l.dir.join("output.log")).unwrap(), "/opt/conda/bin\n");
     }
 
     #[tokio::test]
