@@ -19,6 +19,7 @@ pub mod bundle;
 pub mod driver;
 pub mod fake_kernel;
 pub mod hosts;
+pub mod kube;
 pub mod lspci;
 pub mod readiness;
 pub mod sysfs;
