@@ -3,9 +3,16 @@
 //!
 //! Over the Unix socket (mode 0660) and loopback TCP no token is asked; TCP bound to any other
 //! address requires `Authorization: Bearer <token>` with the token from `<data-dir>/token`.
+//! Because loopback TCP trusts whoever connects, and a browser on the host connects for any web
+//! page it shows, every request first passes [`browser_guard`]: on loopback TCP its `Host` must
+//! be the daemon's own address (a DNS-rebound name is refused), and a request that changes
+//! something must not come from another origin and must carry a JSON or YAML content type,
+//! which a page can only send to another origin after a CORS preflight the daemon never
+//! grants (<https://fetch.spec.whatwg.org/#cors-safelisted-request-header>).
 //! Request bodies are limited to [`MAX_BODY`]; manifests are validated by
 //! [`xpu_core::job::parse`] and a bad one gets 400 with the field path in `error` and `field`.
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -14,7 +21,7 @@ use axum::Json;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -36,8 +43,22 @@ const OPENAPI: &str = include_str!("openapi.json");
 
 type S = State<Arc<Shared>>;
 
-/// The routes. `require_token`: TCP on a non-loopback address.
-pub fn router(shared: Arc<Shared>, require_token: bool) -> Router {
+/// What the routes need to know about the listener they serve.
+#[derive(Debug, Clone)]
+pub struct ApiOptions {
+    /// The TCP address served; `None` for the Unix socket.
+    pub tcp: Option<SocketAddr>,
+}
+
+impl ApiOptions {
+    /// TCP off loopback asks for the token.
+    fn require_token(&self) -> bool {
+        self.tcp.is_some_and(|a| !a.ip().is_loopback())
+    }
+}
+
+/// The routes for one listener.
+pub fn router(shared: Arc<Shared>, opts: &ApiOptions) -> Router {
     let mut r = Router::new()
         .route("/", get(dashboard))
         .route("/login", get(login))
@@ -53,10 +74,125 @@ pub fn router(shared: Arc<Shared>, require_token: bool) -> Router {
         .route("/v1/events", get(events))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY));
-    if require_token {
+    if opts.require_token() {
         r = r.layer(middleware::from_fn_with_state(shared.clone(), auth));
     }
-    r.with_state(shared)
+    // Outermost: a browser's cross-site request is refused before anything else looks at it.
+    let guard = Arc::new(BrowserGuard::new(opts));
+    r.layer(middleware::from_fn_with_state(guard, browser_guard)).with_state(shared)
+}
+
+/// The checks of [`browser_guard`] for one listener.
+#[derive(Debug)]
+struct BrowserGuard {
+    /// The `Host` values accepted; `None`: any (the Unix socket, which no browser reaches, and
+    /// TCP off loopback, where the token is the defence: a rebound page cannot send it).
+    hosts: Option<Vec<String>>,
+}
+
+/// Media types a manifest (or an empty body) may be sent as. None of them is a CORS-safelisted
+/// `Content-Type`, so a browser sends such a request to another origin only after a preflight.
+const BODY_TYPES: [&str; 4] =
+    ["application/json", "application/yaml", "application/x-yaml", "text/yaml"];
+
+impl BrowserGuard {
+    fn new(opts: &ApiOptions) -> Self {
+        let hosts = opts.tcp.filter(|_| !opts.require_token()).map(|addr| {
+            let ip = match addr.ip() {
+                IpAddr::V4(v4) => v4.to_string(),
+                IpAddr::V6(v6) => format!("[{v6}]"),
+            };
+            let names = [ip, "localhost".to_owned()];
+            let mut hosts: Vec<String> =
+                names.iter().map(|n| format!("{n}:{}", addr.port())).collect();
+            // A browser leaves the default port out of Host.
+            if addr.port() == 80 {
+                hosts.extend(names);
+            }
+            hosts
+        });
+        Self { hosts }
+    }
+
+    /// `Err((status, message))` for a request a browser may have been made to send.
+    fn check(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+    ) -> Result<(), (StatusCode, String)> {
+        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+        if let Some(allowed) = &self.hosts {
+            // An absolute-form target names the host in place of Host (RFC 9112 section 3.2.2).
+            let named = uri.authority().map(|a| a.as_str()).or(host);
+            if !named.is_some_and(|h| allowed.iter().any(|a| a.eq_ignore_ascii_case(h))) {
+                return Err((
+                    StatusCode::FORBIDDEN,
+                    format!(
+                        "Host {:?} is not this daemon's address; use http://{}/ (a request for another name may be a DNS-rebinding page)",
+                        named.unwrap_or_default(),
+                        allowed.first().map_or("", String::as_str),
+                    ),
+                ));
+            }
+        }
+        if method.is_safe() {
+            return Ok(());
+        }
+        // Fetch metadata (https://w3c.github.io/webappsec-fetch-metadata/): `none` is the user
+        // acting directly, `same-origin` the dashboard itself.
+        if let Some(site) = headers.get("sec-fetch-site")
+            && !matches!(site.as_bytes(), b"same-origin" | b"none")
+        {
+            return Err((
+                StatusCode::FORBIDDEN,
+                format!(
+                    "Sec-Fetch-Site {:?}: requests from other sites may not change anything",
+                    String::from_utf8_lossy(site.as_bytes())
+                ),
+            ));
+        }
+        if let Some(origin) = headers.get(header::ORIGIN) {
+            let origin = origin.to_str().unwrap_or_default();
+            let same = host.is_some_and(|h| {
+                ["http", "https"]
+                    .iter()
+                    .any(|scheme| origin.eq_ignore_ascii_case(&format!("{scheme}://{h}")))
+            });
+            if !same {
+                return Err((
+                    StatusCode::FORBIDDEN,
+                    format!(
+                        "Origin {origin:?} is not this daemon's: requests from other sites may not change anything"
+                    ),
+                ));
+            }
+        }
+        let media = headers.get(header::CONTENT_TYPE).map(|v| {
+            let v = String::from_utf8_lossy(v.as_bytes());
+            v.split(';').next().unwrap_or_default().trim().to_ascii_lowercase()
+        });
+        match media {
+            Some(m) if BODY_TYPES.contains(&m.as_str()) => Ok(()),
+            other => Err((
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!(
+                    "Content-Type {}: send application/json or application/yaml, also with an empty body (form and text/plain posts are refused: any web page can send those)",
+                    other.map_or_else(|| "missing".to_owned(), |m| format!("{m:?}")),
+                ),
+            )),
+        }
+    }
+}
+
+/// Refuses what a web page open in a browser on the host could otherwise do with loopback's
+/// tokenless access: read the API under a rebound name, or post a job (which runs as the
+/// daemon's user) from another origin.
+async fn browser_guard(State(g): State<Arc<BrowserGuard>>, req: Request, next: Next) -> Response {
+    match g.check(req.method(), req.uri(), req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err((status, message)) => error(status, message),
+    }
 }
 
 fn error(status: StatusCode, msg: impl Into<String>) -> Response {
@@ -598,5 +734,63 @@ async fn events(State(s): S, Query(p): Query<EventParams>) -> Response {
     match s.store.events(p.after.unwrap_or(0), p.job, limit).await {
         Ok(ev) => Json(json!({ "events": ev })).into_response(),
         Err(e) => unavailable(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(tcp: &str, method: Method, headers: &[(&str, &str)]) -> Option<StatusCode> {
+        let g = BrowserGuard::new(&ApiOptions { tcp: Some(tcp.parse().expect("an address")) });
+        let mut h = HeaderMap::new();
+        for (k, v) in headers {
+            h.insert(
+                header::HeaderName::from_bytes(k.as_bytes()).expect("a header name"),
+                HeaderValue::from_str(v).expect("a header value"),
+            );
+        }
+        g.check(&method, &Uri::from_static("/v1/jobs"), &h).err().map(|(s, _)| s)
+    }
+
+    #[test]
+    fn loopback_hosts_are_the_bound_address_and_localhost() {
+        assert_eq!(check("[::1]:8470", Method::GET, &[("host", "[::1]:8470")]), None);
+        assert_eq!(check("[::1]:8470", Method::GET, &[("host", "localhost:8470")]), None);
+        let refused = Some(StatusCode::FORBIDDEN);
+        assert_eq!(check("[::1]:8470", Method::GET, &[("host", "127.0.0.1:8470")]), refused);
+        assert_eq!(check("127.0.0.1:8470", Method::GET, &[("host", "localhost:8471")]), refused);
+        assert_eq!(check("127.0.0.1:8470", Method::GET, &[("host", "localhost")]), refused);
+        assert_eq!(check("127.0.0.1:8470", Method::GET, &[]), refused);
+        // The default port is left out by browsers.
+        assert_eq!(check("127.0.0.1:80", Method::GET, &[("host", "localhost")]), None);
+        // Off loopback the token guards, whatever the name.
+        assert_eq!(check("0.0.0.0:8470", Method::GET, &[("host", "gpu-7.example:8470")]), None);
+    }
+
+    #[test]
+    fn changes_need_same_origin_and_a_manifest_type() {
+        let host = ("host", "127.0.0.1:8470");
+        let yaml = ("content-type", "application/yaml; charset=utf-8");
+        assert_eq!(check("127.0.0.1:8470", Method::POST, &[host, yaml]), None);
+        let same = ("origin", "http://127.0.0.1:8470");
+        assert_eq!(check("127.0.0.1:8470", Method::POST, &[host, yaml, same]), None);
+        let other = ("origin", "http://127.0.0.1:3000");
+        assert_eq!(
+            check("127.0.0.1:8470", Method::POST, &[host, yaml, other]),
+            Some(StatusCode::FORBIDDEN)
+        );
+        let site = ("sec-fetch-site", "same-site");
+        assert_eq!(
+            check("127.0.0.1:8470", Method::DELETE, &[host, yaml, site]),
+            Some(StatusCode::FORBIDDEN)
+        );
+        let form = ("content-type", "multipart/form-data; boundary=x");
+        assert_eq!(
+            check("127.0.0.1:8470", Method::POST, &[host, form]),
+            Some(StatusCode::UNSUPPORTED_MEDIA_TYPE)
+        );
+        // Safe methods carry no body to check.
+        assert_eq!(check("127.0.0.1:8470", Method::GET, &[host, other]), None);
     }
 }

@@ -1,6 +1,7 @@
 //! A small blocking HTTP/1.1 client for the daemon's API, over its Unix socket or TCP, so the
 //! CLI needs no HTTP stack of its own. It speaks exactly what the daemon answers: fixed-length
-//! and chunked bodies, keep-alive when the server allows it.
+//! and chunked bodies, keep-alive when the server allows it. A request that changes something
+//! is sent with a JSON or YAML content type unless the caller names one.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -194,6 +195,13 @@ impl Client {
             req.push_str(&format!("{k}: {v}\r\n"));
         }
         let body = body.unwrap_or_default();
+        // The daemon takes a change only with a JSON or YAML content type (what a browser
+        // cannot send cross-site without asking first); a manifest is YAML, and JSON is YAML.
+        let typed = headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type"));
+        if !typed && !matches!(method, "GET" | "HEAD") {
+            let media = if body.is_empty() { "application/json" } else { "application/yaml" };
+            req.push_str(&format!("Content-Type: {media}\r\n"));
+        }
         if !body.is_empty() || method == "POST" {
             req.push_str(&format!("Content-Length: {}\r\n", body.len()));
         }

@@ -233,7 +233,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     // rw for owner and group: local users in the daemon's group may submit.
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o660))
         .map_err(io("setting mode on", &socket))?;
-    let unix_app = api::router(shared.clone(), false);
+    let unix_app = api::router(shared.clone(), &api::ApiOptions { tcp: None });
     let mut servers = tokio::task::JoinSet::new();
     servers.spawn(async move {
         let _ = axum::serve(unix, unix_app).await;
@@ -242,7 +242,9 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| ServeError::Listen { addr: addr.to_string(), source })?;
-        let app = api::router(shared.clone(), !addr.ip().is_loopback());
+        // The address actually bound (the port, when 0 was asked for).
+        let bound = tcp.local_addr().unwrap_or(addr);
+        let app = api::router(shared.clone(), &api::ApiOptions { tcp: Some(bound) });
         servers.spawn(async move {
             let _ = axum::serve(tcp, app).await;
         });

@@ -1,0 +1,190 @@
+//! The daemon's HTTP edge against what a hostile or broken client sends, byte for byte: a web
+//! page's cross-site posts and DNS-rebound reads (loopback TCP asks for no token), log reads
+//! that must stream rather than load the whole file, and connections that never finish a
+//! request.
+
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+mod serve_support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use serve_support::{Daemon, WAIT, kill_tasks};
+
+/// A response read off the wire.
+struct Raw {
+    status: u16,
+    /// The status line and header lines, lower-cased.
+    head: String,
+    body: Vec<u8>,
+}
+
+/// Sends `request` as is on a fresh connection to 127.0.0.1:`port` and reads the whole
+/// response (the request should say `Connection: close`).
+fn raw(port: u16, request: &[u8]) -> Raw {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(WAIT))).unwrap();
+    s.write_all(request).unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    let split = out.windows(4).position(|w| w == b"\r\n\r\n").expect("a response head");
+    let head = String::from_utf8_lossy(&out[..split]).to_lowercase();
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap();
+    let mut body = out[split + 4..].to_vec();
+    if head.contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    Raw { status, head, body }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n").unwrap();
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[eol + 2..eol + 2 + size]);
+        b = &b[eol + 2 + size + 2..];
+    }
+}
+
+fn post(host: &str, extra: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST /v1/jobs HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn job_count(d: &Daemon) -> usize {
+    d.cli_json(&["jobs", "--format", "json"])["jobs"].as_array().unwrap().len()
+}
+
+/// Loopback TCP needs no token, so a page in a browser on the host must not be able to use it:
+/// the exact requests a browser sends for a cross-site `fetch`/form post, or for a name rebound
+/// to 127.0.0.1, are refused and create no job; the daemon's own clients still work.
+#[test]
+fn browser_cross_site_requests_are_refused_on_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(&dir.path().join("data"), None, &["--devices", "nvidia-a100:1"]);
+    let port = d.port;
+    let me = format!("127.0.0.1:{port}");
+    let marker = dir.path().join("pwned");
+    let evil = format!("command: [sh, -c, \"touch {}\"]\n", marker.display());
+
+    // fetch("http://evil.example:PORT/v1/jobs", {method: "POST", mode: "no-cors", body}) from a
+    // page whose name now resolves to 127.0.0.1.
+    let r = raw(
+        port,
+        &post(
+            &format!("evil.example:{port}"),
+            "Origin: http://evil.example\r\nContent-Type: text/plain;charset=UTF-8\r\nSec-Fetch-Site: cross-site\r\n",
+            &evil,
+        ),
+    );
+    assert_eq!(r.status, 403, "{}", String::from_utf8_lossy(&r.body));
+    // The same page reading the API under its rebound name.
+    let r = raw(
+        port,
+        format!("GET /v1/jobs HTTP/1.1\r\nHost: evil.example:{port}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    );
+    assert_eq!(r.status, 403);
+    // An absolute-form target naming another host.
+    let r = raw(
+        port,
+        format!(
+            "GET http://evil.example:{port}/v1/jobs HTTP/1.1\r\nHost: {me}\r\nConnection: close\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    assert_eq!(r.status, 403);
+    // <form method=post action="http://127.0.0.1:PORT/v1/jobs"> on another site: right Host,
+    // foreign Origin.
+    for ty in ["application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "text/plain"]
+    {
+        let r = raw(
+            port,
+            &post(&me, &format!("Origin: http://evil.example\r\nContent-Type: {ty}\r\n"), &evil),
+        );
+        assert_eq!(r.status, 403, "{ty}: {}", String::from_utf8_lossy(&r.body));
+    }
+    // Fetch metadata alone is enough, as is an opaque origin.
+    let r = raw(
+        port,
+        &post(&me, "Sec-Fetch-Site: cross-site\r\nContent-Type: application/json\r\n", &evil),
+    );
+    assert_eq!(r.status, 403);
+    let r = raw(port, &post(&me, "Origin: null\r\nContent-Type: application/yaml\r\n", &evil));
+    assert_eq!(r.status, 403);
+    // No Origin (an old browser, a form in a privacy mode): the content type decides.
+    for extra in
+        ["Content-Type: text/plain\r\n", "Content-Type: application/x-www-form-urlencoded\r\n", ""]
+    {
+        let r = raw(port, &post(&me, extra, &evil));
+        assert_eq!(r.status, 415, "{extra:?}: {}", String::from_utf8_lossy(&r.body));
+        assert!(r.head.contains("content-type: application/json"), "{}", r.head);
+        assert!(String::from_utf8_lossy(&r.body).contains("application/yaml"));
+    }
+    // A cancel is a change too.
+    let r = raw(
+        port,
+        format!("POST /v1/jobs/1/cancel HTTP/1.1\r\nHost: {me}\r\nOrigin: http://evil.example\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").as_bytes(),
+    );
+    assert_eq!(r.status, 403);
+    assert_eq!(job_count(&d), 0, "a refused request created a job");
+    assert!(!marker.exists());
+
+    // The daemon's own page (same origin) and its names: 127.0.0.1 and localhost.
+    let ok = "command: [\"true\"]\n";
+    let r = raw(
+        port,
+        &post(
+            &me,
+            &format!(
+                "Origin: http://{me}\r\nSec-Fetch-Site: same-origin\r\nContent-Type: application/yaml\r\n"
+            ),
+            ok,
+        ),
+    );
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    let r = raw(
+        port,
+        format!("GET /v1/jobs HTTP/1.1\r\nHost: localhost:{port}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    );
+    assert_eq!(r.status, 200);
+    let r = raw(
+        port,
+        &post(
+            &format!("LOCALHOST:{port}"),
+            "Content-Type: application/json\r\n",
+            "{\"command\": [\"true\"]}",
+        ),
+    );
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    // The CLI over TCP and over the socket: submit and cancel.
+    let out = std::process::Command::new(serve_support::xpu_bin())
+        .args(["submit", "--server", &d.url(), "--", "sleep", "60"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let out = d.cli(&["cancel", &id]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(job_count(&d), 3);
+    // No browser reaches the socket: any Host, or none, is fine there.
+    for host in ["Host: evil.example\r\n", ""] {
+        let mut s = std::os::unix::net::UnixStream::connect(d.data_dir.join("xpu.sock")).unwrap();
+        write!(s, "GET /v1/jobs HTTP/1.1\r\n{host}Connection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{host:?}: {out}");
+    }
+    kill_tasks(&d.data_dir);
+}
