@@ -439,26 +439,23 @@ fn check_runnable(s: &Shared, spec: &xpu_core::job::JobSpec) -> Result<(), (Stri
         };
         return Err((field, e.to_string()));
     }
+    // What runc would refuse when the task starts is refused now, naming the field.
     let c = &spec.container;
-    let (field, path, marker) = match (&c.rootfs, &c.bundle) {
-        (Some(r), _) => {
-            (if k8s { "metadata.annotations.xpu.dev/rootfs" } else { "rootfs" }, r, None)
-        }
+    let (field, problem) = match (&c.rootfs, &c.bundle) {
+        (Some(r), _) => (
+            if k8s { "metadata.annotations.xpu.dev/rootfs" } else { "rootfs" },
+            crate::container::root_problem(std::path::Path::new(r)),
+        ),
         (None, Some(b)) => (
             if k8s { "metadata.annotations.xpu.dev/bundle" } else { "bundle" },
-            b,
-            Some("config.json"),
+            crate::container::bundle_problem(std::path::Path::new(b)),
         ),
         (None, None) => return Ok(()),
     };
-    let dir = std::path::Path::new(path);
-    let ok = dir.is_dir() && marker.is_none_or(|m| dir.join(m).is_file());
-    if !ok {
-        let what =
-            if marker.is_some() { "a bundle directory with config.json" } else { "a directory" };
-        return Err((field.to_owned(), format!("{path} is not {what} on the daemon's host")));
+    match problem {
+        Some(message) => Err((field.to_owned(), message)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 #[derive(Debug, Deserialize)]

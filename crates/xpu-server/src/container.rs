@@ -45,6 +45,8 @@ pub enum Source {
 pub enum BundleError {
     #[error("job {job}: rootfs {path} is not a directory; create it or fix xpu.dev/rootfs")]
     NoRootfs { job: i64, path: String },
+    #[error("job {job}: {problem}")]
+    BadRoot { job: i64, problem: String },
     #[error("job {job}: bundle {path} has no readable config.json ({source}); fix xpu.dev/bundle")]
     NoBundle { job: i64, path: String, source: std::io::Error },
     #[error("job {job}: {path} is not valid OCI config JSON: {message}")]
@@ -53,6 +55,65 @@ pub enum BundleError {
     NoCommand { job: i64, path: String },
     #[error("writing {path}: {source}")]
     Write { path: String, source: std::io::Error },
+}
+
+/// Why runc would refuse `path` as a container's root filesystem, or `None` when it takes it: an
+/// absolute path to a directory with no symlink in it (runc compares the path with its resolved
+/// form and refuses a difference: libcontainer/configs/validate, `rootfs`).
+pub fn root_problem(path: &Path) -> Option<String> {
+    let shown = path.display();
+    if !path.is_absolute() {
+        return Some(format!("{shown} is not an absolute path; give the full path"));
+    }
+    if path.components().any(|c| c == std::path::Component::ParentDir) {
+        return Some(format!("{shown} has .. in it; give the path without it"));
+    }
+    let real = match std::fs::canonicalize(path) {
+        Ok(r) if r.is_dir() => r,
+        _ => return Some(format!("{shown} is not a directory on the daemon's host")),
+    };
+    // `components` drops `.` and trailing slashes, as runc's filepath.Clean does.
+    let clean: PathBuf = path.components().collect();
+    if real != clean {
+        return Some(format!(
+            "{shown} has a symlink in it (it resolves to {}), which runc refuses as a root; give {0}",
+            real.display()
+        ));
+    }
+    None
+}
+
+/// The largest bundle `config.json` read (runc's own are a few KiB).
+const MAX_CONFIG: u64 = 4 << 20;
+
+/// Why `dir` cannot be run as a bundle, or `None`: it must be a directory whose `config.json`
+/// names a root ([`root_problem`]) for runc.
+pub fn bundle_problem(dir: &Path) -> Option<String> {
+    if let Some(p) = root_problem(dir) {
+        return Some(p.replace("is not a directory", "is not a bundle directory with config.json"));
+    }
+    let path = dir.join("config.json");
+    let mut text = Vec::new();
+    let read = std::fs::File::open(&path).and_then(|f| {
+        std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_CONFIG + 1), &mut text)
+    });
+    if read.is_err() {
+        return Some(format!(
+            "{} is not a bundle directory with config.json on the daemon's host",
+            dir.display()
+        ));
+    }
+    if text.len() as u64 > MAX_CONFIG {
+        return Some(format!("{} is larger than {MAX_CONFIG} bytes", path.display()));
+    }
+    let v: Value = match serde_json::from_slice(&text) {
+        Ok(v) => v,
+        Err(e) => return Some(format!("{} is not valid JSON: {e}", path.display())),
+    };
+    let Some(root) = v.pointer("/root/path").and_then(Value::as_str) else {
+        return Some(format!("{} has no root.path", path.display()));
+    };
+    root_problem(&dir.join(root)).map(|p| format!("root.path of {}: {p}", path.display()))
 }
 
 /// What goes into the container's process.
@@ -121,6 +182,9 @@ pub fn config(c: &ContainerLaunch, p: &Process<'_>) -> Result<Value, BundleError
                     path: rootfs.display().to_string(),
                 });
             }
+            if let Some(problem) = root_problem(rootfs) {
+                return Err(BundleError::BadRoot { job: p.job, problem });
+            }
             default_config(rootfs, &c.hostname)
         }
         Source::Bundle(dir) => {
@@ -142,6 +206,9 @@ pub fn config(c: &ContainerLaunch, p: &Process<'_>) -> Result<Value, BundleError
                 .and_then(Value::as_str)
                 .ok_or_else(|| bad("root.path is missing".to_owned()))?;
             let abs = dir.join(root);
+            if let Some(problem) = root_problem(&abs) {
+                return Err(bad(format!("root.path: {problem}")));
+            }
             if let Some(r) = v.pointer_mut("/root/path") {
                 *r = json!(abs);
             }
@@ -298,6 +365,7 @@ mod tests {
     #[test]
     fn bundle_config_keeps_its_own_and_takes_the_manifest() {
         let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir(tmp.path().join("rootfs")).unwrap();
         let mut base = default_config(Path::new("rootfs"), "runc");
         base["process"]["args"] = json!(["/app/train"]);
         base["process"]["env"] = json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=all"]);
@@ -310,6 +378,14 @@ mod tests {
         assert_eq!(v["process"]["env"], json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=2"]));
         assert_eq!(v["root"]["path"], json!(tmp.path().join("rootfs")));
         assert_eq!(v["hostname"], "runc", "the bundle's own settings stay");
+        // A root runc would refuse fails here, not in runc.
+        std::os::unix::fs::symlink(tmp.path().join("rootfs"), tmp.path().join("link")).unwrap();
+        let mut linked = base.clone();
+        linked["root"]["path"] = json!("link");
+        std::fs::write(tmp.path().join("config.json"), linked.to_string()).unwrap();
+        let e = config(&c, &p).unwrap_err().to_string();
+        assert!(e.contains("has a symlink in it"), "{e}");
+        assert!(bundle_problem(tmp.path()).unwrap().contains("has a symlink in it"));
         let empty = launch(Source::Bundle(tmp.path().join("nope")));
         assert!(config(&empty, &p).unwrap_err().to_string().contains("no readable config.json"));
         assert_ne!(container_id(Path::new("/a"), 1, 0, 0), container_id(Path::new("/b"), 1, 0, 0));

@@ -689,7 +689,7 @@ impl Engine {
             Msg::Exited { job, idx, attempt, code } => self.exited(job, idx, attempt, code),
             Msg::StartFailed { job, idx, attempt, error } => {
                 self.event(Some(job), "start-failed", error.clone());
-                self.exited(job, idx, attempt, None);
+                self.ended(job, idx, attempt, None, Some(&error));
                 if let Some(j) = self.jobs.get_mut(&job) {
                     j.reason = error;
                 }
@@ -783,6 +783,19 @@ impl Engine {
     }
 
     fn exited(&mut self, job_id: i64, idx: u32, attempt: u32, code: Option<i32>) {
+        self.ended(job_id, idx, attempt, code, None);
+    }
+
+    /// A task attempt that ended: with its exit status (`None` when it could not be learned),
+    /// or with the error that kept it from starting.
+    fn ended(
+        &mut self,
+        job_id: i64,
+        idx: u32,
+        attempt: u32,
+        code: Option<i32>,
+        start_error: Option<&str>,
+    ) {
         let Some(job) = self.jobs.get_mut(&job_id) else { return };
         let Some(pos) = job.tasks.iter().position(|t| t.idx == idx && t.attempt == attempt) else {
             return;
@@ -834,11 +847,11 @@ impl Engine {
         }
         self.shared.metrics.tasks_failed.fetch_add(1, Ordering::Relaxed);
         job.failures += 1;
-        let what = match code {
-            Some(c) => format!("exit status {c}"),
-            None => "lost (no exit status)".to_owned(),
+        let msg = match (start_error, code) {
+            (Some(e), _) => format!("task {idx} attempt {attempt} could not start: {e}"),
+            (None, Some(c)) => format!("task {idx} attempt {attempt} failed: exit status {c}"),
+            (None, None) => format!("task {idx} attempt {attempt} failed: lost (no exit status)"),
         };
-        let msg = format!("task {idx} attempt {attempt} failed: {what}");
         let (failures, limit) = (job.failures, i64::from(job.spec.backoff_limit));
         let state = job.state;
         // Kubernetes: the Job fails once failures exceed backoffLimit.

@@ -67,6 +67,10 @@ pub enum ExecError {
     Dir { path: String, source: std::io::Error },
     #[error("starting {program:?} for job {job} task {idx}: {source}")]
     Spawn { program: String, job: i64, idx: u32, source: std::io::Error },
+    #[error(
+        "job {job} task {idx}: its command line and environment ({bytes} bytes) are too large to start ({error}); Linux takes at most 128 KiB in one argument or variable and 2 MiB in all under the default stack limit; pass large inputs in a file"
+    )]
+    TooLarge { job: i64, idx: u32, bytes: usize, error: std::io::Error },
     #[error("job {job}: working directory {dir} does not exist; create it or fix workingDir")]
     WorkingDir { job: i64, dir: String },
     #[error(transparent)]
@@ -199,11 +203,13 @@ fn finish_spawn(
     l: &Launch,
     program: &str,
 ) -> Result<Spawned, ExecError> {
-    let child = cmd.spawn().map_err(|source| ExecError::Spawn {
-        program: program.to_owned(),
-        job: l.job_id,
-        idx: l.idx,
-        source,
+    let child = cmd.spawn().map_err(|source| {
+        if source.kind() == std::io::ErrorKind::ArgumentListTooLong {
+            let bytes = l.argv.iter().map(|a| a.len() + 1).sum::<usize>()
+                + l.env.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>();
+            return ExecError::TooLarge { job: l.job_id, idx: l.idx, bytes, error: source };
+        }
+        ExecError::Spawn { program: program.to_owned(), job: l.job_id, idx: l.idx, source }
     })?;
     let pid = child.id().map_or(0, |p| p as i32);
     Ok(Spawned { pid, child })

@@ -46,9 +46,9 @@ pub enum ServeError {
     Store(#[from] store::StoreError),
     #[error("discovering accelerators")]
     Discover(#[source] Box<dyn std::error::Error + Send + Sync>),
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}")]
     Io { what: &'static str, path: String, source: std::io::Error },
-    #[error("listening on {addr}: {source}; pick a free address with --listen")]
+    #[error("listening on {addr} (pick a free address with --listen)")]
     Listen { addr: String, source: std::io::Error },
     #[error("this node cannot be scheduled on; drop some --devices")]
     Scheduler(#[source] xpu_sched::scheduler::SchedError),
@@ -76,6 +76,53 @@ pub struct ServeOptions {
     /// The OCI runtime shim containerised tasks run through (`[/usr/bin/xpu, runtime]`); it
     /// takes runc's arguments.
     pub runtime: Vec<OsString>,
+    /// Told what happens while the daemon starts (the CLI prints it).
+    pub notify: Notify,
+}
+
+/// What the daemon tells whoever started it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notice<'a> {
+    /// Something found at start-up was wrong and has been put right.
+    Warning(&'a str),
+    /// Every listener is bound: what a "serving" banner may say.
+    Serving,
+}
+
+/// A function that takes [`Notice`]s.
+type NoticeFn = dyn Fn(Notice<'_>) + Send + Sync;
+
+/// A receiver of [`Notice`]s; the default drops them.
+#[derive(Clone, Default)]
+pub struct Notify(Option<Arc<NoticeFn>>);
+
+impl Notify {
+    pub fn new(f: impl Fn(Notice<'_>) + Send + Sync + 'static) -> Self {
+        Notify(Some(Arc::new(f)))
+    }
+
+    pub fn send(&self, n: Notice<'_>) {
+        if let Some(f) = &self.0 {
+            f(n);
+        }
+    }
+}
+
+impl std::fmt::Debug for Notify {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Notify(..)" } else { "Notify(none)" })
+    }
+}
+
+/// The daemon's socket file, removed when start-up fails after binding it and when the daemon
+/// stops.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        // Already gone is fine; one that cannot be removed is replaced at the next start.
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 impl ServeOptions {
@@ -91,6 +138,7 @@ impl ServeOptions {
             node_name: None,
             grace: Duration::from_secs(10),
             runtime: default_runtime(),
+            notify: Notify::default(),
         }
     }
 
@@ -225,11 +273,11 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         db_url,
     });
     let engine = Engine::new(shared.clone(), rx, tx).map_err(ServeError::Scheduler)?;
-    tokio::spawn(engine.run());
 
     let socket = opts.socket_path();
     let _ = std::fs::remove_file(&socket);
     let unix = tokio::net::UnixListener::bind(&socket).map_err(io("binding socket", &socket))?;
+    let _socket_file = SocketFile(socket.clone());
     // rw for owner and group: local users in the daemon's group may submit.
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o660))
         .map_err(io("setting mode on", &socket))?;
@@ -251,13 +299,15 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(io("installing signal handler", Path::new("SIGTERM")))?;
+    // Scheduling (re-adopting tasks, starting queued ones) begins once start-up cannot fail.
+    tokio::spawn(engine.run());
+    opts.notify.send(Notice::Serving);
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
         _ = servers.join_next() => {}
     }
-    // Tasks keep running: a restarted daemon re-adopts them.
-    let _ = std::fs::remove_file(&socket);
+    // Tasks keep running: a restarted daemon re-adopts them. The socket goes with its guard.
     Ok(())
 }
 

@@ -1,11 +1,15 @@
-//! How `xpu serve` runs a task whatever the job puts in it: a job's `PATH` does not break the
-//! task supervisor, so an exit status is recorded even while the daemon is down.
+//! How `xpu serve` starts and runs tasks whatever the job puts in it: a job's `PATH` does not
+//! break the task supervisor (an exit status is recorded even while the daemon is down), a task
+//! that cannot start says why, a root filesystem runc would refuse is refused at submit, and a
+//! daemon that cannot start prints its cause once, no banner, and leaves no socket behind.
 
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 mod serve_support;
 
-use serve_support::Daemon;
+use std::process::Command;
+
+use serve_support::{Daemon, xpu_bin};
 
 /// Whether a process is alive: present and not a zombie.
 fn alive(pid: i64) -> bool {
@@ -37,4 +41,101 @@ fn a_jobs_path_keeps_its_exit_status_across_a_daemon_restart() {
     assert_eq!(j["state"], "succeeded", "{j}");
     assert_eq!(j["tasks"][0]["exit_code"], 0, "{j}");
     d.wait_log(id, "path=/opt/conda/bin");
+}
+
+#[test]
+fn a_task_that_cannot_start_fails_with_the_reason() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Daemon::start(&tmp.path().join("data"), None, &[]);
+    // One argument over Linux's 128 KiB limit: exec fails with E2BIG.
+    let huge = "x".repeat(140_000);
+    let id = d.submit(&format!("command: [/bin/echo, {huge}]\n"));
+    let j = d.wait_state(id, &["succeeded", "failed"]);
+    assert_eq!(j["state"], "failed");
+    let message = j["message"].as_str().unwrap();
+    assert!(message.contains("could not start"), "{message}");
+    assert!(message.contains("too large to start"), "{message}");
+    assert!(!message.contains("lost"), "{message}");
+    assert_eq!(j["tasks"][0]["exit_code"], serde_json::Value::Null, "{j}");
+}
+
+#[test]
+fn a_root_runc_would_refuse_is_refused_at_submit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Daemon::start(&tmp.path().join("data"), None, &[]);
+    let real = tmp.path().join("real");
+    std::fs::create_dir_all(real.join("rootfs")).unwrap();
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let refused = |manifest: String| -> String {
+        let r = d.client().request("POST", "/v1/jobs", Some(manifest.as_bytes()), &[]).unwrap();
+        assert_eq!(r.status, 400, "{manifest}: {}", String::from_utf8_lossy(&r.body));
+        r.json().unwrap()["error"].as_str().unwrap().to_owned()
+    };
+    let job = |field: &str, path: &str| format!("command: [\"true\"]\n{field}: {path}\n");
+    // A symlink, or a symlink above it: runc compares the root with its resolved path.
+    let e = refused(job("rootfs", &link.join("rootfs").display().to_string()));
+    assert_eq!(
+        e,
+        format!(
+            "rootfs: {} has a symlink in it (it resolves to {}), which runc refuses as a root; give {1}",
+            link.join("rootfs").display(),
+            real.join("rootfs").display()
+        )
+    );
+    let e = refused(job("rootfs", &link.display().to_string()));
+    assert!(e.contains("has a symlink in it"), "{e}");
+    // Relative to what the daemon's working directory happens to be: refused.
+    let e = refused(job("rootfs", "real/rootfs"));
+    assert!(e.starts_with("rootfs: ") && e.contains("absolute"), "{e}");
+    let e = refused(job("rootfs", &tmp.path().join("missing").display().to_string()));
+    assert!(e.ends_with("is not a directory on the daemon's host"), "{e}");
+    // A bundle whose config.json names a root that is not there.
+    std::fs::write(real.join("config.json"), r#"{"root": {"path": "nope"}, "process": {}}"#)
+        .unwrap();
+    let e = refused(job("bundle", &real.display().to_string()));
+    assert_eq!(
+        e,
+        format!(
+            "bundle: root.path of {}: {} is not a directory on the daemon's host",
+            real.join("config.json").display(),
+            real.join("nope").display()
+        )
+    );
+    // The same bundle reached through a symlink.
+    std::fs::write(real.join("config.json"), r#"{"root": {"path": "rootfs"}, "process": {}}"#)
+        .unwrap();
+    let e = refused(job("bundle", &link.display().to_string()));
+    assert!(e.contains("has a symlink in it"), "{e}");
+    // Kubernetes' form names the annotation.
+    let k8s = format!(
+        "apiVersion: batch/v1\nkind: Job\nmetadata:\n  name: j\n  annotations:\n    xpu.dev/rootfs: {}\nspec:\n  template:\n    spec:\n      restartPolicy: Never\n      containers:\n      - name: c\n        command: [\"true\"]\n",
+        link.display()
+    );
+    assert!(refused(k8s).starts_with("metadata.annotations.xpu.dev/rootfs: "));
+}
+
+#[test]
+fn a_daemon_that_cannot_listen_says_why_once_without_banner_or_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = Command::new(xpu_bin())
+        .args(["serve", "--data-dir", data.to_str().unwrap(), "--listen", &addr])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        !stderr.contains("xpu serve: socket"),
+        "no banner for a daemon that never served: {stderr}"
+    );
+    assert_eq!(stderr.matches("Address already in use").count(), 1, "{stderr}");
+    assert!(stderr.contains(&format!("listening on {addr}")), "{stderr}");
+    assert!(!data.join("xpu.sock").exists(), "the socket is left behind: {stderr}");
+
+    // A daemon that starts prints its banner once it serves.
+    let d = Daemon::start(&data, None, &[]);
+    d.wait_for("the banner", || d.log().contains("xpu serve: socket").then_some(()));
 }

@@ -92,14 +92,38 @@ pub fn serve(args: ServeArgs) -> CmdResult {
         }))?;
         return Ok(ExitCode::SUCCESS);
     }
-    eprintln!(
+    // The banner once the daemon serves; a start that fails prints only its error.
+    let banner = format!(
         "xpu serve: socket {}{}, store {}",
         opts.socket_path().display(),
         opts.listen.map(|a| format!(", dashboard http://{a}/")).unwrap_or_default(),
         opts.db_url()
     );
-    xpu_server::serve_blocking(opts).map_err(CliError::failed)?;
+    opts.notify = xpu_server::Notify::new(move |n| match n {
+        xpu_server::Notice::Warning(w) => crate::output::warn_all(&[w.to_owned()]),
+        xpu_server::Notice::Serving => eprintln!("{banner}"),
+    });
+    xpu_server::serve_blocking(opts)
+        .map_err(|e| CliError::failed(anyhow::Error::msg(chain_once(&e))))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `outer: inner: root cause` on one line, leaving out a cause whose text the message above it
+/// already shows (the store's and the OS's errors embed their source).
+fn chain_once(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut above = out.clone();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !above.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        above = text;
+        cause = c.source();
+    }
+    out
 }
 
 /// How a client command reaches the daemon.
@@ -520,6 +544,28 @@ pub fn devices(args: DevicesArgs) -> CmdResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cause_is_printed_once() {
+        #[derive(Debug)]
+        struct E(&'static str, Option<Box<E>>);
+        impl std::fmt::Display for E {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.0)
+            }
+        }
+        impl std::error::Error for E {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                self.1.as_deref().map(|e| e as _)
+            }
+        }
+        let os = E("file is not a database", None);
+        let e = E(
+            "opening the store",
+            Some(Box::new(E("sqlite: file is not a database", Some(Box::new(os))))),
+        );
+        assert_eq!(chain_once(&e), "opening the store: sqlite: file is not a database");
+    }
 
     #[test]
     fn civil_time() {
