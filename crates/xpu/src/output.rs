@@ -94,3 +94,21 @@ pub fn report_peak_rss() {
         eprintln!("xpu: peak RSS {kib} KiB");
     }
 }
+
+/// Structured logs for the long-running commands, on stderr: `RUST_LOG` sets the level
+/// (`error`, `warn`, `info` (default), `debug`, `trace`); `XPU_LOG_FORMAT=json` prints one JSON
+/// object per event (for journald and log shippers).
+pub fn init_tracing() {
+    use tracing_subscriber::filter::LevelFilter;
+    let level = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|v| v.trim().parse::<LevelFilter>().ok())
+        .unwrap_or(LevelFilter::INFO);
+    let b = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    let json = std::env::var("XPU_LOG_FORMAT").is_ok_and(|v| v == "json");
+    // An already set subscriber (a test calling twice) keeps the first one.
+    let _ = if json { b.json().try_init() } else { b.try_init() };
+}

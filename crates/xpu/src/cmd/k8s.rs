@@ -27,6 +27,51 @@ pub enum K8sCommand {
     DevicePlugin(DevicePluginArgs),
     /// Write the discovery labels as a Node Feature Discovery local feature file.
     NfdFeatures(NfdArgs),
+    /// Schedule the pods whose spec.schedulerName is NAME (default xpu) with xpu-sched and bind
+    /// them through the API server: gangs, TPU slices, fair-share queues. Runs until SIGTERM.
+    Scheduler(SchedulerArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SchedulerArgs {
+    /// Kubeconfig file; default $KUBECONFIG, then ~/.kube/config, then the in-cluster config.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Pods with this spec.schedulerName are scheduled.
+    #[arg(long, value_name = "NAME", default_value = "xpu")]
+    pub scheduler_name: String,
+    /// Placement policy, the names `xpu sim` takes: xpu, fgd, bestfit, dotprod, gpupacking,
+    /// gpuclustering, random.
+    #[arg(long, value_name = "NAME", default_value = "xpu")]
+    pub policy: String,
+    /// Run only while holding a coordination.k8s.io/v1 Lease (for several replicas).
+    #[arg(long)]
+    pub leader_elect: bool,
+    /// The Lease's namespace.
+    #[arg(long, value_name = "NS", default_value = "kube-system")]
+    pub leader_elect_resource_namespace: String,
+    /// The Lease's name; default: the scheduler name.
+    #[arg(long, value_name = "NAME")]
+    pub leader_elect_resource_name: Option<String>,
+    /// Seconds a lease lasts without renewal before a standby takes it.
+    #[arg(long, value_name = "SECONDS", default_value_t = 15,
+          value_parser = clap::value_parser!(u64).range(2..=3600))]
+    pub leader_elect_lease_duration: u64,
+    /// Seconds the leader keeps trying to renew before it gives up leading.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub leader_elect_renew_deadline: u64,
+    /// Seconds between lease attempts.
+    #[arg(long, value_name = "SECONDS", default_value_t = 2,
+          value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub leader_elect_retry_period: u64,
+    /// Serve Prometheus metrics and /healthz here (e.g. 0.0.0.0:10259).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Bindings in flight at once.
+    #[arg(long, value_name = "N", default_value_t = 32,
+          value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub bind_concurrency: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -74,7 +119,56 @@ pub fn run(args: Args) -> CmdResult {
     match args.command {
         K8sCommand::DevicePlugin(a) => device_plugin(a),
         K8sCommand::NfdFeatures(a) => nfd_features(a),
+        K8sCommand::Scheduler(a) => scheduler(a),
     }
+}
+
+fn scheduler(a: SchedulerArgs) -> CmdResult {
+    let policy = a
+        .policy
+        .parse::<xpu_sched::PolicyKind>()
+        .map_err(|e| CliError::input(anyhow::anyhow!(e)))?;
+    if a.leader_elect_renew_deadline >= a.leader_elect_lease_duration {
+        return Err(CliError::input(anyhow::anyhow!(
+            "--leader-elect-renew-deadline ({} s) must be shorter than --leader-elect-lease-duration ({} s)",
+            a.leader_elect_renew_deadline,
+            a.leader_elect_lease_duration
+        )));
+    }
+    crate::output::init_tracing();
+    let identity = format!(
+        "{}_{}",
+        std::env::var("POD_NAME")
+            .or_else(|_| std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned()))
+            .unwrap_or_else(|_| "xpu".into()),
+        std::process::id()
+    );
+    let args = xpu_kube::SchedulerArgs {
+        kubeconfig: a.kubeconfig,
+        options: xpu_kube::scheduler::Options {
+            scheduler_name: a.scheduler_name.clone(),
+            policy,
+            bind_concurrency: a.bind_concurrency as usize,
+            ..xpu_kube::scheduler::Options::default()
+        },
+        leader_elect: a.leader_elect.then(|| xpu_kube::leader::LeaseConfig {
+            namespace: a.leader_elect_resource_namespace,
+            name: a.leader_elect_resource_name.unwrap_or(a.scheduler_name),
+            identity,
+            lease_duration: Duration::from_secs(a.leader_elect_lease_duration),
+            renew_deadline: Duration::from_secs(a.leader_elect_renew_deadline),
+            retry_period: Duration::from_secs(a.leader_elect_retry_period),
+        }),
+        metrics_addr: a.metrics_addr,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(CliError::failed)?;
+    rt.block_on(xpu_kube::run_scheduler(args)).map_err(|e| CliError::failed(anyhow::anyhow!(e)))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn device_plugin(args: DevicePluginArgs) -> CmdResult {

@@ -1,0 +1,518 @@
+//! Kubernetes objects to scheduler terms: a Node to an [`xpu_sched::NodeSpec`], a Pod to what
+//! it asks for ([`PodAsk`]) and which gang it belongs to. Pure functions; no I/O.
+//!
+//! What a pod asks for follows kube-scheduler's rules: the effective request is the larger of
+//! the sum over containers and the largest init container (sidecars, `restartPolicy: Always`,
+//! add to both), plus `spec.overhead`; extended resources are whole counts. A constraint xpu does
+//! not implement is reported by its field path ([`Unsupported`]) so the pod can say which.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use xpu_core::DeviceKind;
+use xpu_sched::constraints::{Effect, Operator, Requirement, Taint, Toleration};
+use xpu_sched::request::{GKE_TPU_ACCELERATOR, GKE_TPU_TOPOLOGY};
+use xpu_sched::{DeviceAsk, DeviceSpec, NodeSpec, TaskSpec};
+
+/// Extended resources xpu schedules, with the device kind each stands for.
+pub const DEVICE_RESOURCES: [(&str, DeviceKind); 3] = [
+    ("nvidia.com/gpu", DeviceKind::Gpu),
+    ("amd.com/gpu", DeviceKind::Gpu),
+    ("google.com/tpu", DeviceKind::Tpu),
+];
+
+/// Label (or annotation) naming a gang of pods that start together or not at all.
+pub const GANG_LABEL: &str = "xpu.dev/gang";
+/// Label (or annotation) with the number of pods in the gang.
+pub const GANG_SIZE: &str = "xpu.dev/gang-size";
+/// Label choosing the fair-share queue; the namespace when absent.
+pub const QUEUE_LABEL: &str = "xpu.dev/queue";
+/// GKE's node-pool label: nodes of one pool form one TPU slice.
+pub const GKE_NODEPOOL: &str = "cloud.google.com/gke-nodepool";
+/// Product labels device plugins and GPU feature discovery put on nodes.
+const MODEL_LABELS: [&str; 3] =
+    ["nvidia.com/gpu.product", "amd.com/gpu.product-name", "xpu.dev/gpu.product"];
+/// The Indexed Job's completion index (annotation, and label since 1.28).
+pub const COMPLETION_INDEX: &str = "batch.kubernetes.io/job-completion-index";
+
+/// Parses a Kubernetes quantity (`500m`, `2`, `16Gi`, `1e3`, `1.5G`) into its value times
+/// `scale` (1000 for milli-CPU), rounded up. `None` when malformed or negative.
+pub fn quantity(q: &str, scale: f64) -> Option<u64> {
+    let q = q.trim();
+    let split =
+        q.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(q.len());
+    // `1e3` is an exponent; `1E` (exa) is a suffix: an `e`/`E` followed by digits is part of the number.
+    let (num, suffix) = if split == q.len() {
+        match q.rfind(['e', 'E']) {
+            Some(i)
+                if q[i + 1..].chars().all(|c| c.is_ascii_digit() || c == '-' || c == '+')
+                    && i + 1 < q.len() =>
+            {
+                (q, "")
+            }
+            Some(i) if i + 1 == q.len() => (&q[..i], &q[i..]),
+            _ => (q, ""),
+        }
+    } else {
+        (&q[..split], &q[split..])
+    };
+    let mult: f64 = match suffix {
+        "" => 1.0,
+        "n" => 1e-9,
+        "u" => 1e-6,
+        "m" => 1e-3,
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        "Ki" => 1024.0,
+        "Mi" => 1024.0 * 1024.0,
+        "Gi" => 1024.0 * 1024.0 * 1024.0,
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "Ei" => 1024f64.powi(6),
+        _ => return None,
+    };
+    let v: f64 = num.parse().ok()?;
+    if !v.is_finite() || v < 0.0 {
+        return None;
+    }
+    let x = (v * mult * scale).ceil();
+    (x <= u64::MAX as f64).then_some(x as u64)
+}
+
+fn q(map: Option<&BTreeMap<String, Quantity>>, key: &str, scale: f64) -> Result<u64, String> {
+    match map.and_then(|m| m.get(key)) {
+        None => Ok(0),
+        Some(v) => {
+            quantity(&v.0, scale).ok_or_else(|| format!("{key}: {:?} is not a quantity", v.0))
+        }
+    }
+}
+
+const MIB: f64 = 1.0 / (1024.0 * 1024.0);
+
+/// A node as the scheduler sees it, or why it is skipped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeView {
+    pub spec: NodeSpec,
+    /// Ready, schedulable and not tainted out of everything.
+    pub ready: bool,
+    /// `pods` allocatable.
+    pub max_pods: u64,
+}
+
+/// Converts a Node. `Err` names the field that is wrong; the caller skips the node, warns and
+/// records an Event.
+pub fn node(n: &Node) -> Result<NodeView, String> {
+    let name = n.metadata.name.clone().ok_or("metadata.name is missing")?;
+    let labels: BTreeMap<String, String> = n.metadata.labels.clone().unwrap_or_default();
+    let status = n.status.as_ref();
+    let alloc = status.and_then(|s| s.allocatable.as_ref().or(s.capacity.as_ref()));
+    let cpu = q(alloc, "cpu", 1000.0).map_err(|e| format!("status.allocatable.{e}"))?;
+    // Allocatable memory rounds down: never promise a byte the node does not have.
+    let mem_bytes = q(alloc, "memory", 1.0).map_err(|e| format!("status.allocatable.{e}"))?;
+    let memory_mib = (mem_bytes as f64 * MIB).floor() as u64;
+    let max_pods = match alloc.and_then(|a| a.get("pods")) {
+        None => 110,
+        Some(p) => quantity(&p.0, 1.0)
+            .ok_or_else(|| format!("status.allocatable.pods: {:?} is not a quantity", p.0))?,
+    };
+    let mut spec = NodeSpec::new(name, cpu, memory_mib);
+    if let (Some(acc), Some(topo)) = (labels.get(GKE_TPU_ACCELERATOR), labels.get(GKE_TPU_TOPOLOGY))
+    {
+        xpu_core::tpu::slice(acc, topo).map_err(|e| {
+            format!("metadata.labels[{GKE_TPU_TOPOLOGY}]: {topo:?} with {GKE_TPU_ACCELERATOR}={acc:?}: {e}")
+        })?;
+    } else if let Some(topo) = labels.get(GKE_TPU_TOPOLOGY)
+        && !topo.split('x').all(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return Err(format!(
+            "metadata.labels[{GKE_TPU_TOPOLOGY}]: {topo:?} is not a topology like 2x2x2"
+        ));
+    }
+    for (res, kind) in DEVICE_RESOURCES {
+        let count = q(alloc, res, 1.0).map_err(|e| format!("status.allocatable.{e}"))?;
+        if count as usize > xpu_sched::cluster::MAX_DEVICES {
+            return Err(format!(
+                "status.allocatable.{res}: {count} devices; xpu schedules at most {} per node",
+                xpu_sched::cluster::MAX_DEVICES
+            ));
+        }
+        let model = match kind {
+            DeviceKind::Tpu => {
+                labels.get(GKE_TPU_ACCELERATOR).cloned().unwrap_or_else(|| "tpu".into())
+            }
+            _ => MODEL_LABELS
+                .iter()
+                .find_map(|l| labels.get(*l))
+                .cloned()
+                .unwrap_or_else(|| res.split('.').next().unwrap_or(res).to_owned()),
+        };
+        for i in 0..count {
+            spec = spec.device(DeviceSpec::new(format!("{res}/{i}"), kind, model.clone()));
+        }
+    }
+    if let Some(pool) = labels.get(GKE_NODEPOOL) {
+        spec = spec.pool(pool.clone());
+    }
+    for t in n.spec.as_ref().and_then(|s| s.taints.as_ref()).into_iter().flatten() {
+        let effect =
+            t.effect.parse::<Effect>().map_err(|e| format!("spec.taints[{}]: {e}", t.key))?;
+        spec = spec.taint(Taint {
+            key: t.key.clone(),
+            value: t.value.clone().unwrap_or_default(),
+            effect,
+        });
+    }
+    spec.labels = labels;
+    let unschedulable = n.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+    let ready_cond = status
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+        .is_some_and(|c| c.status == "True");
+    Ok(NodeView { spec, ready: ready_cond && !unschedulable, max_pods })
+}
+
+/// What a pod uses or asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Resources {
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+    /// Whole devices and their extended-resource name (one kind per pod).
+    pub devices: u16,
+    pub device_resource: Option<&'static str>,
+}
+
+/// A constraint xpu does not schedule, by its field path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsupported {
+    pub field: String,
+    pub why: String,
+}
+
+impl std::fmt::Display for Unsupported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.why)
+    }
+}
+
+fn unsupported(field: &str, why: &str) -> Unsupported {
+    Unsupported { field: field.into(), why: why.into() }
+}
+
+#[derive(Default)]
+struct Sum {
+    cpu: u64,
+    mem: u64,
+    dev: BTreeMap<&'static str, u64>,
+}
+
+fn container_sum(c: &Container, path: &str) -> Result<Sum, Unsupported> {
+    let r = c.resources.as_ref();
+    // Requests default to limits for the API server, so requests are what counts; a pod whose
+    // requests were never defaulted (created before admission) falls back to limits.
+    let req = r.and_then(|r| r.requests.as_ref());
+    let lim = r.and_then(|r| r.limits.as_ref());
+    let pick = |key: &str, scale: f64| -> Result<u64, Unsupported> {
+        let from = if req.is_some_and(|m| m.contains_key(key)) { req } else { lim };
+        q(from, key, scale).map_err(|e| unsupported(&format!("{path}.resources"), &e))
+    };
+    let mut s = Sum { cpu: pick("cpu", 1000.0)?, mem: pick("memory", 1.0)?, ..Sum::default() };
+    for (res, _) in DEVICE_RESOURCES {
+        let n = pick(res, 1.0)?;
+        if n > 0 {
+            s.dev.insert(res, n);
+        }
+    }
+    if r.and_then(|r| r.claims.as_ref()).is_some_and(|c| !c.is_empty()) {
+        return Err(unsupported(
+            &format!("{path}.resources.claims"),
+            "resource claims (DRA) are allocated by kube-scheduler; leave schedulerName unset for this pod",
+        ));
+    }
+    Ok(s)
+}
+
+/// The pod's effective request, as kube-scheduler computes it.
+pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
+    let Some(spec) = p.spec.as_ref() else { return Ok(Resources::default()) };
+    let mut total = Sum::default();
+    for (i, c) in spec.containers.iter().enumerate() {
+        let s = container_sum(c, &format!("spec.containers[{i}]"))?;
+        total.cpu += s.cpu;
+        total.mem += s.mem;
+        for (k, v) in s.dev {
+            *total.dev.entry(k).or_default() += v;
+        }
+    }
+    // Init containers run one after another: the largest counts, plus sidecars started before it.
+    let mut sidecars = Sum::default();
+    for (i, c) in spec.init_containers.iter().flatten().enumerate() {
+        let s = container_sum(c, &format!("spec.initContainers[{i}]"))?;
+        if c.restart_policy.as_deref() == Some("Always") {
+            sidecars.cpu += s.cpu;
+            sidecars.mem += s.mem;
+            for (k, v) in s.dev {
+                *sidecars.dev.entry(k).or_default() += v;
+            }
+            continue;
+        }
+        total.cpu = total.cpu.max(s.cpu + sidecars.cpu);
+        total.mem = total.mem.max(s.mem + sidecars.mem);
+        for (k, v) in s.dev {
+            let e = total.dev.entry(k).or_default();
+            *e = (*e).max(v + sidecars.dev.get(k).copied().unwrap_or(0));
+        }
+    }
+    total.cpu += sidecars.cpu;
+    total.mem += sidecars.mem;
+    for (k, v) in sidecars.dev {
+        *total.dev.entry(k).or_default() += v;
+    }
+    if let Some(o) = spec.overhead.as_ref() {
+        total.cpu += q(Some(o), "cpu", 1000.0).map_err(|e| unsupported("spec.overhead", &e))?;
+        total.mem += q(Some(o), "memory", 1.0).map_err(|e| unsupported("spec.overhead", &e))?;
+    }
+    if total.dev.len() > 1 {
+        let names: Vec<&str> = total.dev.keys().copied().collect();
+        return Err(unsupported(
+            "spec.containers[*].resources",
+            &format!(
+                "asks for more than one device resource ({}); xpu places one kind per pod",
+                names.join(", ")
+            ),
+        ));
+    }
+    let (device_resource, devices) = match total.dev.into_iter().next() {
+        None => (None, 0),
+        Some((k, v)) => (Some(k), v),
+    };
+    let devices = u16::try_from(devices)
+        .ok()
+        .filter(|&d| usize::from(d) <= xpu_sched::cluster::MAX_DEVICES)
+        .ok_or_else(|| {
+            unsupported(
+                "spec.containers[*].resources",
+                &format!(
+                    "{devices} devices in one pod; at most {} fit a node",
+                    xpu_sched::cluster::MAX_DEVICES
+                ),
+            )
+        })?;
+    Ok(Resources {
+        cpu_milli: total.cpu,
+        memory_mib: (total.mem as f64 * MIB).ceil() as u64,
+        devices,
+        device_resource,
+    })
+}
+
+/// How the pod belongs to a gang.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GangRef {
+    /// `namespace/name` of the gang (or of its Job).
+    pub key: String,
+    pub size: u32,
+    /// Position in the gang (the completion index when there is one).
+    pub index: Option<u32>,
+}
+
+/// A pending pod, in scheduler terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodAsk {
+    pub task: TaskSpec,
+    pub resources: Resources,
+    pub priority: i32,
+    pub queue: String,
+    /// TPU accelerator and topology, when its node selector names both.
+    pub tpu: Option<(String, String)>,
+}
+
+fn label_or_annotation<'a>(p: &'a Pod, key: &str) -> Option<&'a String> {
+    p.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(key))
+        .or_else(|| p.metadata.annotations.as_ref().and_then(|a| a.get(key)))
+}
+
+/// The gang a pod belongs to: `xpu.dev/gang` + `xpu.dev/gang-size`, or an Indexed Job whose
+/// `parallelism` equals its `completions` (`jobs`: Job uid → (completions, parallelism,
+/// indexed)). `Err` for a malformed gang label.
+pub fn gang(
+    p: &Pod,
+    job_shape: impl Fn(&str) -> Option<(i32, i32, bool)>,
+) -> Result<Option<GangRef>, Unsupported> {
+    let ns = p.metadata.namespace.as_deref().unwrap_or("default");
+    let index = label_or_annotation(p, COMPLETION_INDEX).and_then(|i| i.parse::<u32>().ok());
+    if let Some(name) = label_or_annotation(p, GANG_LABEL) {
+        let size = label_or_annotation(p, GANG_SIZE).ok_or_else(|| {
+            unsupported(
+                &format!("metadata.labels[{GANG_SIZE}]"),
+                &format!("missing; a pod of gang {name:?} must say how many pods the gang has"),
+            )
+        })?;
+        let size: u32 =
+            size.parse().ok().filter(|n| (1..=100_000).contains(n)).ok_or_else(|| {
+                unsupported(
+                    &format!("metadata.labels[{GANG_SIZE}]"),
+                    &format!("{size:?} is not a number of pods from 1 to 100000"),
+                )
+            })?;
+        return Ok(Some(GangRef { key: format!("{ns}/{name}"), size, index }));
+    }
+    let owner = p
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true) && o.kind == "Job" && o.api_version == "batch/v1");
+    if let Some(o) = owner
+        && let Some((completions, parallelism, indexed)) = job_shape(&o.uid)
+        && indexed
+        && completions == parallelism
+        && completions > 1
+    {
+        return Ok(Some(GangRef {
+            key: format!("{ns}/{}", o.name),
+            size: completions as u32,
+            index,
+        }));
+    }
+    Ok(None)
+}
+
+/// What a pending pod asks for, or the constraint that stops xpu from scheduling it.
+pub fn pod(p: &Pod) -> Result<PodAsk, Unsupported> {
+    let spec = p.spec.as_ref().ok_or_else(|| unsupported("spec", "missing"))?;
+    if let Some(a) = &spec.affinity {
+        if a.pod_affinity.as_ref().is_some_and(|x| {
+            x.required_during_scheduling_ignored_during_execution
+                .as_ref()
+                .is_some_and(|v| !v.is_empty())
+        }) {
+            return Err(unsupported(
+                "spec.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution",
+                "pod affinity is not supported by the xpu scheduler; use a gang (xpu.dev/gang) or a nodeSelector",
+            ));
+        }
+        if a.pod_anti_affinity.as_ref().is_some_and(|x| {
+            x.required_during_scheduling_ignored_during_execution
+                .as_ref()
+                .is_some_and(|v| !v.is_empty())
+        }) {
+            return Err(unsupported(
+                "spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution",
+                "pod anti-affinity is not supported by the xpu scheduler; remove it or use kube-scheduler for this pod",
+            ));
+        }
+    }
+    if spec
+        .topology_spread_constraints
+        .iter()
+        .flatten()
+        .any(|t| t.when_unsatisfiable == "DoNotSchedule")
+    {
+        return Err(unsupported(
+            "spec.topologySpreadConstraints",
+            "topology spread (whenUnsatisfiable: DoNotSchedule) is not supported by the xpu scheduler; use ScheduleAnyway or kube-scheduler",
+        ));
+    }
+    if spec.resource_claims.as_ref().is_some_and(|c| !c.is_empty()) {
+        return Err(unsupported(
+            "spec.resourceClaims",
+            "resource claims (DRA) are allocated by kube-scheduler; leave schedulerName unset for this pod",
+        ));
+    }
+    let resources = resources(p)?;
+    let mut task = TaskSpec::cpu(resources.cpu_milli, resources.memory_mib);
+    if resources.devices > 0 {
+        task.devices = DeviceAsk::Whole(resources.devices);
+        task.device_kind = DEVICE_RESOURCES
+            .iter()
+            .find(|(r, _)| Some(*r) == resources.device_resource)
+            .map(|(_, k)| *k);
+    }
+    task.node_selector = spec.node_selector.clone().unwrap_or_default();
+    let required = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| n.required_during_scheduling_ignored_during_execution.as_ref());
+    if let Some(r) = required {
+        for (ti, term) in r.node_selector_terms.iter().enumerate() {
+            let path = format!(
+                "spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[{ti}]"
+            );
+            if term.match_fields.as_ref().is_some_and(|f| !f.is_empty()) {
+                return Err(unsupported(
+                    &format!("{path}.matchFields"),
+                    "matchFields is not supported by the xpu scheduler; use matchExpressions on kubernetes.io/hostname",
+                ));
+            }
+            let mut reqs = Vec::new();
+            for (ri, e) in term.match_expressions.iter().flatten().enumerate() {
+                let operator = e.operator.parse::<Operator>().map_err(|why| {
+                    unsupported(&format!("{path}.matchExpressions[{ri}].operator"), &why)
+                })?;
+                reqs.push(Requirement {
+                    key: e.key.clone(),
+                    operator,
+                    values: e.values.clone().unwrap_or_default(),
+                });
+            }
+            task.affinity.push(reqs);
+        }
+    }
+    for (i, t) in spec.tolerations.iter().flatten().enumerate() {
+        let effect = match t.effect.as_deref() {
+            None | Some("") => None,
+            Some(e) => Some(
+                e.parse::<Effect>()
+                    .map_err(|why| unsupported(&format!("spec.tolerations[{i}].effect"), &why))?,
+            ),
+        };
+        task.tolerations.push(Toleration {
+            key: t.key.clone().filter(|k| !k.is_empty()),
+            exists: t.operator.as_deref() == Some("Exists"),
+            value: t.value.clone().unwrap_or_default(),
+            effect,
+        });
+    }
+    let tpu = match (
+        task.node_selector.get(GKE_TPU_ACCELERATOR),
+        task.node_selector.get(GKE_TPU_TOPOLOGY),
+    ) {
+        (Some(a), Some(t)) if resources.device_resource == Some("google.com/tpu") => {
+            Some((a.clone(), t.clone()))
+        }
+        _ => None,
+    };
+    let ns = p.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    let queue = p.metadata.labels.as_ref().and_then(|l| l.get(QUEUE_LABEL)).cloned().unwrap_or(ns);
+    Ok(PodAsk { task, resources, priority: spec.priority.unwrap_or(0), queue, tpu })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_follow_the_api_grammar() {
+        assert_eq!(quantity("500m", 1000.0), Some(500));
+        assert_eq!(quantity("2", 1000.0), Some(2000));
+        assert_eq!(quantity("1.5", 1000.0), Some(1500));
+        assert_eq!(quantity("16Gi", 1.0), Some(16 << 30));
+        assert_eq!(quantity("1e3", 1.0), Some(1000));
+        assert_eq!(quantity("1G", 1.0), Some(1_000_000_000));
+        assert_eq!(quantity("2E", 1.0), Some(2_000_000_000_000_000_000));
+        assert_eq!(quantity("128974848", 1.0), Some(128_974_848));
+        assert_eq!(quantity("1Zi", 1.0), None);
+        assert_eq!(quantity("-1", 1.0), None);
+        assert_eq!(quantity("abc", 1.0), None);
+    }
+}

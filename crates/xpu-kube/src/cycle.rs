@@ -1,0 +1,538 @@
+//! One scheduling cycle, as a pure function: the API server's objects in, decisions out
+//! (which pod binds to which node, why each other pod waits, which nodes are skipped). No I/O
+//! and no clock: [`crate::scheduler`] feeds it the watch caches and carries the decisions out.
+//!
+//! The cycle rebuilds [`xpu_sched::Scheduler`] state from the objects every time: nodes with what
+//! every bound pod (of any scheduler, and the pods this scheduler bound but has not yet seen
+//! bound, the *assumed* ones) already uses subtracted, then the pods waiting for this
+//! scheduler, grouped into gangs, submitted in creation order. Pods are keyed by uid in one map,
+//! so none is counted twice, and a restart needs nothing but the API server's state.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use xpu_sched::request::{GKE_TPU_ACCELERATOR, GKE_TPU_TOPOLOGY};
+use xpu_sched::{Cluster, Decision, Job, NodeStatus, Scheduler, SchedulerConfig, TaskGroup};
+
+use crate::convert::{self, GangRef, PodAsk};
+
+/// A pod by name and uid.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PodKey {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl PodKey {
+    pub fn of(p: &Pod) -> Option<Self> {
+        Some(Self {
+            namespace: p.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            name: p.metadata.name.clone()?,
+            uid: p.metadata.uid.clone()?,
+        })
+    }
+}
+
+impl std::fmt::Display for PodKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A pod to bind, and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bind {
+    pub pod: PodKey,
+    pub node: String,
+    /// The gang it starts with (all its members are in the same plan).
+    pub gang: Option<String>,
+}
+
+/// What one cycle decided.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Plan {
+    /// Gang members are adjacent.
+    pub binds: Vec<Bind>,
+    /// Pods that stay pending, with the reason (only those `explain` asked for).
+    pub waiting: Vec<(PodKey, String)>,
+    /// Nodes left out of scheduling, with the field that is wrong.
+    pub bad_nodes: Vec<(String, String)>,
+    /// Pods waiting for this scheduler when the cycle began.
+    pub pending: usize,
+}
+
+/// The inputs of a cycle.
+pub struct Snapshot<'a> {
+    pub nodes: &'a [Arc<Node>],
+    pub pods: &'a [Arc<Pod>],
+    /// Job uid → (completions, parallelism, Indexed).
+    pub jobs: &'a HashMap<String, (i32, i32, bool)>,
+    /// Pods this scheduler bound whose binding the watch has not shown yet: uid → node.
+    pub assumed: &'a HashMap<String, String>,
+}
+
+fn terminal(p: &Pod) -> bool {
+    matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))
+}
+
+/// The node a pod is on, from the object or from what this scheduler assumed.
+fn bound_node<'a>(p: &'a Pod, assumed: &'a HashMap<String, String>) -> Option<&'a str> {
+    p.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .filter(|n| !n.is_empty())
+        .or_else(|| p.metadata.uid.as_ref().and_then(|u| assumed.get(u)).map(String::as_str))
+}
+
+/// Whether the pod waits for the scheduler named `name`.
+pub fn waits_for(p: &Pod, name: &str, assumed: &HashMap<String, String>) -> bool {
+    let Some(spec) = p.spec.as_ref() else { return false };
+    spec.scheduler_name.as_deref().unwrap_or("default-scheduler") == name
+        && bound_node(p, assumed).is_none()
+        && !terminal(p)
+        && p.metadata.deletion_timestamp.is_none()
+        && spec.scheduling_gates.as_ref().is_none_or(Vec::is_empty)
+}
+
+#[derive(Default)]
+struct Used {
+    cpu: u64,
+    mem: u64,
+    pods: u64,
+    dev: BTreeMap<&'static str, u64>,
+}
+
+/// Pending members of one gang: (completion index, pod, ask).
+type Members = Vec<(u32, PodKey, PodAsk)>;
+
+/// A unit submitted to xpu-sched: one pod, or the pending members of a gang.
+struct Unit {
+    pods: Vec<PodKey>,
+    gang: Option<String>,
+    job: Option<u32>,
+    /// The extended resource its pods ask for, for messages.
+    resource: Option<&'static str>,
+}
+
+/// Runs one cycle. `explain(uid)` says whether a waiting pod's reason is wanted this time (the
+/// caller rate-limits status updates); `now` is seconds on the caller's clock.
+pub fn plan(
+    snap: &Snapshot<'_>,
+    scheduler_name: &str,
+    config: &SchedulerConfig,
+    now: u64,
+    explain: &mut dyn FnMut(&str) -> bool,
+) -> Plan {
+    let mut out = Plan::default();
+
+    // What bound pods use, per node, and which gang members are already bound where.
+    let mut used: HashMap<&str, Used> = HashMap::new();
+    let mut gang_bound: HashMap<String, (u32, Option<String>)> = HashMap::new();
+    let job_shape = |uid: &str| snap.jobs.get(uid).copied();
+    for p in snap.pods {
+        if terminal(p) {
+            continue;
+        }
+        let Some(node) = bound_node(p, snap.assumed) else { continue };
+        let r = convert::resources(p).unwrap_or_default();
+        let u = used.entry(node).or_default();
+        u.cpu += r.cpu_milli;
+        u.mem += r.memory_mib;
+        u.pods += 1;
+        if let Some(res) = r.device_resource {
+            *u.dev.entry(res).or_default() += u64::from(r.devices);
+        }
+        if let Ok(Some(g)) = convert::gang(p, job_shape) {
+            let e = gang_bound.entry(g.key).or_insert((0, None));
+            e.0 += 1;
+            e.1.get_or_insert_with(|| node.to_owned());
+        }
+    }
+
+    // Nodes, with what is used subtracted.
+    let mut cluster = Cluster::new();
+    let mut pool_of: HashMap<String, Option<String>> = HashMap::new();
+    for n in snap.nodes {
+        let view = match convert::node(n) {
+            Ok(v) => v,
+            Err(why) => {
+                out.bad_nodes.push((n.metadata.name.clone().unwrap_or_default(), why));
+                continue;
+            }
+        };
+        let mut spec = view.spec;
+        let u = used.remove(spec.name.as_str()).unwrap_or_default();
+        spec.cpu_milli = spec.cpu_milli.saturating_sub(u.cpu);
+        spec.memory_mib = spec.memory_mib.saturating_sub(u.mem);
+        for (res, count) in &u.dev {
+            let prefix = format!("{res}/");
+            for _ in 0..*count {
+                if let Some(i) = spec.devices.iter().rposition(|d| d.id.starts_with(&prefix)) {
+                    spec.devices.remove(i);
+                }
+            }
+        }
+        let status = if view.ready && u.pods < view.max_pods {
+            NodeStatus::Ready
+        } else {
+            NodeStatus::Cordoned
+        };
+        pool_of.insert(spec.name.clone(), spec.pool.clone());
+        let name = spec.name.clone();
+        if let Err(e) = cluster.add_node_with_status(spec, status) {
+            out.bad_nodes.push((name, e.to_string()));
+        }
+    }
+
+    // Pending pods, oldest first, grouped into units.
+    let mut pending: Vec<&Arc<Pod>> =
+        snap.pods.iter().filter(|p| waits_for(p, scheduler_name, snap.assumed)).collect();
+    pending.sort_by(|a, b| {
+        let ka = (&a.metadata.creation_timestamp, &a.metadata.namespace, &a.metadata.name);
+        let kb = (&b.metadata.creation_timestamp, &b.metadata.namespace, &b.metadata.name);
+        ka.partial_cmp(&kb).unwrap_or(std::cmp::Ordering::Equal)
+    });
+    out.pending = pending.len();
+
+    let mut sched = match Scheduler::new(cluster, config.clone()) {
+        Ok(s) => s,
+        Err(e) => {
+            for p in &pending {
+                if let Some(k) = PodKey::of(p) {
+                    out.waiting.push((k, format!("scheduler: {e}")));
+                }
+            }
+            return out;
+        }
+    };
+
+    let mut units: Vec<Unit> = Vec::new();
+    let mut gangs: BTreeMap<String, (GangRef, Members)> = BTreeMap::new();
+    let mut gang_order: Vec<String> = Vec::new();
+    let say = |out: &mut Plan, k: PodKey, msg: String, explain: &mut dyn FnMut(&str) -> bool| {
+        if explain(&k.uid) {
+            out.waiting.push((k, msg));
+        }
+    };
+    for p in &pending {
+        let Some(key) = PodKey::of(p) else { continue };
+        let ask = match convert::pod(p) {
+            Ok(a) => a,
+            Err(u) => {
+                say(&mut out, key, format!("{u}"), explain);
+                continue;
+            }
+        };
+        match convert::gang(p, job_shape) {
+            Err(u) => say(&mut out, key, format!("{u}"), explain),
+            Ok(Some(g)) => {
+                let e = gangs.entry(g.key.clone()).or_insert_with(|| {
+                    gang_order.push(g.key.clone());
+                    (g.clone(), Vec::new())
+                });
+                e.1.push((g.index.unwrap_or(u32::MAX), key, ask));
+            }
+            Ok(None) => {
+                if let Some((acc, topo)) = &ask.tpu
+                    && let Ok(shape) = xpu_core::tpu::slice(acc, topo)
+                    && shape.hosts > 1
+                {
+                    let msg = format!(
+                        "nodeSelector {GKE_TPU_TOPOLOGY}={topo} spans {} hosts; run it as an Indexed Job with completions = parallelism = {} (or label the pods {}=NAME, {}={}) so the hosts start together",
+                        shape.hosts,
+                        shape.hosts,
+                        convert::GANG_LABEL,
+                        convert::GANG_SIZE,
+                        shape.hosts
+                    );
+                    say(&mut out, key, msg, explain);
+                    continue;
+                }
+                let group = single_group(&ask);
+                let job = Job::single(key.to_string(), group)
+                    .priority(ask.priority)
+                    .queue(ask.queue.clone());
+                let resource = ask.resources.device_resource;
+                submit(
+                    &mut sched,
+                    &mut units,
+                    job,
+                    vec![key],
+                    None,
+                    resource,
+                    now,
+                    &mut out,
+                    explain,
+                );
+            }
+        }
+    }
+
+    for gkey in gang_order {
+        let Some((g, mut members)) = gangs.remove(&gkey) else { continue };
+        let (bound, bound_node) = gang_bound.get(&gkey).cloned().unwrap_or((0, None));
+        // Completion-index order, then name: task i of the gang is the pod of index i.
+        members.sort_by(|a, b| (a.0, &a.1.name).cmp(&(b.0, &b.1.name)));
+        let mut members: Vec<(PodKey, PodAsk)> =
+            members.into_iter().map(|(_, k, a)| (k, a)).collect();
+        let need = g.size.saturating_sub(bound) as usize;
+        if need == 0 {
+            // Replacements for members of a running gang: each on its own.
+            for (key, ask) in members {
+                let job = Job::single(key.to_string(), single_group(&ask))
+                    .priority(ask.priority)
+                    .queue(ask.queue.clone());
+                let resource = ask.resources.device_resource;
+                submit(
+                    &mut sched,
+                    &mut units,
+                    job,
+                    vec![key],
+                    None,
+                    resource,
+                    now,
+                    &mut out,
+                    explain,
+                );
+            }
+            continue;
+        }
+        if members.len() < need {
+            let msg = format!(
+                "waiting for the rest of gang {gkey}: {} of its {} pods exist and are not bound ({bound} bound); xpu binds a gang only when every pod fits",
+                members.len(),
+                g.size
+            );
+            for (key, _) in members {
+                say(&mut out, key, msg.clone(), explain);
+            }
+            continue;
+        }
+        members.truncate(need);
+        let first = members[0].1.clone();
+        if let Some((key, _)) = members.iter().find(|(_, a)| a.task != first.task) {
+            let msg = format!(
+                "pods of gang {gkey} ask for different resources or node constraints ({key} differs from {}); xpu places a gang of identical pods",
+                members[0].0
+            );
+            for (key, _) in members {
+                say(&mut out, key, msg.clone(), explain);
+            }
+            continue;
+        }
+        let group = match &first.tpu {
+            Some((acc, topo)) => match tpu_group(
+                acc,
+                topo,
+                &first,
+                need,
+                g.size,
+                bound,
+                bound_node.as_deref(),
+                &pool_of,
+            ) {
+                Ok(group) => group,
+                Err(msg) => {
+                    for (key, _) in members {
+                        say(&mut out, key, msg.clone(), explain);
+                    }
+                    continue;
+                }
+            },
+            None => TaskGroup::new(need as u32, first.task.clone()).gang(),
+        };
+        let job =
+            Job::single(gkey.clone(), group).priority(first.priority).queue(first.queue.clone());
+        let keys = members.into_iter().map(|(k, _)| k).collect();
+        let resource = first.resources.device_resource;
+        submit(&mut sched, &mut units, job, keys, Some(gkey), resource, now, &mut out, explain);
+    }
+
+    let by_job: HashMap<u32, usize> =
+        units.iter().enumerate().filter_map(|(i, u)| Some((u.job?, i))).collect();
+    for d in sched.schedule(now) {
+        match d {
+            Decision::Start { job, tasks } => {
+                let Some(unit) = by_job.get(&job).map(|&i| &mut units[i]) else { continue };
+                for t in tasks {
+                    let (Some(pod), Some(node)) = (
+                        unit.pods.get(t.task.index as usize),
+                        sched.cluster().node(t.placement.node),
+                    ) else {
+                        continue;
+                    };
+                    out.binds.push(Bind {
+                        pod: pod.clone(),
+                        node: node.name.clone(),
+                        gang: unit.gang.clone(),
+                    });
+                }
+                unit.job = None;
+            }
+            Decision::Fail { job, error } => {
+                let Some(unit) = by_job.get(&job).map(|&i| &mut units[i]) else { continue };
+                let msg = kube_words(&error.to_string(), unit.resource);
+                for k in &unit.pods {
+                    if explain(&k.uid) {
+                        out.waiting.push((k.clone(), msg.clone()));
+                    }
+                }
+                unit.job = None;
+            }
+            _ => {}
+        }
+    }
+    for unit in &units {
+        let Some(job) = unit.job else { continue };
+        if !unit.pods.iter().any(|k| explain(&k.uid)) {
+            continue;
+        }
+        let msg = match sched.explain(job) {
+            Some(u) => kube_words(&u.to_string(), unit.resource),
+            None => "waiting behind earlier pods of its queue (xpu schedules each queue in order, by priority)".into(),
+        };
+        for k in &unit.pods {
+            out.waiting.push((k.clone(), msg.clone()));
+        }
+    }
+    out
+}
+
+/// xpu-sched says `Insufficient gpu`; Kubernetes users read resource names.
+fn kube_words(msg: &str, resource: Option<&str>) -> String {
+    let gpu = resource.unwrap_or("nvidia.com/gpu");
+    msg.replace("Insufficient gpu", &format!("Insufficient {gpu}"))
+        .replace("Insufficient tpu", "Insufficient google.com/tpu")
+}
+
+fn single_group(ask: &PodAsk) -> TaskGroup {
+    match &ask.tpu {
+        // A single-host slice: one pod, all the host's chips.
+        Some((acc, topo)) if xpu_core::tpu::slice(acc, topo).is_ok_and(|s| s.hosts == 1) => {
+            TaskGroup::tpu(acc, topo, ask.task.clone())
+        }
+        _ => TaskGroup::new(1, ask.task.clone()),
+    }
+}
+
+/// The group for a TPU gang: a whole slice (one pod per host of one node pool), or the members
+/// still missing from a slice whose other hosts are bound (same pool).
+#[allow(clippy::too_many_arguments)]
+fn tpu_group(
+    acc: &str,
+    topo: &str,
+    ask: &PodAsk,
+    need: usize,
+    size: u32,
+    bound: u32,
+    bound_node: Option<&str>,
+    pool_of: &HashMap<String, Option<String>>,
+) -> Result<TaskGroup, String> {
+    let shape = xpu_core::tpu::slice(acc, topo).map_err(|e| {
+        format!("nodeSelector {GKE_TPU_ACCELERATOR}={acc}, {GKE_TPU_TOPOLOGY}={topo}: {e}")
+    })?;
+    if shape.hosts != size {
+        return Err(format!(
+            "topology {topo} of {acc} has {} hosts but the gang has {size} pods; make completions and parallelism {}",
+            shape.hosts, shape.hosts
+        ));
+    }
+    if ask.resources.devices != shape.chips_per_host as u16 {
+        return Err(format!(
+            "each host of {acc} {topo} has {} chips; ask for google.com/tpu: {} (the pod asks for {})",
+            shape.chips_per_host, shape.chips_per_host, ask.resources.devices
+        ));
+    }
+    if bound == 0 {
+        return Ok(TaskGroup::tpu(acc, topo, ask.task.clone()));
+    }
+    let pool = bound_node.and_then(|n| pool_of.get(n).cloned().flatten());
+    let mut task = ask.task.clone();
+    task.pool = pool;
+    Ok(TaskGroup::new(need as u32, task).gang())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn submit(
+    sched: &mut Scheduler,
+    units: &mut Vec<Unit>,
+    job: Job,
+    pods: Vec<PodKey>,
+    gang: Option<String>,
+    resource: Option<&'static str>,
+    now: u64,
+    out: &mut Plan,
+    explain: &mut dyn FnMut(&str) -> bool,
+) {
+    match sched.submit(job, now) {
+        Ok(id) => units.push(Unit { pods, gang, job: Some(id), resource }),
+        Err(e) => {
+            for k in pods {
+                if explain(&k.uid) {
+                    out.waiting.push((k, e.to_string()));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn node(name: &str, pool: &str, topo: &str, ready: bool) -> Arc<Node> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": name, "labels": {
+                    "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                    "cloud.google.com/gke-tpu-topology": topo,
+                    "cloud.google.com/gke-nodepool": pool,
+                    "cloud.google.com/gke-flex-start": "true" } },
+                "status": { "allocatable": { "cpu": "32", "memory": "128Gi", "pods": "110", "google.com/tpu": "4" },
+                            "conditions": [{ "type": "Ready", "status": if ready { "True" } else { "False" } }] }
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn tpu_pod(name: &str, index: u32, job_uid: &str) -> Arc<Pod> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": name, "namespace": "default", "uid": format!("uid-{name}"),
+                    "annotations": { "batch.kubernetes.io/job-completion-index": index.to_string() },
+                    "ownerReferences": [{ "apiVersion": "batch/v1", "kind": "Job", "name": "job-1", "uid": job_uid, "controller": true }] },
+                "spec": { "schedulerName": "xpu",
+                    "nodeSelector": { "cloud.google.com/gke-flex-start": "true",
+                        "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                        "cloud.google.com/gke-tpu-topology": "2x2x2" },
+                    "containers": [{ "name": "c", "resources": { "requests": { "google.com/tpu": "4" }, "limits": { "google.com/tpu": "4" } } }] },
+                "status": { "phase": "Pending" }
+            }))
+            .unwrap(),
+        )
+    }
+
+    #[test]
+    fn a_multi_host_tpu_job_lands_on_the_hosts_of_one_fitting_slice() {
+        let nodes = vec![
+            node("wrong-0", "wrong", "2x2x4", true),
+            node("wrong-1", "wrong", "2x2x4", true),
+            node("half-0", "half", "2x2x2", true),
+            node("half-1", "half", "2x2x2", false),
+            node("slice-0", "slice", "2x2x2", true),
+            node("slice-1", "slice", "2x2x2", true),
+        ];
+        let pods = vec![tpu_pod("job-1-0", 0, "j"), tpu_pod("job-1-1", 1, "j")];
+        let jobs = HashMap::from([("j".to_owned(), (2, 2, true))]);
+        let assumed = HashMap::new();
+        let snap = Snapshot { nodes: &nodes, pods: &pods, jobs: &jobs, assumed: &assumed };
+        let plan = plan(&snap, "xpu", &SchedulerConfig::default(), 0, &mut |_| true);
+        assert!(plan.waiting.is_empty(), "{:?}", plan.waiting);
+        let mut on: Vec<&str> = plan.binds.iter().map(|b| b.node.as_str()).collect();
+        on.sort_unstable();
+        assert_eq!(on, ["slice-0", "slice-1"]);
+    }
+}

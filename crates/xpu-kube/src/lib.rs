@@ -1,0 +1,148 @@
+//! xpu on Kubernetes, through the API server: the secondary scheduler `xpu k8s scheduler`.
+//!
+//! - [`convert`]: Nodes and Pods to `xpu-sched` terms (pure).
+//! - [`cycle`]: one scheduling cycle, objects in and decisions out (pure, no clock).
+//! - [`scheduler`]: the driver: watch caches, binding, `PodScheduled` conditions, Events.
+//! - [`leader`]: Lease leader election, as kube-scheduler does it.
+//! - [`metrics`]: Prometheus counters and `/metrics`.
+//!
+//! Placement itself stays in `xpu-sched`: the policy `xpu sim` measures is the one a cluster
+//! gets.
+
+pub mod convert;
+pub mod cycle;
+pub mod leader;
+pub mod metrics;
+pub mod scheduler;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kube::Client;
+use tokio::sync::Notify;
+use tracing::{error, info};
+
+/// What `xpu k8s scheduler` was asked to do.
+#[derive(Debug, Clone)]
+pub struct SchedulerArgs {
+    pub kubeconfig: Option<PathBuf>,
+    pub options: scheduler::Options,
+    pub leader_elect: Option<leader::LeaseConfig>,
+    pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+/// Errors starting the scheduler.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("kubeconfig {path}: {source}; pass --kubeconfig FILE or set KUBECONFIG")]
+    Kubeconfig { path: String, source: Box<dyn std::error::Error + Send + Sync> },
+    #[error("no kubeconfig (--kubeconfig, $KUBECONFIG, ~/.kube/config) and not in a cluster: {0}")]
+    Infer(Box<dyn std::error::Error + Send + Sync>),
+    #[error("connecting to the API server: {0}")]
+    Client(#[source] kube::Error),
+    #[error("metrics address {addr}: {source}")]
+    Metrics { addr: std::net::SocketAddr, source: std::io::Error },
+}
+
+/// A client from `--kubeconfig`, else `$KUBECONFIG`/`~/.kube/config`, else in-cluster.
+pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, StartError> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| {
+                StartError::Kubeconfig { path: path.display().to_string(), source: Box::new(e) }
+            })?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| StartError::Kubeconfig {
+                    path: path.display().to_string(),
+                    source: Box::new(e),
+                })?
+        }
+        None => kube::Config::infer().await.map_err(|e| StartError::Infer(Box::new(e)))?,
+    };
+    Client::try_from(config).map_err(StartError::Client)
+}
+
+/// Runs the scheduler until SIGTERM/SIGINT (or, with leader election, until the lease is lost:
+/// then it returns an error so the process restarts as a candidate, as kube-scheduler does).
+pub async fn run_scheduler(
+    args: SchedulerArgs,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let client = client(args.kubeconfig.as_deref()).await?;
+    let metrics = Arc::new(metrics::Metrics::default());
+    if let Some(addr) = args.metrics_addr {
+        let listener_check = std::net::TcpListener::bind(addr)
+            .map_err(|source| StartError::Metrics { addr, source })?;
+        drop(listener_check);
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            if let Err(e) = metrics::serve(addr, m).await {
+                error!(%addr, error = %e, "metrics endpoint stopped");
+            }
+        });
+    }
+    let changed = Arc::new(Notify::new());
+    let caches = scheduler::watch(&client, changed.clone()).await;
+    info!(
+        scheduler = %args.options.scheduler_name,
+        policy = ?args.options.policy,
+        nodes = caches.nodes.state().len(),
+        pods = caches.pods.state().len(),
+        "caches synced"
+    );
+    let shutdown = async {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = term => {}
+        }
+    };
+    match args.leader_elect {
+        None => {
+            metrics.leader.store(true, Ordering::Relaxed);
+            scheduler::run(client, caches, changed, args.options, metrics, shutdown).await;
+            Ok(())
+        }
+        Some(cfg) => {
+            let elector = leader::Elector::new(client.clone(), cfg);
+            let mut shutdown = std::pin::pin!(shutdown);
+            tokio::select! {
+                () = elector.acquire() => {}
+                () = &mut shutdown => return Ok(()),
+            }
+            metrics.leader.store(true, Ordering::Relaxed);
+            let run = scheduler::run(
+                client,
+                caches,
+                changed,
+                args.options,
+                metrics.clone(),
+                &mut shutdown,
+            );
+            tokio::select! {
+                () = run => {}
+                () = elector.hold() => {
+                    metrics.leader.store(false, Ordering::Relaxed);
+                    return Err("lost the leader lease; exiting so that only the leader binds".into());
+                }
+            }
+            metrics.leader.store(false, Ordering::Relaxed);
+            // Clean stop: let a standby take over now rather than after the lease expires.
+            if tokio::time::timeout(Duration::from_secs(2), elector.release()).await.is_err() {
+                error!(
+                    "could not release the lease within 2 s; a standby takes over when it expires"
+                );
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! The scheduler's Prometheus metrics (text format 0.0.4) and the `/metrics` + `/healthz`
+//! endpoint. Counters are atomics; the two histograms keep fixed buckets behind a mutex.
+
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// A histogram with fixed upper bounds (seconds).
+pub struct Histogram {
+    bounds: &'static [f64],
+    inner: Mutex<(Vec<u64>, f64, u64)>,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self { bounds, inner: Mutex::new((vec![0; bounds.len()], 0.0, 0)) }
+    }
+
+    pub fn observe(&self, v: f64) {
+        // A poisoned lock only means another thread panicked mid-update: keep counting.
+        let mut g = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (i, b) in self.bounds.iter().enumerate() {
+            if v <= *b {
+                g.0[i] += 1;
+            }
+        }
+        g.1 += v;
+        g.2 += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let g = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, n) in self.bounds.iter().zip(&g.0) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+            g.2, g.1, g.2
+        );
+    }
+}
+
+const LATENCY: &[f64] =
+    &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+/// What the scheduler counts.
+pub struct Metrics {
+    pub attempts_scheduled: AtomicU64,
+    pub attempts_unschedulable: AtomicU64,
+    pub bind_errors: AtomicU64,
+    pub status_errors: AtomicU64,
+    pub nodes_skipped: AtomicU64,
+    pub pending: AtomicU64,
+    pub leader: AtomicBool,
+    /// One planning cycle.
+    pub cycle_seconds: Histogram,
+    /// Pod creation to bound (second resolution at the start: `creationTimestamp`).
+    pub e2e_seconds: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            attempts_scheduled: AtomicU64::new(0),
+            attempts_unschedulable: AtomicU64::new(0),
+            bind_errors: AtomicU64::new(0),
+            status_errors: AtomicU64::new(0),
+            nodes_skipped: AtomicU64::new(0),
+            pending: AtomicU64::new(0),
+            leader: AtomicBool::new(false),
+            cycle_seconds: Histogram::new(LATENCY),
+            e2e_seconds: Histogram::new(LATENCY),
+        }
+    }
+}
+
+impl Metrics {
+    /// The exposition text.
+    pub fn render(&self) -> String {
+        let mut s = String::with_capacity(2048);
+        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_schedule_attempts_total Pods the scheduler tried to place, by result.\n\
+             # TYPE xpu_scheduler_schedule_attempts_total counter\n\
+             xpu_scheduler_schedule_attempts_total{{result=\"scheduled\"}} {}\n\
+             xpu_scheduler_schedule_attempts_total{{result=\"unschedulable\"}} {}\n\
+             xpu_scheduler_schedule_attempts_total{{result=\"error\"}} {}",
+            c(&self.attempts_scheduled),
+            c(&self.attempts_unschedulable),
+            c(&self.bind_errors)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_bind_errors_total Bindings the API server refused.\n\
+             # TYPE xpu_scheduler_bind_errors_total counter\nxpu_scheduler_bind_errors_total {}",
+            c(&self.bind_errors)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_status_update_errors_total PodScheduled updates that failed.\n\
+             # TYPE xpu_scheduler_status_update_errors_total counter\nxpu_scheduler_status_update_errors_total {}",
+            c(&self.status_errors)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_nodes_skipped_total Times a node was left out for a malformed field.\n\
+             # TYPE xpu_scheduler_nodes_skipped_total counter\nxpu_scheduler_nodes_skipped_total {}",
+            c(&self.nodes_skipped)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_pending_pods Pods waiting for this scheduler after the last cycle.\n\
+             # TYPE xpu_scheduler_pending_pods gauge\nxpu_scheduler_pending_pods {}",
+            c(&self.pending)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_leader 1 while this replica holds the lease.\n\
+             # TYPE xpu_scheduler_leader gauge\nxpu_scheduler_leader {}",
+            u8::from(self.leader.load(Ordering::Relaxed))
+        );
+        self.cycle_seconds.render(
+            &mut s,
+            "xpu_scheduler_cycle_duration_seconds",
+            "Time one scheduling cycle took to plan.",
+        );
+        self.e2e_seconds.render(
+            &mut s,
+            "xpu_scheduler_pod_scheduling_duration_seconds",
+            "From pod creation to a successful bind.",
+        );
+        s
+    }
+}
+
+/// Serves `/metrics` and `/healthz` on `addr` until the process ends.
+pub async fn serve(
+    addr: std::net::SocketAddr,
+    metrics: std::sync::Arc<Metrics>,
+) -> std::io::Result<()> {
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let m = metrics.clone();
+                async move { ([("content-type", "text/plain; version=0.0.4")], m.render()) }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    axum::serve(listener, app).await
+}

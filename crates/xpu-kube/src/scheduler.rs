@@ -1,0 +1,412 @@
+//! `xpu k8s scheduler`: the driver around [`crate::cycle`]. It keeps watch caches of Nodes,
+//! Pods and Jobs, runs a cycle whenever something changed, binds through the `pods/binding`
+//! subresource (as kube-scheduler, Volcano and KAI do), tells waiting pods why
+//! (`PodScheduled=False`, reason `Unschedulable`, and a `FailedScheduling` Event, rate-limited
+//! per pod), and counts what it does for `/metrics`.
+//!
+//! A pod it bound stays *assumed* on its node until the watch shows the binding (or the bind
+//! fails), so the next cycle neither places it twice nor gives its capacity away. Only the
+//! leader ([`crate::leader`]) runs cycles; followers keep warm caches.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use k8s_openapi::api::batch::v1::Job as KubeJob;
+use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use tokio::sync::{Mutex, Notify, Semaphore};
+use tracing::{debug, info, warn};
+use xpu_sched::{QueuePolicy, SchedulerConfig};
+
+use crate::cycle::{self, Bind, PodKey, Snapshot};
+use crate::metrics::Metrics;
+
+/// How the scheduler runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Pods whose `spec.schedulerName` is this are ours.
+    pub scheduler_name: String,
+    pub policy: xpu_sched::PolicyKind,
+    /// Binds in flight at once.
+    pub bind_concurrency: usize,
+    /// Shortest time between two status updates (and Events) for one waiting pod.
+    pub status_interval: Duration,
+    /// Events across all pods per second, at most.
+    pub events_per_second: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            scheduler_name: "xpu".into(),
+            policy: xpu_sched::PolicyKind::Xpu,
+            bind_concurrency: 32,
+            status_interval: Duration::from_secs(10),
+            events_per_second: 20,
+        }
+    }
+}
+
+/// The watch caches.
+#[derive(Clone)]
+pub struct Caches {
+    pub nodes: Store<Node>,
+    pub pods: Store<Pod>,
+    pub jobs: Store<KubeJob>,
+}
+
+/// Starts the watches; `changed` is notified on every event. Returns once every cache has its
+/// first full list.
+pub async fn watch(client: &Client, changed: Arc<Notify>) -> Caches {
+    fn spawn<K>(api: Api<K>, changed: Arc<Notify>) -> Store<K>
+    where
+        K: kube::Resource<DynamicType = ()>
+            + Clone
+            + std::fmt::Debug
+            + serde::de::DeserializeOwned
+            + Send
+            + Sync
+            + 'static,
+    {
+        let (reader, writer) = reflector::store();
+        let stream = reflector::reflector(
+            writer,
+            watcher(api, watcher::Config::default()).default_backoff(),
+        );
+        tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            while let Some(ev) = stream.next().await {
+                if let Err(e) = ev {
+                    warn!(error = %e, "watch failed; retrying with backoff");
+                }
+                changed.notify_one();
+            }
+        });
+        reader
+    }
+    let caches = Caches {
+        nodes: spawn(Api::<Node>::all(client.clone()), changed.clone()),
+        pods: spawn(Api::<Pod>::all(client.clone()), changed.clone()),
+        jobs: spawn(Api::<KubeJob>::all(client.clone()), changed),
+    };
+    for (what, r) in [
+        ("nodes", caches.nodes.wait_until_ready().await),
+        ("pods", caches.pods.wait_until_ready().await),
+        ("jobs", caches.jobs.wait_until_ready().await),
+    ] {
+        if r.is_err() {
+            warn!(what, "watch cache closed before its first list");
+        }
+    }
+    caches
+}
+
+/// Per-pod memory of what was last said, for rate limiting.
+#[derive(Default)]
+struct Said {
+    at: HashMap<String, (Instant, String)>,
+}
+
+/// Runs cycles until `stop` resolves. Call only while leading.
+pub async fn run(
+    client: Client,
+    caches: Caches,
+    changed: Arc<Notify>,
+    opts: Options,
+    metrics: Arc<Metrics>,
+    stop: impl Future<Output = ()>,
+) {
+    let config = SchedulerConfig {
+        queue: QueuePolicy::Fair,
+        policy: opts.policy,
+        lanes: true,
+        fit_per_task: true,
+        ..SchedulerConfig::default()
+    };
+    let assumed: Arc<Mutex<HashMap<String, String>>> = Arc::default();
+    let binds = Arc::new(Semaphore::new(opts.bind_concurrency.max(1)));
+    let mut said = Said::default();
+    let mut warned_nodes: HashMap<String, String> = HashMap::new();
+    let started = Instant::now();
+    let mut stop = std::pin::pin!(stop);
+    let mut events = EventBudget::new(opts.events_per_second);
+    loop {
+        tokio::select! {
+            () = &mut stop => break,
+            () = changed.notified() => {}
+            // Waiting pods are looked at again now and then even when nothing changed.
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+        // Let a burst of watch events land before planning.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+
+        let nodes = caches.nodes.state();
+        let pods = caches.pods.state();
+        let jobs: HashMap<String, (i32, i32, bool)> = caches
+            .jobs
+            .state()
+            .iter()
+            .filter_map(|j| {
+                let s = j.spec.as_ref()?;
+                Some((
+                    j.metadata.uid.clone()?,
+                    (
+                        s.completions.unwrap_or(1),
+                        s.parallelism.unwrap_or(1),
+                        s.completion_mode.as_deref() == Some("Indexed"),
+                    ),
+                ))
+            })
+            .collect();
+        let assumed_now = {
+            let mut a = assumed.lock().await;
+            // Forget what the watch now shows bound, or gone.
+            let live: HashMap<&str, &Pod> = pods
+                .iter()
+                .filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref())))
+                .collect();
+            a.retain(|uid, _| {
+                live.get(uid.as_str()).is_some_and(|p| {
+                    p.spec.as_ref().and_then(|s| s.node_name.as_deref()).is_none_or(str::is_empty)
+                })
+            });
+            a.clone()
+        };
+        let snap = Snapshot { nodes: &nodes, pods: &pods, jobs: &jobs, assumed: &assumed_now };
+        let now = started.elapsed().as_secs();
+        let t0 = Instant::now();
+        let interval = opts.status_interval;
+        let mut explain =
+            |uid: &str| said.at.get(uid).is_none_or(|(at, _)| at.elapsed() >= interval);
+        let plan = cycle::plan(&snap, &opts.scheduler_name, &config, now, &mut explain);
+        metrics.cycle_seconds.observe(t0.elapsed().as_secs_f64());
+        metrics
+            .pending
+            .store(plan.pending.saturating_sub(plan.binds.len()) as u64, Ordering::Relaxed);
+        debug!(
+            pending = plan.pending,
+            binds = plan.binds.len(),
+            waiting = plan.waiting.len(),
+            "cycle"
+        );
+
+        for (node, why) in &plan.bad_nodes {
+            if warned_nodes.get(node) != Some(why) {
+                warn!(node = %node, reason = %why, "node skipped");
+                metrics.nodes_skipped.fetch_add(1, Ordering::Relaxed);
+                if events.take() {
+                    let ev = event_for_node(node, why, &opts.scheduler_name);
+                    let api: Api<Event> = Api::namespaced(client.clone(), "default");
+                    if let Err(e) = api.create(&PostParams::default(), &ev).await {
+                        warn!(node = %node, error = %e, "could not record the node's Event");
+                    }
+                }
+                warned_nodes.insert(node.clone(), why.clone());
+            }
+        }
+        warned_nodes.retain(|n, _| plan.bad_nodes.iter().any(|(b, _)| b == n));
+
+        // Assume first, then bind in the background.
+        {
+            let mut a = assumed.lock().await;
+            for b in &plan.binds {
+                a.insert(b.pod.uid.clone(), b.node.clone());
+            }
+        }
+        let created: HashMap<&str, Option<&Time>> = pods
+            .iter()
+            .filter_map(|p| {
+                Some((p.metadata.uid.as_deref()?, p.metadata.creation_timestamp.as_ref()))
+            })
+            .collect();
+        for b in plan.binds {
+            said.at.remove(&b.pod.uid);
+            let age = created.get(b.pod.uid.as_str()).copied().flatten().map(|t| t.0);
+            let permit = binds.clone().acquire_owned().await;
+            let (client, assumed, metrics, changed) =
+                (client.clone(), assumed.clone(), metrics.clone(), changed.clone());
+            tokio::spawn(async move {
+                let _permit = permit;
+                match bind(&client, &b).await {
+                    Ok(()) => {
+                        metrics.attempts_scheduled.fetch_add(1, Ordering::Relaxed);
+                        if let Some(t) = age {
+                            let secs = (jiff_now_secs() - t.as_second() as f64).max(0.0);
+                            metrics.e2e_seconds.observe(secs);
+                        }
+                        info!(pod = %b.pod, node = %b.node, gang = b.gang.as_deref().unwrap_or(""), "bound");
+                    }
+                    Err(e) => {
+                        metrics.bind_errors.fetch_add(1, Ordering::Relaxed);
+                        warn!(pod = %b.pod, node = %b.node, error = %e, "bind failed; the pod goes back to the queue");
+                        assumed.lock().await.remove(&b.pod.uid);
+                        changed.notify_one();
+                    }
+                }
+            });
+        }
+
+        for (pod, msg) in plan.waiting {
+            metrics.attempts_unschedulable.fetch_add(1, Ordering::Relaxed);
+            let same = said.at.get(&pod.uid).is_some_and(|(_, m)| *m == msg);
+            said.at.insert(pod.uid.clone(), (Instant::now(), msg.clone()));
+            if same {
+                continue;
+            }
+            info!(pod = %pod, reason = %msg, "unschedulable");
+            if let Err(e) = mark_unschedulable(&client, &pod, &msg).await {
+                metrics.status_errors.fetch_add(1, Ordering::Relaxed);
+                warn!(pod = %pod, error = %e, "could not update PodScheduled");
+            }
+            if events.take() {
+                let api: Api<Event> = Api::namespaced(client.clone(), &pod.namespace);
+                if let Err(e) = api
+                    .create(
+                        &PostParams::default(),
+                        &event_for_pod(&pod, &msg, &opts.scheduler_name),
+                    )
+                    .await
+                {
+                    debug!(pod = %pod, error = %e, "could not record FailedScheduling");
+                }
+            }
+        }
+        // Forget pods that are gone.
+        if said.at.len() > 4 * pods.len().max(1024) {
+            let live: std::collections::HashSet<&str> =
+                pods.iter().filter_map(|p| p.metadata.uid.as_deref()).collect();
+            said.at.retain(|u, _| live.contains(u.as_str()));
+        }
+    }
+}
+
+fn jiff_now_secs() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// A token bucket for Events, so a thousand waiting pods do not flood the API server.
+struct EventBudget {
+    per_second: u32,
+    tokens: f64,
+    at: Instant,
+}
+
+impl EventBudget {
+    fn new(per_second: u32) -> Self {
+        Self { per_second, tokens: f64::from(per_second), at: Instant::now() }
+    }
+
+    fn take(&mut self) -> bool {
+        let rate = f64::from(self.per_second);
+        self.tokens = (self.tokens + self.at.elapsed().as_secs_f64() * rate).min(rate);
+        self.at = Instant::now();
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// `POST pods/{name}/binding`.
+pub async fn bind(client: &Client, b: &Bind) -> Result<(), kube::Error> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), &b.pod.namespace);
+    let body = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": { "name": b.pod.name, "uid": b.pod.uid },
+        "target": { "apiVersion": "v1", "kind": "Node", "name": b.node },
+    });
+    api.create_subresource::<_, serde_json::Value>(
+        "binding",
+        &b.pod.name,
+        &PostParams::default(),
+        &body,
+    )
+    .await?;
+    Ok(())
+}
+
+async fn mark_unschedulable(client: &Client, pod: &PodKey, msg: &str) -> Result<(), kube::Error> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);
+    let patch = serde_json::json!({
+        "status": { "conditions": [{
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": msg,
+            "lastTransitionTime": Time(k8s_openapi::jiff::Timestamp::now()),
+        }]}
+    });
+    api.patch_status(&pod.name, &PatchParams::default(), &Patch::Strategic(&patch)).await?;
+    Ok(())
+}
+
+fn event_for_pod(pod: &PodKey, msg: &str, component: &str) -> Event {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    Event {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{}.", pod.name)),
+            namespace: Some(pod.namespace.clone()),
+            ..ObjectMeta::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(pod.name.clone()),
+            namespace: Some(pod.namespace.clone()),
+            uid: Some(pod.uid.clone()),
+            ..ObjectReference::default()
+        },
+        reason: Some("FailedScheduling".into()),
+        message: Some(msg.chars().take(1024).collect()),
+        type_: Some("Warning".into()),
+        event_time: Some(MicroTime(now)),
+        reporting_component: Some(component.into()),
+        reporting_instance: Some(component.into()),
+        action: Some("Scheduling".into()),
+        ..Event::default()
+    }
+}
+
+fn event_for_node(node: &str, why: &str, component: &str) -> Event {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    Event {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{node}.")),
+            namespace: Some("default".into()),
+            ..ObjectMeta::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(node.into()),
+            ..ObjectReference::default()
+        },
+        reason: Some("XpuNodeSkipped".into()),
+        message: Some(
+            format!("xpu scheduler leaves this node out: {why}").chars().take(1024).collect(),
+        ),
+        type_: Some("Warning".into()),
+        event_time: Some(MicroTime(now)),
+        reporting_component: Some(component.into()),
+        reporting_instance: Some(component.into()),
+        action: Some("Scheduling".into()),
+        ..Event::default()
+    }
+}
+
+/// For logs: a pod's `namespace/name`.
+pub fn pod_name(p: &Pod) -> String {
+    format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())
+}

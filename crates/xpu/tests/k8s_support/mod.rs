@@ -1,0 +1,276 @@
+//! Shared by the Kubernetes tests: the control plane (real etcd and kube-apiserver from
+//! `xpu_testkit::kube`), the deploy manifests applied as a cluster admin would, Node objects
+//! played with their status, and `xpu k8s scheduler` run as a process with the token of the
+//! ServiceAccount the manifests bind.
+#![allow(dead_code, clippy::unwrap_used, clippy::print_stderr)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use serde_json::{Value, json};
+use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
+
+/// Control planes are heavy on 2 cores: the tests of one binary take turns.
+pub static TURN: LazyLock<tokio::sync::Mutex<()>> = LazyLock::new(|| tokio::sync::Mutex::new(()));
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Starts the plane; a missing binary fails the test with the install command (never a skip).
+pub async fn plane(opts: ControlPlaneOptions) -> ControlPlane {
+    match ControlPlane::start(opts).await {
+        Ok(cp) => {
+            eprintln!("control plane ready in {:?}", cp.startup_time());
+            cp
+        }
+        Err(e) => panic!("control plane: {e}"),
+    }
+}
+
+fn resource_of(kind: &str) -> Option<(&'static str, &'static str, &'static str, bool)> {
+    // (group, version, plural, namespaced)
+    Some(match kind {
+        "Namespace" => ("", "v1", "namespaces", false),
+        "ServiceAccount" => ("", "v1", "serviceaccounts", true),
+        "Service" => ("", "v1", "services", true),
+        "ClusterRole" => ("rbac.authorization.k8s.io", "v1", "clusterroles", false),
+        "ClusterRoleBinding" => ("rbac.authorization.k8s.io", "v1", "clusterrolebindings", false),
+        "Role" => ("rbac.authorization.k8s.io", "v1", "roles", true),
+        "RoleBinding" => ("rbac.authorization.k8s.io", "v1", "rolebindings", true),
+        "Deployment" => ("apps", "v1", "deployments", true),
+        "DaemonSet" => ("apps", "v1", "daemonsets", true),
+        "Job" => ("batch", "v1", "jobs", true),
+        _ => return None,
+    })
+}
+
+/// Every document of a manifest file, as JSON.
+pub fn documents(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    text.split("\n---")
+        .filter(|d| d.lines().any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#')))
+        .map(|d| serde_norway::from_str::<Value>(d).unwrap())
+        .collect()
+}
+
+/// Creates one object (server-side dry run when `dry_run`). `Err` carries the API's answer.
+pub async fn create(client: &Client, doc: &Value, dry_run: bool) -> Result<(), kube::Error> {
+    let kind = doc["kind"].as_str().unwrap();
+    let (group, version, plural, namespaced) =
+        resource_of(kind).unwrap_or_else(|| panic!("the test knows no resource for kind {kind}"));
+    let gvk = GroupVersionKind::gvk(group, version, kind);
+    let ar = ApiResource::from_gvk_with_plural(&gvk, plural);
+    let ns = doc["metadata"]["namespace"].as_str().unwrap_or("default");
+    let api: Api<DynamicObject> = if namespaced {
+        Api::namespaced_with(client.clone(), ns, &ar)
+    } else {
+        Api::all_with(client.clone(), &ar)
+    };
+    let obj: DynamicObject = serde_json::from_value(doc.clone()).unwrap();
+    let pp = PostParams { dry_run, ..PostParams::default() };
+    match api.create(&pp, &obj).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 && !dry_run => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Applies the scheduler's manifests as a cluster admin would (everything but the workloads,
+/// which need a kubelet; those pass a server-side dry run) and returns a kubeconfig with the
+/// token of the ServiceAccount they bind.
+pub async fn install_scheduler_rbac(cp: &ControlPlane) -> PathBuf {
+    let client = cp.admin_client();
+    let dir = repo().join("deploy/kubernetes");
+    let mut files: Vec<PathBuf> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort_by_key(|p| (p.file_name() != Some("namespace.yaml".as_ref()), p.clone()));
+    for f in &files {
+        for doc in documents(f) {
+            let kind = doc["kind"].as_str().unwrap_or("").to_owned();
+            let workload = matches!(kind.as_str(), "Deployment" | "DaemonSet");
+            create(&client, &doc, true).await.unwrap_or_else(|e| {
+                panic!("{}: {kind} fails server-side dry run: {e}", f.display())
+            });
+            if !workload {
+                create(&client, &doc, false).await.unwrap();
+            }
+        }
+    }
+    cp.service_account_kubeconfig("xpu-system", "xpu-scheduler").await.unwrap()
+}
+
+/// A Node object with its status as a kubelet would report it.
+pub struct NodeDef {
+    pub name: String,
+    pub cpu: String,
+    pub memory: String,
+    pub extended: Vec<(String, u32)>,
+    pub labels: BTreeMap<String, String>,
+    pub taints: Vec<Value>,
+    pub ready: bool,
+}
+
+impl NodeDef {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            cpu: "32".into(),
+            memory: "128Gi".into(),
+            extended: Vec::new(),
+            labels: BTreeMap::new(),
+            taints: Vec::new(),
+            ready: true,
+        }
+    }
+    pub fn gpus(mut self, res: &str, n: u32) -> Self {
+        self.extended.push((res.into(), n));
+        self
+    }
+    pub fn label(mut self, k: &str, v: &str) -> Self {
+        self.labels.insert(k.into(), v.into());
+        self
+    }
+}
+
+pub async fn add_node(client: &Client, n: &NodeDef) {
+    let api: Api<Node> = Api::all(client.clone());
+    let mut labels = n.labels.clone();
+    labels.insert("kubernetes.io/hostname".into(), n.name.clone());
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": { "name": n.name, "labels": labels },
+        "spec": { "taints": n.taints },
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &node).await.unwrap();
+    let mut alloc = serde_json::Map::new();
+    alloc.insert("cpu".into(), json!(n.cpu));
+    alloc.insert("memory".into(), json!(n.memory));
+    alloc.insert("pods".into(), json!("110"));
+    for (k, v) in &n.extended {
+        alloc.insert(k.clone(), json!(v.to_string()));
+    }
+    let status = json!({ "status": {
+        "capacity": alloc, "allocatable": alloc,
+        "conditions": [{ "type": "Ready", "status": if n.ready { "True" } else { "False" },
+                         "reason": "KubeletReady", "message": "played by the test",
+                         "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z" }],
+    }});
+    api.patch_status(&n.name, &PatchParams::default(), &Patch::Merge(&status)).await.unwrap();
+    // Admission taints every new Node `node.kubernetes.io/not-ready:NoSchedule`; the node
+    // lifecycle controller (not run: no kubelet heartbeats) would lift it once Ready.
+    let spec = json!({ "spec": { "taints": n.taints } });
+    api.patch(&n.name, &PatchParams::default(), &Patch::Merge(&spec)).await.unwrap();
+}
+
+/// A pod asking `gpus` of `res` (none when 0), for scheduler `xpu`.
+pub fn pod(name: &str, res: &str, gpus: u32, labels: &[(&str, &str)]) -> Pod {
+    let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
+    let mut limits = serde_json::Map::new();
+    if gpus > 0 {
+        limits.insert(res.into(), json!(gpus.to_string()));
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name, "labels": labels },
+        "spec": {
+            "schedulerName": "xpu",
+            "restartPolicy": "Never",
+            "containers": [{ "name": "c", "image": "busybox",
+                             "resources": { "requests": { "cpu": "100m", "memory": "64Mi" }, "limits": limits } }],
+        },
+    }))
+    .unwrap()
+}
+
+/// Marks a pod Succeeded, as its kubelet would.
+pub async fn succeed(client: &Client, ns: &str, name: &str) {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let patch = json!({ "status": { "phase": "Succeeded" } });
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+}
+
+pub async fn pods(client: &Client, ns: &str) -> Vec<Pod> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    api.list(&ListParams::default()).await.unwrap().items
+}
+
+pub fn node_of(p: &Pod) -> Option<&str> {
+    p.spec.as_ref()?.node_name.as_deref()
+}
+
+/// Polls `f` every 100 ms until it holds or `limit` passes.
+pub async fn wait_until<F, Fut>(limit: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let end = Instant::now() + limit;
+    loop {
+        if f().await {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `xpu k8s scheduler` as a process; killed (SIGKILL) on drop. Its log is kept beside the
+/// plane's logs.
+pub struct XpuScheduler {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl XpuScheduler {
+    pub fn start(cp: &ControlPlane, kubeconfig: &Path, name: &str, extra: &[&str]) -> Self {
+        let log = cp.dir().join(format!("xpu-scheduler-{name}.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
+            .args(["k8s", "scheduler", "--kubeconfig"])
+            .arg(kubeconfig)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .env_remove("KUBECONFIG")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        Self { child, log }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for XpuScheduler {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- {} ---\n{}", self.log.display(), tail(&self.log_text(), 4000));
+        }
+        self.kill9();
+    }
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let start = s.len().saturating_sub(n);
+    let start = (start..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(s.len());
+    &s[start..]
+}
