@@ -15,6 +15,7 @@ use std::process::Command;
 use xpu_core::kernel::{Kernel, KernelError, KernelOp, module_name};
 
 use crate::Root;
+use crate::root::PathError;
 
 /// Writes to sysfs under its root.
 #[derive(Debug)]
@@ -34,14 +35,16 @@ impl SysfsKernel {
     }
 
     fn write(&self, op: &KernelOp, path: &str) -> Result<(), KernelError> {
-        let real = self.root.path(path);
         // sysfs attributes exist before they are written; never create one (a typo in a driver
-        // name must fail, not leave a stray file behind).
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .truncate(true)
-            .open(&real)
-            .map_err(|e| KernelError::new(op, format!("cannot open {path}: {e}")))?;
+        // name must fail, not leave a stray file behind). Resolved inside the root: sysfs's own
+        // links (`devices/<addr>`, `driver`) are relative and stay in it.
+        let mut f = self.root.open_write(path).map_err(|e| {
+            let why = match e {
+                PathError::Io { source, .. } => format!("cannot open {path}: {source}"),
+                other => other.to_string(),
+            };
+            KernelError::new(op, why)
+        })?;
         // One write(2) call: sysfs stores take the whole buffer at once.
         f.write_all(op.value().as_bytes())
             .map_err(|e| KernelError::new(op, format!("write to {path}: {e}")))

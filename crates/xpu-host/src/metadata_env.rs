@@ -41,11 +41,11 @@ pub enum MetadataEnvError {
         "{path}: value of {key} contains {what}, which an environment file line cannot carry; remove it from the metadata"
     )]
     BadValue { path: String, key: String, what: &'static str },
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {path}")]
     Write {
         path: String,
         #[source]
-        source: std::io::Error,
+        source: crate::root::PathError,
     },
 }
 
@@ -145,22 +145,15 @@ pub fn run(input: &Path, output: &Path) -> Result<usize, MetadataEnvError> {
     })?;
     let env = convert(&text, &shown_in)?;
     let shown_out = output.display().to_string();
-    let werr = |source| MetadataEnvError::Write { path: shown_out.clone(), source };
     let dir = match output.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
     let name = output.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.xpu-tmp"));
-    std::fs::write(&tmp, &env).map_err(werr)?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).map_err(werr)?;
-    }
-    if let Err(e) = std::fs::rename(&tmp, output) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(werr(e));
-    }
+    // `.NAME.xpu-tmp` is created with O_EXCL | O_NOFOLLOW: a link planted there is never
+    // written through (see crate::root).
+    crate::root::write_atomic_in(&dir, &name, env.as_bytes(), 0o644)
+        .map_err(|source| MetadataEnvError::Write { path: shown_out, source })?;
     Ok(env.lines().count())
 }
 

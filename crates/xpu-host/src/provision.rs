@@ -22,7 +22,6 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::fmt::Write as _;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::str::FromStr;
 
@@ -32,6 +31,7 @@ use xpu_core::accel::{DeviceKind, VENDOR_AMD, VENDOR_GOOGLE, VENDOR_HABANA, VEND
 
 use crate::grub::{self, GRUB_DEFAULT, GrubError};
 use crate::profile::{CpuVendor, Profile};
+use crate::root::PathError;
 use crate::{Root, textdiff};
 
 /// A device id to match: `VENDOR:DEVICE[:SUBVENDOR:SUBDEVICE]`, hex.
@@ -189,6 +189,8 @@ pub enum ProvisionError {
     UnknownCpuVendor,
     #[error(transparent)]
     Grub(#[from] GrubError),
+    #[error(transparent)]
+    Path(#[from] PathError),
     #[error("{action} {path}: {source}")]
     Io {
         action: &'static str,
@@ -574,7 +576,7 @@ pub fn write_tree(r: &Rendered, dir: &Path) -> Result<(), ProvisionError> {
         source: std::io::Error::new(std::io::ErrorKind::NotFound, e.to_string()),
     })?;
     for f in &r.files {
-        write_atomic(&root, &f.path, &f.content, f.mode)?;
+        root.write_file(&f.path, f.content.as_bytes(), f.mode)?;
     }
     Ok(())
 }
@@ -714,8 +716,8 @@ pub fn apply(
     }
     if !params.is_empty() {
         let existing = read_existing(root, GRUB_DEFAULT)?;
-        let merged = grub::merge(existing.as_deref().unwrap_or(""), &params, GRUB_DEFAULT)?;
-        let mode = existing_mode(root, GRUB_DEFAULT).unwrap_or(0o644);
+        let (text, mode) = existing.as_ref().map_or(("", 0o644), |(t, m)| (t.as_str(), *m));
+        let merged = grub::merge(text, &params, GRUB_DEFAULT)?;
         staged.push((GRUB_DEFAULT.to_owned(), merged.content, mode));
     }
     let mut written: Vec<HostFile> = Vec::new();
@@ -727,24 +729,21 @@ pub fn apply(
     Ok(report)
 }
 
-fn read_existing(root: &Root, path: &str) -> Result<Option<String>, ProvisionError> {
-    match std::fs::read(root.path(path)) {
-        Ok(b) => String::from_utf8(b).map(Some).map_err(|e| ProvisionError::Io {
-            action: "read",
-            path: path.to_owned(),
-            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
-        }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(ProvisionError::Io { action: "read", path: path.to_owned(), source }),
-    }
-}
-
-fn existing_mode(root: &Root, path: &str) -> Option<u32> {
-    std::fs::metadata(root.path(path)).ok().map(|m| m.permissions().mode() & 0o7777)
+/// The file at `path` under `root` as text with its mode, read without following a link out
+/// of the root ([`Root::read_file`]).
+fn read_existing(root: &Root, path: &str) -> Result<Option<(String, u32)>, ProvisionError> {
+    let Some(f) = root.read_file(path)? else { return Ok(None) };
+    let text = String::from_utf8(f.bytes).map_err(|e| ProvisionError::Io {
+        action: "read",
+        path: path.to_owned(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
+    })?;
+    Ok(Some((text, f.mode)))
 }
 
 /// Compares `content` with the file at `path` under `root`; unless `dry_run`, backs the old
-/// file up and writes the new one when they differ (or the mode does).
+/// file up and writes the new one when they differ (or the mode does). Every read and write
+/// stays inside the root (see [`crate::root`]); a dry run reads exactly what a real run would.
 pub fn stage_and_write(
     root: &Root,
     path: &str,
@@ -753,8 +752,7 @@ pub fn stage_and_write(
     dry_run: bool,
 ) -> Result<FileChange, ProvisionError> {
     let existing = read_existing(root, path)?;
-    let same_mode = existing_mode(root, path) == Some(mode);
-    if existing.as_deref() == Some(content) && same_mode {
+    if existing.as_ref().is_some_and(|(text, m)| text == content && *m == mode) {
         return Ok(FileChange {
             path: path.to_owned(),
             action: "unchanged",
@@ -763,58 +761,41 @@ pub fn stage_and_write(
         });
     }
     let diff = textdiff::unified(
-        existing.as_deref(),
+        existing.as_ref().map(|(text, _)| text.as_str()),
         Some(content),
         &format!("a{path}"),
         &format!("b{path}"),
     );
-    let backup = existing.as_ref().map(|_| backup_name(root, path));
+    let backup = match &existing {
+        Some(_) => Some(backup_name(root, path)?),
+        None => None,
+    };
     if !dry_run {
-        if let Some(b) = &backup {
-            std::fs::copy(root.path(path), root.path(b)).map_err(|source| ProvisionError::Io {
-                action: "back up",
-                path: path.to_owned(),
-                source,
-            })?;
+        if let (Some(b), Some((old, old_mode))) = (&backup, &existing) {
+            // A new file (O_EXCL | O_NOFOLLOW) with the content just read, never a copy
+            // through whatever link might sit at the backup's name.
+            root.create_file(b, old.as_bytes(), *old_mode)?;
         }
-        write_atomic(root, path, content, mode)?;
+        root.write_file(path, content.as_bytes(), mode)?;
     }
     let action = if backup.is_some() { "modified" } else { "created" };
     Ok(FileChange { path: path.to_owned(), action, backup, diff })
 }
 
 /// `<path>.xpu-bak` the first time (the original is kept for good), then `.xpu-bak.1`, `.2`...
-fn backup_name(root: &Root, path: &str) -> String {
+/// A name taken by anything, a dangling link included, is skipped.
+fn backup_name(root: &Root, path: &str) -> Result<String, ProvisionError> {
     let first = format!("{path}.xpu-bak");
-    if !root.path(&first).exists() {
-        return first;
+    if !root.exists(&first)? {
+        return Ok(first);
     }
-    (1u32..).map(|n| format!("{first}.{n}")).find(|p| !root.path(p).exists()).unwrap_or(first)
-}
-
-/// Writes through a temporary file in the same directory and renames it into place, so a
-/// crash never leaves a half-written configuration file.
-pub fn write_atomic(
-    root: &Root,
-    path: &str,
-    content: &str,
-    mode: u32,
-) -> Result<(), ProvisionError> {
-    let real = root.path(path);
-    let io = |action: &'static str| {
-        move |source: std::io::Error| ProvisionError::Io { action, path: path.to_owned(), source }
-    };
-    if let Some(dir) = real.parent() {
-        std::fs::create_dir_all(dir).map_err(io("create the directory of"))?;
+    for n in 1u32.. {
+        let p = format!("{first}.{n}");
+        if !root.exists(&p)? {
+            return Ok(p);
+        }
     }
-    let mut tmp = real.clone().into_os_string();
-    tmp.push(".xpu-tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    std::fs::write(&tmp, content).map_err(io("write"))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
-        .map_err(io("set the mode of"))?;
-    std::fs::rename(&tmp, &real).map_err(io("replace"))?;
-    Ok(())
+    Ok(first)
 }
 
 #[cfg(test)]

@@ -65,7 +65,12 @@ pub enum VfioError {
 impl VfioError {
     /// Errors caused by what the user typed (exit 2), as opposed to host state (exit 1).
     pub fn is_input(&self) -> bool {
-        matches!(self, VfioError::NoTargets | VfioError::NotFound(_) | VfioError::Bridge(_))
+        match self {
+            VfioError::NoTargets | VfioError::NotFound(_) | VfioError::Bridge(_) => true,
+            // A link out of the root, a FIFO where a rule file should be: the tree given.
+            VfioError::Persist(ProvisionError::Path(p)) => !p.is_io(),
+            _ => false,
+        }
     }
 }
 
@@ -146,17 +151,16 @@ fn driver_loaded(root: &Root, driver: &str) -> bool {
 
 pub fn load_state(root: &Root) -> Result<State, VfioError> {
     let err = |reason: String| VfioError::State { path: STATE_FILE.to_owned(), reason };
-    match std::fs::read(root.path(STATE_FILE)) {
-        Ok(b) => serde_json::from_slice(&b).map_err(|e| err(e.to_string())),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(State::default()),
-        Err(e) => Err(err(e.to_string())),
+    match root.read_file(STATE_FILE).map_err(ProvisionError::from)? {
+        Some(f) => serde_json::from_slice(&f.bytes).map_err(|e| err(e.to_string())),
+        None => Ok(State::default()),
     }
 }
 
 fn save_state(root: &Root, state: &State) -> Result<(), VfioError> {
     let text = serde_json::to_string_pretty(state)
         .map_err(|e| VfioError::State { path: STATE_FILE.to_owned(), reason: e.to_string() })?;
-    provision::write_atomic(root, STATE_FILE, &(text + "\n"), 0o644)?;
+    root.write_file(STATE_FILE, (text + "\n").as_bytes(), 0o644).map_err(ProvisionError::from)?;
     Ok(())
 }
 
@@ -608,7 +612,10 @@ fn persist(
     remove: &BTreeSet<PciAddress>,
     dry_run: bool,
 ) -> Result<Vec<FileChange>, VfioError> {
-    let existing = std::fs::read_to_string(root.path(PERSIST_RULES)).unwrap_or_default();
+    // Read inside the root, as the write will be: a link there is an error, not followed.
+    let existing = root.read_file(PERSIST_RULES).map_err(ProvisionError::from)?;
+    let existing = existing.map(|f| String::from_utf8_lossy(&f.bytes).into_owned());
+    let existing = existing.unwrap_or_default();
     let mut addrs: BTreeSet<PciAddress> = existing
         .lines()
         .filter_map(|l| l.split("KERNEL==\"").nth(1)?.split('"').next()?.parse().ok())
@@ -627,11 +634,11 @@ fn persist(
         vec![provision::stage_and_write(root, PERSIST_RULES, &rules, 0o644, dry_run)?];
     if !addrs.is_empty() {
         // A script written by `xpu host apply` (tpu-vm's opens the node too) is kept.
-        if !root.path(BIND_SCRIPT).exists() {
+        if !root.exists(BIND_SCRIPT).map_err(ProvisionError::from)? {
             let script = provision::bind_script(Profile::VfioHost);
             changes.push(provision::stage_and_write(root, BIND_SCRIPT, &script, 0o755, dry_run)?);
         }
-        if !root.path(MODULES_LOAD_VFIO).exists() {
+        if !root.exists(MODULES_LOAD_VFIO).map_err(ProvisionError::from)? {
             let content = "# Written by xpu vfio bind --persist: load VFIO at boot.\nvfio\nvfio_iommu_type1\nvfio_pci\n";
             changes.push(provision::stage_and_write(
                 root,

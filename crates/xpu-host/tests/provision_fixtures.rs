@@ -235,3 +235,128 @@ fn the_bind_script_is_valid_shell_and_rejects_bad_addresses() {
         }
     }
 }
+
+/// A directory beside the fixture (as on the host, outside the root) and its snapshot.
+fn outside() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("outside");
+    std::fs::create_dir(&p).unwrap();
+    (dir, p)
+}
+
+fn dry(profile: Profile) -> ApplyOptions {
+    ApplyOptions { dry_run: true, ..opts(profile) }
+}
+
+#[test]
+fn apply_never_follows_a_link_out_of_the_root() {
+    // An image whose /etc is a link to another directory of the machine building it: the
+    // files xpu would write (8 for tpu-vm) must not land there, in a real run or a dry run.
+    let (fx, root, inv) = build(&hosts::tpu_v5p(), Some(grub_file("quiet", "")));
+    let (_keep, out) = outside();
+    std::fs::rename(fx.root().join("etc"), out.join("etc")).unwrap();
+    std::os::unix::fs::symlink(out.join("etc"), fx.root().join("etc")).unwrap();
+    let before = snapshot(&out);
+    for o in [dry(Profile::TpuVm), opts(Profile::TpuVm)] {
+        let e = provision::apply(&root, &inv, &o).unwrap_err();
+        assert!(matches!(e, ProvisionError::Path(_)), "{e:?}");
+        let want = format!(
+            "{}/etc is a symlink to {}/etc, outside the root, and {}{}/etc does not exist inside the root",
+            fx.root().display(),
+            out.display(),
+            fx.root().display(),
+            out.display()
+        );
+        assert!(e.to_string().starts_with(&want), "{e}");
+        assert_eq!(snapshot(&out), before, "nothing written outside the root");
+    }
+
+    // `etc -> /etc`, the image-build case: never the building host's /etc. Inside the root
+    // the link points at itself.
+    std::fs::remove_file(fx.root().join("etc")).unwrap();
+    std::os::unix::fs::symlink("/etc", fx.root().join("etc")).unwrap();
+    for o in [dry(Profile::TpuVm), dry(Profile::VfioHost)] {
+        let e = provision::apply(&root, &inv, &o).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!(
+                "{}/etc is a symlink to /etc, outside the root, which inside the root leads back to itself"
+            , fx.root().display())),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_dry_run_never_shows_a_file_outside_the_root() {
+    let (fx, root, inv) = build(&hosts::a100_8x(), Some(grub_file("", "quiet")));
+    let (_keep, out) = outside();
+    let secret = "GRUB_CMDLINE_LINUX=\"SECRET-FROM-OUTSIDE\"\n";
+    std::fs::write(out.join("grub"), secret).unwrap();
+    std::fs::create_dir(out.join("modprobe.d")).unwrap();
+    std::fs::write(out.join("modprobe.d/xpu-vfio.conf"), secret).unwrap();
+    let grub = fx.root().join("etc/default/grub");
+    std::fs::remove_file(&grub).unwrap();
+    std::os::unix::fs::symlink(out.join("grub"), &grub).unwrap();
+    let e = provision::apply(&root, &inv, &dry(Profile::VfioHost)).unwrap_err().to_string();
+    assert!(e.contains(&format!("{} is a symlink to ", grub.display())), "{e}");
+    assert!(!e.contains("SECRET"), "{e}");
+
+    std::fs::remove_file(&grub).unwrap();
+    std::fs::write(&grub, grub_file("", "quiet")).unwrap();
+    std::os::unix::fs::symlink(out.join("modprobe.d"), fx.root().join("etc/modprobe.d")).unwrap();
+    let e = provision::apply(&root, &inv, &dry(Profile::VfioHost)).unwrap_err().to_string();
+    assert!(e.contains("/etc/modprobe.d is a symlink to "), "{e}");
+    assert!(!e.contains("SECRET"), "{e}");
+}
+
+#[test]
+fn a_planted_temporary_file_link_is_never_written_through() {
+    let (fx, root, inv) = build(&hosts::tpu_v5p(), Some(grub_file("quiet", "")));
+    let (_keep, out) = outside();
+    let victim = out.join("victim");
+    std::fs::write(&victim, "victim\n").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::symlink(&victim, fx.root().join("etc/default/grub.xpu-tmp")).unwrap();
+    provision::apply(&root, &inv, &opts(Profile::TpuVm)).unwrap();
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "victim\n");
+    let mode = std::fs::metadata(&victim).unwrap().permissions().mode();
+    assert_eq!(mode & 0o7777, 0o600, "the target's mode is untouched");
+    assert!(read(&fx, "/etc/default/grub").contains("idle=poll"));
+    assert!(!fx.root().join("etc/default/grub.xpu-tmp").exists());
+}
+
+#[test]
+fn a_dangling_backup_link_is_skipped_not_followed() {
+    let (fx, root, inv) = build(&hosts::tpu_v5p(), Some(grub_file("quiet", "")));
+    let (_keep, out) = outside();
+    let bak = fx.root().join("etc/default/grub.xpu-bak");
+    std::os::unix::fs::symlink(out.join("created-by-xpu"), &bak).unwrap();
+    let dry_run = provision::apply(&root, &inv, &dry(Profile::TpuVm)).unwrap();
+    let r = provision::apply(&root, &inv, &opts(Profile::TpuVm)).unwrap();
+    for r in [dry_run, r] {
+        let g = r.files.iter().find(|f| f.path == "/etc/default/grub").unwrap();
+        assert_eq!(g.backup.as_deref(), Some("/etc/default/grub.xpu-bak.1"));
+    }
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "nothing created outside the root");
+    assert!(std::fs::symlink_metadata(&bak).unwrap().file_type().is_symlink());
+    assert_eq!(read(&fx, "/etc/default/grub.xpu-bak.1"), grub_file("quiet", ""));
+}
+
+#[test]
+fn links_inside_an_image_are_followed_within_it() {
+    // Merged /usr (`lib -> usr/lib`) and an absolute link meant for the image's own `/`.
+    let (fx, root, inv) = build(&hosts::tpu_v5p(), Some(grub_file("quiet", "")));
+    let t = fx.root();
+    std::fs::create_dir_all(t.join("usr/lib")).unwrap();
+    if t.join("lib").exists() {
+        std::fs::remove_dir_all(t.join("lib")).unwrap();
+    }
+    std::os::unix::fs::symlink("usr/lib", t.join("lib")).unwrap();
+    std::fs::create_dir_all(t.join("usr/etc/security")).unwrap();
+    std::os::unix::fs::symlink("/usr/etc/security", t.join("etc/security")).unwrap();
+    provision::apply(&root, &inv, &opts(Profile::TpuVm)).unwrap();
+    assert!(t.join("usr/lib/udev/xpu-bind-vfio-pci.sh").is_file());
+    assert!(t.join("usr/etc/security/limits.d/90-xpu.conf").is_file());
+    let again = provision::apply(&root, &inv, &opts(Profile::TpuVm)).unwrap();
+    assert!(!again.changed(), "{again:#?}");
+}

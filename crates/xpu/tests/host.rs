@@ -236,3 +236,66 @@ fn malformed_input_exits_2() {
     assert!(e.contains("cannot parse GRUB_CMDLINE_LINUX at /etc/default/grub:1"), "{e}");
     assert_eq!(snapshot(fx.root()), before, "nothing written when the grub file cannot be merged");
 }
+
+#[test]
+fn apply_refuses_links_out_of_the_root_and_writes_nothing_there() {
+    // A mounted image whose /etc links to a directory of the building host.
+    let fx = hosts::tpu_v5p().build();
+    let mut r = Readiness::bare();
+    r.grub = Some(grub_file("quiet", ""));
+    r.write(fx.root());
+    let dir = tempfile::tempdir().unwrap();
+    let outside = dir.path().join("etc");
+    std::fs::rename(fx.root().join("etc"), &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, fx.root().join("etc")).unwrap();
+    let before = snapshot(dir.path());
+    let root = fx.root().to_str().unwrap();
+    for extra in [&["--dry-run"][..], &[]] {
+        let mut args = vec!["host", "apply", "--profile", "tpu-vm", "--root", root];
+        args.extend(extra);
+        let e = err2(&xpu(&args));
+        assert!(
+            e.starts_with(&format!(
+                "error: {root}/etc is a symlink to {}, outside the root, and {root}{} does not exist inside the root;",
+                outside.display(),
+                outside.display()
+            )),
+            "{e}"
+        );
+        assert_eq!(snapshot(dir.path()), before, "{extra:?}");
+    }
+    // `etc -> /etc`: never the real /etc, not even in a dry run's diff.
+    std::fs::remove_file(fx.root().join("etc")).unwrap();
+    std::os::unix::fs::symlink("/etc", fx.root().join("etc")).unwrap();
+    let out = xpu(&["host", "apply", "--profile", "tpu-vm", "--root", root, "--dry-run"]);
+    let e = err2(&out);
+    assert!(e.contains(&format!("{root}/etc is a symlink to /etc, outside the root")), "{e}");
+    assert!(out.stdout.is_empty(), "no plan printed: {}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn metadata_env_never_writes_through_a_planted_temporary_link() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("tpu-env.yaml");
+    std::fs::write(&input, "WORKER_ID: '0'\n").unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "victim\n").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out_dir = dir.path().join("home");
+    std::fs::create_dir(&out_dir).unwrap();
+    std::os::unix::fs::symlink(&victim, out_dir.join(".tpu-env.xpu-tmp")).unwrap();
+    let output = out_dir.join("tpu-env");
+    ok(&xpu(&[
+        "host",
+        "metadata-env",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        output.to_str().unwrap(),
+    ]));
+    assert_eq!(std::fs::read_to_string(&output).unwrap(), "WORKER_ID=\"0\"\n");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "victim\n");
+    let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o600);
+    assert!(std::fs::symlink_metadata(out_dir.join(".tpu-env.xpu-tmp")).is_err());
+}

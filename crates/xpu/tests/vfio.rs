@@ -143,3 +143,38 @@ fn bad_addresses_exit_2() {
     let out = xpu(&["vfio", "status", "0000:99:00.0", "--root", root]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn persist_never_follows_a_link_out_of_the_root() {
+    // All four TPUs are already on vfio-pci, so the only writes are the --persist files.
+    let fx = hosts::tpu_v5p().build();
+    let dir = tempfile::tempdir().unwrap();
+    let outside = dir.path().join("etc");
+    std::fs::create_dir_all(fx.root().join("etc")).unwrap();
+    std::fs::rename(fx.root().join("etc"), &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, fx.root().join("etc")).unwrap();
+    let before = snapshot(dir.path());
+    let root = fx.root().to_str().unwrap();
+    for extra in [&["--dry-run"][..], &[]] {
+        let mut args = vec!["vfio", "bind", "--all-accelerators", "--persist", "--root", root];
+        args.extend(extra);
+        let out = xpu(&args);
+        assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stdout));
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            e.contains(&format!(
+                "{root}/etc is a symlink to {}, outside the root",
+                outside.display()
+            )),
+            "{e}"
+        );
+        assert_eq!(snapshot(dir.path()), before, "{extra:?}");
+    }
+
+    // The same tree with /etc a directory: the rule is written inside the root.
+    std::fs::remove_file(fx.root().join("etc")).unwrap();
+    std::fs::create_dir(fx.root().join("etc")).unwrap();
+    let out = xpu(&["vfio", "bind", "--all-accelerators", "--persist", "--root", root]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(fx.root().join("etc/udev/rules.d/98-xpu-vfio-bind.rules").is_file());
+}

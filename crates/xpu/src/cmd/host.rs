@@ -188,8 +188,10 @@ fn apply(a: ApplyArgs) -> CmdResult {
         hugepages: a.hugepages,
         dry_run: a.dry_run,
     };
-    let report = provision::apply(&root, &inv, &opts).map_err(|e| match e {
+    let report = provision::apply(&root, &inv, &opts).map_err(|e| match &e {
         provision::ProvisionError::Io { .. } => CliError::failed(e),
+        provision::ProvisionError::Path(p) if p.is_io() => CliError::failed(e),
+        // A link out of the root, a FIFO where a file should be: the tree given is wrong.
         _ => CliError::input(e),
     })?;
     match a.format {
