@@ -552,6 +552,27 @@ struct LogParams {
     task: Option<i64>,
     attempt: Option<i64>,
     follow: Option<bool>,
+    /// The last N lines only (`kubectl logs --tail`; `tailLines` in the Kubernetes API).
+    #[serde(alias = "tailLines")]
+    tail: Option<u64>,
+    /// At most N bytes, from where the output starts (`kubectl logs --limit-bytes`).
+    #[serde(rename = "limitBytes")]
+    limit_bytes: Option<u64>,
+}
+
+/// Which part of a log to send.
+#[derive(Debug, Clone, Copy)]
+struct LogWindow {
+    tail: Option<u64>,
+    limit: u64,
+}
+
+/// A log is read and sent in pieces of this size: memory per reader stays this, whatever
+/// the log's size.
+const LOG_CHUNK: usize = 64 * 1024;
+
+fn text_plain(body: Body) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
 }
 
 async fn logs(State(s): S, Path(id): Path<String>, Query(p): Query<LogParams>) -> Response {
@@ -559,6 +580,10 @@ async fn logs(State(s): S, Path(id): Path<String>, Query(p): Query<LogParams>) -
         Ok(i) => i,
         Err(r) => return *r,
     };
+    if p.limit_bytes == Some(0) {
+        return error(StatusCode::BAD_REQUEST, "limitBytes: must be at least 1");
+    }
+    let window = LogWindow { tail: p.tail, limit: p.limit_bytes.unwrap_or(u64::MAX) };
     let tasks = match s.store.tasks(id).await {
         Ok(t) => t,
         Err(e) => return unavailable(e),
@@ -570,7 +595,7 @@ async fn logs(State(s): S, Path(id): Path<String>, Query(p): Query<LogParams>) -
         .max_by_key(|t| t.attempt);
     let Some(task) = pick.cloned() else {
         return match s.store.job(id).await {
-            Ok(Some(_)) if p.follow.unwrap_or(false) => follow_pending(s, id, idx).await,
+            Ok(Some(_)) if p.follow.unwrap_or(false) => follow_pending(s, id, idx, window).await,
             Ok(Some(_)) => error(
                 StatusCode::NOT_FOUND,
                 format!("job {id} task {idx} has not started yet; use -f to wait for it"),
@@ -579,56 +604,131 @@ async fn logs(State(s): S, Path(id): Path<String>, Query(p): Query<LogParams>) -
             Err(e) => unavailable(e),
         };
     };
-    let path = std::path::Path::new(&task.dir).join("output.log");
-    if !p.follow.unwrap_or(false) {
-        return match tokio::fs::read(&path).await {
-            Ok(b) => ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], b).into_response(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Vec::new()).into_response()
-            }
-            Err(e) => {
-                error(StatusCode::INTERNAL_SERVER_ERROR, format!("reading {}: {e}", path.display()))
-            }
-        };
+    if p.follow.unwrap_or(false) {
+        return follow_response(s, task, window).await;
     }
-    follow_response(s, task)
+    let path = std::path::Path::new(&task.dir).join("output.log");
+    let read = async {
+        let start = log_start(&path, window.tail).await?;
+        let mut f = tokio::fs::File::open(&path).await?;
+        tokio::io::AsyncSeekExt::seek(&mut f, std::io::SeekFrom::Start(start)).await?;
+        Ok::<_, std::io::Error>(f)
+    };
+    match read.await {
+        Ok(f) => text_plain(stream_file(f, window.limit)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => text_plain(Body::empty()),
+        Err(e) => {
+            error(StatusCode::INTERNAL_SERVER_ERROR, format!("reading {}: {e}", path.display()))
+        }
+    }
+}
+
+/// The file from where it stands to its end (as it is when reached), at most `limit` bytes,
+/// [`LOG_CHUNK`] at a time.
+fn stream_file(file: tokio::fs::File, limit: u64) -> Body {
+    use tokio::io::AsyncReadExt;
+    let stream = futures_util::stream::try_unfold((file, limit), |(mut f, left)| async move {
+        if left == 0 {
+            return Ok(None);
+        }
+        let mut buf = vec![0u8; usize::try_from(left).map_or(LOG_CHUNK, |l| l.min(LOG_CHUNK))];
+        let n = f.read(&mut buf).await?;
+        if n == 0 {
+            return Ok::<_, std::io::Error>(None);
+        }
+        buf.truncate(n);
+        Ok(Some((Bytes::from(buf), (f, left - n as u64))))
+    });
+    Body::from_stream(stream)
+}
+
+/// Where the log's last `tail` lines start (all of it for `None`): after the `tail`-th
+/// newline from the end, a final newline ending the last line rather than starting an empty
+/// one, as `kubectl logs --tail` and `tail -n` count. Reads backwards [`LOG_CHUNK`] at a time.
+async fn log_start(path: &std::path::Path, tail: Option<u64>) -> std::io::Result<u64> {
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    let Some(tail) = tail else { return Ok(0) };
+    let mut f = tokio::fs::File::open(path).await?;
+    let len = f.metadata().await?.len();
+    if tail == 0 {
+        return Ok(len);
+    }
+    let mut buf = vec![0u8; LOG_CHUNK];
+    let mut seen = 0;
+    let mut end = len;
+    while end > 0 {
+        let start = end.saturating_sub(LOG_CHUNK as u64);
+        // At most LOG_CHUNK, so it fits.
+        let chunk = &mut buf[..(end - start) as usize];
+        f.seek(std::io::SeekFrom::Start(start)).await?;
+        f.read_exact(chunk).await?;
+        let mut upto = chunk.len();
+        if end == len && chunk.last() == Some(&b'\n') {
+            upto -= 1;
+        }
+        while let Some(i) = chunk[..upto].iter().rposition(|b| *b == b'\n') {
+            seen += 1;
+            if seen == tail {
+                return Ok(start + i as u64 + 1);
+            }
+            upto = i;
+        }
+        end = start;
+    }
+    Ok(0)
 }
 
 /// Waits (up to a minute) for the task to start, then follows it.
-async fn follow_pending(s: Arc<Shared>, id: i64, idx: i64) -> Response {
+async fn follow_pending(s: Arc<Shared>, id: i64, idx: i64, window: LogWindow) -> Response {
     for _ in 0..600 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         if let Ok(tasks) = s.store.tasks(id).await
             && let Some(t) = tasks.iter().filter(|t| t.idx == idx).max_by_key(|t| t.attempt)
         {
-            return follow_response(s, t.clone());
+            return follow_response(s, t.clone(), window).await;
         }
         if let Ok(Some(row)) = s.store.job(id).await
             && row.state.is_terminal()
         {
-            return ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Vec::new())
-                .into_response();
+            return text_plain(Body::empty());
         }
     }
     error(StatusCode::GATEWAY_TIMEOUT, format!("job {id} task {idx} did not start within a minute"))
 }
 
-/// Streams the log as it grows until the attempt has ended and everything was sent.
-fn follow_response(s: Arc<Shared>, task: TaskRow) -> Response {
+/// Streams the log as it grows until the attempt has ended and everything was sent, starting
+/// `window.tail` lines from the end as it is now and stopping after `window.limit` bytes.
+async fn follow_response(s: Arc<Shared>, task: TaskRow, window: LogWindow) -> Response {
     let path = std::path::Path::new(&task.dir).join("output.log");
+    let offset = match log_start(&path, window.tail).await {
+        Ok(o) => o,
+        // Not written yet: it starts at its beginning.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("reading {}: {e}", path.display()),
+            );
+        }
+    };
     struct St {
         s: Arc<Shared>,
         task: TaskRow,
         path: std::path::PathBuf,
         offset: u64,
+        left: u64,
         finished: bool,
     }
-    let init = St { s, task, path, offset: 0, finished: false };
+    let init = St { s, task, path, offset, left: window.limit, finished: false };
     let stream = futures_util::stream::unfold(init, |mut st| async move {
         loop {
-            let data = read_from(&st.path, st.offset).await;
+            if st.left == 0 {
+                return None;
+            }
+            let data = read_from(&st.path, st.offset, st.left).await;
             if !data.is_empty() {
                 st.offset += data.len() as u64;
+                st.left -= data.len() as u64;
                 return Some((Ok::<Bytes, std::io::Error>(Bytes::from(data)), st));
             }
             if st.finished {
@@ -648,17 +748,18 @@ fn follow_response(s: Arc<Shared>, task: TaskRow) -> Response {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
-    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Body::from_stream(stream))
-        .into_response()
+    text_plain(Body::from_stream(stream))
 }
 
-async fn read_from(path: &std::path::Path, offset: u64) -> Vec<u8> {
+/// Up to [`LOG_CHUNK`] (and `max`) bytes of the file from `offset`; none when there are none
+/// or it cannot be read.
+async fn read_from(path: &std::path::Path, offset: u64, max: u64) -> Vec<u8> {
     use tokio::io::{AsyncReadExt, AsyncSeekExt};
     let Ok(mut f) = tokio::fs::File::open(path).await else { return Vec::new() };
     if f.seek(std::io::SeekFrom::Start(offset)).await.is_err() {
         return Vec::new();
     }
-    let mut buf = vec![0u8; 64 * 1024];
+    let mut buf = vec![0u8; usize::try_from(max).map_or(LOG_CHUNK, |m| m.min(LOG_CHUNK))];
     match f.read(&mut buf).await {
         Ok(n) => {
             buf.truncate(n);

@@ -188,3 +188,76 @@ fn browser_cross_site_requests_are_refused_on_loopback() {
     }
     kill_tasks(&d.data_dir);
 }
+
+/// The daemon's peak resident memory (VmHWM), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).unwrap();
+    kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
+
+/// A log is streamed from its file, not read into memory: four readers of a 30 MB log at once
+/// get it all, chunked, and the daemon's peak memory grows by far less than one copy. `tail`
+/// and `limitBytes` cut it as `kubectl logs --tail/--limit-bytes` do.
+#[test]
+fn logs_stream_from_the_file_with_tail_and_limit_bytes() {
+    const LINES: u64 = 4_000_000;
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(&dir.path().join("data"), None, &["--devices", "nvidia-a100:1"]);
+    let big = d.submit(&format!("command: [seq, \"1\", \"{LINES}\"]\n"));
+    let ragged = d.submit("command: [printf, 'a\\nb\\n\\nc']\n");
+    d.wait_state(big, &["succeeded"]);
+    d.wait_state(ragged, &["succeeded"]);
+    let expected: String = (1..=LINES).map(|i| format!("{i}\n")).collect();
+    assert!(expected.len() > 30_000_000);
+
+    let before = peak_rss(d.child.id());
+    let port = d.port;
+    let readers: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let req = format!(
+                    "GET /v1/jobs/{big}/logs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+                );
+                raw(port, req.as_bytes())
+            })
+        })
+        .collect();
+    for r in readers {
+        let r = r.join().unwrap();
+        assert_eq!(r.status, 200);
+        assert!(r.head.contains("transfer-encoding: chunked"), "{}", r.head);
+        assert_eq!(r.body.len(), expected.len());
+        assert!(r.body == expected.as_bytes(), "the streamed log differs from the file");
+    }
+    let grew = peak_rss(d.child.id()).saturating_sub(before);
+    assert!(grew < 16 << 20, "reading the log raised the daemon's peak memory by {grew} bytes");
+
+    let log = |q: &str, id: i64| {
+        let r = d.client().request("GET", &format!("/v1/jobs/{id}/logs?{q}"), None, &[]).unwrap();
+        (r.status, String::from_utf8(r.body).unwrap())
+    };
+    let ok = |q: &str, id: i64| {
+        let (status, text) = log(q, id);
+        assert_eq!(status, 200, "{q}: {text}");
+        text
+    };
+    assert_eq!(ok("tail=3", big), "3999998\n3999999\n4000000\n");
+    assert_eq!(ok("tailLines=1", big), "4000000\n");
+    assert_eq!(ok("tail=0", big), "");
+    // Across many read blocks from the end.
+    assert_eq!(ok("tail=50000", big), expected[expected.len() - 50000 * 8..]);
+    assert_eq!(ok("limitBytes=5", big), "1\n2\n3");
+    assert_eq!(ok("tail=2&limitBytes=3", big), "399");
+    assert_eq!(ok("tail=1&follow=true", big), "4000000\n");
+    assert_eq!(ok("limitBytes=4&follow=true", big), "1\n2\n");
+    // No final newline; an empty line is a line.
+    assert_eq!(ok("tail=1", ragged), "c");
+    assert_eq!(ok("tail=2", ragged), "\nc");
+    assert_eq!(ok("tail=3", ragged), "b\n\nc");
+    assert_eq!(ok("tail=99", ragged), "a\nb\n\nc");
+    assert_eq!(ok("", ragged), "a\nb\n\nc");
+    assert_eq!(log("limitBytes=0", big).0, 400);
+    assert_eq!(log("tail=-1", big).0, 400);
+    kill_tasks(&d.data_dir);
+}
