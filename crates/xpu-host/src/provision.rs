@@ -600,6 +600,10 @@ pub struct ApplyReport {
     pub dry_run: bool,
     /// Kernel parameters merged into `/etc/default/grub`.
     pub kernel_params: Vec<String>,
+    /// Those of `kernel_params` written for either CPU vendor because the vendor is unknown
+    /// (an image root without `/proc`): the kernel applies them at boot on Intel only
+    /// (`intel_iommu=...`) and ignores them on AMD.
+    pub decided_at_boot: Vec<String>,
     pub files: Vec<FileChange>,
     pub commands: Vec<String>,
 }
@@ -677,10 +681,21 @@ pub fn apply(
         if opts.devices.is_empty() { devices_from_inventory(p, inv) } else { opts.devices.clone() };
     let vendor =
         opts.cpu_vendor.or_else(|| CpuVendor::from_inventory(inv.host.cpu_vendor.as_deref()));
-    let params: Vec<&str> = match vendor {
-        Some(v) => p.kernel_params(v),
-        None if p.kernel_params(CpuVendor::Intel) == p.kernel_params(CpuVendor::Amd) => {
-            p.kernel_params(CpuVendor::Intel)
+    let (intel, amd) = (p.kernel_params(CpuVendor::Intel), p.kernel_params(CpuVendor::Amd));
+    let (params, decided_at_boot): (Vec<&str>, Vec<String>) = match vendor {
+        Some(v) => (p.kernel_params(v), Vec::new()),
+        None if intel == amd => (intel, Vec::new()),
+        // No vendor and nothing to ask (an image being built has no /proc; an error reading
+        // it counts as having one), or tpu-vm, whose seed writes the same line on every host:
+        // the Intel set, which is the AMD set plus `intel_iommu=...` only. That option is read
+        // only by the VT-d driver (drivers/iommu/intel/iommu.c), which does nothing on a
+        // machine without a DMAR table, so an AMD host boots with it ignored and its IOMMU
+        // enabled by default (IVRS); `amd_iommu=on` is not written, the kernel has no such
+        // value (kernel-parameters.txt). Which of them takes effect is decided at boot.
+        None if p == Profile::TpuVm || !root.exists("/proc/cpuinfo").unwrap_or(true) => {
+            let boot = intel.iter().filter(|q| !amd.contains(q)).map(|q| (*q).to_owned());
+            let boot = boot.collect();
+            (intel, boot)
         }
         None => return Err(ProvisionError::UnknownCpuVendor),
     };
@@ -707,6 +722,7 @@ pub fn apply(
         profile: p.to_string(),
         dry_run: opts.dry_run,
         kernel_params: params.iter().map(|s| (*s).to_owned()).collect(),
+        decided_at_boot,
         files: Vec::new(),
         commands: Vec::new(),
     };

@@ -360,3 +360,50 @@ fn links_inside_an_image_are_followed_within_it() {
     let again = provision::apply(&root, &inv, &opts(Profile::TpuVm)).unwrap();
     assert!(!again.changed(), "{again:#?}");
 }
+
+/// An image tree being built: `/etc/default/grub` and nothing else, no /proc, no /sys.
+fn image_tree() -> (tempfile::TempDir, Root, Inventory) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("etc/default")).unwrap();
+    std::fs::write(dir.path().join("etc/default/grub"), grub_file("quiet", "")).unwrap();
+    let root = Root::new(dir.path()).unwrap();
+    let inv = xpu_host::discover(
+        &root,
+        &DiscoverOptions { scope: Scope::All, pci_ids: None, skip_names: true },
+    )
+    .unwrap();
+    (dir, root, inv)
+}
+
+#[test]
+fn an_image_without_proc_gets_the_parameters_for_either_vendor() {
+    // tpu-vm: the seed's fixed line; intel_iommu=on,sm_on only acts on Intel, at boot.
+    let (dir, root, inv) = image_tree();
+    let r = provision::apply(&root, &inv, &opts(Profile::TpuVm)).unwrap();
+    assert_eq!(
+        r.kernel_params,
+        ["idle=poll", "intel_iommu=on,sm_on", "transparent_hugepage=always"]
+    );
+    assert_eq!(r.decided_at_boot, ["intel_iommu=on,sm_on"]);
+    let grub = std::fs::read_to_string(dir.path().join("etc/default/grub")).unwrap();
+    assert!(grub.contains("GRUB_CMDLINE_LINUX=\"quiet idle=poll intel_iommu=on,sm_on transparent_hugepage=always\""), "{grub}");
+
+    // vfio-host: iommu=pt for both, intel_iommu=on for Intel (ignored on AMD, whose IOMMU is
+    // on by default); no amd_iommu=on, which the kernel does not know.
+    let (dir, root, inv) = image_tree();
+    let o = ApplyOptions { devices: vec!["10de:20b0".parse().unwrap()], ..opts(Profile::VfioHost) };
+    let r = provision::apply(&root, &inv, &ApplyOptions { dry_run: true, ..o.clone() }).unwrap();
+    assert_eq!(r.decided_at_boot, ["intel_iommu=on"]);
+    let r = provision::apply(&root, &inv, &o).unwrap();
+    assert_eq!(r.kernel_params, ["intel_iommu=on", "iommu=pt"]);
+    assert_eq!(r.decided_at_boot, ["intel_iommu=on"]);
+    let grub = std::fs::read_to_string(dir.path().join("etc/default/grub")).unwrap();
+    assert!(grub.contains("GRUB_CMDLINE_LINUX=\"quiet intel_iommu=on iommu=pt\""), "{grub}");
+
+    // A vendor given still wins.
+    let (_dir, root, inv) = image_tree();
+    let r = provision::apply(&root, &inv, &ApplyOptions { cpu_vendor: Some(CpuVendor::Amd), ..o })
+        .unwrap();
+    assert_eq!(r.kernel_params, ["iommu=pt"]);
+    assert!(r.decided_at_boot.is_empty());
+}

@@ -274,6 +274,42 @@ fn apply_refuses_links_out_of_the_root_and_writes_nothing_there() {
 }
 
 #[test]
+fn apply_on_an_image_tree_without_proc_decides_the_iommu_parameter_at_boot() {
+    for (profile, devices, line, boot) in [
+        (
+            "tpu-vm",
+            None,
+            "idle=poll intel_iommu=on,sm_on transparent_hugepage=always",
+            "intel_iommu=on,sm_on",
+        ),
+        ("vfio-host", Some("10de:20b0"), "intel_iommu=on iommu=pt", "intel_iommu=on"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("etc/default")).unwrap();
+        std::fs::write(dir.path().join("etc/default/grub"), grub_file("quiet", "")).unwrap();
+        let root = dir.path().to_str().unwrap();
+        let mut args = vec!["host", "apply", "--profile", profile, "--root", root];
+        if let Some(d) = devices {
+            args.extend(["--devices", d]);
+        }
+        let plan = ok(&xpu(&[&args[..], &["--dry-run"]].concat()));
+        assert!(
+            plan.contains(&format!(
+                "note: {boot} is decided at boot: the CPU vendor is unknown under this root"
+            )),
+            "{profile}: {plan}"
+        );
+        let done = ok(&xpu(&args));
+        assert!(done.contains(&format!("+GRUB_CMDLINE_LINUX=\"quiet {line}\"")), "{done}");
+        let grub = std::fs::read_to_string(dir.path().join("etc/default/grub")).unwrap();
+        assert!(grub.contains(&format!("GRUB_CMDLINE_LINUX=\"quiet {line}\"")), "{grub}");
+        let json = ok(&xpu(&[&args[..], &["--format", "json"]].concat()));
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["decided_at_boot"], serde_json::json!([boot]), "{profile}");
+    }
+}
+
+#[test]
 fn metadata_env_never_writes_through_a_planted_temporary_link() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("tpu-env.yaml");

@@ -229,6 +229,11 @@ fn render_apply(r: &ApplyReport) -> String {
     if unchanged > 0 {
         out.push_str(&format!("{unchanged} files already up to date\n"));
     }
+    for p in &r.decided_at_boot {
+        out.push_str(&format!(
+            "note: {p} is decided at boot: the CPU vendor is unknown under this root (an image has no /proc/cpuinfo), so it is written for either vendor; the kernel applies it on Intel (VT-d) and ignores it on AMD, whose IOMMU is on by default (--cpu-vendor chooses now)\n"
+        ));
+    }
     if r.dry_run {
         out.push_str("dry run: nothing written\n");
     }
