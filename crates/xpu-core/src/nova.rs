@@ -57,12 +57,34 @@ pub enum NovaError {
     AliasNotDefined { name: String, defined: String },
 }
 
+/// Characters of an input value a message echoes; the rest is cut and marked with `…`.
+pub const EXCERPT_CHARS: usize = 80;
+
+/// `s`, cut to [`EXCERPT_CHARS`] characters plus `…` when longer: a message names the input it
+/// rejects, but a 10 MB nova.conf line must not come back in full.
+pub fn excerpt(s: &str) -> String {
+    match s.char_indices().nth(EXCERPT_CHARS) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_owned(),
+    }
+}
+
+/// An input string quoted for a message (`"..."`), cut as [`excerpt`] does.
+pub fn quoted(s: &str) -> String {
+    format!("{:?}", excerpt(s))
+}
+
+/// A JSON value from the input, for a message, cut as [`excerpt`] does.
+fn json(v: &Value) -> String {
+    excerpt(&v.to_string())
+}
+
 fn spec_err(entry: &str, reason: impl Into<String>) -> NovaError {
-    NovaError::DeviceSpec { entry: entry.to_owned(), reason: reason.into() }
+    NovaError::DeviceSpec { entry: excerpt(entry), reason: reason.into() }
 }
 
 fn alias_err(entry: &str, reason: impl Into<String>) -> NovaError {
-    NovaError::Alias { entry: entry.to_owned(), reason: reason.into() }
+    NovaError::Alias { entry: excerpt(entry), reason: reason.into() }
 }
 
 /// Python's `int(s, 16)` for the inputs Nova meets: surrounding whitespace, an optional `0x`,
@@ -86,7 +108,7 @@ fn hex_field(entry: &str, prop: &str, raw: &str, max: u32) -> Result<Option<u32>
         return Ok(None);
     }
     let v = py_hex(raw).ok_or_else(|| {
-        spec_err(entry, format!("property {prop} ({raw:?}) does not parse as a hex number"))
+        spec_err(entry, format!("property {prop} ({}) does not parse as a hex number", quoted(raw)))
     })?;
     if v > max {
         return Err(spec_err(
@@ -189,12 +211,19 @@ impl AddressSpec {
                 Some(other) => {
                     return Err(spec_err(
                         entry,
-                        format!("address {key} must be a regex string, not {other}"),
+                        format!("address {key} must be a regex string, not {}", json(other)),
                     ));
                 }
             };
             StartAnchored::new(src).map_err(|e| {
-                spec_err(entry, format!("address {key} regex {src:?} does not compile: {e}"))
+                spec_err(
+                    entry,
+                    format!(
+                        "address {key} regex {} does not compile: {}",
+                        quoted(src),
+                        excerpt(&e.to_string())
+                    ),
+                )
             })
         };
         Ok(AddressSpec::Regex(Box::new([
@@ -268,7 +297,7 @@ impl DeviceSpec {
     pub fn parse_all(entry: &str) -> Result<Vec<DeviceSpec>, NovaError> {
         let v: Value = serde_json::from_str(entry).map_err(|e| NovaError::Json {
             option: "device_spec",
-            entry: entry.to_owned(),
+            entry: excerpt(entry),
             reason: e.to_string(),
         })?;
         match v {
@@ -277,10 +306,14 @@ impl DeviceSpec {
                 .into_iter()
                 .map(|item| match item {
                     Value::Object(m) => Self::from_map(entry, m),
-                    other => Err(spec_err(entry, format!("expecting a dict, got {other}"))),
+                    other => {
+                        Err(spec_err(entry, format!("expecting a dict, got {}", json(&other))))
+                    }
                 })
                 .collect(),
-            other => Err(spec_err(entry, format!("expecting a list or dict, got {other}"))),
+            other => {
+                Err(spec_err(entry, format!("expecting a list or dict, got {}", json(&other))))
+            }
         }
     }
 
@@ -292,7 +325,10 @@ impl DeviceSpec {
                     .map(|v| v.map(|v| v as u16 /* range-checked against max */)),
                 Some(other) => Err(spec_err(
                     entry,
-                    format!("{key} must be a string of 4 hex digits or \"*\", not {other}"),
+                    format!(
+                        "{key} must be a string of 4 hex digits or \"*\", not {}",
+                        json(&other)
+                    ),
                 )),
             }
         };
@@ -328,7 +364,11 @@ impl DeviceSpec {
                 other => {
                     return Err(spec_err(
                         entry,
-                        format!("tag {k} must be a string, number or boolean, not {other}"),
+                        format!(
+                            "tag {} must be a string, number or boolean, not {}",
+                            excerpt(&k),
+                            json(&other)
+                        ),
                     ));
                 }
             };
@@ -517,7 +557,10 @@ impl std::str::FromStr for NumaPolicy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| {
-            format!("unknown NUMA policy {s:?}; expected required, legacy, preferred or socket")
+            format!(
+                "unknown NUMA policy {}; expected required, legacy, preferred or socket",
+                quoted(s)
+            )
         })
     }
 }
@@ -676,18 +719,19 @@ impl Aliases {
     fn parse_one(entry: &str) -> Result<(String, NumaPolicy, AliasSpec, bool), NovaError> {
         let v: Value = serde_json::from_str(entry).map_err(|e| NovaError::Json {
             option: "alias",
-            entry: entry.to_owned(),
+            entry: excerpt(entry),
             reason: e.to_string(),
         })?;
         let Value::Object(m) = v else {
-            return Err(alias_err(entry, format!("{v} is not of type 'object'")));
+            return Err(alias_err(entry, format!("{} is not of type 'object'", json(&v))));
         };
         for k in m.keys() {
             if !ALIAS_KEYS.contains(&k.as_str()) {
                 return Err(alias_err(
                     entry,
                     format!(
-                        "additional properties are not allowed ({k:?} was unexpected); allowed keys: {}",
+                        "additional properties are not allowed ({} was unexpected); allowed keys: {}",
+                        quoted(k),
                         ALIAS_KEYS.join(", ")
                     ),
                 ));
@@ -698,7 +742,7 @@ impl Aliases {
                 None => Ok(None),
                 Some(Value::String(s)) => Ok(Some(s.clone())),
                 Some(other) => {
-                    Err(alias_err(entry, format!("{k}: {other} is not of type 'string'")))
+                    Err(alias_err(entry, format!("{k}: {} is not of type 'string'", json(other))))
                 }
             }
         };
@@ -721,7 +765,8 @@ impl Aliases {
                     return Err(alias_err(
                         entry,
                         format!(
-                            "{key} {id:?} does not match '^[\\da-fA-F]{{4}}$'; write 4 hex digits, e.g. \"10de\""
+                            "{key} {} does not match '^[\\da-fA-F]{{4}}$'; write 4 hex digits, e.g. \"10de\"",
+                            quoted(&id)
                         ),
                     ));
                 }
@@ -733,7 +778,7 @@ impl Aliases {
             spec.dev_type = Some(t.parse().map_err(|_| {
                 alias_err(
                     entry,
-                    format!("device_type {t:?} is not one of type-PCI, type-PF, type-VF"),
+                    format!("device_type {} is not one of type-PCI, type-PF, type-VF", quoted(&t)),
                 )
             })?);
         }
@@ -741,7 +786,7 @@ impl Aliases {
             if c != "pci" {
                 return Err(alias_err(
                     entry,
-                    format!("capability_type {c:?} is not one of ['pci']"),
+                    format!("capability_type {} is not one of ['pci']", quoted(&c)),
                 ));
             }
             spec.capability_type = Some(c);
@@ -752,7 +797,10 @@ impl Aliases {
             Some(p) => p.parse().map_err(|_| {
                 alias_err(
                     entry,
-                    format!("numa_policy {p:?} is not one of required, legacy, preferred, socket"),
+                    format!(
+                        "numa_policy {} is not one of required, legacy, preferred, socket",
+                        quoted(&p)
+                    ),
                 )
             })?,
         };
@@ -762,7 +810,10 @@ impl Aliases {
             let b = strict_bool(&lm).ok_or_else(|| {
                 alias_err(
                     entry,
-                    format!("live_migratable {lm:?} is not a boolean; use \"true\" or \"false\""),
+                    format!(
+                        "live_migratable {} is not a boolean; use \"true\" or \"false\"",
+                        quoted(&lm)
+                    ),
                 )
             })?;
             spec.live_migratable = Some(b.to_string());
@@ -785,11 +836,13 @@ impl Aliases {
             .into_iter()
             .map(|(name, count)| {
                 let a = self.get(&name).ok_or_else(|| NovaError::AliasNotDefined {
-                    name: name.clone(),
+                    name: excerpt(&name),
                     defined: if self.aliases.is_empty() {
                         "none".to_owned()
                     } else {
-                        self.aliases.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", ")
+                        let names: Vec<&str> =
+                            self.aliases.iter().map(|a| a.name.as_str()).collect();
+                        excerpt(&names.join(", "))
                     },
                 })?;
                 Ok(PciRequest {
@@ -807,19 +860,24 @@ impl Aliases {
 /// part on `:` into exactly a name (trimmed) and a count (an integer, whitespace allowed around
 /// it, as Python's `int()` allows).
 pub fn parse_flavor_alias(s: &str) -> Result<Vec<(String, u32)>, NovaError> {
-    let err = |reason: String| NovaError::Flavor { input: s.to_owned(), reason };
+    let err = |reason: String| NovaError::Flavor { input: excerpt(s), reason };
     s.split(',')
         .map(|part| {
             let fields: Vec<&str> = part.split(':').collect();
             let [name, count] = fields[..] else {
-                return Err(err(format!("{part:?} is not NAME:COUNT")));
+                return Err(err(format!("{} is not NAME:COUNT", quoted(part))));
             };
             let c = count.trim();
             let c = c.strip_prefix('+').unwrap_or(c);
             if c.is_empty() || !c.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(err(format!("count {count:?} of {part:?} is not a whole number")));
+                return Err(err(format!(
+                    "count {} of {} is not a whole number",
+                    quoted(count),
+                    quoted(part)
+                )));
             }
-            let n: u32 = c.parse().map_err(|_| err(format!("count {count:?} is too large")))?;
+            let n: u32 =
+                c.parse().map_err(|_| err(format!("count {} is too large", quoted(count))))?;
             Ok((name.trim().to_owned(), n))
         })
         .collect()

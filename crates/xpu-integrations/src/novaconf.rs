@@ -18,7 +18,8 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 use xpu_core::nova::{
-    Aliases, Claimed, DeviceSpec, FitFailure, HostDevice, NovaError, NumaCell, NumaPolicy, PciStats,
+    Aliases, Claimed, DeviceSpec, FitFailure, HostDevice, NovaError, NumaCell, NumaPolicy,
+    PciStats, excerpt, quoted,
 };
 use xpu_core::{DeviceKind, Inventory, PciAddress, SriovType};
 
@@ -134,7 +135,7 @@ fn render_template(template: &str, vars: &BTreeMap<&str, String>) -> Result<Stri
 /// The Nova configuration for the accelerators of `inv` (GPUs, TPUs, NPUs; NVSwitches and other
 /// functions are not offered as aliases).
 pub fn plan(inv: &Inventory, template: &str) -> Result<Plan, NovaConfError> {
-    let terr = |reason: String| NovaConfError::Template { template: template.to_owned(), reason };
+    let terr = |reason: String| NovaConfError::Template { template: excerpt(template), reason };
     let mut groups: Vec<AliasPlan> = Vec::new();
     let mut notes = Vec::new();
     for d in inv
@@ -373,9 +374,9 @@ pub fn parse_ini(
         }
         let line = line.trim();
         if let Some(rest) = line.strip_prefix('[') {
-            let name = rest
-                .strip_suffix(']')
-                .ok_or_else(|| err(n, format!("section header {line:?} has no closing ']'")))?;
+            let name = rest.strip_suffix(']').ok_or_else(|| {
+                err(n, format!("section header {} has no closing ']'", quoted(line)))
+            })?;
             if name.trim().is_empty() {
                 return Err(err(n, "empty section name".to_owned()));
             }
@@ -388,16 +389,16 @@ pub fn parse_ini(
             (Some(e), None) => e,
             (None, Some(c)) => c,
             (None, None) => {
-                return Err(err(n, format!("{line:?} is not KEY = VALUE")));
+                return Err(err(n, format!("{} is not KEY = VALUE", quoted(line))));
             }
         };
         let key = line[..sep].trim();
         if key.is_empty() {
-            return Err(err(n, format!("{line:?} has no key before the separator")));
+            return Err(err(n, format!("{} has no key before the separator", quoted(line))));
         }
         let sec = section
             .clone()
-            .ok_or_else(|| err(n, format!("{key:?} comes before any [section] header")))?;
+            .ok_or_else(|| err(n, format!("{} comes before any [section] header", quoted(key))))?;
         let mut value = line[sep + 1..].trim();
         if value.len() >= 2
             && (value.starts_with('"') || value.starts_with('\''))

@@ -268,3 +268,39 @@ fn check_rejects_bad_input_with_exit_2() {
         assert!(stderr(&o).contains(want), "{conf} {flavor}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn check_cuts_echoed_input_to_a_short_prefix() {
+    // A 10 MB line must not come back in the error: 80 characters of it and "…".
+    let fx = hosts::a100_8x_vfio().build();
+    let dir = tempfile::tempdir().unwrap();
+    let big = "x".repeat(10 << 20);
+    let alias =
+        "[pci]\nalias = {\"name\": \"a\", \"vendor_id\": \"10de\", \"product_id\": \"20b0\"}\n";
+    let cases = [
+        (format!("[pci]\n{big}\n"), "a:1".to_owned(), "is not KEY = VALUE"),
+        (format!("{big} = 1\n"), "a:1".to_owned(), "comes before any [section] header"),
+        (format!("[pci]\ndevice_spec = {big}\n"), "a:1".to_owned(), "is not valid JSON"),
+        (
+            format!("[pci]\ndevice_spec = {{\"vendor_id\": \"{big}\"}}\n{}", &alias[6..]),
+            "a:1".to_owned(),
+            "does not parse as a hex number",
+        ),
+        (
+            format!("[pci]\nalias = {{\"name\": \"a\", \"device_type\": \"{big}\"}}\n"),
+            "a:1".to_owned(),
+            "is not one of type-PCI",
+        ),
+        // A command-line argument is at most 128 KiB (MAX_ARG_STRLEN).
+        (alias.to_owned(), format!("a:{}x", "9".repeat(100_000)), "is not a whole number"),
+    ];
+    for (i, (text, flavor, want)) in cases.iter().enumerate() {
+        let conf = write_conf(dir.path(), &format!("{i}.conf"), text);
+        let o = check(fx.root(), &conf, &["--flavor", flavor]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "case {i}: {}", &e[..e.len().min(500)]);
+        assert!(e.len() < 600, "case {i}: {} bytes: {}", e.len(), &e[..500]);
+        let cut = format!("{}…", if i == 5 { "9" } else { "x" }.repeat(40));
+        assert!(e.contains(want) && e.contains(&cut), "case {i}: {e}");
+    }
+}

@@ -504,3 +504,19 @@ fn place_stacks_like_pci_weigher_and_explains_every_host() {
     let e = place(&mut hosts, &a.requests("a100:2", None).unwrap(), None).unwrap_err();
     assert_eq!(e.len(), 3, "one reason per host: {e:?}");
 }
+
+#[test]
+fn echoed_input_is_cut_to_a_short_prefix_on_a_char_boundary() {
+    assert_eq!(excerpt("short"), "short");
+    let long = "é".repeat(EXCERPT_CHARS + 1);
+    assert_eq!(excerpt(&long), format!("{}…", "é".repeat(EXCERPT_CHARS)));
+    assert_eq!(excerpt(&"é".repeat(EXCERPT_CHARS)), "é".repeat(EXCERPT_CHARS));
+    let e = DeviceSpec::parse_all(&format!("{{\"vendor_id\": \"{}\"}}", "z".repeat(1 << 20)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.len() < 300, "{e}");
+    assert!(
+        e.contains(&format!("(\"{}…\") does not parse as a hex number", "z".repeat(80))),
+        "{e}"
+    );
+}
