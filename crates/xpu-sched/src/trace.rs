@@ -7,6 +7,12 @@ use std::path::Path;
 
 use serde::Serialize;
 
+/// The latest time (and longest duration) a trace may give, in seconds: 10^15, the bound Philly
+/// durations already have. The simulator adds durations to times, so anything near `u64::MAX`
+/// (a `creation_time` of 18446744073709551615) would not be a time it can reach; such a row is
+/// an error naming its line rather than a job that silently never arrives.
+pub const MAX_TIME: u64 = 1_000_000_000_000_000;
+
 /// A malformed or unreadable trace.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
@@ -105,7 +111,7 @@ impl<'a> Csv<'a> {
     fn number(&self, line: usize, fields: &[&str], col: usize) -> Result<u64, TraceError> {
         let s = fields[col];
         match s.parse::<f64>() {
-            Ok(v) if (0.0..1e15).contains(&v) => Ok(v.round() as u64),
+            Ok(v) if (0.0..MAX_TIME as f64).contains(&v) => Ok(v.round() as u64),
             _ => Err(self.err(line, col, format!("expected a non-negative number, got {s:?}"))),
         }
     }
@@ -243,7 +249,15 @@ pub fn parse_openb_pods(file: &str, text: &str) -> Result<Vec<OpenbPod>, TraceEr
             if let Some(c) = col
                 && !f[c].is_empty()
             {
-                *slot = Some(csv.uint(line, f, c)?);
+                let v = csv.uint(line, f, c)?;
+                if v > MAX_TIME {
+                    return Err(csv.err(
+                        line,
+                        c,
+                        format!("{v} is later than any trace time ({MAX_TIME} s, about 31 million years); times are seconds from the trace's start"),
+                    ));
+                }
+                *slot = Some(v);
             }
         }
         out.push(OpenbPod {
@@ -412,5 +426,25 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p[0].gpu_request(), 4000);
+    }
+
+    #[test]
+    fn openb_times_beyond_any_trace_time_name_their_line() {
+        let head = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,creation_time,deletion_time\n";
+        let e = parse_openb_pods(
+            "o.csv",
+            &format!("{head}a,1,1,0,0,10,20\nb,1,1,0,0,{},30\n", u64::MAX),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "o.csv:3: column \"creation_time\": 18446744073709551615 is later than any trace time (1000000000000000 s, about 31 million years); times are seconds from the trace's start"
+        );
+        let e = parse_openb_pods("o.csv", &format!("{head}a,1,1,0,0,10,{}\n", MAX_TIME + 1))
+            .unwrap_err();
+        assert!(e.to_string().starts_with("o.csv:2: column \"deletion_time\""), "{e}");
+        assert!(
+            parse_openb_pods("o.csv", &format!("{head}a,1,1,0,0,{MAX_TIME},{MAX_TIME}\n")).is_ok()
+        );
     }
 }

@@ -255,3 +255,33 @@ fn openb_trace_replays_with_a_flex_start_pool() {
     assert!(pool["provisionings"].as_u64().unwrap() > 0, "{v}");
     assert!(pool["node_hours_up"].as_f64().unwrap() >= pool["node_hours_used"].as_f64().unwrap());
 }
+
+#[test]
+fn a_pod_at_the_end_of_time_is_an_error_naming_its_line() {
+    // It used to vanish: the replay loop read u64::MAX as "no more events".
+    let dir = tempfile::tempdir().unwrap();
+    let pods = dir.path().join("pods.csv");
+    std::fs::write(
+        &pods,
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,creation_time,deletion_time\np0,1000,10,1,1000,0,100\np1,1000,10,1,1000,18446744073709551615,200\n",
+    )
+    .unwrap();
+    let out = xpu(&[
+        "sim",
+        "replay",
+        "--trace",
+        pods.to_str().unwrap(),
+        "--format",
+        "openb",
+        "--cluster",
+        "pool=a:nodes=1:gpus=8",
+        "--output",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stdout));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("pods.csv:3: column \"creation_time\": 18446744073709551615 is later than any trace time"),
+        "{err}"
+    );
+}

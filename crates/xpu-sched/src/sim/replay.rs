@@ -19,7 +19,7 @@ use crate::pool::PoolReport;
 use crate::request::{Job, TaskGroup, TaskSpec, Time};
 use crate::scheduler::{Decision, JobStatus, QueuePolicy, SchedError, Scheduler, SchedulerConfig};
 use crate::sim::spec::{self, PoolSpec};
-use crate::trace::{OpenbPod, PhillyJob};
+use crate::trace::{MAX_TIME, OpenbPod, PhillyJob};
 
 /// One job to replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,6 +155,10 @@ pub enum ReplayError {
     Sched(#[from] SchedError),
     #[error("the trace has no jobs to replay")]
     Empty,
+    #[error(
+        "job {name}: submit time {submit} s or duration {duration} s is beyond {MAX_TIME} s, which the replay cannot reach; fix the trace"
+    )]
+    TimeOutOfRange { name: String, submit: Time, duration: Time },
 }
 
 /// Replays `jobs` (any order) on the cluster of `pools`. `progress(done, total)` is called as
@@ -167,6 +171,15 @@ pub fn replay(
 ) -> Result<ReplayReport, ReplayError> {
     if jobs.is_empty() {
         return Err(ReplayError::Empty);
+    }
+    // The event loop below takes `Time::MAX` for "no more events"; a job at or near it would
+    // never be submitted or finished, and the report would not say so.
+    if let Some(j) = jobs.iter().find(|j| j.submit > MAX_TIME || j.duration > MAX_TIME) {
+        return Err(ReplayError::TimeOutOfRange {
+            name: j.name.clone(),
+            submit: j.submit,
+            duration: j.duration,
+        });
     }
     let (cluster, flex) = spec::build(pools)?;
     let config = SchedulerConfig {
@@ -357,5 +370,20 @@ mod tests {
         assert_eq!(r.queueing.p99, 95.0);
         // 8 GPUs × 100 s + 4 GPUs × 10 s over 8 GPUs × 110 s.
         assert!((r.gpu_utilization - 100.0 * 840.0 / 880.0).abs() < 1e-9, "{}", r.gpu_utilization);
+    }
+
+    #[test]
+    fn a_job_at_the_end_of_time_is_an_error_not_silently_dropped() {
+        let pools = spec::parse_cluster("pool=a:nodes=1:gpus=8").unwrap();
+        let mut jobs = from_philly(&[philly(0, 10, 1), philly(1, 10, 1)], 8);
+        jobs[1].submit = u64::MAX;
+        let e = replay(&pools, &jobs, &ReplayOptions::default(), &mut |_, _| {}).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "job philly-1: submit time 18446744073709551615 s or duration 10 s is beyond 1000000000000000 s, which the replay cannot reach; fix the trace"
+        );
+        jobs[1].submit = MAX_TIME;
+        let r = replay(&pools, &jobs, &ReplayOptions::default(), &mut |_, _| {}).unwrap();
+        assert_eq!((r.jobs, r.finished), (2, 2), "the latest time a trace may use is replayed");
     }
 }
