@@ -17,6 +17,7 @@
 //! container's processes are in their own session and would outlive runc.
 
 use std::ffi::OsString;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
@@ -265,8 +266,17 @@ pub fn write_bundle(dir: &Path, c: &ContainerLaunch, p: &Process<'_>) -> Result<
         path: path.display().to_string(),
         message: e.to_string(),
     })?;
-    std::fs::write(&path, bytes)
-        .map_err(|source| BundleError::Write { path: path.display().to_string(), source })
+    // Private: it holds the job's environment (see [`crate::datadir`]).
+    let write = |bytes: &[u8]| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(crate::datadir::FILE_MODE)
+            .open(&path)?;
+        std::io::Write::write_all(&mut f, bytes)
+    };
+    write(&bytes).map_err(|source| BundleError::Write { path: path.display().to_string(), source })
 }
 
 /// The supervisor's program for the attempt: `xpu runtime --root STATE run --bundle DIR ID`.

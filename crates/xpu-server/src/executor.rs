@@ -15,6 +15,7 @@
 
 use std::ffi::OsString;
 use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
@@ -115,8 +116,10 @@ const RUNTIME_ENV: [&str; 1] = ["XPU_RUNTIME_CONFIG"];
 /// Starts the attempt. The directory is created; `output.log` is opened for appending so an
 /// `OnFailure` restart in place keeps the earlier output.
 pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
-    std::fs::create_dir_all(&l.dir)
-        .map_err(|source| ExecError::Dir { path: l.dir.display().to_string(), source })?;
+    // Private (the log and the bundle hold the job's output and environment): see
+    // [`crate::datadir`].
+    crate::datadir::create_dir(&l.dir, crate::datadir::DIR_MODE)
+        .map_err(|(path, source)| ExecError::Dir { path: path.display().to_string(), source })?;
     // Left by an earlier run in this directory, they would be read as this run's (the
     // supervisor only creates them; it runs no `rm`, which would cost a fork at every start).
     let _ = std::fs::remove_file(l.dir.join("exit"));
@@ -125,6 +128,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
     let log = OpenOptions::new()
         .create(true)
         .append(true)
+        .mode(crate::datadir::FILE_MODE)
         .open(&log_path)
         .map_err(|source| ExecError::Dir { path: log_path.display().to_string(), source })?;
     let log2 = log

@@ -18,6 +18,7 @@
 pub mod api;
 pub mod client;
 pub mod container;
+pub mod datadir;
 pub mod engine;
 pub mod executor;
 pub mod metrics;
@@ -26,7 +27,7 @@ pub mod store;
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, RwLock};
@@ -220,7 +221,15 @@ pub fn load_token(data_dir: &Path) -> Result<String, ServeError> {
     let mut f = std::fs::File::open("/dev/urandom").map_err(io)?;
     std::io::Read::read_exact(&mut f, &mut bytes).map_err(io)?;
     let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    std::fs::write(&path, format!("{token}\n")).map_err(io)?;
+    // Private from its creation: never readable by others, not even until a chmod.
+    let mut out = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(datadir::FILE_MODE)
+        .open(&path)
+        .map_err(io)?;
+    std::io::Write::write_all(&mut out, format!("{token}\n").as_bytes()).map_err(io)?;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
     Ok(token)
 }
@@ -252,7 +261,17 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         let path = path.display().to_string();
         move |source| ServeError::Io { what, path, source }
     };
-    std::fs::create_dir_all(&opts.data_dir).map_err(io("creating data dir", &opts.data_dir))?;
+    let db_file = opts.db_url().strip_prefix("sqlite://").map(PathBuf::from);
+    let fixed = datadir::prepare(&opts.data_dir, &opts.socket_path(), db_file.as_deref()).map_err(
+        |(path, source)| ServeError::Io {
+            what: "making private",
+            path: path.display().to_string(),
+            source,
+        },
+    )?;
+    for f in &fixed {
+        opts.notify.send(Notice::Warning(f));
+    }
     let node = node_for(&opts)?;
     let db_url = opts.db_url();
     let store = Store::open(&db_url).await?;

@@ -33,6 +33,21 @@ fn connect(path: &str) -> Result<Connection> {
     Ok(conn)
 }
 
+/// Creates the database file, readable by the daemon's user only, unless it exists: it holds
+/// every job's manifest and environment, and SQLite gives the WAL and shared-memory files it
+/// creates next to it the same mode.
+fn create_private(path: &str) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if path == ":memory:" || path.starts_with("file:") {
+        return Ok(());
+    }
+    match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(source) => Err(StoreError::Io { path: path.to_owned(), source }),
+    }
+}
+
 impl Sqlite {
     pub(super) fn open(path: &str, rx: mpsc::Receiver<(Write, Reply)>) -> Result<Sqlite> {
         if let Some(dir) = std::path::Path::new(path).parent()
@@ -41,6 +56,7 @@ impl Sqlite {
             std::fs::create_dir_all(dir)
                 .map_err(|source| StoreError::Io { path: dir.display().to_string(), source })?;
         }
+        create_private(path)?;
         let mut conn = connect(path)?;
         migrate(&mut conn)?;
         std::thread::Builder::new()
