@@ -20,7 +20,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -30,6 +30,7 @@ use serde_json::{Value, json};
 
 use crate::Shared;
 use crate::engine::Msg;
+use crate::listen::ConnStats;
 use crate::metrics::DeviceSample;
 use crate::store::{JobState, ListQuery, NewJob, Outcome, TaskRow, Write, now_ms};
 
@@ -48,6 +49,10 @@ type S = State<Arc<Shared>>;
 pub struct ApiOptions {
     /// The TCP address served; `None` for the Unix socket.
     pub tcp: Option<SocketAddr>,
+    /// For a request's body to arrive whole once its head has ([`read_body`]).
+    pub body_timeout: Duration,
+    /// The listeners' connection counters, shown in `/metrics`.
+    pub conn_stats: Arc<ConnStats>,
 }
 
 impl ApiOptions {
@@ -73,7 +78,10 @@ pub fn router(shared: Arc<Shared>, opts: &ApiOptions) -> Router {
         .route("/v1/queue", get(queue))
         .route("/v1/events", get(events))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(MAX_BODY));
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn_with_state(opts.body_timeout, read_body))
+        .layer(Extension(opts.conn_stats.clone()));
+    // Before reading a body, so only a client with the token can make the daemon hold one.
     if opts.require_token() {
         r = r.layer(middleware::from_fn_with_state(shared.clone(), auth));
     }
@@ -195,6 +203,55 @@ async fn browser_guard(State(g): State<Arc<BrowserGuard>>, req: Request, next: N
     }
 }
 
+/// Reads a request's body whole before its handler runs, within `limit` of the head: a client
+/// that stalls mid-body gets 408 and loses the connection instead of holding it (hyper bounds
+/// only the head's time). Bodies are at most [`MAX_BODY`] anyway.
+async fn read_body(State(limit): State<Duration>, req: Request, next: Next) -> Response {
+    use axum::body::HttpBody as _;
+    use futures_util::StreamExt as _;
+    if req.body().is_end_stream() {
+        return next.run(req).await;
+    }
+    let too_big =
+        || error(StatusCode::PAYLOAD_TOO_LARGE, format!("request body: over {MAX_BODY} bytes"));
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return too_big();
+    }
+    let (parts, body) = req.into_parts();
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut frames = body.into_data_stream();
+    let mut buf = Vec::new();
+    loop {
+        match tokio::time::timeout_at(deadline, frames.next()).await {
+            Err(_) => {
+                return error(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!(
+                        "request body: not received within {} s of the request head; send it whole",
+                        limit.as_secs_f64()
+                    ),
+                );
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                return error(StatusCode::BAD_REQUEST, format!("request body: {e}"));
+            }
+            Ok(Some(Ok(chunk))) => {
+                if buf.len() + chunk.len() > MAX_BODY {
+                    return too_big();
+                }
+                buf.extend_from_slice(&chunk);
+            }
+        }
+    }
+    next.run(Request::from_parts(parts, Body::from(buf))).await
+}
+
 fn error(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, Json(json!({ "error": msg.into() }))).into_response()
 }
@@ -278,7 +335,7 @@ async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
-async fn metrics(State(s): S) -> Response {
+async fn metrics(State(s): S, Extension(conns): Extension<Arc<ConnStats>>) -> Response {
     let counts = match s.store.counts().await {
         Ok(c) => c,
         Err(e) => return unavailable(e),
@@ -310,7 +367,8 @@ async fn metrics(State(s): S) -> Response {
             allocated: holders.get(d.id as usize).copied().unwrap_or(0.0),
         })
         .collect();
-    let text = s.metrics.render(&jobs, &samples, s.leader.load(Ordering::Relaxed));
+    let mut text = s.metrics.render(&jobs, &samples, s.leader.load(Ordering::Relaxed));
+    conns.render(&mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -840,7 +898,11 @@ mod tests {
     use super::*;
 
     fn check(tcp: &str, method: Method, headers: &[(&str, &str)]) -> Option<StatusCode> {
-        let g = BrowserGuard::new(&ApiOptions { tcp: Some(tcp.parse().expect("an address")) });
+        let g = BrowserGuard::new(&ApiOptions {
+            tcp: Some(tcp.parse().expect("an address")),
+            body_timeout: Duration::from_secs(1),
+            conn_stats: Arc::default(),
+        });
         let mut h = HeaderMap::new();
         for (k, v) in headers {
             h.insert(

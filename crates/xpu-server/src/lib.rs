@@ -11,7 +11,8 @@
 //! - [`engine`]: the scheduling loop around `xpu-sched`.
 //! - [`executor`]: process groups, supervisor, re-adoption after a crash; [`container`]: the
 //!   OCI bundle and runtime command line of a containerised task.
-//! - [`api`]: the HTTP routes, OpenAPI document, dashboard and metrics endpoints.
+//! - [`api`]: the HTTP routes, OpenAPI document, dashboard and metrics endpoints; [`listen`]:
+//!   serving them on a listener, with a connection cap and timeouts.
 //! - [`client`]: the small HTTP/1.1 client the CLI uses (Unix socket or TCP).
 //! - [`node`]: the node's devices, labels and device environment.
 
@@ -21,6 +22,7 @@ pub mod container;
 pub mod datadir;
 pub mod engine;
 pub mod executor;
+pub mod listen;
 pub mod metrics;
 pub mod node;
 pub mod store;
@@ -77,6 +79,8 @@ pub struct ServeOptions {
     /// The OCI runtime shim containerised tasks run through (`[/usr/bin/xpu, runtime]`); it
     /// takes runc's arguments.
     pub runtime: Vec<OsString>,
+    /// Connection cap and timeouts of each listener.
+    pub http: listen::HttpLimits,
     /// Told what happens while the daemon starts (the CLI prints it).
     pub notify: Notify,
 }
@@ -139,6 +143,7 @@ impl ServeOptions {
             node_name: None,
             grace: Duration::from_secs(10),
             runtime: default_runtime(),
+            http: listen::HttpLimits::default(),
             notify: Notify::default(),
         }
     }
@@ -300,21 +305,23 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     // rw for owner and group: local users in the daemon's group may submit.
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o660))
         .map_err(io("setting mode on", &socket))?;
-    let unix_app = api::router(shared.clone(), &api::ApiOptions { tcp: None });
+    let conns = Arc::new(listen::ConnStats::default());
+    let api_opts = |tcp| api::ApiOptions {
+        tcp,
+        body_timeout: opts.http.request_timeout,
+        conn_stats: conns.clone(),
+    };
+    let unix_app = api::router(shared.clone(), &api_opts(None));
     let mut servers = tokio::task::JoinSet::new();
-    servers.spawn(async move {
-        let _ = axum::serve(unix, unix_app).await;
-    });
+    servers.spawn(listen::serve(unix, unix_app, opts.http, listen::Kind::Unix, conns.clone()));
     if let Some(addr) = opts.listen {
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| ServeError::Listen { addr: addr.to_string(), source })?;
         // The address actually bound (the port, when 0 was asked for).
         let bound = tcp.local_addr().unwrap_or(addr);
-        let app = api::router(shared.clone(), &api::ApiOptions { tcp: Some(bound) });
-        servers.spawn(async move {
-            let _ = axum::serve(tcp, app).await;
-        });
+        let app = api::router(shared.clone(), &api_opts(Some(bound)));
+        servers.spawn(listen::serve(tcp, app, opts.http, listen::Kind::Tcp, conns.clone()));
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(io("installing signal handler", Path::new("SIGTERM")))?;

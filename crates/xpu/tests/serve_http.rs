@@ -261,3 +261,149 @@ fn logs_stream_from_the_file_with_tail_and_limit_bytes() {
     assert_eq!(log("tail=-1", big).0, 400);
     kill_tasks(&d.data_dir);
 }
+
+/// A counter or gauge from `/metrics`, read over the Unix socket (which has its own slots).
+fn metric(d: &Daemon, series: &str) -> u64 {
+    let socket = xpu_server::client::Target::Unix(d.data_dir.join("xpu.sock"));
+    let r = xpu_server::client::Client::new(socket, None)
+        .request("GET", "/metrics", None, &[])
+        .unwrap();
+    let text = String::from_utf8(r.body).unwrap();
+    let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| {
+        panic!("{series} missing from /metrics:\n{text}");
+    });
+    line[series.len()..].trim().parse().unwrap()
+}
+
+/// Reads until the server closes the connection (any response first included) and returns
+/// what came; fails if it is still open after [`WAIT`] seconds.
+fn read_until_closed(s: &mut TcpStream, what: &str) -> Vec<u8> {
+    s.set_read_timeout(Some(Duration::from_secs(WAIT))).unwrap();
+    let mut out = Vec::new();
+    match s.read_to_end(&mut out) {
+        Ok(_) => out,
+        // Closed with data unread on the server's side.
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => out,
+        Err(e) => panic!("{what}: still open after {WAIT} s ({e})"),
+    }
+}
+
+/// A client that opens connections and sends half a request, or nothing, or half a body, or
+/// goes quiet after a response, or stops reading one, is disconnected after the (here 1 s)
+/// timeouts instead of holding a connection for ever.
+#[test]
+fn stalled_connections_are_closed_after_the_timeouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        &dir.path().join("data"),
+        None,
+        &[
+            "--devices",
+            "nvidia-a100:1",
+            "--request-timeout-seconds",
+            "1",
+            "--send-timeout-seconds",
+            "1",
+        ],
+    );
+    let port = d.port;
+    let connect = || TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let timed_out = "xpu_http_connections_timed_out_total{listener=\"tcp\"}";
+    let before = metric(&d, timed_out);
+
+    // Half a head, slowloris style.
+    let mut half = connect();
+    write!(half, "GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Slow: 1").unwrap();
+    let got = read_until_closed(&mut half, "a half-sent head");
+    assert!(got.is_empty() || got.starts_with(b"HTTP/1.1 4"), "{}", String::from_utf8_lossy(&got));
+    // Nothing at all.
+    let mut silent = connect();
+    read_until_closed(&mut silent, "a silent connection");
+    // A whole head and part of its body.
+    let mut body = connect();
+    write!(
+        body,
+        "POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/yaml\r\nContent-Length: 100\r\n\r\ncommand: [\"tr"
+    )
+    .unwrap();
+    let got =
+        String::from_utf8_lossy(&read_until_closed(&mut body, "a half-sent body")).into_owned();
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert_eq!(job_count(&d), 0);
+    // Idle after a response on a kept-alive connection.
+    let mut idle = connect();
+    write!(idle, "GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n").unwrap();
+    let got =
+        String::from_utf8_lossy(&read_until_closed(&mut idle, "an idle connection")).into_owned();
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(metric(&d, timed_out) >= before + 3);
+
+    // A reader that stops reading a 30 MB log: more than the socket buffers hold, so the
+    // daemon's writes stall, and it gives up after the send timeout.
+    let big = d.submit("command: [seq, \"1\", \"4000000\"]\n");
+    d.wait_state(big, &["succeeded"]);
+    let before = metric(&d, timed_out);
+    let mut stalled = connect();
+    write!(
+        stalled,
+        "GET /v1/jobs/{big}/logs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    d.wait_for("the stalled reader to be dropped", || {
+        (metric(&d, timed_out) > before).then_some(())
+    });
+    let got = read_until_closed(&mut stalled, "a stalled reader");
+    assert!(got.starts_with(b"HTTP/1.1 200"));
+    assert!(got.len() < 30_000_000, "the whole log was sent: {} bytes", got.len());
+    assert!(!got.ends_with(b"0\r\n\r\n"), "the chunked body was ended as if complete");
+    kill_tasks(&d.data_dir);
+}
+
+/// Over `--max-connections`, a connection waits to be accepted until one closes: two
+/// half-sent requests hold both slots and a third, well-formed one is answered only once one
+/// of them goes, not before and not never.
+#[test]
+fn connections_over_the_cap_wait_for_a_free_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        &dir.path().join("data"),
+        None,
+        &["--max-connections", "2", "--request-timeout-seconds", "600"],
+    );
+    let port = d.port;
+    let open = "xpu_http_connections{listener=\"tcp\"}";
+    let accepted = "xpu_http_connections_accepted_total{listener=\"tcp\"}";
+    let base = metric(&d, accepted);
+    let half = || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(s, "GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n").unwrap();
+        s
+    };
+    let (a, mut b) = (half(), half());
+    d.wait_for("both half-sent connections to hold the two slots", || {
+        (metric(&d, accepted) == base + 2 && metric(&d, open) == 2).then_some(())
+    });
+
+    let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(c, "GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    // Not answered while both slots are held (a daemon without the cap answers at once).
+    c.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    let mut first = [0u8; 1];
+    let early = c.read(&mut first);
+    assert!(
+        matches!(&early, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "answered over the cap: {early:?}"
+    );
+    assert_eq!(metric(&d, accepted), base + 2);
+
+    drop(a);
+    let got =
+        String::from_utf8_lossy(&read_until_closed(&mut c, "the waiting request")).into_owned();
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(metric(&d, accepted), base + 3);
+    // The other half-sent request still holds its slot (600 s to finish its head).
+    b.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+    assert!(b.read(&mut first).is_err());
+    kill_tasks(&d.data_dir);
+}

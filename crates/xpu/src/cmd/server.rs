@@ -56,6 +56,19 @@ pub struct ServeArgs {
     /// Seconds between SIGTERM and SIGKILL when a task is stopped.
     #[arg(long, default_value_t = 10)]
     pub grace_seconds: u64,
+    /// Seconds a client has to send a request's head, from connecting or from its previous
+    /// response (so also how long an idle connection stays open), and again for its body.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub request_timeout_seconds: u64,
+    /// Seconds a client may leave a response unread before it is disconnected.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub send_timeout_seconds: u64,
+    /// Connections open at once on each listener (socket, TCP); more wait to be accepted.
+    #[arg(long, value_name = "N", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub max_connections: u32,
     /// Print the node and settings the daemon would use, and exit.
     #[arg(long)]
     pub dry_run: bool,
@@ -81,6 +94,11 @@ pub fn serve(args: ServeArgs) -> CmdResult {
         .map_err(CliError::input)?;
     opts.node_name = args.node_name;
     opts.grace = Duration::from_secs(args.grace_seconds);
+    opts.http = xpu_server::listen::HttpLimits {
+        max_connections: args.max_connections as usize,
+        request_timeout: Duration::from_secs(args.request_timeout_seconds),
+        send_timeout: Duration::from_secs(args.send_timeout_seconds),
+    };
     if args.dry_run {
         let node = xpu_server::node_for(&opts).map_err(CliError::failed)?;
         print_json(&json!({
@@ -88,6 +106,9 @@ pub fn serve(args: ServeArgs) -> CmdResult {
             "socket": opts.socket_path(),
             "db": opts.db_url(),
             "data_dir": opts.data_dir,
+            "max_connections": opts.http.max_connections,
+            "request_timeout_seconds": opts.http.request_timeout.as_secs(),
+            "send_timeout_seconds": opts.http.send_timeout.as_secs(),
             "node": node,
         }))?;
         return Ok(ExitCode::SUCCESS);
