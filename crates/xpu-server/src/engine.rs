@@ -1111,6 +1111,18 @@ impl Engine {
                     return;
                 }
             };
+            if let Some(aside) = &spawned.moved_aside {
+                shared.store.write_later(Write::Event {
+                    at_ms: now_ms(),
+                    job_id: Some(job_id),
+                    kind: "stale-dir".to_owned(),
+                    message: format!(
+                        "task directory {} was left by an earlier store; moved to {}",
+                        launch.dir.display(),
+                        aside.display()
+                    ),
+                });
+            }
             let _ = tx.send(Msg::Started { job: job_id, idx, attempt, pid: spawned.pid });
             shared.store.write_later(Write::Task(TaskRow {
                 state: TaskState::Running,

@@ -15,7 +15,7 @@
 
 use std::ffi::OsString;
 use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
@@ -98,6 +98,8 @@ pub struct Launch {
 pub struct Spawned {
     pub pid: i32,
     pub child: tokio::process::Child,
+    /// Where a directory already at the attempt's path was moved (see [`fresh_dir`]).
+    pub moved_aside: Option<PathBuf>,
 }
 
 /// The directory of one attempt.
@@ -113,20 +115,52 @@ const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin";
 /// (`xpu_container::config::ENV_VAR`).
 const RUNTIME_ENV: [&str; 1] = ["XPU_RUNTIME_CONFIG"];
 
-/// Starts the attempt. The directory is created; `output.log` is opened for appending so an
-/// `OnFailure` restart in place keeps the earlier output.
+/// Creates the attempt's directory, new and empty. Every attempt has a path of its own (job id,
+/// index, attempt number), so one that is already there was left by another store, one that
+/// started job ids from 1 again: it is moved aside to `<dir>.stale-<ms>`, never reused, so a
+/// new job's log never starts with an old job's output and an old `exit` is never read as the
+/// new task's. Returns where it went.
+pub fn fresh_dir(dir: &Path) -> Result<Option<PathBuf>, ExecError> {
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |source| ExecError::Dir { path, source }
+    };
+    if let Some(parent) = dir.parent() {
+        // Private (the log and the bundle hold the job's output and environment): see
+        // [`crate::datadir`].
+        crate::datadir::create_dir(parent, crate::datadir::DIR_MODE).map_err(
+            |(path, source)| ExecError::Dir { path: path.display().to_string(), source },
+        )?;
+    }
+    let mkdir = || std::fs::DirBuilder::new().mode(crate::datadir::DIR_MODE).create(dir);
+    match mkdir() {
+        Ok(()) => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let base = dir.as_os_str().to_owned();
+            let mut n = 0u32;
+            let aside = loop {
+                let mut p = base.clone();
+                p.push(format!(".stale-{}", crate::store::now_ms() + i64::from(n)));
+                let p = PathBuf::from(p);
+                if std::fs::symlink_metadata(&p).is_err() {
+                    break p;
+                }
+                n += 1;
+            };
+            std::fs::rename(dir, &aside).map_err(io(dir))?;
+            mkdir().map_err(io(dir))?;
+            Ok(Some(aside))
+        }
+        Err(e) => Err(io(dir)(e)),
+    }
+}
+
+/// Starts the attempt in a new directory ([`fresh_dir`]).
 pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
-    // Private (the log and the bundle hold the job's output and environment): see
-    // [`crate::datadir`].
-    crate::datadir::create_dir(&l.dir, crate::datadir::DIR_MODE)
-        .map_err(|(path, source)| ExecError::Dir { path: path.display().to_string(), source })?;
-    // Left by an earlier run in this directory, they would be read as this run's (the
-    // supervisor only creates them; it runs no `rm`, which would cost a fork at every start).
-    let _ = std::fs::remove_file(l.dir.join("exit"));
-    let _ = std::fs::remove_file(l.dir.join("started"));
+    let moved_aside = fresh_dir(&l.dir)?;
     let log_path = l.dir.join("output.log");
     let log = OpenOptions::new()
-        .create(true)
+        .create_new(true)
         .append(true)
         .mode(crate::datadir::FILE_MODE)
         .open(&log_path)
@@ -150,7 +184,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
             }
         }
         cmd.current_dir(&l.dir);
-        return finish_spawn(cmd, l, "xpu runtime");
+        return finish_spawn(cmd, l, "xpu runtime", moved_aside);
     }
     let cwd = match &l.working_dir {
         Some(w) if Path::new(w).is_absolute() => {
@@ -173,7 +207,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
     }
     cmd.current_dir(cwd);
     let program = l.argv.first().cloned().unwrap_or_default();
-    finish_spawn(cmd, l, &program)
+    finish_spawn(cmd, l, &program, moved_aside)
 }
 
 /// The supervisor running `argv` with the daemon's pass-through environment, output to the log.
@@ -206,6 +240,7 @@ fn finish_spawn(
     mut cmd: tokio::process::Command,
     l: &Launch,
     program: &str,
+    moved_aside: Option<PathBuf>,
 ) -> Result<Spawned, ExecError> {
     let child = cmd.spawn().map_err(|source| {
         if source.kind() == std::io::ErrorKind::ArgumentListTooLong {
@@ -216,7 +251,7 @@ fn finish_spawn(
         ExecError::Spawn { program: program.to_owned(), job: l.job_id, idx: l.idx, source }
     })?;
     let pid = child.id().map_or(0, |p| p as i32);
-    Ok(Spawned { pid, child })
+    Ok(Spawned { pid, child, moved_aside })
 }
 
 /// Asks the task to stop: `sig` (SIGTERM) to its supervisor, which passes it to everything in
@@ -317,6 +352,21 @@ mod tests {
         assert_eq!(s.child.wait().await.unwrap().code(), Some(0));
         assert_eq!(recorded_exit(&l.dir), Some(0));
         assert_eq!(std::fs::read_to_string(l.dir.join("output.log")).unwrap(), "/opt/conda/bin\n");
+    }
+
+    #[tokio::test]
+    async fn an_attempt_never_runs_in_a_directory_left_by_another() {
+        let tmp = tempfile::tempdir().unwrap();
+        let l = launch(tmp.path().join("t"), &["sh", "-c", "echo new"]);
+        std::fs::create_dir_all(&l.dir).unwrap();
+        std::fs::write(l.dir.join("output.log"), "old\n").unwrap();
+        std::fs::write(l.dir.join("exit"), "0\n").unwrap();
+        let mut s = spawn(&l).unwrap();
+        s.child.wait().await.unwrap();
+        assert_eq!(std::fs::read_to_string(l.dir.join("output.log")).unwrap(), "new\n");
+        let aside = s.moved_aside.unwrap();
+        assert_eq!(std::fs::read_to_string(aside.join("output.log")).unwrap(), "old\n");
+        assert!(aside.file_name().unwrap().to_str().unwrap().starts_with("t.stale-"));
     }
 
     #[tokio::test]

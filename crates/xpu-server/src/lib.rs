@@ -334,6 +334,9 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         _ = servers.join_next() => {}
     }
     // Tasks keep running: a restarted daemon re-adopts them. The socket goes with its guard.
+    // The store is left whole in its file; one that cannot be checkpointed now (a reader holds
+    // the WAL) is as durable, only in two files, and the next start reads both.
+    let _ = shared.store.checkpoint().await;
     Ok(())
 }
 

@@ -311,6 +311,15 @@ impl Store {
         }
     }
 
+    /// Leaves the whole SQLite store in its database file (WAL checkpointed and emptied), as a
+    /// daemon that stops cleanly does, so that a backup copies one file; PostgreSQL keeps its own.
+    pub async fn checkpoint(&self) -> Result<()> {
+        match &self.backend {
+            Backend::Sqlite(s) => s.checkpoint().await,
+            Backend::Postgres(_) => Ok(()),
+        }
+    }
+
     pub async fn job(&self, id: i64) -> Result<Option<JobRow>> {
         match &self.backend {
             Backend::Sqlite(s) => s.job(id).await,

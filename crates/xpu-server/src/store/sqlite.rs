@@ -48,6 +48,86 @@ fn create_private(path: &str) -> Result<()> {
     }
 }
 
+/// The file that records that a store was created at `path` (`xpu.db.created` next to
+/// `xpu.db`): a store that is later missing, empty or not a database is then refused instead of
+/// being started afresh, which would count job ids from 1 again and mix new jobs with old ones.
+pub(super) fn marker_path(path: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("{path}.created"))
+}
+
+/// Refuses a store that cannot be trusted, before anything writes to it: one that was created
+/// (its marker is there) and is now missing or holds no xpu tables (truncated to 0 bytes,
+/// replaced), and one that is not a database or fails SQLite's `PRAGMA quick_check`
+/// (<https://sqlite.org/pragma.html#pragma_quick_check>). Each message names the file and what
+/// to do.
+fn check_existing(path: &str) -> Result<()> {
+    if path == ":memory:" || path.starts_with("file:") {
+        return Ok(());
+    }
+    let marker = marker_path(path);
+    let created = std::fs::symlink_metadata(&marker).is_ok();
+    let restore = |what: &str| {
+        StoreError::Corrupt(format!(
+            "store {path} {what}, but {} records that a store was created there: restore {path} from a backup (with its -wal file, if any), or, to start a new store with job ids from 1, remove {0} first",
+            marker.display()
+        ))
+    };
+    match std::fs::metadata(path) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return if created { Err(restore("is missing")) } else { Ok(()) };
+        }
+        Err(source) => return Err(StoreError::Io { path: path.to_owned(), source }),
+    }
+    let damaged = |why: String| {
+        StoreError::Corrupt(format!(
+            "store {path} is damaged ({why}): restore it from a backup, or salvage what is left with `sqlite3 {path} .recover`; xpu serve does not start on a damaged store"
+        ))
+    };
+    // Opened without setting anything: reading a 0-byte file leaves it as it is.
+    let conn = Connection::open(path)?;
+    let problems: Vec<String> = conn
+        .prepare("PRAGMA quick_check(5)")
+        .and_then(|mut st| st.query_map([], |r| r.get::<_, String>(0))?.collect())
+        .map_err(|e| damaged(e.to_string()))?;
+    if problems != ["ok"] {
+        return Err(damaged(format!("quick_check: {}", problems.join("; "))));
+    }
+    let tables: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'xpu_schema'",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(|e| damaged(e.to_string()))?;
+    if tables == 0 && created {
+        return Err(restore("is empty"));
+    }
+    Ok(())
+}
+
+/// Writes the marker of [`marker_path`] once the store has its tables.
+fn mark_created(path: &str) -> Result<()> {
+    if path == ":memory:" || path.starts_with("file:") {
+        return Ok(());
+    }
+    let marker = marker_path(path);
+    if marker.exists() {
+        return Ok(());
+    }
+    let text = format!(
+        "xpu serve created the store {path} at {} ms since the epoch; remove this file only to start a new store\n",
+        super::now_ms()
+    );
+    let write = || {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f =
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&marker)?;
+        std::io::Write::write_all(&mut f, text.as_bytes())
+    };
+    write().map_err(|source| StoreError::Io { path: marker.display().to_string(), source })
+}
+
 impl Sqlite {
     pub(super) fn open(path: &str, rx: mpsc::Receiver<(Write, Reply)>) -> Result<Sqlite> {
         if let Some(dir) = std::path::Path::new(path).parent()
@@ -56,9 +136,11 @@ impl Sqlite {
             std::fs::create_dir_all(dir)
                 .map_err(|source| StoreError::Io { path: dir.display().to_string(), source })?;
         }
+        check_existing(path)?;
         create_private(path)?;
         let mut conn = connect(path)?;
         migrate(&mut conn)?;
+        mark_created(path)?;
         std::thread::Builder::new()
             .name("xpu-store-writer".to_owned())
             .spawn(move || writer(conn, rx))
@@ -89,6 +171,15 @@ impl Sqlite {
         })
         .await
         .map_err(|e| StoreError::Corrupt(format!("reader task failed: {e}")))?
+    }
+
+    /// Moves everything in the WAL into the database file and empties the WAL.
+    pub(super) async fn checkpoint(&self) -> Result<()> {
+        self.read(|c| {
+            c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+            Ok(())
+        })
+        .await
     }
 
     pub(super) async fn job(&self, id: i64) -> Result<Option<JobRow>> {
