@@ -242,18 +242,24 @@ pub fn config(c: &ContainerLaunch, p: &Process<'_>) -> Result<Value, BundleError
         let cwd = if w.starts_with('/') { w.to_owned() } else { format!("/{w}") };
         process.insert("cwd".into(), json!(cwd));
     }
-    // The base environment, then the job's and xpu's variables; a later name replaces an
-    // earlier one, so the device variables always win.
+    // The base environment without its device variables (the daemon's alone: see
+    // `crate::node::DEVICE_VARS`), then the job's and xpu's variables; a later name replaces an
+    // earlier one.
     let mut env: Vec<String> = process
         .get("env")
         .and_then(Value::as_array)
         .map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect())
         .unwrap_or_default();
+    env.retain(|e| !crate::node::selects_devices(e.split_once('=').map_or(e.as_str(), |(n, _)| n)));
     for (k, v) in p.env {
         env.retain(|e| e.split_once('=').map_or(e.as_str(), |(n, _)| n) != k);
         env.push(format!("{k}={v}"));
     }
     process.insert("env".into(), json!(env));
+    // A bundle's CDI annotations would ask the shim for devices too.
+    if let Some(a) = cfg.get_mut("annotations").and_then(Value::as_object_mut) {
+        a.retain(|k, _| !k.starts_with(crate::node::CDI_ANNOTATION_PREFIX));
+    }
     Ok(cfg)
 }
 
@@ -378,7 +384,10 @@ mod tests {
         std::fs::create_dir(tmp.path().join("rootfs")).unwrap();
         let mut base = default_config(Path::new("rootfs"), "runc");
         base["process"]["args"] = json!(["/app/train"]);
-        base["process"]["env"] = json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=all"]);
+        base["process"]["env"] =
+            json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=all", "XPU_VISIBLE_DEVICES=gpu:all"]);
+        base["annotations"] =
+            json!({"cdi.k8s.io/gpus": "nvidia.com/gpu=all", "org.example/keep": "yes"});
         std::fs::write(tmp.path().join("config.json"), base.to_string()).unwrap();
         let c = launch(Source::Bundle(tmp.path().to_owned()));
         let env = [("NVIDIA_VISIBLE_DEVICES".to_owned(), "2".to_owned())];
@@ -386,6 +395,7 @@ mod tests {
         let v = config(&c, &p).unwrap();
         assert_eq!(v["process"]["args"], json!(["/app/train"]), "the bundle's command");
         assert_eq!(v["process"]["env"], json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=2"]));
+        assert_eq!(v["annotations"], json!({"org.example/keep": "yes"}), "no CDI requests");
         assert_eq!(v["root"]["path"], json!(tmp.path().join("rootfs")));
         assert_eq!(v["hostname"], "runc", "the bundle's own settings stay");
         // A root runc would refuse fails here, not in runc.

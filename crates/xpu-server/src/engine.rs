@@ -1271,9 +1271,10 @@ fn why_never(shared: &Shared, spec: &JobSpec) -> Option<String> {
     None
 }
 
-/// The environment of one task: the job's own variables, then what xpu sets (which wins). A
-/// container is told which devices to inject instead of host index lists (see
-/// [`crate::node::Node::container_device_env`]).
+/// The environment of one task: the job's own variables, then what xpu sets (which wins). The
+/// job's device variables are dropped ([`crate::node::DEVICE_VARS`]): only the daemon says which
+/// devices a task has. A container is told which devices to inject instead of host index lists
+/// (see [`crate::node::Node::container_device_env`]).
 fn task_env(
     shared: &Shared,
     job: &Job,
@@ -1282,8 +1283,13 @@ fn task_env(
     container: bool,
 ) -> Vec<(String, String)> {
     let spec = &job.spec;
-    let mut env: Vec<(String, String)> =
-        spec.container.env.iter().map(|e| (e.name.clone(), e.value.clone())).collect();
+    let mut env: Vec<(String, String)> = spec
+        .container
+        .env
+        .iter()
+        .filter(|e| !crate::node::selects_devices(&e.name))
+        .map(|e| (e.name.clone(), e.value.clone()))
+        .collect();
     if container {
         env.extend(shared.node.container_device_env(devices));
     } else {

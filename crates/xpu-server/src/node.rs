@@ -10,6 +10,46 @@ use xpu_core::accel::{ACCELERATORS, Accelerator};
 use xpu_core::{DeviceKind, Inventory, PciAddress, PciDevice};
 use xpu_sched::NodeSpec;
 
+/// The variables that choose which devices a task uses, and that the daemon alone sets: a
+/// job's environment and a bundle's `config.json` lose every one of them, and then the task
+/// gets the daemon's values for the devices the scheduler gave it ([`Node::device_env`],
+/// [`Node::container_device_env`]), so no job reaches a device held by another.
+///
+/// - What the `xpu runtime` shim resolves into devices to inject (`xpu_container::request`):
+///   `NVIDIA_VISIBLE_DEVICES`, `XPU_VISIBLE_DEVICES`; and `XPU_DEVICES`, which it sets to what it
+///   injected. (`NVIDIA_DRIVER_CAPABILITIES` and `NVIDIA_REQUIRE_*` stay the job's: they choose
+///   driver files and checks for the GPUs it was given, never a GPU.)
+/// - What vendors' runtimes read inside a task: CUDA (`CUDA_VISIBLE_DEVICES`, and
+///   `CUDA_DEVICE_ORDER`, which decides what its indices mean), ROCm (`ROCR_VISIBLE_DEVICES`,
+///   `HIP_VISIBLE_DEVICES`, `GPU_DEVICE_ORDINAL`; HIP also reads `CUDA_VISIBLE_DEVICES`), libtpu
+///   (`TPU_VISIBLE_CHIPS`, `TPU_VISIBLE_DEVICES`), Habana (`HABANA_VISIBLE_DEVICES`,
+///   `HABANA_VISIBLE_MODULES`) and oneAPI Level Zero (`ZE_AFFINITY_MASK`).
+pub const DEVICE_VARS: [&str; 13] = [
+    "NVIDIA_VISIBLE_DEVICES",
+    "XPU_VISIBLE_DEVICES",
+    "XPU_DEVICES",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "ROCR_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "GPU_DEVICE_ORDINAL",
+    "TPU_VISIBLE_CHIPS",
+    "TPU_VISIBLE_DEVICES",
+    "HABANA_VISIBLE_DEVICES",
+    "HABANA_VISIBLE_MODULES",
+    "ZE_AFFINITY_MASK",
+];
+
+/// The prefix of the OCI annotations that ask for devices by CDI name (`cdi.k8s.io/<key>`, the
+/// Container Device Interface's annotation form, which the shim also resolves): the daemon drops
+/// them from a bundle's `config.json`.
+pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
+
+/// Whether `name` is one of [`DEVICE_VARS`].
+pub fn selects_devices(name: &str) -> bool {
+    DEVICE_VARS.contains(&name)
+}
+
 /// One schedulable device. `id` is its index in [`Node::devices`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Device {
@@ -337,6 +377,7 @@ mod tests {
         assert_eq!(node.devices.len(), 12);
         assert_eq!(node.labels["cloud.google.com/gke-tpu-topology"], "2x4");
         assert_eq!(node.labels["cloud.google.com/gke-tpu-accelerator"], "tpu-v6e-slice");
+        assert!(node.device_env(&[]).iter().all(|(k, _)| selects_devices(k)));
         let env = node.device_env(&[1, 3, 5, 6]);
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("1,3"));
