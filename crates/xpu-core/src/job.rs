@@ -42,6 +42,9 @@ use crate::accel::DeviceKind;
 pub const MAX_COMPLETIONS: u64 = 100_000;
 /// Default `backoffLimit` of a Kubernetes Job.
 pub const DEFAULT_BACKOFF_LIMIT: u32 = 6;
+/// Largest spec accepted, in bytes of its JSON (what the daemon stores and `GET /v1/jobs/{id}`
+/// returns): 1.5 MiB, the size Kubernetes allows an object (etcd's default request limit).
+pub const MAX_SPEC_BYTES: usize = 3 << 19;
 
 /// A bad manifest: the field path and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -250,6 +253,15 @@ pub fn parse(text: &str) -> Result<Parsed, JobError> {
     } else {
         p.short(obj)?
     };
+    let size = json_size(&spec);
+    if size > MAX_SPEC_BYTES {
+        return Err(JobError::new(
+            "manifest",
+            format!(
+                "the job's spec is {size} bytes as JSON, over the limit of {MAX_SPEC_BYTES} (1.5 MiB, as Kubernetes allows an object); move large env values or args into a file the job reads"
+            ),
+        ));
+    }
     Ok(Parsed { spec, notes: p.notes })
 }
 
@@ -265,7 +277,27 @@ fn join(prefix: &str, field: &str) -> String {
     }
 }
 
-/// Splits the text into JSON values: one for JSON input, one per YAML document.
+/// The size of `spec` as JSON, counted without building the text.
+fn json_size(spec: &JobSpec) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    // Serializing a JobSpec cannot fail: every map key is a string and Count never errs; if
+    // it did, the size so far still counts.
+    let _ = serde_json::to_writer(&mut n, spec);
+    n.0
+}
+
+/// Splits the text into JSON values: one for JSON input, one per YAML document (through the
+/// bounded loader, [`crate::yaml`]).
 fn documents(text: &str) -> Result<Vec<Value>, JobError> {
     let trimmed = text.trim_start();
     if trimmed.starts_with('{') {
@@ -273,13 +305,7 @@ fn documents(text: &str) -> Result<Vec<Value>, JobError> {
             .map(|v| vec![v])
             .map_err(|e| JobError::new("manifest", format!("invalid JSON: {e}")));
     }
-    let mut out = Vec::new();
-    for doc in serde_norway::Deserializer::from_str(text) {
-        let v = Value::deserialize(doc)
-            .map_err(|e| JobError::new("manifest", format!("invalid YAML: {e}")))?;
-        out.push(v);
-    }
-    Ok(out)
+    crate::yaml::load(text, "manifest").map_err(|e| JobError::new(e.what, e.problem.to_string()))
 }
 
 struct Parser {
@@ -1263,6 +1289,30 @@ spec:
         )
         .unwrap();
         assert_eq!(stored.container.resources.devices[0].milli, None, "old stored specs load");
+    }
+
+    #[test]
+    fn alias_amplified_manifest_is_refused() {
+        // One 10 KB scalar named by 2,000 aliases in env: 30 KB of text, 20 MB of job.
+        let mut m = format!("command: [x]\nenv:\n  BIG: &v {}\n", "y".repeat(10_000));
+        for i in 0..2_000 {
+            m.push_str(&format!("  V{i}: *v\n"));
+        }
+        let e = parse(&m).unwrap_err();
+        assert_eq!(e.path, "manifest");
+        assert!(e.message.starts_with("expands to more than"), "{e}");
+        assert!(e.message.contains("remove the aliases"), "{e}");
+    }
+
+    #[test]
+    fn spec_size_is_bounded() {
+        // No aliases, just a large value: what the daemon would store and serve back.
+        let m = format!("command: [x]\nenv:\n  BIG: {}\n", "y".repeat(MAX_SPEC_BYTES));
+        let e = parse(&m).unwrap_err();
+        assert_eq!(e.path, "manifest");
+        assert!(e.message.contains("over the limit of 1572864"), "{e}");
+        let m = format!("command: [x]\nenv:\n  BIG: {}\n", "y".repeat(MAX_SPEC_BYTES / 2));
+        assert!(parse(&m).is_ok());
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //!   `modprobe`) as values, and the [`kernel::Kernel`] trait they go through.
 //! - [`nova`]: OpenStack Nova `[pci]` device specs, aliases, flavor PCI requests and the
 //!   `PciPassthroughFilter` pool fit check.
+//! - [`yaml`]: the bounded YAML loader every reader of outside YAML goes through.
 
 pub mod accel;
 pub mod driver;
@@ -22,6 +23,7 @@ pub mod labels;
 pub mod nova;
 pub mod pci;
 pub mod tpu;
+pub mod yaml;
 
 pub use accel::{Accelerator, DeviceKind};
 pub use inventory::{DevNode, HostInfo, Inventory, Link, PciDevice, Sriov, SriovType};

@@ -82,8 +82,14 @@ pub fn escape(value: &str) -> String {
 
 /// Converts YAML text (named `path` in errors) to the environment file's content.
 pub fn convert(yaml: &str, path: &str) -> Result<String, MetadataEnvError> {
-    let doc: Value = serde_norway::from_str(yaml)
-        .map_err(|e| MetadataEnvError::Yaml { path: path.to_owned(), reason: e.to_string() })?;
+    // Through the bounded loader: aliases may not blow the file up (crate xpu_core::yaml).
+    let doc: Value = xpu_core::yaml::load_one(yaml, path).map_err(|e| MetadataEnvError::Yaml {
+        path: path.to_owned(),
+        reason: match e.problem {
+            xpu_core::yaml::Problem::Invalid(reason) => reason,
+            other => other.to_string(),
+        },
+    })?;
     let map = match doc {
         Value::Mapping(m) => m,
         // An empty document: no variables.
