@@ -250,22 +250,7 @@ pub fn plan(
                     say(&mut out, key, msg, explain);
                     continue;
                 }
-                let group = single_group(&ask);
-                let job = Job::single(key.to_string(), group)
-                    .priority(ask.priority)
-                    .queue(ask.queue.clone());
-                let resource = ask.resources.device_resource;
-                submit(
-                    &mut sched,
-                    &mut units,
-                    job,
-                    vec![key],
-                    None,
-                    resource,
-                    now,
-                    &mut out,
-                    explain,
-                );
+                submit_pod(&mut sched, &mut units, key, &ask, now, &mut out, explain);
             }
         }
     }
@@ -281,21 +266,7 @@ pub fn plan(
         if need == 0 {
             // Replacements for members of a running gang: each on its own.
             for (key, ask) in members {
-                let job = Job::single(key.to_string(), single_group(&ask))
-                    .priority(ask.priority)
-                    .queue(ask.queue.clone());
-                let resource = ask.resources.device_resource;
-                submit(
-                    &mut sched,
-                    &mut units,
-                    job,
-                    vec![key],
-                    None,
-                    resource,
-                    now,
-                    &mut out,
-                    explain,
-                );
+                submit_pod(&mut sched, &mut units, key, &ask, now, &mut out, explain);
             }
             continue;
         }
@@ -452,6 +423,23 @@ fn tpu_group(
     let mut task = ask.task.clone();
     task.pool = pool;
     Ok(TaskGroup::new(need as u32, task).gang())
+}
+
+/// One pod on its own.
+fn submit_pod(
+    sched: &mut Scheduler,
+    units: &mut Vec<Unit>,
+    key: PodKey,
+    ask: &PodAsk,
+    now: u64,
+    out: &mut Plan,
+    explain: &mut dyn FnMut(&str) -> bool,
+) {
+    let job = Job::single(key.to_string(), single_group(ask))
+        .priority(ask.priority)
+        .queue(ask.queue.clone());
+    let resource = ask.resources.device_resource;
+    submit(sched, units, job, vec![key], None, resource, now, out, explain);
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -406,52 +406,48 @@ async fn mark_unschedulable(client: &Client, pod: &PodKey, msg: &str) -> Result<
 }
 
 fn event_for_pod(pod: &PodKey, msg: &str, component: &str) -> Event {
-    let now = k8s_openapi::jiff::Timestamp::now();
-    Event {
-        metadata: ObjectMeta {
-            generate_name: Some(format!("{}.", pod.name)),
-            namespace: Some(pod.namespace.clone()),
-            ..ObjectMeta::default()
-        },
-        involved_object: ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            name: Some(pod.name.clone()),
-            namespace: Some(pod.namespace.clone()),
-            uid: Some(pod.uid.clone()),
-            ..ObjectReference::default()
-        },
-        reason: Some("FailedScheduling".into()),
-        message: Some(msg.chars().take(1024).collect()),
-        type_: Some("Warning".into()),
-        event_time: Some(MicroTime(now)),
-        reporting_component: Some(component.into()),
-        reporting_instance: Some(component.into()),
-        action: Some("Scheduling".into()),
-        ..Event::default()
-    }
+    let target = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some(pod.name.clone()),
+        namespace: Some(pod.namespace.clone()),
+        uid: Some(pod.uid.clone()),
+        ..ObjectReference::default()
+    };
+    warning(&pod.namespace, &pod.name, target, "FailedScheduling", msg, component)
 }
 
 fn event_for_node(node: &str, why: &str, component: &str) -> Event {
-    let now = k8s_openapi::jiff::Timestamp::now();
+    let target = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: Some(node.into()),
+        ..ObjectReference::default()
+    };
+    let msg = format!("xpu scheduler leaves this node out: {why}");
+    warning("default", node, target, "XpuNodeSkipped", &msg, component)
+}
+
+/// A `Warning` Event about `target`, its message cut to 1 KiB.
+fn warning(
+    namespace: &str,
+    name: &str,
+    target: ObjectReference,
+    reason: &str,
+    msg: &str,
+    component: &str,
+) -> Event {
     Event {
         metadata: ObjectMeta {
-            generate_name: Some(format!("{node}.")),
-            namespace: Some("default".into()),
+            generate_name: Some(format!("{name}.")),
+            namespace: Some(namespace.into()),
             ..ObjectMeta::default()
         },
-        involved_object: ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Node".into()),
-            name: Some(node.into()),
-            ..ObjectReference::default()
-        },
-        reason: Some("XpuNodeSkipped".into()),
-        message: Some(
-            format!("xpu scheduler leaves this node out: {why}").chars().take(1024).collect(),
-        ),
+        involved_object: target,
+        reason: Some(reason.into()),
+        message: Some(msg.chars().take(1024).collect()),
         type_: Some("Warning".into()),
-        event_time: Some(MicroTime(now)),
+        event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
         reporting_component: Some(component.into()),
         reporting_instance: Some(component.into()),
         action: Some("Scheduling".into()),
