@@ -1,10 +1,28 @@
-//! Compiles the kubelet device plugin API (`proto/deviceplugin/v1beta1/api.proto`) into Rust with
-//! protox, a pure-Rust protobuf compiler, so building needs no system `protoc`.
+//! Compiles the kubelet gRPC APIs into Rust with protox, a pure-Rust protobuf compiler, so
+//! building needs no system `protoc`:
+//! - the device plugin API (`proto/deviceplugin/v1beta1`, package `v1beta1`) into `OUT_DIR`;
+//! - the DRA plugin service (`proto/dra/v1`, `proto/dra/v1beta1`) and plugin registration
+//!   (`proto/pluginregistration/v1`), each into its own directory under `OUT_DIR`: the DRA
+//!   v1beta1 package shares the device plugin's package name (and a `Device` message), so the
+//!   two cannot live in one descriptor set or one generated file.
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto = "proto/deviceplugin/v1beta1/api.proto";
+fn compile(proto: &str, out: Option<&str>) -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={proto}");
     let fds = protox::compile([proto], ["proto"])?;
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    let mut builder = tonic_prost_build::configure().build_client(true).build_server(true);
+    if let Some(sub) = out {
+        let dir = std::path::Path::new(&std::env::var("OUT_DIR")?).join(sub);
+        std::fs::create_dir_all(&dir)?;
+        builder = builder.out_dir(dir);
+    }
+    builder.compile_fds(fds)?;
+    Ok(())
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    compile("proto/deviceplugin/v1beta1/api.proto", None)?;
+    compile("proto/dra/v1/api.proto", Some("dra_v1"))?;
+    compile("proto/dra/v1beta1/api.proto", Some("dra_v1beta1"))?;
+    compile("proto/pluginregistration/v1/api.proto", Some("pluginregistration_v1"))?;
     Ok(())
 }

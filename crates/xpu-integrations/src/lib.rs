@@ -10,10 +10,15 @@
 //! - [`nfd`]: Node Feature Discovery local feature files.
 //! - [`novaconf`]: the `nova.conf` `[pci]` entries, scheduler filters and flavor commands for this
 //!   host, and `nova.conf` parsing for the "does this flavor fit" check.
+//! - [`drapb`]: the kubelet's DRA plugin service (`dra/v1`, `dra/v1beta1`) and plugin
+//!   registration (`pluginregistration/v1`) generated from their protos, and
+//!   [`drakubelet`], the kubelet's side of both for tests and benchmarks (the driver itself,
+//!   which needs the API server, is `xpu-kube`'s `dra`).
 //! - [`cdi`]: the CDI device names `Allocate` returns, from `xpu-container`'s naming convention.
 
 pub mod cdi;
 pub mod deviceplugin;
+pub mod drakubelet;
 pub mod nfd;
 pub mod novaconf;
 pub mod numa;
@@ -26,4 +31,48 @@ pub mod transport;
 #[allow(clippy::all, clippy::pedantic, missing_docs, unused_qualifications, clippy::unwrap_used)]
 pub mod pb {
     tonic::include_proto!("v1beta1");
+}
+
+/// Code generated from the kubelet's DRA and plugin registration protos.
+pub mod drapb {
+    /// `proto/dra/v1/api.proto` (package `v1`, service `v1.DRAPlugin`).
+    #[allow(
+        clippy::all,
+        clippy::pedantic,
+        missing_docs,
+        unused_qualifications,
+        clippy::unwrap_used
+    )]
+    pub mod v1 {
+        include!(concat!(env!("OUT_DIR"), "/dra_v1/v1.rs"));
+    }
+    /// `proto/dra/v1beta1/api.proto` (package `v1beta1`, service `v1beta1.DRAPlugin`).
+    #[allow(
+        clippy::all,
+        clippy::pedantic,
+        missing_docs,
+        unused_qualifications,
+        clippy::unwrap_used
+    )]
+    pub mod v1beta1 {
+        include!(concat!(env!("OUT_DIR"), "/dra_v1beta1/v1beta1.rs"));
+    }
+    /// `proto/pluginregistration/v1/api.proto` (package `pluginregistration`).
+    #[allow(
+        clippy::all,
+        clippy::pedantic,
+        missing_docs,
+        unused_qualifications,
+        clippy::unwrap_used
+    )]
+    pub mod registration {
+        include!(concat!(env!("OUT_DIR"), "/pluginregistration_v1/pluginregistration.rs"));
+    }
+
+    /// What a DRA plugin lists in `PluginInfo.supported_versions` for each service it serves
+    /// (`k8s.io/kubelet/pkg/apis/dra/v1.DRAPluginService` and its v1beta1 twin).
+    pub const SERVICE_V1: &str = "v1.DRAPlugin";
+    pub const SERVICE_V1BETA1: &str = "v1beta1.DRAPlugin";
+    /// `PluginInfo.type` of a DRA plugin (`pluginregistration.DRAPlugin`).
+    pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 }

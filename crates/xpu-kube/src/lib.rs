@@ -5,12 +5,14 @@
 //! - [`scheduler`]: the driver: watch caches, binding, `PodScheduled` conditions, Events.
 //! - [`leader`]: Lease leader election, as kube-scheduler does it.
 //! - [`metrics`]: Prometheus counters and `/metrics`.
+//! - [`dra`]: the DRA driver `xpu k8s dra-driver`: ResourceSlices, the kubelet DRA plugin.
 //!
 //! Placement itself stays in `xpu-sched`: the policy `xpu sim` measures is the one a cluster
 //! gets.
 
 pub mod convert;
 pub mod cycle;
+pub mod dra;
 pub mod leader;
 pub mod metrics;
 pub mod scheduler;

@@ -30,6 +30,36 @@ pub enum K8sCommand {
     /// Schedule the pods whose spec.schedulerName is NAME (default xpu) with xpu-sched and bind
     /// them through the API server: gangs, TPU slices, fair-share queues. Runs until SIGTERM.
     Scheduler(SchedulerArgs),
+    /// Dynamic Resource Allocation driver `xpu.dev`: publish this node's accelerators as
+    /// resource.k8s.io/v1 ResourceSlices, register with the kubelet and prepare allocated claims
+    /// as CDI specs. Runs until SIGINT or SIGTERM.
+    DraDriver(DraDriverArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DraDriverArgs {
+    /// Read the host under DIR instead of / (a fixture tree).
+    #[arg(long, value_name = "DIR")]
+    pub root: Option<PathBuf>,
+    /// This node's name (the pool name); default $NODE_NAME, then the host name.
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
+    /// Kubeconfig file; default $KUBECONFIG, then ~/.kube/config, then the in-cluster config.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The kubelet's plugin directory; the driver serves on DIR/xpu.dev/dra.sock.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/kubelet/plugins")]
+    pub plugin_dir: PathBuf,
+    /// The kubelet's plugin registration directory.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/kubelet/plugins_registry")]
+    pub registry_dir: PathBuf,
+    /// Where per-claim CDI specs are written (the container runtime's CDI directory).
+    #[arg(long, value_name = "DIR", default_value = "/var/run/cdi")]
+    pub cdi_dir: PathBuf,
+    /// Milliseconds between re-discoveries of the host.
+    #[arg(long, value_name = "MS", default_value_t = 500,
+          value_parser = clap::value_parser!(u64).range(50..=60000))]
+    pub interval_ms: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -120,7 +150,48 @@ pub fn run(args: Args) -> CmdResult {
         K8sCommand::DevicePlugin(a) => device_plugin(a),
         K8sCommand::NfdFeatures(a) => nfd_features(a),
         K8sCommand::Scheduler(a) => scheduler(a),
+        K8sCommand::DraDriver(a) => dra_driver(a),
     }
+}
+
+fn dra_driver(a: DraDriverArgs) -> CmdResult {
+    let root = root_arg(a.root)?;
+    let node_name = match a.node_name.or_else(|| std::env::var("NODE_NAME").ok()) {
+        Some(n) => n,
+        None => root
+            .read_file("/proc/sys/kernel/hostname")
+            .ok()
+            .flatten()
+            .map(|f| String::from_utf8_lossy(&f.bytes).trim().to_owned())
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| {
+                CliError::input(anyhow::anyhow!(
+                    "no node name: pass --node-name NAME or set NODE_NAME (the downward API's spec.nodeName)"
+                ))
+            })?,
+    };
+    crate::output::init_tracing();
+    let args = xpu_kube::dra::DriverArgs {
+        root,
+        node_name,
+        kubeconfig: a.kubeconfig,
+        paths: xpu_kube::dra::plugin::Paths {
+            plugin_dir: a.plugin_dir,
+            registry_dir: a.registry_dir,
+            cdi_dir: a.cdi_dir,
+        },
+        interval: Duration::from_millis(a.interval_ms),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(CliError::failed)?;
+    rt.block_on(xpu_kube::dra::run(args, shutdown_signal())).map_err(|e| match e {
+        xpu_kube::dra::DriverError::Discover(_) => CliError::input(e),
+        _ => CliError::failed(e),
+    })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn scheduler(a: SchedulerArgs) -> CmdResult {

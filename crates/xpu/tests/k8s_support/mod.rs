@@ -48,6 +48,14 @@ fn resource_of(kind: &str) -> Option<(&'static str, &'static str, &'static str, 
         "Deployment" => ("apps", "v1", "deployments", true),
         "DaemonSet" => ("apps", "v1", "daemonsets", true),
         "Job" => ("batch", "v1", "jobs", true),
+        "DeviceClass" => ("resource.k8s.io", "v1", "deviceclasses", false),
+        "ResourceClaim" => ("resource.k8s.io", "v1", "resourceclaims", true),
+        "ValidatingAdmissionPolicy" => {
+            ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies", false)
+        }
+        "ValidatingAdmissionPolicyBinding" => {
+            ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings", false)
+        }
         _ => return None,
     })
 }

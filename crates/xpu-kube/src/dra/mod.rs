@@ -1,0 +1,94 @@
+//! `xpu k8s dra-driver`: a vendor-neutral Dynamic Resource Allocation driver
+//! (`resource.k8s.io/v1`, KEP 4381), one process per node, named [`DRIVER`] (`xpu.dev`: one
+//! driver for every accelerator xpu discovers; the DeviceClasses `gpu.xpu.dev`, `tpu.xpu.dev`
+//! and `passthrough.xpu.dev` select by kind and driver).
+//!
+//! - [`slices`]: the node's devices as ResourceSlices, re-published within the discovery
+//!   interval when a device disappears or changes driver.
+//! - [`prepare`]: what preparing a claim means (pure): checks and the claim's CDI spec.
+//! - [`plugin`]: the kubelet's gRPC side: registration, `NodePrepareResources`,
+//!   `NodeUnprepareResources`, the checkpoint.
+//!
+//! Allocation is kube-scheduler's: this driver never picks devices.
+
+pub mod plugin;
+pub mod prepare;
+pub mod slices;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::info;
+use xpu_host::Root;
+
+/// The driver name in ResourceSlices, allocation results and registration.
+pub const DRIVER: &str = "xpu.dev";
+
+/// The error and its sources, `: `-joined, for log fields.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// What `xpu k8s dra-driver` was asked to do.
+#[derive(Debug, Clone)]
+pub struct DriverArgs {
+    pub root: Root,
+    pub node_name: String,
+    pub kubeconfig: Option<PathBuf>,
+    pub paths: plugin::Paths,
+    /// How often the host is re-discovered.
+    pub interval: Duration,
+}
+
+/// Errors starting the driver.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    #[error(transparent)]
+    Start(#[from] crate::StartError),
+    #[error(transparent)]
+    Discover(#[from] xpu_host::DiscoverError),
+    #[error(transparent)]
+    Publish(#[from] slices::PublishError),
+    #[error(transparent)]
+    Plugin(#[from] plugin::PluginError),
+}
+
+/// Runs the driver until `stop` resolves: publishes slices (first publication before the
+/// kubelet plugin is served, so an API error at start is an error), keeps them current, and
+/// serves the kubelet.
+pub async fn run(
+    args: DriverArgs,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), DriverError> {
+    let client = crate::client(args.kubeconfig.as_deref()).await?;
+    let opts = xpu_host::DiscoverOptions {
+        scope: xpu_host::Scope::Accelerators,
+        pci_ids: None,
+        skip_names: true,
+    };
+    let inv = xpu_host::discover(&args.root, &opts)?;
+    let mut publisher = slices::Publisher::new(client.clone(), &args.node_name).await?;
+    publisher.publish(slices::devices(&args.root, &inv)).await?;
+    info!(node = %args.node_name, generation = publisher.generation(), "driver started");
+    let (tx, rx) = tokio::sync::watch::channel(Arc::new(inv));
+    let driver = Arc::new(plugin::Driver::new(
+        client,
+        &args.node_name,
+        args.root.clone(),
+        args.paths.clone(),
+        rx,
+    )?);
+    let loop_task = tokio::spawn(slices::run(publisher, args.root.clone(), args.interval, tx));
+    let r = plugin::serve(driver, stop).await;
+    loop_task.abort();
+    r?;
+    Ok(())
+}

@@ -1,0 +1,425 @@
+//! The kubelet side of the driver: plugin registration (`pluginregistration/v1`) on
+//! `<registry-dir>/xpu.dev-reg.sock`, and the DRA service (`v1.DRAPlugin` and
+//! `v1beta1.DRAPlugin`, the same messages) on `<plugin-dir>/xpu.dev/dra.sock`.
+//!
+//! `NodePrepareResources` reads each claim from the API server, decides with
+//! [`super::prepare::plan`], writes the claim's CDI spec atomically into the CDI directory and
+//! records it in a checkpoint (`<plugin-dir>/xpu.dev/checkpoint.json`, also written
+//! atomically) before answering. A claim already in the checkpoint whose spec is still there is
+//! answered from it (idempotent, and right after a restart). `NodeUnprepareResources` removes
+//! exactly the spec the checkpoint names. Errors are per claim and nothing is written for a
+//! claim that fails.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::Api;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Mutex, watch};
+use tonic::{Request, Response, Status};
+use tracing::{Instrument, info, info_span, warn};
+use xpu_container::cdi::{CdiKind, GenerateOptions, Spec};
+use xpu_core::Inventory;
+use xpu_host::Root;
+use xpu_integrations::drapb::{self, registration as reg, v1, v1beta1};
+
+use super::DRIVER;
+use super::prepare::{self, PreparedDevice};
+
+/// What the checkpoint remembers of one prepared claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreparedClaim {
+    pub namespace: String,
+    pub name: String,
+    /// The spec's file name in the CDI directory.
+    pub spec_file: String,
+    pub devices: Vec<PreparedDevice>,
+}
+
+/// The checkpoint file's content.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub version: u32,
+    /// By claim UID.
+    pub claims: BTreeMap<String, PreparedClaim>,
+}
+
+/// Errors starting the plugin.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("checkpoint {}: {reason}; move it aside to start afresh (claims it lists stay prepared on disk)", path.display())]
+    Checkpoint { path: PathBuf, reason: String },
+    #[error("creating {}", path.display())]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot serve on {}", path.display())]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where the plugin lives.
+#[derive(Debug, Clone)]
+pub struct Paths {
+    pub plugin_dir: PathBuf,
+    pub registry_dir: PathBuf,
+    pub cdi_dir: PathBuf,
+}
+
+impl Paths {
+    pub fn dir(&self) -> PathBuf {
+        self.plugin_dir.join(DRIVER)
+    }
+    pub fn endpoint(&self) -> PathBuf {
+        self.dir().join("dra.sock")
+    }
+    pub fn registration(&self) -> PathBuf {
+        self.registry_dir.join(format!("{DRIVER}-reg.sock"))
+    }
+    pub fn checkpoint(&self) -> PathBuf {
+        self.dir().join("checkpoint.json")
+    }
+}
+
+/// Reads the checkpoint; a missing file is an empty one.
+pub fn load_checkpoint(path: &Path) -> Result<Checkpoint, PluginError> {
+    let err = |reason: String| PluginError::Checkpoint { path: path.to_owned(), reason };
+    match std::fs::read(path) {
+        Ok(b) => serde_json::from_slice(&b).map_err(|e| err(e.to_string())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(Checkpoint { version: 1, ..Default::default() })
+        }
+        Err(e) => Err(err(e.to_string())),
+    }
+}
+
+fn save_checkpoint(path: &Path, c: &Checkpoint) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec_pretty(c).map_err(std::io::Error::other)?;
+    xpu_container::fsutil::write_atomic(path, &bytes, 0o600)
+}
+
+/// The host-wide CDI specs of an inventory, regenerated when the inventory changes.
+struct HostSpecs {
+    inv: Arc<Inventory>,
+    specs: Arc<Vec<Spec>>,
+}
+
+/// The DRA service's state, shared by both API versions.
+pub struct Driver {
+    node: String,
+    root: Root,
+    paths: Paths,
+    client: kube::Client,
+    inventory: watch::Receiver<Arc<Inventory>>,
+    specs: std::sync::Mutex<Option<HostSpecs>>,
+    /// Held across a whole prepare or unprepare: the checkpoint and CDI files change together.
+    checkpoint: Mutex<Checkpoint>,
+}
+
+impl Driver {
+    pub fn new(
+        client: kube::Client,
+        node: &str,
+        root: Root,
+        paths: Paths,
+        inventory: watch::Receiver<Arc<Inventory>>,
+    ) -> Result<Driver, PluginError> {
+        for d in [paths.dir(), paths.cdi_dir.clone(), paths.registry_dir.clone()] {
+            std::fs::create_dir_all(&d)
+                .map_err(|source| PluginError::Dir { path: d.clone(), source })?;
+        }
+        let checkpoint = load_checkpoint(&paths.checkpoint())?;
+        info!(claims = checkpoint.claims.len(), "checkpoint loaded");
+        Ok(Driver {
+            node: node.to_owned(),
+            root,
+            paths,
+            client,
+            inventory,
+            specs: std::sync::Mutex::new(None),
+            checkpoint: Mutex::new(checkpoint),
+        })
+    }
+
+    fn host(&self) -> (Arc<Inventory>, Arc<Vec<Spec>>) {
+        let inv = self.inventory.borrow().clone();
+        let mut cache = self.specs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(c) = cache.as_ref().filter(|c| Arc::ptr_eq(&c.inv, &inv) || *c.inv == *inv) {
+            return (c.inv.clone(), c.specs.clone());
+        }
+        let files =
+            xpu_host::driver_files::find(&self.root, inv.host.nvidia_driver_version.as_deref());
+        let opts = GenerateOptions {
+            kinds: CdiKind::ALL.to_vec(),
+            strict: false,
+            host_root: self.root.base().to_path_buf(),
+        };
+        let specs = Arc::new(
+            xpu_container::cdi::generate(&inv, &files, &opts).map(|g| g.specs).unwrap_or_default(),
+        );
+        *cache = Some(HostSpecs { inv: inv.clone(), specs: specs.clone() });
+        (inv, specs)
+    }
+
+    /// Prepares one claim; the error names the claim.
+    async fn prepare_one(
+        &self,
+        c: &v1::Claim,
+        cp: &mut Checkpoint,
+    ) -> Result<Vec<PreparedDevice>, String> {
+        let who = format!("claim {}/{} ({})", c.namespace, c.name, c.uid);
+        if let Some(p) = cp.claims.get(&c.uid)
+            && self.paths.cdi_dir.join(&p.spec_file).exists()
+        {
+            return Ok(p.devices.clone());
+        }
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), &c.namespace);
+        let claim = api
+            .get(&c.name)
+            .await
+            .map_err(|e| format!("{who}: reading it from the API server: {e}"))?;
+        let (inv, specs) = self.host();
+        let plan = prepare::plan(&claim, &c.uid, &self.node, &inv, &specs)
+            .map_err(|e| format!("{who} {e}"))?;
+        let file = prepare::spec_file(&c.uid);
+        let path = self.paths.cdi_dir.join(&file);
+        xpu_container::cdi::write(&path, xpu_container::cdi::to_json(&plan.spec).as_bytes())
+            .map_err(|e| format!("{who}: writing CDI spec {}: {e}", path.display()))?;
+        cp.claims.insert(
+            c.uid.clone(),
+            PreparedClaim {
+                namespace: c.namespace.clone(),
+                name: c.name.clone(),
+                spec_file: file,
+                devices: plan.devices.clone(),
+            },
+        );
+        if let Err(e) = save_checkpoint(&self.paths.checkpoint(), cp) {
+            cp.claims.remove(&c.uid);
+            // Best effort: the spec must not outlive a claim the checkpoint does not know.
+            let _ = std::fs::remove_file(&path);
+            return Err(format!(
+                "{who}: writing checkpoint {}: {e}",
+                self.paths.checkpoint().display()
+            ));
+        }
+        Ok(plan.devices)
+    }
+
+    fn unprepare_one(&self, c: &v1::Claim, cp: &mut Checkpoint) -> Result<(), String> {
+        let who = format!("claim {}/{} ({})", c.namespace, c.name, c.uid);
+        let file = cp
+            .claims
+            .get(&c.uid)
+            .map(|p| p.spec_file.clone())
+            .unwrap_or_else(|| prepare::spec_file(&c.uid));
+        let path = self.paths.cdi_dir.join(&file);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("{who}: removing CDI spec {}: {e}", path.display())),
+        }
+        if cp.claims.remove(&c.uid).is_some() {
+            save_checkpoint(&self.paths.checkpoint(), cp).map_err(|e| {
+                format!("{who}: writing checkpoint {}: {e}", self.paths.checkpoint().display())
+            })?;
+        }
+        Ok(())
+    }
+
+    pub async fn prepare(
+        &self,
+        req: v1::NodePrepareResourcesRequest,
+    ) -> v1::NodePrepareResourcesResponse {
+        let mut cp = self.checkpoint.lock().await;
+        let mut out = v1::NodePrepareResourcesResponse::default();
+        for c in &req.claims {
+            let span = info_span!("prepare", claim = %c.uid);
+            let r = match self.prepare_one(c, &mut cp).instrument(span).await {
+                Ok(devs) => {
+                    info!(namespace = %c.namespace, name = %c.name, devices = devs.len(), "claim prepared");
+                    v1::NodePrepareResourceResponse {
+                        devices: devs
+                            .into_iter()
+                            .map(|d| v1::Device {
+                                request_names: d.requests,
+                                pool_name: d.pool,
+                                device_name: d.device,
+                                cdi_device_ids: d.cdi_ids,
+                            })
+                            .collect(),
+                        error: String::new(),
+                    }
+                }
+                Err(error) => {
+                    warn!(%error, "claim not prepared");
+                    v1::NodePrepareResourceResponse { devices: Vec::new(), error }
+                }
+            };
+            out.claims.insert(c.uid.clone(), r);
+        }
+        out
+    }
+
+    pub async fn unprepare(
+        &self,
+        req: v1::NodeUnprepareResourcesRequest,
+    ) -> v1::NodeUnprepareResourcesResponse {
+        let mut cp = self.checkpoint.lock().await;
+        let mut out = v1::NodeUnprepareResourcesResponse::default();
+        for c in &req.claims {
+            let error = match self.unprepare_one(c, &mut cp) {
+                Ok(()) => {
+                    info!(claim = %c.uid, "claim unprepared");
+                    String::new()
+                }
+                Err(e) => e,
+            };
+            out.claims.insert(c.uid.clone(), v1::NodeUnprepareResourceResponse { error });
+        }
+        out
+    }
+}
+
+/// `v1.DRAPlugin`.
+#[derive(Clone)]
+pub struct V1(pub Arc<Driver>);
+
+#[tonic::async_trait]
+impl v1::dra_plugin_server::DraPlugin for V1 {
+    async fn node_prepare_resources(
+        &self,
+        r: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        Ok(Response::new(self.0.prepare(r.into_inner()).await))
+    }
+    async fn node_unprepare_resources(
+        &self,
+        r: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        Ok(Response::new(self.0.unprepare(r.into_inner()).await))
+    }
+}
+
+// v1beta1 has the same messages with the same numbers: convert through the wire format, which
+// cannot fail between identical definitions.
+fn convert<A: prost::Message, B: prost::Message + Default>(a: &A) -> B {
+    B::decode(a.encode_to_vec().as_slice()).unwrap_or_default()
+}
+
+/// `v1beta1.DRAPlugin`, for kubelets before 1.34.
+#[derive(Clone)]
+pub struct V1beta1(pub Arc<Driver>);
+
+#[tonic::async_trait]
+impl v1beta1::dra_plugin_server::DraPlugin for V1beta1 {
+    async fn node_prepare_resources(
+        &self,
+        r: Request<v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        let out = self.0.prepare(convert(&r.into_inner())).await;
+        Ok(Response::new(convert(&out)))
+    }
+    async fn node_unprepare_resources(
+        &self,
+        r: Request<v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let out = self.0.unprepare(convert(&r.into_inner())).await;
+        Ok(Response::new(convert(&out)))
+    }
+}
+
+/// `pluginregistration.Registration`.
+pub struct Registrar {
+    pub endpoint: PathBuf,
+}
+
+#[tonic::async_trait]
+impl reg::registration_server::Registration for Registrar {
+    async fn get_info(
+        &self,
+        _: Request<reg::InfoRequest>,
+    ) -> Result<Response<reg::PluginInfo>, Status> {
+        Ok(Response::new(reg::PluginInfo {
+            r#type: drapb::DRA_PLUGIN_TYPE.to_owned(),
+            name: DRIVER.to_owned(),
+            endpoint: self.endpoint.display().to_string(),
+            supported_versions: vec![
+                drapb::SERVICE_V1.to_owned(),
+                drapb::SERVICE_V1BETA1.to_owned(),
+            ],
+        }))
+    }
+    async fn notify_registration_status(
+        &self,
+        r: Request<reg::RegistrationStatus>,
+    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
+        let s = r.into_inner();
+        if s.plugin_registered {
+            info!("registered with the kubelet");
+        } else {
+            warn!(error = %s.error, "the kubelet refused the registration");
+        }
+        Ok(Response::new(reg::RegistrationStatusResponse {}))
+    }
+}
+
+fn listen(path: &Path) -> Result<tokio_stream::wrappers::UnixListenerStream, PluginError> {
+    // A socket left by an earlier run would make bind fail.
+    let _ = std::fs::remove_file(path);
+    let l = tokio::net::UnixListener::bind(path)
+        .map_err(|source| PluginError::Listen { path: path.to_owned(), source })?;
+    Ok(tokio_stream::wrappers::UnixListenerStream::new(l))
+}
+
+/// Serves the DRA service, then registration (so the kubelet never finds an endpoint that does
+/// not answer), until `stop` resolves.
+pub async fn serve(
+    driver: Arc<Driver>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), PluginError> {
+    let endpoint = driver.paths.endpoint();
+    let registration = driver.paths.registration();
+    let dra = listen(&endpoint)?;
+    let regl = listen(&registration)?;
+    let (tx, rx) = watch::channel(false);
+    let mut rx2 = rx.clone();
+    let mut rx1 = rx;
+    let a = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(v1::dra_plugin_server::DraPluginServer::new(V1(driver.clone())))
+            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(driver.clone())))
+            .serve_with_incoming_shutdown(dra, async move {
+                let _ = rx1.wait_for(|s| *s).await;
+            }),
+    );
+    let b = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(reg::registration_server::RegistrationServer::new(Registrar {
+                endpoint: endpoint.clone(),
+            }))
+            .serve_with_incoming_shutdown(regl, async move {
+                let _ = rx2.wait_for(|s| *s).await;
+            }),
+    );
+    info!(endpoint = %endpoint.display(), registration = %registration.display(), "serving the kubelet DRA plugin");
+    stop.await;
+    // Receivers live in the two servers; a send error only means they already stopped.
+    let _ = tx.send(true);
+    for t in [a, b] {
+        if let Ok(Err(e)) = t.await {
+            warn!(error = %e, "gRPC server");
+        }
+    }
+    // The kubelet's plugin watcher unregisters a plugin whose socket is gone.
+    let _ = std::fs::remove_file(&registration);
+    let _ = std::fs::remove_file(&endpoint);
+    Ok(())
+}

@@ -1,0 +1,388 @@
+//! Preparing one claim, as a decision (pure): a `ResourceClaim` read from the API server, this
+//! node's inventory and the CDI specs `xpu cdi generate` would write go in; the claim's own CDI
+//! spec and the device ids the kubelet passes to the runtime come out, or an error that names
+//! the claim and the cause. Writing the spec and the checkpoint is the plugin's business.
+//!
+//! The per-claim spec (CDI `SPEC.md`): kind `k8s.xpu.dev/claim`, one device per allocated
+//! device named `<claim uid>-<device name>` with that device's nodes, and as the spec's own
+//! `containerEdits` what the devices' kinds share (control nodes, driver files, environment),
+//! exactly as the host-wide spec of that kind has them.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde::{Deserialize, Serialize};
+use xpu_container::cdi::{self, CdiKind, ContainerEdits, Spec};
+use xpu_core::Inventory;
+
+use super::{DRIVER, slices};
+
+/// The CDI kind of per-claim specs.
+pub const CLAIM_CDI_KIND: &str = "k8s.xpu.dev/claim";
+/// `apiVersion` of the opaque configuration this driver reads.
+pub const CONFIG_API_VERSION: &str = "xpu.dev/v1";
+pub const CONFIG_KIND: &str = "DeviceConfig";
+/// Opaque parameters larger than this are refused (the API server allows 10 KiB).
+const MAX_CONFIG_BYTES: usize = 10 * 1024;
+
+/// How the claim's devices are handed to the workload.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Through the vendor driver's device nodes (the device must not be on `vfio-pci`).
+    #[default]
+    Container,
+    /// Whole device through VFIO, for a VM (the device must be on `vfio-pci`).
+    Passthrough,
+}
+
+/// `xpu.dev/v1` `DeviceConfig`: what a user sets per claim (or an admin per DeviceClass).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeviceConfig {
+    pub api_version: String,
+    pub kind: String,
+    #[serde(default)]
+    pub mode: Mode,
+}
+
+/// One prepared device, as the kubelet's `Device` message has it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreparedDevice {
+    pub requests: Vec<String>,
+    pub pool: String,
+    pub device: String,
+    pub cdi_ids: Vec<String>,
+}
+
+/// A claim's preparation: the spec to write and what to answer.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub spec: Spec,
+    pub devices: Vec<PreparedDevice>,
+}
+
+/// Why a claim cannot be prepared. Each names what is wrong; the plugin prefixes the claim.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClaimError {
+    #[error(
+        "has UID {found}, the kubelet asked for {wanted}; the claim was deleted and made again"
+    )]
+    Uid { wanted: String, found: String },
+    #[error("is not allocated")]
+    NotAllocated,
+    #[error("has no device allocated by driver {DRIVER} (allocated by: {others})")]
+    OtherDriver { others: String },
+    #[error("device {device} is allocated from pool {pool}, not this node's pool {node}")]
+    OtherNode { device: String, pool: String, node: String },
+    #[error(
+        "device {device} does not exist on this node (gone, or never published by this driver)"
+    )]
+    UnknownDevice { device: String },
+    #[error("device {device} ({address}) has no usable device nodes; check `xpu cdi generate`")]
+    NoNodes { device: String, address: String },
+    #[error("{field}: {reason}")]
+    Config { field: String, reason: String },
+    #[error(
+        "device {device} is bound to {driver}, but mode {mode} needs {wanted}; use the {class} DeviceClass or set mode"
+    )]
+    Mode { device: String, driver: String, mode: String, wanted: String, class: String },
+}
+
+/// A configuration and the requests it applies to (`None`: all of the claim's).
+type Scoped = (Option<Vec<String>>, DeviceConfig);
+
+/// The configuration that applies to each request, from `status.allocation.devices.config`
+/// (class configs come before claim configs there, so a later entry wins).
+fn configs(claim: &ResourceClaim) -> Result<Vec<Scoped>, ClaimError> {
+    let Some(cfgs) = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.config.as_ref())
+    else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for (i, c) in cfgs.iter().enumerate() {
+        let Some(o) = c.opaque.as_ref().filter(|o| o.driver == DRIVER) else { continue };
+        let field = format!("status.allocation.devices.config[{i}].opaque.parameters");
+        let raw = &o.parameters.0;
+        if serde_json::to_vec(raw).map_or(true, |b| b.len() > MAX_CONFIG_BYTES) {
+            return Err(ClaimError::Config {
+                field,
+                reason: format!("larger than {MAX_CONFIG_BYTES} bytes"),
+            });
+        }
+        let parsed: DeviceConfig = serde_json::from_value(raw.clone()).map_err(|e| ClaimError::Config {
+            field: field.clone(),
+            reason: format!("{e} (expected apiVersion {CONFIG_API_VERSION}, kind {CONFIG_KIND}, mode container|passthrough)"),
+        })?;
+        if parsed.api_version != CONFIG_API_VERSION {
+            return Err(ClaimError::Config {
+                field: format!("{field}.apiVersion"),
+                reason: format!("{:?} is not {CONFIG_API_VERSION}", parsed.api_version),
+            });
+        }
+        if parsed.kind != CONFIG_KIND {
+            return Err(ClaimError::Config {
+                field: format!("{field}.kind"),
+                reason: format!("{:?} is not {CONFIG_KIND}", parsed.kind),
+            });
+        }
+        out.push((c.requests.clone().filter(|r| !r.is_empty()), parsed));
+    }
+    Ok(out)
+}
+
+fn mode_for(configs: &[Scoped], request: &str) -> Mode {
+    // `request` may be `parent/subrequest`; a config naming the parent applies too.
+    let parent = request.split('/').next().unwrap_or(request);
+    configs
+        .iter()
+        .rev()
+        .find(|(reqs, _)| {
+            reqs.as_ref().is_none_or(|r| r.iter().any(|x| x == request || x == parent))
+        })
+        .map(|(_, c)| c.mode)
+        .unwrap_or_default()
+}
+
+fn merge(into: &mut ContainerEdits, from: &ContainerEdits) {
+    for e in &from.env {
+        if !into.env.contains(e) {
+            into.env.push(e.clone());
+        }
+    }
+    for n in &from.device_nodes {
+        if !into.device_nodes.contains(n) {
+            into.device_nodes.push(n.clone());
+        }
+    }
+    for m in &from.mounts {
+        if !into.mounts.contains(m) {
+            into.mounts.push(m.clone());
+        }
+    }
+}
+
+/// The file name of a claim's spec in the CDI directory.
+pub fn spec_file(uid: &str) -> String {
+    format!("xpu.dev-claim_{uid}.json")
+}
+
+/// Decides what preparing `claim` (asked for as `uid`) on `node` means.
+pub fn plan(
+    claim: &ResourceClaim,
+    uid: &str,
+    node: &str,
+    inv: &Inventory,
+    host_specs: &[Spec],
+) -> Result<Plan, ClaimError> {
+    let found = claim.metadata.uid.clone().unwrap_or_default();
+    if found != uid {
+        return Err(ClaimError::Uid { wanted: uid.to_owned(), found });
+    }
+    let results = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref())
+        .ok_or(ClaimError::NotAllocated)?;
+    let ours: Vec<_> = results.iter().filter(|r| r.driver == DRIVER).collect();
+    if ours.is_empty() {
+        let mut others: Vec<&str> = results.iter().map(|r| r.driver.as_str()).collect();
+        others.dedup();
+        return Err(ClaimError::OtherDriver { others: others.join(", ") });
+    }
+    let configs = configs(claim)?;
+
+    // Device name -> (inventory index, CDI kind, CDI index name).
+    let names = cdi::device_names(inv);
+    let mut by_device: BTreeMap<String, PreparedDevice> = BTreeMap::new();
+    let mut devices = Vec::new();
+    let mut common = ContainerEdits::default();
+    let mut kinds_done: Vec<CdiKind> = Vec::new();
+    for r in &ours {
+        if r.pool != node {
+            return Err(ClaimError::OtherNode {
+                device: r.device.clone(),
+                pool: r.pool.clone(),
+                node: node.to_owned(),
+            });
+        }
+        let Some(d) =
+            inv.devices.iter().find(|d| slices::device_name(d).as_deref() == Some(&r.device))
+        else {
+            return Err(ClaimError::UnknownDevice { device: r.device.clone() });
+        };
+        let mode = mode_for(&configs, &r.request);
+        let on_vfio = d.driver.as_deref() == Some("vfio-pci");
+        if (mode == Mode::Passthrough) != on_vfio {
+            let (mode_s, wanted, class) = match mode {
+                Mode::Passthrough => ("passthrough", "vfio-pci", "gpu.xpu.dev"),
+                Mode::Container => ("container", "its vendor driver", "passthrough.xpu.dev"),
+            };
+            return Err(ClaimError::Mode {
+                device: r.device.clone(),
+                driver: d.driver.clone().unwrap_or_else(|| "no driver".to_owned()),
+                mode: mode_s.to_owned(),
+                wanted: wanted.to_owned(),
+                class: class.to_owned(),
+            });
+        }
+        if let Some(p) = by_device.get_mut(&r.device) {
+            // The same device for several requests (admin access): one CDI device.
+            p.requests.push(r.request.clone());
+            continue;
+        }
+        let no_nodes =
+            || ClaimError::NoNodes { device: r.device.clone(), address: d.address.to_string() };
+        let kind = CdiKind::of(d).ok_or_else(no_nodes)?;
+        let index = names
+            .iter()
+            .find(|n| {
+                n.kind == kind
+                    && n.address == Some(d.address)
+                    && n.name.bytes().all(|b| b.is_ascii_digit())
+            })
+            .ok_or_else(no_nodes)?;
+        let host = host_specs.iter().find(|s| s.kind == kind.as_str()).ok_or_else(no_nodes)?;
+        let edits = host
+            .devices
+            .iter()
+            .find(|x| x.name == index.name)
+            .map(|x| x.container_edits.clone())
+            .ok_or_else(no_nodes)?;
+        if !kinds_done.contains(&kind) {
+            merge(&mut common, &host.container_edits);
+            kinds_done.push(kind);
+        }
+        let cdi_name = format!("{uid}-{}", r.device);
+        devices.push(cdi::Device { name: cdi_name.clone(), container_edits: edits });
+        by_device.insert(
+            r.device.clone(),
+            PreparedDevice {
+                requests: vec![r.request.clone()],
+                pool: r.pool.clone(),
+                device: r.device.clone(),
+                cdi_ids: vec![format!("{CLAIM_CDI_KIND}={cdi_name}")],
+            },
+        );
+    }
+    let spec = Spec {
+        cdi_version: cdi::CDI_VERSION.to_owned(),
+        kind: CLAIM_CDI_KIND.to_owned(),
+        devices,
+        container_edits: common,
+    };
+    Ok(Plan { spec, devices: by_device.into_values().collect() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use xpu_container::cdi::{CdiKind, GenerateOptions};
+    use xpu_host::{DiscoverOptions, Root};
+    use xpu_testkit::{BuildOptions, hosts};
+
+    fn host() -> (xpu_testkit::Fixture, Inventory, Vec<Spec>) {
+        let fx =
+            hosts::a100_8x().build_with(&BuildOptions { char_devices: true, ..Default::default() });
+        let root = Root::new(fx.root()).unwrap();
+        let inv = xpu_host::discover(&root, &DiscoverOptions::default()).unwrap();
+        let files = xpu_host::driver_files::find(&root, inv.host.nvidia_driver_version.as_deref());
+        let opts = GenerateOptions {
+            kinds: CdiKind::ALL.to_vec(),
+            strict: false,
+            host_root: root.base().to_owned(),
+        };
+        let specs = cdi::generate(&inv, &files, &opts).map(|g| g.specs).unwrap_or_default();
+        (fx, inv, specs)
+    }
+
+    fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {
+        serde_json::from_value(json!({
+            "metadata": { "name": "c", "namespace": "ns", "uid": "u1" },
+            "spec": {},
+            "status": { "allocation": { "devices": { "results": results, "config": config } } },
+        }))
+        .unwrap()
+    }
+
+    fn first_gpus(inv: &Inventory, n: usize) -> Vec<String> {
+        inv.devices
+            .iter()
+            .filter_map(slices::device_name)
+            .filter(|d| d.starts_with("gpu"))
+            .take(n)
+            .collect()
+    }
+
+    #[test]
+    fn plans_one_spec_with_a_device_per_allocated_gpu() {
+        let (_fx, inv, specs) = host();
+        if specs.is_empty() {
+            eprintln!("skipping: fixture device nodes need root (mknod)");
+            return;
+        }
+        let gpus = first_gpus(&inv, 2);
+        let results: Vec<_> = gpus
+            .iter()
+            .map(|g| json!({ "request": "gpus", "driver": DRIVER, "pool": "n1", "device": g }))
+            .collect();
+        let p = plan(&claim(json!(results), json!([])), "u1", "n1", &inv, &specs).unwrap();
+        assert_eq!(p.devices.len(), 2);
+        assert_eq!(p.spec.devices.len(), 2);
+        assert!(p.devices[0].cdi_ids[0].starts_with("k8s.xpu.dev/claim=u1-gpu-"));
+        assert!(p.spec.devices.iter().all(|d| !d.container_edits.device_nodes.is_empty()));
+        // The reference implementation loads and validates it, and the ids resolve in it.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(spec_file("u1"));
+        cdi::write(&path, cdi::to_json(&p.spec).as_bytes()).unwrap();
+        let mut s = container_device_interface::spec::read_spec(&path, 0).unwrap();
+        s.validate().unwrap();
+        assert_eq!(s.get_vendor() + "/" + &s.get_class(), CLAIM_CDI_KIND);
+        for d in &p.devices {
+            let name = d.cdi_ids[0].split_once('=').unwrap().1;
+            assert!(s.get_devices().contains_key(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn bad_input_is_refused_naming_the_cause() {
+        let (_fx, inv, specs) = host();
+        let g = first_gpus(&inv, 1).remove(0);
+        let r = |driver: &str, pool: &str, dev: &str| json!([{ "request": "r", "driver": driver, "pool": pool, "device": dev }]);
+        let e = plan(&claim(r("gpu.nvidia.com", "n1", &g), json!([])), "u1", "n1", &inv, &specs)
+            .unwrap_err();
+        assert!(matches!(e, ClaimError::OtherDriver { .. }), "{e}");
+        let e = plan(&claim(r(DRIVER, "n2", &g), json!([])), "u1", "n1", &inv, &specs).unwrap_err();
+        assert!(e.to_string().contains("pool n2"), "{e}");
+        let e =
+            plan(&claim(r(DRIVER, "n1", "gpu-0000-99-00-0"), json!([])), "u1", "n1", &inv, &specs)
+                .unwrap_err();
+        assert!(e.to_string().contains("gpu-0000-99-00-0"), "{e}");
+        let e =
+            plan(&claim(r(DRIVER, "n1", &g), json!([])), "other", "n1", &inv, &specs).unwrap_err();
+        assert!(matches!(e, ClaimError::Uid { .. }), "{e}");
+        let bad = json!([{ "source": "FromClaim", "opaque": { "driver": DRIVER,
+            "parameters": { "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mode": "vm" } } }]);
+        let e = plan(&claim(r(DRIVER, "n1", &g), bad), "u1", "n1", &inv, &specs).unwrap_err();
+        assert!(
+            e.to_string().contains("config[0].opaque.parameters") && e.to_string().contains("vm"),
+            "{e}"
+        );
+        let bad = json!([{ "source": "FromClaim", "opaque": { "driver": DRIVER,
+            "parameters": { "apiVersion": "xpu.dev/v2", "kind": "DeviceConfig" } } }]);
+        let e = plan(&claim(r(DRIVER, "n1", &g), bad), "u1", "n1", &inv, &specs).unwrap_err();
+        assert!(e.to_string().contains("parameters.apiVersion"), "{e}");
+        let pt = json!([{ "source": "FromClaim", "opaque": { "driver": DRIVER,
+            "parameters": { "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mode": "passthrough" } } }]);
+        let e = plan(&claim(r(DRIVER, "n1", &g), pt), "u1", "n1", &inv, &specs).unwrap_err();
+        assert!(matches!(e, ClaimError::Mode { .. }), "{e}");
+    }
+}

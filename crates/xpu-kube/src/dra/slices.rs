@@ -1,0 +1,348 @@
+//! This node's devices as `resource.k8s.io/v1` ResourceSlices (pure: inventory in, objects
+//! out), and the publisher that keeps them current in the API server.
+//!
+//! One pool per node, named after the node. Every GPU, TPU chip and NPU of the inventory is a
+//! device named `<kind>-<pci address>` (`gpu-0000-07-00-0`: a DNS label, stable across reboots).
+//! Attributes without a domain are in the driver's domain (`xpu.dev/numaNode` in CEL and in
+//! `matchAttribute`), as the API defines; `resource.kubernetes.io/pcieRoot` is the standard
+//! one. A pool larger than [`MAX_DEVICES_PER_SLICE`] is split over several slices, all carrying
+//! the pool's generation and slice count, as the API asks of a multi-slice pool.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::resource::v1::{
+    Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams};
+use tracing::{info, warn};
+use xpu_core::{DeviceKind, Inventory, PciDevice};
+use xpu_host::Root;
+
+use super::DRIVER;
+
+/// `resource.k8s.io/v1` `ResourceSliceMaxDevices`.
+pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// The standard attribute naming the PCIe root complex (KEP 4381 "standard attributes").
+pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+/// Field manager of the driver's server-side applies.
+const MANAGER: &str = "xpu-dra-driver";
+
+/// The device name of an inventory device, or `None` when it is not published (NVSwitches,
+/// other functions).
+pub fn device_name(d: &PciDevice) -> Option<String> {
+    let kind = match d.kind {
+        DeviceKind::Gpu => "gpu",
+        DeviceKind::Tpu => "tpu",
+        DeviceKind::Npu => "npu",
+        DeviceKind::Nvswitch | DeviceKind::Other => return None,
+    };
+    let addr = d.address.to_string().replace([':', '.'], "-");
+    Some(format!("{kind}-{addr}"))
+}
+
+fn string(s: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute { string: Some(s.into()), ..Default::default() }
+}
+
+fn int(i: u32) -> DeviceAttribute {
+    DeviceAttribute { int: Some(i64::from(i)), ..Default::default() }
+}
+
+/// The PCIe root complex (`pci0000:00`) the device hangs below, from where its sysfs directory
+/// really is (`/sys/devices/pci0000:00/0000:00:01.0/0000:07:00.0`).
+pub fn pcie_root(root: &Root, d: &PciDevice) -> Option<String> {
+    let real =
+        std::fs::canonicalize(root.path(format!("sys/bus/pci/devices/{}", d.address))).ok()?;
+    real.components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .find(|c| c.starts_with("pci") && c.contains(':'))
+        .map(str::to_owned)
+}
+
+/// One device as the slice publishes it.
+pub fn device(root: &Root, d: &PciDevice) -> Option<Device> {
+    let name = device_name(d)?;
+    let facts = match (d.vendor_id, d.device_id) {
+        (Some(v), Some(i)) => xpu_core::accel::lookup(v, i),
+        _ => None,
+    };
+    let mut a = BTreeMap::new();
+    a.insert("kind".to_owned(), string(d.kind.as_str()));
+    if let Some(v) =
+        facts.map(|f| f.vendor.to_owned()).or_else(|| d.vendor_id.map(|v| format!("{v:04x}")))
+    {
+        a.insert("vendor".to_owned(), string(v));
+    }
+    if let Some(p) = d.product.clone().or_else(|| facts.map(|f| f.product.to_owned())) {
+        a.insert("model".to_owned(), string(p));
+    }
+    if let Some(g) = d.generation.clone().or_else(|| facts.map(|f| f.generation.to_owned())) {
+        a.insert("generation".to_owned(), string(g));
+    }
+    if let Some(u) = &d.uuid {
+        a.insert("uuid".to_owned(), string(u.clone()));
+    }
+    a.insert("pciBusID".to_owned(), string(d.address.to_string()));
+    if let Some(r) = pcie_root(root, d) {
+        a.insert(PCIE_ROOT.to_owned(), string(r));
+    }
+    if let Some(n) = d.numa_node {
+        a.insert("numaNode".to_owned(), int(n));
+    }
+    if let Some(g) = d.iommu_group {
+        a.insert("iommuGroup".to_owned(), int(g));
+    }
+    if let Some(drv) = &d.driver {
+        a.insert("driver".to_owned(), string(drv.clone()));
+    }
+    if let Some(dom) = &d.interconnect_domain {
+        a.insert("interconnectDomain".to_owned(), string(dom.clone()));
+    }
+    a.insert(
+        "passthrough".to_owned(),
+        DeviceAttribute {
+            bool: Some(d.driver.as_deref() == Some("vfio-pci")),
+            ..Default::default()
+        },
+    );
+    let capacity = facts.filter(|f| f.memory_gib > 0).map(|f| {
+        BTreeMap::from([(
+            "memory".to_owned(),
+            DeviceCapacity { value: Quantity(format!("{}Gi", f.memory_gib)), ..Default::default() },
+        )])
+    });
+    Some(Device { name, attributes: Some(a), capacity, ..Default::default() })
+}
+
+/// Every published device of the inventory, in address order.
+pub fn devices(root: &Root, inv: &Inventory) -> Vec<Device> {
+    inv.devices.iter().filter_map(|d| device(root, d)).collect()
+}
+
+/// The slice name of part `i` of `node`'s pool.
+pub fn slice_name(node: &str, i: usize) -> String {
+    format!("{node}-xpu.dev-{i}")
+}
+
+/// The pool's slices: `devices` split at the per-slice limit (one empty slice for a node
+/// without devices, so the pool's generation still tells the scheduler it is empty).
+pub fn slices(node: &str, devices: &[Device], generation: i64) -> Vec<ResourceSlice> {
+    let parts: Vec<&[Device]> = if devices.is_empty() {
+        vec![&[]]
+    } else {
+        devices.chunks(MAX_DEVICES_PER_SLICE).collect()
+    };
+    let count = i64::try_from(parts.len()).unwrap_or(i64::MAX);
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, part)| ResourceSlice {
+            metadata: ObjectMeta { name: Some(slice_name(node, i)), ..Default::default() },
+            spec: ResourceSliceSpec {
+                driver: DRIVER.to_owned(),
+                node_name: Some(node.to_owned()),
+                pool: ResourcePool {
+                    name: node.to_owned(),
+                    generation,
+                    resource_slice_count: count,
+                },
+                devices: Some(part.to_vec()),
+                ..Default::default()
+            },
+        })
+        .collect()
+}
+
+/// Errors talking to the API server about slices.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("listing the ResourceSlices of node {node}")]
+    List {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("applying ResourceSlice {name}")]
+    Apply {
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("deleting stale ResourceSlice {name}")]
+    Delete {
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Keeps a node's pool in the API server equal to what it was last given.
+pub struct Publisher {
+    api: Api<ResourceSlice>,
+    node: String,
+    generation: i64,
+    published: Option<Vec<Device>>,
+}
+
+impl Publisher {
+    /// Starts above the generation of any slice this node's pool already has, so a restarted
+    /// driver's slices supersede the old ones.
+    pub async fn new(client: kube::Client, node: &str) -> Result<Publisher, PublishError> {
+        let api: Api<ResourceSlice> = Api::all(client);
+        let lp =
+            ListParams::default().fields(&format!("spec.nodeName={node},spec.driver={DRIVER}"));
+        let existing = api
+            .list(&lp)
+            .await
+            .map_err(|source| PublishError::List { node: node.to_owned(), source })?;
+        let generation = existing.items.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
+        Ok(Publisher { api, node: node.to_owned(), generation, published: None })
+    }
+
+    /// The pool's current generation.
+    pub fn generation(&self) -> i64 {
+        self.generation
+    }
+
+    /// Publishes `devices` if they differ from what was published; returns whether it did.
+    pub async fn publish(&mut self, devices: Vec<Device>) -> Result<bool, PublishError> {
+        if self.published.as_ref() == Some(&devices) {
+            return Ok(false);
+        }
+        let generation = self.generation + 1;
+        let want = slices(&self.node, &devices, generation);
+        let pp = PatchParams::apply(MANAGER).force();
+        for s in &want {
+            let name = s.metadata.name.clone().unwrap_or_default();
+            self.api
+                .patch(&name, &pp, &Patch::Apply(s))
+                .await
+                .map_err(|source| PublishError::Apply { name: name.clone(), source })?;
+        }
+        // Slices of an earlier, larger pool.
+        let lp = ListParams::default()
+            .fields(&format!("spec.nodeName={},spec.driver={DRIVER}", self.node));
+        let existing = self
+            .api
+            .list(&lp)
+            .await
+            .map_err(|source| PublishError::List { node: self.node.clone(), source })?;
+        for s in existing.items {
+            let name = s.metadata.name.clone().unwrap_or_default();
+            if !want.iter().any(|w| w.metadata.name.as_deref() == Some(&name)) {
+                match self.api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(s)) if s.code == 404 => {}
+                    Err(source) => return Err(PublishError::Delete { name, source }),
+                }
+            }
+        }
+        info!(node = %self.node, generation, devices = devices.len(), slices = want.len(), "published ResourceSlices");
+        self.generation = generation;
+        self.published = Some(devices);
+        Ok(true)
+    }
+}
+
+/// Re-discovers the host every `interval` and publishes changes until `stop` resolves. A
+/// discovery or API error is logged and retried on the next tick.
+pub async fn run(
+    mut publisher: Publisher,
+    root: Root,
+    interval: Duration,
+    inventory: tokio::sync::watch::Sender<std::sync::Arc<Inventory>>,
+) {
+    let opts = xpu_host::DiscoverOptions {
+        scope: xpu_host::Scope::Accelerators,
+        pci_ids: None,
+        skip_names: true,
+    };
+    loop {
+        let started = Instant::now();
+        match xpu_host::discover(&root, &opts) {
+            Ok(inv) => {
+                let devs = devices(&root, &inv);
+                // Only the publisher writes; receivers see the inventory the slices came from.
+                inventory.send_replace(std::sync::Arc::new(inv));
+                match publisher.publish(devs).await {
+                    Ok(true) => {
+                        info!(elapsed_ms = started.elapsed().as_millis() as u64, "slices updated")
+                    }
+                    Ok(false) => {}
+                    Err(e) => warn!(error = %crate::dra::chain(&e), "publishing ResourceSlices"),
+                }
+            }
+            Err(e) => warn!(error = %crate::dra::chain(&e), "re-discovering the host"),
+        }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xpu_host::DiscoverOptions;
+    use xpu_testkit::hosts;
+
+    fn inv(spec: &xpu_testkit::HostSpec) -> (xpu_testkit::Fixture, Root, Inventory) {
+        let fx = spec.build();
+        let root = Root::new(fx.root()).unwrap();
+        let inv = xpu_host::discover(&root, &DiscoverOptions::default()).unwrap();
+        (fx, root, inv)
+    }
+
+    #[test]
+    fn a100_host_publishes_eight_gpus_with_topology_attributes() {
+        let (_fx, root, inv) = inv(&hosts::a100_8x());
+        let devs = devices(&root, &inv);
+        assert_eq!(devs.len(), 8, "GPUs only, no NVSwitches");
+        let d = &devs[0];
+        assert!(d.name.starts_with("gpu-"), "{}", d.name);
+        let a = d.attributes.as_ref().unwrap();
+        for k in [
+            "kind",
+            "vendor",
+            "model",
+            "generation",
+            "uuid",
+            "pciBusID",
+            PCIE_ROOT,
+            "numaNode",
+            "iommuGroup",
+            "driver",
+            "interconnectDomain",
+            "passthrough",
+        ] {
+            assert!(a.contains_key(k), "{k} missing: {a:?}");
+        }
+        assert_eq!(a["kind"].string.as_deref(), Some("gpu"));
+        assert_eq!(a["passthrough"].bool, Some(false));
+        assert!(d.capacity.as_ref().unwrap()["memory"].value.0.ends_with("Gi"));
+    }
+
+    #[test]
+    fn vfio_devices_are_marked_for_passthrough() {
+        let (_fx, root, inv) = inv(&hosts::a100_8x_vfio());
+        let devs = devices(&root, &inv);
+        assert!(
+            devs.iter().any(|d| d.attributes.as_ref().unwrap()["passthrough"].bool == Some(true))
+        );
+    }
+
+    #[test]
+    fn large_pools_split_at_the_api_limit_with_one_generation() {
+        let dev = |i: usize| Device { name: format!("gpu-{i}"), ..Default::default() };
+        let devs: Vec<Device> = (0..300).map(dev).collect();
+        let s = slices("n1", &devs, 7);
+        assert_eq!(s.len(), 3);
+        assert!(s.iter().all(|s| s.spec.pool.resource_slice_count == 3
+            && s.spec.pool.generation == 7
+            && s.spec.pool.name == "n1"
+            && s.spec.devices.as_ref().unwrap().len() <= MAX_DEVICES_PER_SLICE));
+        let total: usize = s.iter().map(|s| s.spec.devices.as_ref().unwrap().len()).sum();
+        assert_eq!(total, 300);
+        assert_eq!(slices("n1", &[], 1).len(), 1, "an empty pool is still published");
+    }
+}
