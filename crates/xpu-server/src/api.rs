@@ -397,10 +397,28 @@ async fn submit(
     Query(q): Query<SubmitQuery>,
     body: Bytes,
 ) -> Response {
+    // Bodies past this size are parsed on the blocking pool: parsing costs time in the body's
+    // size (up to MAX_BODY and its bounded YAML expansion), and an async worker spending it
+    // would hold up every other request it serves, `/v1/status` included.
+    const PARSE_INLINE: usize = 16 * 1024;
     let Ok(text) = std::str::from_utf8(&body) else {
         return error(StatusCode::BAD_REQUEST, "manifest: not UTF-8 text; send YAML or JSON");
     };
-    let parsed = match xpu_core::job::parse(text) {
+    let parsed = if text.len() <= PARSE_INLINE {
+        xpu_core::job::parse(text)
+    } else {
+        let text = text.to_owned();
+        match tokio::task::spawn_blocking(move || xpu_core::job::parse(&text)).await {
+            Ok(r) => r,
+            Err(e) => {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("parsing the manifest: {e}"),
+                );
+            }
+        }
+    };
+    let parsed = match parsed {
         Ok(p) => p,
         Err(e) => {
             return (

@@ -53,3 +53,34 @@ fn alias_amplified_and_oversized_manifests_are_refused() {
     assert_eq!(job["spec"]["container"]["env"][3]["value"], "y".repeat(100));
     kill_tasks(&d.data_dir);
 }
+
+#[test]
+fn deeply_nested_manifest_is_refused_and_status_answers_meanwhile() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = start(&dir.path().join("data"));
+    let nested = |depth: usize| format!("command: {}x{}\n", "[".repeat(depth), "]".repeat(depth));
+
+    let (status, v) = post(&d, &nested(5_000));
+    assert_eq!(status, 400, "{v}");
+    let e = v["error"].as_str().unwrap();
+    assert!(e.starts_with("manifest: nests flow collections"), "{e}");
+    assert!(e.contains("more than 64 deep at line 1 column 74"), "{e}");
+    assert_eq!(v["field"], "manifest");
+
+    // The body, 120 KB of brackets, twice at once: both refused, and the daemon
+    // answers its status while they are in flight.
+    let body = nested(60_000);
+    let senders: Vec<_> = (0..2)
+        .map(|_| {
+            let (mut c, body) = (d.client(), body.clone());
+            std::thread::spawn(move || {
+                c.request("POST", "/v1/jobs", Some(body.as_bytes()), &[]).unwrap().status
+            })
+        })
+        .collect();
+    assert_eq!(d.get("/v1/status")["leader"], true);
+    for s in senders {
+        assert_eq!(s.join().unwrap(), 400);
+    }
+    kill_tasks(&d.data_dir);
+}
