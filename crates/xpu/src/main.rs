@@ -8,11 +8,14 @@ mod output;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
+
+/// `xpu --version`: the package version and the git commit it was built from (`build.rs`).
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("XPU_GIT_COMMIT"), ")");
 
 /// Accelerators for AI work, from one host to a fleet.
 #[derive(Debug, Parser)]
-#[command(name = "xpu", version, about, propagate_version = true)]
+#[command(name = "xpu", version = VERSION, about, propagate_version = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -54,6 +57,12 @@ enum Command {
     Hook(cmd::hook::Args),
     /// Scheduler simulator: the OpenB placement benchmark and trace replay.
     Sim(cmd::sim::Args),
+    /// Shell completion script for bash, zsh or fish, to stdout (for packaging).
+    #[command(hide = true)]
+    Completions(cmd::generate::CompletionsArgs),
+    /// Man pages, one per command, into a directory (for packaging).
+    #[command(hide = true)]
+    Man(cmd::generate::ManArgs),
 }
 
 fn main() -> ExitCode {
@@ -92,6 +101,8 @@ fn main() -> ExitCode {
         Command::Runtime(args) => return cmd::runtime::run(args.args),
         Command::Hook(args) => cmd::hook::run(args),
         Command::Sim(args) => cmd::sim::run(args),
+        Command::Completions(args) => cmd::generate::completions(args, Cli::command()),
+        Command::Man(args) => cmd::generate::man(args, Cli::command()),
     };
     let code = match result {
         Ok(code) => code,

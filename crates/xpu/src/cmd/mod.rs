@@ -3,6 +3,7 @@
 pub mod cdi;
 pub mod discover;
 pub mod doctor;
+pub mod generate;
 pub mod hook;
 pub mod host;
 pub mod k8s;

@@ -1,0 +1,386 @@
+//! What the Debian package installs, checked without building the package: the systemd units
+//! under `packaging/systemd` (structure, and `systemd-analyze verify` where it is installed), the
+//! default `/etc/xpu/runtime.toml`, `xpu --version`, and the completions and man pages the
+//! binary generates for `scripts/build-deb`. The package itself is built and installed into a
+//! throw-away root by the ignored `deb_package_installs_into_a_throwaway_root`.
+
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use xpu_container::config::RuntimeConfig;
+
+const XPU: &str = env!("CARGO_BIN_EXE_xpu");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn xpu(args: &[&str]) -> Output {
+    Command::new(XPU).args(args).output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Whether `program` can be run at all (`--version` exits, whatever its status).
+fn have(program: &str) -> bool {
+    Command::new(program).arg("--version").output().is_ok()
+}
+
+/// A unit file as section -> key -> values (a key may repeat).
+type Unit = BTreeMap<String, BTreeMap<String, Vec<String>>>;
+
+fn parse_unit(text: &str) -> Unit {
+    let mut unit = Unit::new();
+    let mut section = String::new();
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.to_owned();
+            unit.entry(section.clone()).or_default();
+            continue;
+        }
+        let (k, v) = line.split_once('=').unwrap_or_else(|| panic!("not key=value: {line}"));
+        assert!(!section.is_empty(), "{line} is outside a section");
+        unit.get_mut(&section)
+            .unwrap()
+            .entry(k.trim().to_owned())
+            .or_default()
+            .push(v.trim().to_owned());
+    }
+    unit
+}
+
+fn units() -> BTreeMap<String, (String, Unit)> {
+    let dir = repo().join("packaging/systemd");
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let path = e.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(&path).unwrap();
+        out.insert(name, (text.clone(), parse_unit(&text)));
+    }
+    out
+}
+
+fn one<'a>(unit: &'a Unit, section: &str, key: &str) -> &'a str {
+    let values = unit.get(section).and_then(|s| s.get(key));
+    values.and_then(|v| v.last()).map_or("", String::as_str)
+}
+
+#[test]
+fn units_have_the_keys_the_package_relies_on() {
+    let units = units();
+    let names: Vec<&str> = units.keys().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        [
+            "xpu-device-plugin.service",
+            "xpu-nfd-features.service",
+            "xpu-nfd-features.timer",
+            "xpu-serve.service"
+        ]
+    );
+    for (name, (_, unit)) in &units {
+        assert!(!one(unit, "Unit", "Description").is_empty(), "{name}: no Description");
+        if name.ends_with(".service") {
+            let exec = one(unit, "Service", "ExecStart");
+            let argv: Vec<&str> = exec.split_whitespace().collect();
+            assert_eq!(argv.first(), Some(&"/usr/bin/xpu"), "{name}: {exec}");
+            // The command line parses: the same arguments with --help exit 0.
+            let mut args: Vec<&str> = argv[1..].to_vec();
+            args.push("--help");
+            let o = xpu(&args);
+            assert!(o.status.success(), "{name}: `xpu {}` does not parse: {o:?}", args.join(" "));
+            for key in ["ProtectSystem", "ProtectHome", "PrivateTmp"] {
+                assert!(!one(unit, "Service", key).is_empty(), "{name}: no {key}");
+            }
+        }
+    }
+    let serve = &units["xpu-serve.service"].1;
+    assert_eq!(one(serve, "Service", "StateDirectory"), "xpu");
+    assert_eq!(one(serve, "Service", "Restart"), "on-failure");
+    assert_eq!(one(serve, "Service", "ProtectHome"), "yes");
+    assert_eq!(one(serve, "Service", "PrivateTmp"), "yes");
+    assert_eq!(one(serve, "Service", "Delegate"), "yes");
+    assert_eq!(one(serve, "Install", "WantedBy"), "multi-user.target");
+    // NoNewPrivileges is left unset on purpose, and the unit says why.
+    assert!(units["xpu-serve.service"].0.contains("# NoNewPrivileges is NOT set"));
+    assert_eq!(one(&units["xpu-device-plugin.service"].1, "Service", "NoNewPrivileges"), "yes");
+    let timer = &units["xpu-nfd-features.timer"].1;
+    assert!(!one(timer, "Timer", "OnUnitActiveSec").is_empty());
+    assert_eq!(one(timer, "Install", "WantedBy"), "timers.target");
+    assert_eq!(one(&units["xpu-nfd-features.service"].1, "Service", "Type"), "oneshot");
+}
+
+#[test]
+fn units_pass_systemd_analyze_verify() {
+    if !have("systemd-analyze") {
+        eprintln!("skipping: systemd-analyze is not installed (Debian package systemd)");
+        return;
+    }
+    // The units as shipped, with /usr/bin/xpu pointing at the binary under test (verify checks
+    // that ExecStart= is executable).
+    let dir = tempfile::tempdir().unwrap();
+    let mut paths = Vec::new();
+    for (name, (text, _)) in units() {
+        let path = dir.path().join(&name);
+        std::fs::write(&path, text.replace("/usr/bin/xpu", XPU)).unwrap();
+        paths.push(path);
+    }
+    let o = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg("--man=no")
+        .args(&paths)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && stderr.trim().is_empty(), "systemd-analyze verify: {stderr}");
+
+    // The exposure scores, printed for the record (`cargo test -- --nocapture`); the kubelet-side
+    // units are locked down, the daemon cannot be (it runs runc; see its unit's comments).
+    for (name, limit) in [
+        ("xpu-serve.service", 7.0),
+        ("xpu-device-plugin.service", 3.0),
+        ("xpu-nfd-features.service", 3.0),
+    ] {
+        let o = Command::new("systemd-analyze")
+            .args(["security", "--offline=yes"])
+            .arg(dir.path().join(name))
+            .output()
+            .unwrap();
+        let text = stdout(&o);
+        let Some(score) = text.lines().find_map(|l| {
+            l.split_once("Overall exposure level for ")?.1.split_once(": ")?.1.split(' ').next()
+        }) else {
+            eprintln!(
+                "skipping the {name} security score: systemd-analyze security --offline gave {o:?}"
+            );
+            continue;
+        };
+        eprintln!("systemd-analyze security {name}: {score}");
+        let score: f64 = score.parse().unwrap();
+        assert!(score < limit, "{name}: exposure {score}, was below {limit}");
+    }
+}
+
+#[test]
+fn default_runtime_toml_is_the_built_in_defaults() {
+    let path = repo().join("packaging/etc/runtime.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let cfg = RuntimeConfig::parse(&text, &path).unwrap();
+    assert_eq!(cfg, RuntimeConfig { source: Some(path.clone()), ..RuntimeConfig::default() });
+    // Every documented key, uncommented, is one the shim accepts (unknown keys are errors).
+    let uncommented: String = text
+        .lines()
+        .map(|l| l.strip_prefix('#').filter(|r| r.contains(" = ")).unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let cfg = RuntimeConfig::parse(&uncommented, &path).unwrap();
+    assert_eq!(cfg.runtime, "runc");
+    assert_eq!(cfg.root, Path::new("/"));
+    assert_eq!(cfg.log_file.as_deref(), Some(Path::new("/var/log/xpu-runtime.log")));
+    assert!(cfg.cuda_version.is_some());
+}
+
+#[test]
+fn version_names_the_commit() {
+    let o = xpu(&["--version"]);
+    assert!(o.status.success());
+    let out = stdout(&o);
+    let rest = out.trim().strip_prefix(concat!("xpu ", env!("CARGO_PKG_VERSION"), " (")).unwrap();
+    let commit = rest.strip_suffix(')').unwrap();
+    let in_git = Command::new("git")
+        .args(["rev-parse", "--git-dir"])
+        .current_dir(repo())
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !in_git {
+        assert_eq!(commit, "unknown");
+        return;
+    }
+    assert!(commit.len() >= 7 && commit.chars().all(|c| c.is_ascii_hexdigit()), "{out}");
+    // A commit of this repository (HEAD when the binary was built; others may commit since).
+    let known = Command::new("git")
+        .args(["cat-file", "-e", &format!("{commit}^{{commit}}")])
+        .current_dir(repo())
+        .status()
+        .unwrap();
+    assert!(known.success(), "{commit} is not a commit of this repository");
+    // Subcommands say the same.
+    assert_eq!(
+        stdout(&xpu(&["serve", "--version"])).trim(),
+        format!("xpu-serve {}", &out.trim()[4..])
+    );
+}
+
+#[test]
+fn completions_name_the_subcommands_and_load_in_bash() {
+    for shell in ["bash", "zsh", "fish"] {
+        let o = xpu(&["completions", shell]);
+        assert!(o.status.success(), "{shell}: {o:?}");
+        let text = stdout(&o);
+        for word in ["discover", "serve", "device-plugin", "nfd-features", "data-dir"] {
+            assert!(text.contains(word), "{shell} completion does not name {word}");
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("xpu");
+    std::fs::write(&file, xpu(&["completions", "bash"]).stdout).unwrap();
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg(format!("source '{}' && complete -p xpu", file.display()))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    assert!(stdout(&o).contains("-F _xpu"), "{o:?}");
+    for (shell, flag) in [("zsh", "-n"), ("fish", "--no-execute")] {
+        if !have(shell) {
+            eprintln!("skipping the {shell} syntax check: {shell} is not installed");
+            continue;
+        }
+        let path = dir.path().join(format!("xpu.{shell}"));
+        std::fs::write(&path, xpu(&["completions", shell]).stdout).unwrap();
+        let o = Command::new(shell).arg(flag).arg(&path).output().unwrap();
+        assert!(o.status.success(), "{shell} {flag}: {o:?}");
+    }
+    assert_eq!(xpu(&["completions", "tcsh"]).status.code(), Some(2));
+}
+
+#[test]
+fn man_pages_cover_every_visible_command_and_render() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("man1");
+    let o = xpu(&["man", "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    let mut pages: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    pages.sort();
+    assert_eq!(stdout(&o).lines().count(), pages.len());
+    for page in [
+        "xpu.1",
+        "xpu-serve.1",
+        "xpu-discover.1",
+        "xpu-k8s-device-plugin.1",
+        "xpu-k8s-nfd-features.1",
+    ] {
+        assert!(pages.iter().any(|p| p == page), "no {page} in {pages:?}");
+    }
+    // The packaging helpers are hidden, and so are their pages.
+    assert!(!pages.iter().any(|p| p.starts_with("xpu-completions") || p.starts_with("xpu-man")));
+    let top = std::fs::read_to_string(out.join("xpu.1")).unwrap();
+    assert!(top.contains("discover"), "{top}");
+    if !have("man") {
+        eprintln!("skipping man -l: man is not installed (Debian package man-db)");
+        return;
+    }
+    for page in &pages {
+        let o = Command::new("man")
+            .args(["-l", "--warnings"])
+            .arg(out.join(page))
+            .env("MANWIDTH", "80")
+            .env("MAN_KEEP_FORMATTING", "0")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success() && stderr.trim().is_empty(), "man -l {page}: {stderr}");
+        // Bold comes out as overstrike (`N\bNA\bA...`) when man writes to a pipe.
+        let mut text = String::new();
+        for c in stdout(&o).chars() {
+            if c == '\u{8}' {
+                text.pop();
+            } else {
+                text.push(c);
+            }
+        }
+        assert!(text.contains("NAME"), "man -l {page} rendered nothing: {text}");
+    }
+}
+
+/// Builds the package (`scripts/build-deb`, a release build), checks its contents and control
+/// files, installs it with `dpkg --root` into a throw-away root, runs the installed binaries,
+/// then removes (the conffile stays) and purges it (the conffile goes). Needs root for dpkg.
+#[test]
+#[ignore = "builds the release binaries and the .deb (minutes); run with --ignored"]
+fn deb_package_installs_into_a_throwaway_root() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(repo().join("scripts/build-deb"))
+        .arg("--out")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "scripts/build-deb: {}", String::from_utf8_lossy(&o.stderr));
+    let deb = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .unwrap();
+    let contents = stdout(&Command::new("dpkg-deb").arg("-c").arg(&deb).output().unwrap());
+    for path in [
+        "./usr/bin/xpu",
+        "./usr/bin/xpu-container-runtime",
+        "./usr/lib/systemd/system/xpu-serve.service",
+        "./usr/lib/systemd/system/xpu-device-plugin.service",
+        "./usr/lib/systemd/system/xpu-nfd-features.service",
+        "./usr/lib/systemd/system/xpu-nfd-features.timer",
+        "./etc/xpu/runtime.toml",
+        "./usr/share/bash-completion/completions/xpu",
+        "./usr/share/zsh/vendor-completions/_xpu",
+        "./usr/share/fish/vendor_completions.d/xpu.fish",
+        "./usr/share/man/man1/xpu.1.gz",
+        "./usr/share/man/man1/xpu-serve.1.gz",
+        "./usr/share/doc/xpu/copyright",
+        "./usr/share/doc/xpu/changelog.Debian.gz",
+    ] {
+        assert!(contents.lines().any(|l| l.ends_with(path)), "{path} missing from\n{contents}");
+    }
+    assert!(contents.lines().all(|l| l.contains("root/root")), "{contents}");
+    let info = stdout(&Command::new("dpkg-deb").arg("-I").arg(&deb).output().unwrap());
+    for needle in ["Package: xpu", "Depends: libc6 (>= ", "Recommends: runc", "conffiles"] {
+        assert!(info.contains(needle), "{needle} missing from\n{info}");
+    }
+
+    let root = dir.path().join("root");
+    for d in ["var/lib/dpkg/info", "var/lib/dpkg/updates", "etc"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::write(root.join("var/lib/dpkg/status"), "").unwrap();
+    let dpkg = |args: &[&str]| {
+        let o = Command::new("dpkg")
+            .arg(format!("--root={}", root.display()))
+            .args(["--force-script-chrootless", "--force-depends", "--log=/dev/null"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "dpkg {args:?}: {o:?}");
+    };
+    dpkg(&["-i", deb.to_str().unwrap()]);
+    let installed = root.join("usr/bin/xpu");
+    let o = Command::new(&installed).arg("--version").output().unwrap();
+    assert!(stdout(&o).starts_with("xpu "), "{o:?}");
+    let o = Command::new(&installed).args(["discover", "--all"]).output().unwrap();
+    assert!(o.status.success(), "{o:?}");
+    if have("runc") {
+        // The shim hands --version to runc after reading the installed runtime.toml.
+        let o = Command::new(root.join("usr/bin/xpu-container-runtime"))
+            .arg("--version")
+            .env("XPU_RUNTIME_CONFIG", root.join("etc/xpu/runtime.toml"))
+            .output()
+            .unwrap();
+        assert!(o.status.success() && stdout(&o).contains("runc version"), "{o:?}");
+    }
+    let conffile = root.join("etc/xpu/runtime.toml");
+    dpkg(&["-r", "xpu"]);
+    assert!(!installed.exists());
+    assert!(conffile.exists(), "dpkg -r removed the conffile");
+    dpkg(&["-P", "xpu"]);
+    assert!(!conffile.exists(), "dpkg -P left the conffile");
+}
