@@ -479,7 +479,39 @@ async fn submit(
             message: None,
         };
         let _ = s.engine.send(Msg::Submitted { row, spec: Box::new(spec.clone()) });
-    } else if let Ok(Some(row)) = s.store.job(id).await {
+    } else {
+        // The key was seen before. The spec stored with it is its fingerprint: the same job
+        // (however the manifest is written) gets the first job back; a different one is
+        // refused with 422, as the IETF Idempotency-Key draft says (section 2.7), and the first
+        // job stays as it was.
+        let row = match s.store.job(id).await {
+            Ok(Some(row)) => row,
+            Ok(None) => {
+                let msg = format!("store: job {id}, which holds the idempotency key, is missing");
+                return error(StatusCode::INTERNAL_SERVER_ERROR, msg);
+            }
+            Err(e) => return unavailable(e),
+        };
+        // Compared as specs, so a spec stored by an older version (a field it lacked takes
+        // its default) still matches; as text when it no longer reads as one.
+        let same = match serde_json::from_str::<xpu_core::job::JobSpec>(&row.spec) {
+            Ok(first) => first == spec,
+            Err(_) => row.spec == spec_json,
+        };
+        if !same {
+            let key = new.key.unwrap_or_default();
+            return (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                Json(json!({
+                    "error": format!(
+                        "idempotency key {key:?}: already used for job {id} with a different manifest; resend that manifest to get job {id}, or use a new key for a new job"
+                    ),
+                    "field": "Idempotency-Key",
+                    "id": id,
+                })),
+            )
+                .into_response();
+        }
         state = row.state;
     }
     let code = if created { StatusCode::CREATED } else { StatusCode::OK };
