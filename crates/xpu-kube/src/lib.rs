@@ -50,6 +50,10 @@ pub enum StartError {
 
 /// A client from `--kubeconfig`, else `$KUBECONFIG`/`~/.kube/config`, else in-cluster.
 pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, StartError> {
+    // rustls picks its crypto provider from the crate features linked into the binary; when a
+    // dependency also enables aws-lc-rs there are two and it refuses to choose (a panic in the
+    // client). Say which: ring, as kube's features ask. An error only means one is installed.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| {
@@ -71,6 +75,7 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, Star
 /// then it returns an error so the process restarts as a candidate, as kube-scheduler does).
 pub async fn run_scheduler(
     args: SchedulerArgs,
+    shutdown: impl Future<Output = ()>,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let client = client(args.kubeconfig.as_deref()).await?;
     let metrics = Arc::new(metrics::Metrics::default());
@@ -94,20 +99,6 @@ pub async fn run_scheduler(
         pods = caches.pods.state().len(),
         "caches synced"
     );
-    let shutdown = async {
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
-            }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            () = term => {}
-        }
-    };
     match args.leader_elect {
         None => {
             metrics.leader.store(true, Ordering::Relaxed);

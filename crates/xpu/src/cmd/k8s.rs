@@ -238,7 +238,8 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
         .enable_all()
         .build()
         .map_err(CliError::failed)?;
-    rt.block_on(xpu_kube::run_scheduler(args)).map_err(|e| CliError::failed(anyhow::anyhow!(e)))?;
+    rt.block_on(xpu_kube::run_scheduler(args, shutdown_signal()))
+        .map_err(|e| CliError::failed(anyhow::anyhow!(e)))?;
     Ok(ExitCode::SUCCESS)
 }
 
