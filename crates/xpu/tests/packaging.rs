@@ -348,6 +348,15 @@ fn deb_package_installs_into_a_throwaway_root() {
         assert!(info.contains(needle), "{needle} missing from\n{info}");
     }
 
+    if have("lintian") {
+        // Errors fail; warnings are listed in packaging/debian/lintian-overrides or build-deb.
+        let o = Command::new("lintian").arg(&deb).output().unwrap();
+        let report = stdout(&o);
+        assert!(!report.lines().any(|l| l.starts_with("E:")), "lintian: {report}");
+    } else {
+        eprintln!("skipping lintian: it is not installed (Debian package lintian)");
+    }
+
     let root = dir.path().join("root");
     for d in ["var/lib/dpkg/info", "var/lib/dpkg/updates", "etc"] {
         std::fs::create_dir_all(root.join(d)).unwrap();
