@@ -242,6 +242,10 @@ impl ControlPlane {
     /// namespaces need that namespace's `default` ServiceAccount: the controller-manager's
     /// `serviceaccount-controller` makes it, or the test does.
     pub async fn start(options: ControlPlaneOptions) -> Result<ControlPlane, HarnessError> {
+        // A workspace-wide build links rustls with both ring and aws-lc-rs (a dev-dependency
+        // asks for the second), and rustls then refuses to pick one: the first client panics.
+        // Name ring, as kube's features do; an error only means a provider is installed already.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let bins = Binaries::find(&bin_dir()?, &options)?;
         let mut attempt = 1;
         loop {
