@@ -38,14 +38,24 @@ pub struct SchedulerArgs {
 /// Errors starting the scheduler.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("kubeconfig {path}: {source}; pass --kubeconfig FILE or set KUBECONFIG")]
-    Kubeconfig { path: String, source: Box<dyn std::error::Error + Send + Sync> },
-    #[error("no kubeconfig (--kubeconfig, $KUBECONFIG, ~/.kube/config) and not in a cluster: {0}")]
-    Infer(Box<dyn std::error::Error + Send + Sync>),
-    #[error("connecting to the API server: {0}")]
+    #[error("kubeconfig {path} cannot be used; pass --kubeconfig FILE or set KUBECONFIG")]
+    Kubeconfig {
+        path: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error(
+        "no kubeconfig (--kubeconfig, $KUBECONFIG, ~/.kube/config) and not in a cluster; pass --kubeconfig FILE"
+    )]
+    Infer(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("connecting to the API server")]
     Client(#[source] kube::Error),
-    #[error("metrics address {addr}: {source}")]
-    Metrics { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("metrics address {addr} cannot be bound; choose another --metrics-addr")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A client from `--kubeconfig`, else `$KUBECONFIG`/`~/.kube/config`, else in-cluster.

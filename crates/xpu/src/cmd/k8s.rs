@@ -239,7 +239,7 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
         .build()
         .map_err(CliError::failed)?;
     rt.block_on(xpu_kube::run_scheduler(args, shutdown_signal()))
-        .map_err(|e| CliError::failed(anyhow::anyhow!(e)))?;
+        .map_err(|e| CliError::failed(anyhow::Error::from_boxed(e)))?;
     Ok(ExitCode::SUCCESS)
 }
 
