@@ -228,18 +228,14 @@ fn container_sum(c: &Container, path: &str) -> Result<Sum, Unsupported> {
             s.dev.insert(res, n);
         }
     }
-    if r.and_then(|r| r.claims.as_ref()).is_some_and(|c| !c.is_empty()) {
-        return Err(unsupported(
-            &format!("{path}.resources.claims"),
-            "resource claims (DRA) are allocated by kube-scheduler; leave schedulerName unset for this pod",
-        ));
-    }
     Ok(s)
 }
 
-/// The pod's effective request, as kube-scheduler computes it.
-pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
-    let Some(spec) = p.spec.as_ref() else { return Ok(Resources::default()) };
+/// What a pod holds on its node: the effective request as kube-scheduler computes it, every
+/// device resource counted. `Err` only for a malformed quantity, which the API server never
+/// stores.
+pub fn usage(p: &Pod) -> Result<Usage, Unsupported> {
+    let Some(spec) = p.spec.as_ref() else { return Ok(Usage::default()) };
     let mut total = Sum::default();
     for (i, c) in spec.containers.iter().enumerate() {
         let s = container_sum(c, &format!("spec.containers[{i}]"))?;
@@ -277,8 +273,27 @@ pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
         total.cpu += q(Some(o), "cpu", 1000.0).map_err(|e| unsupported("spec.overhead", &e))?;
         total.mem += q(Some(o), "memory", 1.0).map_err(|e| unsupported("spec.overhead", &e))?;
     }
-    if total.dev.len() > 1 {
-        let names: Vec<&str> = total.dev.keys().copied().collect();
+    Ok(Usage {
+        cpu_milli: total.cpu,
+        memory_mib: (total.mem as f64 * MIB).ceil() as u64,
+        devices: total.dev,
+    })
+}
+
+/// What a pod uses on its node.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+    /// Whole devices per extended resource.
+    pub devices: BTreeMap<&'static str, u64>,
+}
+
+/// What a pending pod asks for, in the form xpu places: one device kind per pod.
+pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
+    let u = usage(p)?;
+    if u.devices.len() > 1 {
+        let names: Vec<&str> = u.devices.keys().copied().collect();
         return Err(unsupported(
             "spec.containers[*].resources",
             &format!(
@@ -287,7 +302,7 @@ pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
             ),
         ));
     }
-    let (device_resource, devices) = match total.dev.into_iter().next() {
+    let (device_resource, devices) = match u.devices.into_iter().next() {
         None => (None, 0),
         Some((k, v)) => (Some(k), v),
     };
@@ -303,12 +318,7 @@ pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
                 ),
             )
         })?;
-    Ok(Resources {
-        cpu_milli: total.cpu,
-        memory_mib: (total.mem as f64 * MIB).ceil() as u64,
-        devices,
-        device_resource,
-    })
+    Ok(Resources { cpu_milli: u.cpu_milli, memory_mib: u.memory_mib, devices, device_resource })
 }
 
 /// How the pod belongs to a gang.

@@ -136,14 +136,18 @@ pub fn plan(
             continue;
         }
         let Some(node) = bound_node(p, snap.assumed) else { continue };
-        let r = convert::resources(p).unwrap_or_default();
+        // A bound pod holds what it asks for, whichever scheduler placed it and whatever xpu
+        // itself would refuse to place (two device kinds, DRA claims). Quantities are validated
+        // by the API server, so `usage` does not fail on a stored pod.
+        let r = convert::usage(p).unwrap_or_default();
         let u = used.entry(node).or_default();
         u.cpu += r.cpu_milli;
         u.mem += r.memory_mib;
         u.pods += 1;
-        if let Some(res) = r.device_resource {
-            *u.dev.entry(res).or_default() += u64::from(r.devices);
+        for (res, n) in r.devices {
+            *u.dev.entry(res).or_default() += n;
         }
+        // A malformed gang label only matters for a pending pod, which is told about it.
         if let Ok(Some(g)) = convert::gang(p, job_shape) {
             let e = gang_bound.entry(g.key).or_insert((0, None));
             e.0 += 1;
@@ -501,6 +505,48 @@ mod tests {
             }))
             .unwrap(),
         )
+    }
+
+    /// A pod bound by another scheduler holds its CPU and every device it asks for, even when
+    /// xpu would not place it itself (two device kinds, a DRA claim).
+    #[test]
+    fn a_bound_pod_xpu_would_refuse_still_holds_what_it_asks() {
+        let gpu_node: Arc<Node> = Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": "n" },
+                "status": { "allocatable": { "cpu": "4", "memory": "16Gi", "pods": "110",
+                                             "nvidia.com/gpu": "2", "amd.com/gpu": "2" },
+                            "conditions": [{ "type": "Ready", "status": "True" }] }
+            }))
+            .unwrap(),
+        );
+        let bound: Arc<Pod> = Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": "other", "namespace": "default", "uid": "u-other" },
+                "spec": { "nodeName": "n", "schedulerName": "default-scheduler",
+                    "resourceClaims": [{ "name": "c", "resourceClaimName": "claim" }],
+                    "containers": [{ "name": "c", "resources": {
+                        "requests": { "cpu": "3", "nvidia.com/gpu": "2", "amd.com/gpu": "1" },
+                        "claims": [{ "name": "c" }] } }] },
+                "status": { "phase": "Running" }
+            }))
+            .unwrap(),
+        );
+        let pending: Arc<Pod> = Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": "mine", "namespace": "default", "uid": "u-mine" },
+                "spec": { "schedulerName": "xpu",
+                    "containers": [{ "name": "c", "resources": { "requests": { "cpu": "2" } } }] },
+                "status": { "phase": "Pending" }
+            }))
+            .unwrap(),
+        );
+        let (nodes, pods) = (vec![gpu_node], vec![bound, pending]);
+        let (jobs, assumed) = (HashMap::new(), HashMap::new());
+        let snap = Snapshot { nodes: &nodes, pods: &pods, jobs: &jobs, assumed: &assumed };
+        let plan = plan(&snap, "xpu", &SchedulerConfig::default(), 0, &mut |_| true);
+        assert!(plan.binds.is_empty(), "only 1 of 4 CPUs is free: {:?}", plan.binds);
+        assert!(plan.waiting[0].1.contains("Insufficient cpu"), "{:?}", plan.waiting);
     }
 
     #[test]
