@@ -26,10 +26,9 @@ use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
+use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 use xpu_core::accel::{VENDOR_AMD, VENDOR_NVIDIA};
@@ -439,18 +438,13 @@ impl Server {
     /// Binds `socket` (replacing a stale file) and serves `plugin` on it. The socket accepts
     /// connections as soon as this returns, before any registration.
     pub fn start(socket: &Path, plugin: Arc<Plugin>) -> Result<Server, PluginError> {
-        let listen_err = |source| PluginError::Listen { path: socket.to_owned(), source };
-        match std::fs::remove_file(socket) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(listen_err(e)),
-        }
-        let listener = UnixListener::bind(socket).map_err(listen_err)?;
+        let incoming = transport::bind(socket)
+            .map_err(|source| PluginError::Listen { path: socket.to_owned(), source })?;
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(pb::device_plugin_server::DevicePluginServer::from_arc(plugin))
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+                .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;
                 }),
         );

@@ -20,6 +20,28 @@ pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> 
         .await
 }
 
+/// Binds a gRPC server's socket at `socket`, replacing a file an earlier run left there (bind
+/// fails on an existing path). Any error but "not there" while removing it is returned: a socket
+/// that cannot be replaced would be served by nobody.
+pub fn bind(socket: &Path) -> std::io::Result<tokio_stream::wrappers::UnixListenerStream> {
+    match std::fs::remove_file(socket) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = tokio::net::UnixListener::bind(socket)?;
+    Ok(tokio_stream::wrappers::UnixListenerStream::new(listener))
+}
+
+/// Removes a served socket at shutdown; the kubelet's plugin watcher unregisters a plugin whose
+/// socket is gone. `Err` for anything but "already gone".
+pub fn unbind(socket: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(socket) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// The identity of a socket file, to notice when it is deleted and made again: the kubelet
 /// recreates `kubelet.sock` when it restarts. The inode alone is not enough (a file system
 /// reuses a freed inode at once), so the change time is part of it.

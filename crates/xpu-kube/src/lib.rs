@@ -90,12 +90,12 @@ pub async fn run_scheduler(
     let client = client(args.kubeconfig.as_deref()).await?;
     let metrics = Arc::new(metrics::Metrics::default());
     if let Some(addr) = args.metrics_addr {
-        let listener_check = std::net::TcpListener::bind(addr)
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
             .map_err(|source| StartError::Metrics { addr, source })?;
-        drop(listener_check);
         let m = metrics.clone();
         tokio::spawn(async move {
-            if let Err(e) = metrics::serve(addr, m).await {
+            if let Err(e) = metrics::serve(listener, m).await {
                 error!(%addr, error = %e, "metrics endpoint stopped");
             }
         });

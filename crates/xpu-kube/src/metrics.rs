@@ -1,5 +1,8 @@
 //! The scheduler's Prometheus metrics (text format 0.0.4) and the `/metrics` + `/healthz`
 //! endpoint. Counters are atomics; the two histograms keep fixed buckets behind a mutex.
+//!
+//! The text is built with `writeln!` into a `String`, which cannot fail: those results are
+//! ignored (`let _ =`), as in `xpu-server`'s metrics.
 
 use std::fmt::Write as _;
 use std::sync::Mutex;
@@ -136,9 +139,9 @@ impl Metrics {
     }
 }
 
-/// Serves `/metrics` and `/healthz` on `addr` until the process ends.
+/// Serves `/metrics` and `/healthz` on `listener` until the process ends.
 pub async fn serve(
-    addr: std::net::SocketAddr,
+    listener: tokio::net::TcpListener,
     metrics: std::sync::Arc<Metrics>,
 ) -> std::io::Result<()> {
     use axum::routing::get;
@@ -151,6 +154,5 @@ pub async fn serve(
             }),
         )
         .route("/healthz", get(|| async { "ok" }));
-    let listener = tokio::net::TcpListener::bind(addr).await?;
     axum::serve(listener, app).await
 }

@@ -17,10 +17,10 @@ use futures_util::StreamExt;
 use k8s_openapi::api::batch::v1::Job as KubeJob;
 use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
+use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, ResourceExt};
 use tokio::sync::{Mutex, Notify, Semaphore};
 use tracing::{debug, info, warn};
 use xpu_sched::{QueuePolicy, SchedulerConfig};
@@ -221,15 +221,20 @@ pub async fn run(
         let assumed_now = {
             let mut a = assumed.lock().await;
             // Forget what the watch now shows bound, or gone.
-            let live: HashMap<&str, &Pod> = pods
-                .iter()
-                .filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref())))
-                .collect();
-            a.retain(|uid, _| {
-                live.get(uid.as_str()).is_some_and(|p| {
-                    p.spec.as_ref().and_then(|s| s.node_name.as_deref()).is_none_or(str::is_empty)
-                })
-            });
+            if !a.is_empty() {
+                let live: HashMap<&str, &Pod> = pods
+                    .iter()
+                    .filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref())))
+                    .collect();
+                a.retain(|uid, _| {
+                    live.get(uid.as_str()).is_some_and(|p| {
+                        p.spec
+                            .as_ref()
+                            .and_then(|s| s.node_name.as_deref())
+                            .is_none_or(str::is_empty)
+                    })
+                });
+            }
             a.clone()
         };
         let snap = Snapshot { nodes: &nodes, pods: &pods, jobs: &jobs, assumed: &assumed_now };
@@ -273,15 +278,13 @@ pub async fn run(
                 a.insert(b.pod.uid.clone(), b.node.clone());
             }
         }
-        let created: HashMap<&str, Option<&Time>> = pods
-            .iter()
-            .filter_map(|p| {
-                Some((p.metadata.uid.as_deref()?, p.metadata.creation_timestamp.as_ref()))
-            })
-            .collect();
         for b in plan.binds {
             said.at.remove(&b.pod.uid);
-            let age = created.get(b.pod.uid.as_str()).copied().flatten().map(|t| t.0);
+            // Creation time, for the scheduling-latency histogram: one cache lookup per bind.
+            let created = caches
+                .pods
+                .get(&ObjectRef::new(&b.pod.name).within(&b.pod.namespace))
+                .and_then(|p| p.metadata.creation_timestamp.as_ref().map(|t| t.0));
             let permit = binds.clone().acquire_owned().await;
             let (client, assumed, metrics, changed) =
                 (client.clone(), assumed.clone(), metrics.clone(), changed.clone());
@@ -290,9 +293,10 @@ pub async fn run(
                 match bind(&client, &b).await {
                     Ok(()) => {
                         metrics.attempts_scheduled.fetch_add(1, Ordering::Relaxed);
-                        if let Some(t) = age {
-                            let secs = (jiff_now_secs() - t.as_second() as f64).max(0.0);
-                            metrics.e2e_seconds.observe(secs);
+                        if let Some(t) = created {
+                            let ms = k8s_openapi::jiff::Timestamp::now().as_millisecond()
+                                - t.as_millisecond();
+                            metrics.e2e_seconds.observe(ms.max(0) as f64 / 1e3);
                         }
                         info!(pod = %b.pod, node = %b.node, gang = b.gang.as_deref().unwrap_or(""), "bound");
                     }
@@ -338,12 +342,6 @@ pub async fn run(
             said.at.retain(|u, _| live.contains(u.as_str()));
         }
     }
-}
-
-fn jiff_now_secs() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// A token bucket for Events, so a thousand waiting pods do not flood the API server.
@@ -453,9 +451,4 @@ fn warning(
         action: Some("Scheduling".into()),
         ..Event::default()
     }
-}
-
-/// For logs: a pod's `namespace/name`.
-pub fn pod_name(p: &Pod) -> String {
-    format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())
 }

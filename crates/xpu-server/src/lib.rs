@@ -88,7 +88,8 @@ pub struct ServeOptions {
 /// What the daemon tells whoever started it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Notice<'a> {
-    /// Something found at start-up was wrong and has been put right.
+    /// Something found at start-up was wrong and has been put right, or something at stop
+    /// could not be done and needs nothing from the user.
     Warning(&'a str),
     /// Every listener is bound: what a "serving" banner may say.
     Serving,
@@ -336,7 +337,12 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     // Tasks keep running: a restarted daemon re-adopts them. The socket goes with its guard.
     // The store is left whole in its file; one that cannot be checkpointed now (a reader holds
     // the WAL) is as durable, only in two files, and the next start reads both.
-    let _ = shared.store.checkpoint().await;
+    if let Err(e) = shared.store.checkpoint().await {
+        let msg = format!(
+            "store: the write-ahead log was not checkpointed at stop ({e}); the next start reads it"
+        );
+        opts.notify.send(Notice::Warning(&msg));
+    }
     Ok(())
 }
 

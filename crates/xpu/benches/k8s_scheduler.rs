@@ -226,6 +226,7 @@ async fn bench(which: &str, nodes: usize, mixes: &[Mix]) -> (Vec<Figures>, f64) 
         out.push(run_mix(&client, which, m, &seen).await);
     }
     let rss = peak_rss_mib(child.id());
+    // The figures are taken; kill fails only if the scheduler already exited, wait reaps it.
     let _ = child.kill();
     let _ = child.wait();
     watch.abort();

@@ -8,7 +8,6 @@
 mod k8s_support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -25,50 +24,27 @@ use k8s_support::*;
 
 const NODE: &str = "gpu-node";
 
-struct Driver {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Driver {
-    fn start(cp: &ControlPlane, root: &Path, dirs: &Path, n: u32) -> Driver {
-        let log = cp.dir().join(format!("xpu-dra-driver-{n}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
-            .args(["k8s", "dra-driver", "--node-name", NODE, "--interval-ms", "200"])
-            .arg("--root")
-            .arg(root)
-            .arg("--kubeconfig")
-            .arg(cp.admin_kubeconfig())
-            .arg("--plugin-dir")
-            .arg(dirs.join("plugins"))
-            .arg("--registry-dir")
-            .arg(dirs.join("plugins_registry"))
-            .arg("--cdi-dir")
-            .arg(dirs.join("cdi"))
-            .env("RUST_LOG", "info")
-            .env_remove("KUBECONFIG")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap();
-        Driver { child, log }
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- {} ---\n{}", self.log.display(), self.log_text());
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// `xpu k8s dra-driver` for the fixture host, as a process.
+fn start_driver(cp: &ControlPlane, root: &Path, dirs: &Path, n: u32) -> XpuProcess {
+    let args: Vec<std::ffi::OsString> = vec![
+        "k8s".into(),
+        "dra-driver".into(),
+        "--node-name".into(),
+        NODE.into(),
+        "--interval-ms".into(),
+        "200".into(),
+        "--root".into(),
+        root.into(),
+        "--kubeconfig".into(),
+        cp.admin_kubeconfig().into(),
+        "--plugin-dir".into(),
+        dirs.join("plugins").into(),
+        "--registry-dir".into(),
+        dirs.join("plugins_registry").into(),
+        "--cdi-dir".into(),
+        dirs.join("cdi").into(),
+    ];
+    XpuProcess::spawn(cp, &format!("xpu-dra-driver-{n}"), &args)
 }
 
 async fn our_slices(client: &Client) -> Vec<ResourceSlice> {
@@ -179,7 +155,7 @@ async fn dra_driver_with_real_scheduler_and_test_kubelet() {
     }
     let dirs = tempfile::tempdir().unwrap();
     let cdi_dir = dirs.path().join("cdi");
-    let mut driver = Driver::start(&cp, fx.root(), dirs.path(), 1);
+    let mut driver = start_driver(&cp, fx.root(), dirs.path(), 1);
 
     // 1. Slices for the 8 GPUs (not the NVSwitches), accepted by the API server.
     let published = wait_until(Duration::from_secs(30), || async {
@@ -366,10 +342,9 @@ async fn dra_driver_with_real_scheduler_and_test_kubelet() {
     // 6. A restart keeps the checkpoint: the new process unprepares what the old one prepared.
     drop(kubelet);
     drop(beta);
-    let _ = driver.child.kill();
-    let _ = driver.child.wait();
+    driver.kill9();
     assert!(spec_path.exists());
-    driver = Driver::start(&cp, fx.root(), dirs.path(), 2);
+    driver = start_driver(&cp, fx.root(), dirs.path(), 2);
     let up = wait_until(Duration::from_secs(20), || async { endpoint.exists() }).await;
     assert!(up, "{}", driver.log_text());
     tokio::time::sleep(Duration::from_millis(300)).await;

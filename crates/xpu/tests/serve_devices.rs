@@ -189,6 +189,7 @@ impl Drop for Cleanup {
             .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
             .unwrap_or_default();
         for id in ids {
+            // Clean-up after the test: a container already gone makes runc fail, harmlessly.
             let _ = Command::new(RUNC)
                 .arg("--root")
                 .arg(self.data.join("runc"))

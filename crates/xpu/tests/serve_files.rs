@@ -108,6 +108,7 @@ fn start_refused(data: &Path) -> (Option<i32>, String) {
         }
         let serving = client.request("GET", "/v1/status", None, &[]).is_ok_and(|r| r.status == 200);
         if serving || Instant::now() > deadline {
+            // The test fails below either way; kill fails only if it already exited.
             let _ = child.kill();
             let _ = child.wait();
             panic!(
@@ -204,6 +205,7 @@ fn a_new_store_never_reuses_an_old_task_directory() {
     stop(&mut d);
     // The operator starts a new store on purpose; the task directories stay.
     for f in ["xpu.db", "xpu.db-wal", "xpu.db-shm", "xpu.db.created"] {
+        // The WAL and SHM files may not exist after a checkpointed stop.
         let _ = std::fs::remove_file(data.join(f));
     }
     d.restart();

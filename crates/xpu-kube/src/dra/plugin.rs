@@ -203,8 +203,10 @@ impl Driver {
         );
         if let Err(e) = save_checkpoint(&self.paths.checkpoint(), cp) {
             cp.claims.remove(&c.uid);
-            // Best effort: the spec must not outlive a claim the checkpoint does not know.
-            let _ = std::fs::remove_file(&path);
+            // The spec must not outlive a claim the checkpoint does not know.
+            if let Err(rm) = std::fs::remove_file(&path) {
+                warn!(spec = %path.display(), error = %rm, "could not remove the spec of a claim that failed to prepare");
+            }
             return Err(format!(
                 "{who}: writing checkpoint {}: {e}",
                 self.paths.checkpoint().display()
@@ -372,11 +374,8 @@ impl reg::registration_server::Registration for Registrar {
 }
 
 fn listen(path: &Path) -> Result<tokio_stream::wrappers::UnixListenerStream, PluginError> {
-    // A socket left by an earlier run would make bind fail.
-    let _ = std::fs::remove_file(path);
-    let l = tokio::net::UnixListener::bind(path)
-        .map_err(|source| PluginError::Listen { path: path.to_owned(), source })?;
-    Ok(tokio_stream::wrappers::UnixListenerStream::new(l))
+    xpu_integrations::transport::bind(path)
+        .map_err(|source| PluginError::Listen { path: path.to_owned(), source })
 }
 
 /// Serves the DRA service, then registration (so the kubelet never finds an endpoint that does
@@ -397,7 +396,8 @@ pub async fn serve(
             .add_service(v1::dra_plugin_server::DraPluginServer::new(V1(driver.clone())))
             .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(driver.clone())))
             .serve_with_incoming_shutdown(dra, async move {
-                let _ = rx1.wait_for(|s| *s).await;
+                // Err: the sender is gone, which means stop as well.
+                rx1.wait_for(|s| *s).await.ok();
             }),
     );
     let b = tokio::spawn(
@@ -406,20 +406,22 @@ pub async fn serve(
                 endpoint: endpoint.clone(),
             }))
             .serve_with_incoming_shutdown(regl, async move {
-                let _ = rx2.wait_for(|s| *s).await;
+                rx2.wait_for(|s| *s).await.ok();
             }),
     );
     info!(endpoint = %endpoint.display(), registration = %registration.display(), "serving the kubelet DRA plugin");
     stop.await;
     // Receivers live in the two servers; a send error only means they already stopped.
-    let _ = tx.send(true);
+    tx.send(true).ok();
     for t in [a, b] {
         if let Ok(Err(e)) = t.await {
             warn!(error = %e, "gRPC server");
         }
     }
-    // The kubelet's plugin watcher unregisters a plugin whose socket is gone.
-    let _ = std::fs::remove_file(&registration);
-    let _ = std::fs::remove_file(&endpoint);
+    for socket in [&registration, &endpoint] {
+        if let Err(e) = xpu_integrations::transport::unbind(socket) {
+            warn!(socket = %socket.display(), error = %e, "could not remove the socket; the kubelet may keep the plugin registered");
+        }
+    }
     Ok(())
 }

@@ -233,21 +233,23 @@ where
     }
 }
 
-/// `xpu k8s scheduler` as a process; killed (SIGKILL) on drop. Its log is kept beside the
-/// plane's logs.
-pub struct XpuScheduler {
+/// An `xpu` command run as a process (the scheduler, the DRA driver); killed (SIGKILL) on
+/// drop. Its log is kept beside the plane's logs and printed when the test fails.
+pub struct XpuProcess {
     pub child: Child,
     pub log: PathBuf,
 }
 
-impl XpuScheduler {
-    pub fn start(cp: &ControlPlane, kubeconfig: &Path, name: &str, extra: &[&str]) -> Self {
-        let log = cp.dir().join(format!("xpu-scheduler-{name}.log"));
+/// The scheduler is one such process.
+pub type XpuScheduler = XpuProcess;
+
+impl XpuProcess {
+    /// `xpu ARGS...`, logging to `<plane dir>/<log_name>.log`.
+    pub fn spawn<S: AsRef<std::ffi::OsStr>>(cp: &ControlPlane, log_name: &str, args: &[S]) -> Self {
+        let log = cp.dir().join(format!("{log_name}.log"));
         let out = std::fs::File::create(&log).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
-            .args(["k8s", "scheduler", "--kubeconfig"])
-            .arg(kubeconfig)
-            .args(extra)
+            .args(args)
             .env("RUST_LOG", "info")
             .env_remove("KUBECONFIG")
             .stdin(Stdio::null())
@@ -258,7 +260,16 @@ impl XpuScheduler {
         Self { child, log }
     }
 
+    /// `xpu k8s scheduler --kubeconfig FILE EXTRA...`.
+    pub fn start(cp: &ControlPlane, kubeconfig: &Path, name: &str, extra: &[&str]) -> Self {
+        let mut args: Vec<std::ffi::OsString> =
+            vec!["k8s".into(), "scheduler".into(), "--kubeconfig".into(), kubeconfig.into()];
+        args.extend(extra.iter().map(Into::into));
+        Self::spawn(cp, &format!("xpu-scheduler-{name}"), &args)
+    }
+
     pub fn kill9(&mut self) {
+        // kill fails only when the process has already exited; wait then reaps it either way.
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -268,7 +279,7 @@ impl XpuScheduler {
     }
 }
 
-impl Drop for XpuScheduler {
+impl Drop for XpuProcess {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!("--- {} ---\n{}", self.log.display(), tail(&self.log_text(), 4000));
