@@ -4,7 +4,10 @@
 //! - the DRA plugin service (`proto/dra/v1`, `proto/dra/v1beta1`) and plugin registration
 //!   (`proto/pluginregistration/v1`), each into its own directory under `OUT_DIR`: the DRA
 //!   v1beta1 package shares the device plugin's package name (and a `Device` message), so the
-//!   two cannot live in one descriptor set or one generated file.
+//!   two cannot live in one descriptor set or one generated file;
+//! - the kubelet's PodResources API (`proto/podresources/v1`, package `v1` like DRA's) into its own
+//!   directory too;
+//! - the TPU runtime's metrics service (`proto/tpuruntime`, package `tpu.monitoring.runtime`).
 
 fn compile(proto: &str, out: Option<&str>) -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={proto}");
@@ -24,5 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     compile("proto/dra/v1/api.proto", Some("dra_v1"))?;
     compile("proto/dra/v1beta1/api.proto", Some("dra_v1beta1"))?;
     compile("proto/pluginregistration/v1/api.proto", Some("pluginregistration_v1"))?;
+    compile("proto/podresources/v1/api.proto", Some("podresources_v1"))?;
+    compile("proto/tpuruntime/metrics.proto", Some("tpuruntime"))?;
     Ok(())
 }

@@ -8,9 +8,17 @@
 //! `image`, `command`, `args`, `env`, `workingDir` and `resources`. Extended resources
 //! (`nvidia.com/gpu`, `amd.com/gpu`, `google.com/tpu`, `habana.ai/gaudi`) follow the API
 //! server's rule: they cannot be overcommitted, so `limits` must be set and `requests`, when set,
-//! must equal it. Multi-document YAML may carry other objects (the GKE seed's headless
-//! `Service`); they are skipped with a note. Fields xpu does not act on (ports,
-//! securityContext) are ignored.
+//! must equal it. A multi-document file is taken as `kubectl apply -f` takes it ([`parse_all`]):
+//! every Job and Pod becomes a job, all or none; other objects (the GKE seed's headless
+//! `Service`) are skipped with a note. Fields the API has and xpu does not act on (ports,
+//! securityContext) are ignored; fields the API does not have are a note each, as the API
+//! server's strict field validation warns (`unknown field "spec.containres"`).
+//!
+//! A Pod's `restartPolicy` defaults to `Always`, as in Kubernetes; a bare Pod has no
+//! `backoffLimit` (its restarts never end the job). `initContainers` are read like the main
+//! container (a sidecar is one with `restartPolicy: Always`) and may not ask for devices the
+//! main container does not hold: they run on the task's. `volumes` of type `emptyDir` are
+//! provided; any other type is refused naming the volume.
 //!
 //! Every error names the field path, as `kubectl` does:
 //! `spec.template.spec.containers[0].resources.limits.nvidia.com/gpu: must be a positive integer`.
@@ -67,6 +75,9 @@ pub enum RestartPolicy {
     Never,
     /// A failed task is restarted in place, keeping its devices and working directory.
     OnFailure,
+    /// A Pod's default: the task is restarted in place whenever it exits, success or not, and
+    /// runs until the job is cancelled (a Job's pods may not use it, as the API server says).
+    Always,
 }
 
 impl RestartPolicy {
@@ -74,6 +85,7 @@ impl RestartPolicy {
         match self {
             RestartPolicy::Never => "Never",
             RestartPolicy::OnFailure => "OnFailure",
+            RestartPolicy::Always => "Always",
         }
     }
 }
@@ -126,7 +138,83 @@ impl Resources {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EnvVar {
     pub name: String,
+    /// The literal value (`$(VAR)` references expanded at start, [`crate::expand`]); empty when
+    /// `from` gives the value.
     pub value: String,
+    /// `valueFrom`: the downward API, resolved when the task starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<EnvFrom>,
+}
+
+/// Where a variable's value comes from when it is not written in the manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnvFrom {
+    /// `fieldRef.fieldPath`.
+    Field(FieldPath),
+    /// `resourceFieldRef`: a container's request or limit (`limits.cpu`, `requests.memory`,
+    /// `limits.nvidia.com/gpu`...), divided by `divisor` and rounded up, as the kubelet does.
+    Resource { resource: String, divisor: String },
+}
+
+/// The pod fields the downward API gives (`fieldRef.fieldPath`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FieldPath {
+    Name,
+    Namespace,
+    Uid,
+    Label(String),
+    Annotation(String),
+    NodeName,
+    ServiceAccountName,
+    HostIp,
+    PodIp,
+}
+
+impl FieldPath {
+    /// `metadata.labels['app']` and the like; `None` for a path the downward API does not give.
+    pub fn parse(path: &str) -> Option<FieldPath> {
+        let key = |prefix: &str| {
+            let rest = path.strip_prefix(prefix)?.strip_suffix(']')?;
+            let k = rest.strip_prefix('\'').and_then(|r| r.strip_suffix('\''));
+            let k = k.or_else(|| rest.strip_prefix('"').and_then(|r| r.strip_suffix('"')))?;
+            (!k.is_empty()).then(|| k.to_owned())
+        };
+        Some(match path {
+            "metadata.name" => FieldPath::Name,
+            "metadata.namespace" => FieldPath::Namespace,
+            "metadata.uid" => FieldPath::Uid,
+            "spec.nodeName" => FieldPath::NodeName,
+            "spec.serviceAccountName" => FieldPath::ServiceAccountName,
+            "status.hostIP" => FieldPath::HostIp,
+            "status.podIP" => FieldPath::PodIp,
+            _ => {
+                if let Some(k) = key("metadata.labels[") {
+                    FieldPath::Label(k)
+                } else {
+                    FieldPath::Annotation(key("metadata.annotations[")?)
+                }
+            }
+        })
+    }
+}
+
+/// The pod's own metadata, for the downward API: what `metadata.*` fields resolve to.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodMeta {
+    #[serde(default)]
+    pub namespace: Option<String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    pub service_account: Option<String>,
+    /// `metadata.generateName` when the name was generated from it: a resubmission of the same
+    /// manifest (an idempotent retry) is the same job whatever suffix each draw got.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generate_name: Option<String>,
 }
 
 /// The one container each task runs.
@@ -146,6 +234,39 @@ pub struct Container {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bundle: Option<String>,
     pub resources: Resources,
+    /// `volumeMounts`: where the pod's volumes appear in a container job's filesystem.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
+    /// An init container with `restartPolicy: Always` (a sidecar): started in its turn, left
+    /// running beside the next ones and the main container, stopped once the main one ends.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sidecar: bool,
+}
+
+/// One `volumeMounts` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMount {
+    /// The volume's name (one of [`JobSpec::volumes`]).
+    pub name: String,
+    /// Absolute path inside the container.
+    pub mount_path: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
+    /// A relative path inside the volume to mount instead of its root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sub_path: Option<String>,
+}
+
+/// An `emptyDir` volume: a directory made for each task attempt, shared by the pod's
+/// containers, removed with the attempt. The only volume type xpu provides.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    pub name: String,
+    /// `medium: Memory`: a tmpfs, at most `size_limit` bytes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub memory: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_limit: Option<u64>,
 }
 
 /// A validated job.
@@ -166,6 +287,16 @@ pub struct JobSpec {
     pub subdomain: Option<String>,
     pub container: Container,
     pub source: Source,
+    /// The pod template's metadata (namespace, labels, annotations, service account).
+    #[serde(default)]
+    pub pod: PodMeta,
+    /// `initContainers`, run in order before [`JobSpec::container`] in each task, each to
+    /// completion unless it is a sidecar. They share the task's devices and volumes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub init_containers: Vec<Container>,
+    /// The pod's `emptyDir` volumes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<Volume>,
 }
 
 impl JobSpec {
@@ -190,12 +321,44 @@ pub struct Parsed {
     pub notes: Vec<String>,
 }
 
-/// Parses a manifest: JSON or YAML (possibly several documents), a Kubernetes Job or Pod or
-/// xpu's short form.
+/// Every workload of one manifest file, as `kubectl apply -f` takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submission {
+    /// One job per Job or Pod document, in file order.
+    pub jobs: Vec<JobSpec>,
+    /// What was skipped or assumed, each naming its document when the file has several.
+    pub notes: Vec<String>,
+}
+
+/// Most workloads one file may submit (`kubectl apply` has no limit; a file of thousands is a
+/// mistake or an attack, and each job costs the daemon a spec of up to [`MAX_SPEC_BYTES`]).
+pub const MAX_WORKLOADS: usize = 100;
+
+/// Parses a manifest that holds exactly one workload. A file with several is refused naming the
+/// second; [`parse_all`] takes them all.
 pub fn parse(text: &str) -> Result<Parsed, JobError> {
+    let (mut jobs, notes) = parse_documents(text, 1)?;
+    match jobs.pop() {
+        Some(spec) => Ok(Parsed { spec, notes }),
+        None => {
+            Err(JobError::new("manifest", "no Job found; write a batch/v1 Job or xpu's short form"))
+        }
+    }
+}
+
+/// Parses every Job and Pod of a manifest (JSON, or YAML of one or several documents), each
+/// into its own [`JobSpec`]; other kinds (a headless `Service`, a `Namespace`) are skipped with
+/// a note. All or nothing: the first bad document is the error and no job comes back, so a
+/// file is never half submitted.
+pub fn parse_all(text: &str) -> Result<Submission, JobError> {
+    let (jobs, notes) = parse_documents(text, MAX_WORKLOADS)?;
+    Ok(Submission { jobs, notes })
+}
+
+fn parse_documents(text: &str, max: usize) -> Result<(Vec<JobSpec>, Vec<String>), JobError> {
     let docs = documents(text)?;
     let mut notes = Vec::new();
-    let mut found: Vec<(usize, &Value)> = Vec::new();
+    let mut found: Vec<(usize, &Map<String, Value>)> = Vec::new();
     for (i, doc) in docs.iter().enumerate() {
         if doc.is_null() {
             continue;
@@ -204,9 +367,9 @@ pub fn parse(text: &str) -> Result<Parsed, JobError> {
             return Err(JobError::new(doc_path(i, docs.len()), "expected a mapping"));
         };
         match (obj.get("apiVersion"), obj.get("kind")) {
-            (None, None) => found.push((i, doc)),
+            (None, None) => found.push((i, obj)),
             (_, Some(Value::String(kind))) if kind == "Job" || kind == "Pod" => {
-                found.push((i, doc))
+                found.push((i, obj))
             }
             (_, Some(Value::String(kind))) => {
                 let name = obj
@@ -214,7 +377,7 @@ pub fn parse(text: &str) -> Result<Parsed, JobError> {
                     .and_then(|m| m.get("name"))
                     .and_then(Value::as_str)
                     .unwrap_or("unnamed");
-                notes.push(format!("skipped {kind} {name}: xpu runs Jobs"));
+                notes.push(format!("skipped {kind} {name}: xpu runs Jobs and Pods"));
             }
             (_, Some(_)) => {
                 return Err(JobError::new(
@@ -230,39 +393,66 @@ pub fn parse(text: &str) -> Result<Parsed, JobError> {
             }
         }
     }
-    let (i, doc) = match found.as_slice() {
-        [one] => *one,
-        [] => {
-            return Err(JobError::new(
-                "manifest",
-                "no Job found; write a batch/v1 Job or xpu's short form",
-            ));
-        }
-        [_, (second, _), ..] => {
-            return Err(JobError::new(
-                doc_path(*second, docs.len()),
-                "a second Job; submit one Job per manifest",
-            ));
-        }
-    };
-    let prefix = if docs.len() > 1 { format!("document[{i}]") } else { String::new() };
-    let mut p = Parser { prefix, notes };
-    let obj = doc.as_object().ok_or_else(|| JobError::new("manifest", "expected a mapping"))?;
-    let spec = if obj.contains_key("kind") || obj.contains_key("apiVersion") {
-        p.kubernetes(obj)?
-    } else {
-        p.short(obj)?
-    };
-    let size = json_size(&spec);
-    if size > MAX_SPEC_BYTES {
+    if found.is_empty() {
         return Err(JobError::new(
             "manifest",
-            format!(
-                "the job's spec is {size} bytes as JSON, over the limit of {MAX_SPEC_BYTES} (1.5 MiB, as Kubernetes allows an object); move large env values or args into a file the job reads"
-            ),
+            "no Job found; write a batch/v1 Job or xpu's short form",
         ));
     }
-    Ok(Parsed { spec, notes: p.notes })
+    if found.len() > max {
+        let (second, _) = found[max];
+        let problem = if max == 1 {
+            "a second workload; this call takes one (submit the file to xpu serve, which takes them all)".to_owned()
+        } else {
+            format!("one workload too many: a file may hold at most {max} Jobs and Pods; split it")
+        };
+        return Err(JobError::new(doc_path(second, docs.len()), problem));
+    }
+    let multi = docs.len() > 1;
+    let mut jobs: Vec<JobSpec> = Vec::with_capacity(found.len());
+    // (kind, namespace, name) -> document: the same object twice in one file is a mistake the
+    // API server would make into one object, the second overwriting the first.
+    let mut seen: BTreeMap<(String, String, String), usize> = BTreeMap::new();
+    for (i, obj) in found {
+        let prefix = if multi { format!("document[{i}]") } else { String::new() };
+        let mut p = Parser { prefix: prefix.clone(), notes: Vec::new(), unsupported: Vec::new() };
+        let k8s = obj.contains_key("kind") || obj.contains_key("apiVersion");
+        let spec = if k8s { p.kubernetes(obj)? } else { p.short(obj)? };
+        let size = json_size(&spec);
+        if size > MAX_SPEC_BYTES {
+            return Err(JobError::new(
+                doc_path(i, docs.len()),
+                format!(
+                    "the job's spec is {size} bytes as JSON, over the limit of {MAX_SPEC_BYTES} (1.5 MiB, as Kubernetes allows an object); move large env values or args into a file the job reads"
+                ),
+            ));
+        }
+        if k8s && spec.pod.generate_name.is_none() {
+            let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("Job").to_owned();
+            let ns = spec.pod.namespace.clone().unwrap_or_else(|| "default".to_owned());
+            if let Some(first) = seen.insert((kind.clone(), ns, spec.name.clone()), i) {
+                return Err(JobError::new(
+                    join(&prefix, "metadata.name"),
+                    format!(
+                        "{kind} {:?} is already document[{first}] of this file; give each its own name",
+                        spec.name
+                    ),
+                ));
+            }
+        }
+        if multi {
+            // Notes that name a field carry the document already.
+            notes.extend(
+                p.notes
+                    .into_iter()
+                    .map(|n| if n.starts_with(&prefix) { n } else { format!("{prefix}: {n}") }),
+            );
+        } else {
+            notes.extend(p.notes);
+        }
+        jobs.push(spec);
+    }
+    Ok((jobs, notes))
 }
 
 fn doc_path(i: usize, n: usize) -> String {
@@ -301,6 +491,8 @@ fn json_size(spec: &JobSpec) -> usize {
 fn documents(text: &str) -> Result<Vec<Value>, JobError> {
     let trimmed = text.trim_start();
     if trimmed.starts_with('{') {
+        crate::yaml::reject_duplicate_keys_json(trimmed)
+            .map_err(|e| JobError::new("manifest", format!("invalid JSON: {e}")))?;
         return serde_json::from_str(trimmed)
             .map(|v| vec![v])
             .map_err(|e| JobError::new("manifest", format!("invalid JSON: {e}")));
@@ -311,6 +503,8 @@ fn documents(text: &str) -> Result<Vec<Value>, JobError> {
 struct Parser {
     prefix: String,
     notes: Vec<String>,
+    /// Fields xpu does not support, gathered so one refusal names all of them.
+    unsupported: Vec<JobError>,
 }
 
 /// Checked access to one mapping, with its path for errors.
@@ -414,6 +608,18 @@ fn int_value(v: &Value) -> Option<i128> {
 }
 
 impl Parser {
+    /// One refusal for every unsupported field met: the first names the field (`path`), the
+    /// message goes on with the others.
+    fn refuse_unsupported(&mut self) -> Result<(), JobError> {
+        let mut all = std::mem::take(&mut self.unsupported).into_iter();
+        let Some(mut first) = all.next() else { return Ok(()) };
+        let rest: Vec<String> = all.map(|e| e.to_string()).collect();
+        if !rest.is_empty() {
+            first.message = format!("{}; also {}", first.message, rest.join("; also "));
+        }
+        Err(first)
+    }
+
     fn root<'a>(&self, map: &'a Map<String, Value>) -> Obj<'a> {
         Obj { path: self.prefix.clone(), map }
     }
@@ -423,6 +629,7 @@ impl Parser {
         let kind = root.str("kind")?.unwrap_or_default();
         let api = root.str("apiVersion")?;
         let is_pod = kind == "Pod";
+        self.notes.extend(crate::k8s_fields::unknown_fields(map, is_pod));
         let want_api = if is_pod { "v1" } else { "batch/v1" };
         if api != Some(want_api) {
             return Err(JobError::new(
@@ -431,14 +638,35 @@ impl Parser {
             ));
         }
         let meta = root.obj("metadata")?;
-        let (name, namespace, annotations) = match &meta {
+        let (name, namespace, annotations, labels) = match &meta {
             Some(m) => (
-                m.str("name")?.or(m.str("generateName")?).map(str::to_owned),
+                match m.str("name")? {
+                    Some(n) => Some(n.to_owned()),
+                    // As the API server names it: the prefix and five random characters.
+                    None => m.str("generateName")?.map(|p| format!("{p}{}", name_suffix())),
+                },
                 m.str("namespace")?.map(str::to_owned),
                 m.string_map("annotations")?,
+                m.string_map("labels")?,
             ),
-            None => (None, None, BTreeMap::new()),
+            None => (None, None, BTreeMap::new(), BTreeMap::new()),
         };
+        // The pod's own labels and annotations: a Pod's, or a Job's pod template's.
+        let mut pod_meta = PodMeta { namespace: namespace.clone(), ..PodMeta::default() };
+        if let Some(m) = &meta
+            && m.str("name")?.is_none()
+        {
+            pod_meta.generate_name = m.str("generateName")?.map(str::to_owned);
+        }
+        if is_pod {
+            pod_meta.labels = labels;
+            pod_meta.annotations = annotations.clone();
+        } else if let Some(t) = root.req_obj("spec")?.obj("template")?
+            && let Some(m) = t.obj("metadata")?
+        {
+            pod_meta.labels = m.string_map("labels")?;
+            pod_meta.annotations = m.string_map("annotations")?;
+        }
         let name = match name {
             Some(n) => n,
             None => return Err(JobError::new(root.field("metadata.name"), "required")),
@@ -474,9 +702,18 @@ impl Parser {
         let restart = match pod.str("restartPolicy")? {
             Some("Never") => RestartPolicy::Never,
             Some("OnFailure") => RestartPolicy::OnFailure,
+            Some("Always") if is_pod => RestartPolicy::Always,
             None if is_pod => {
-                self.notes.push("pod without restartPolicy runs once (Never)".to_owned());
-                RestartPolicy::Never
+                self.notes.push(
+                    "spec.restartPolicy: Always (the Pod default): restarted whenever it exits, with the kubelet's back-off, until cancelled; set Never to run it once".to_owned(),
+                );
+                RestartPolicy::Always
+            }
+            _ if is_pod => {
+                return Err(JobError::new(
+                    pod.field("restartPolicy"),
+                    "must be Always, OnFailure or Never",
+                ));
             }
             _ => {
                 return Err(JobError::new(
@@ -485,6 +722,13 @@ impl Parser {
                 ));
             }
         };
+        // A bare Pod has no backoffLimit: the kubelet restarts it (OnFailure, Always) for ever.
+        let backoff = match (is_pod, restart) {
+            (true, RestartPolicy::Never) => 0,
+            (true, _) => u64::from(u32::MAX),
+            (false, _) => backoff,
+        };
+        pod_meta.service_account = pod.str("serviceAccountName")?.map(str::to_owned);
         let node_selector = pod.string_map("nodeSelector")?;
         let subdomain = pod.str("subdomain")?.map(str::to_owned);
         let priority = match annotations.get("xpu.dev/priority") {
@@ -515,6 +759,15 @@ impl Parser {
                 ));
             }
             [] => return Err(JobError::new(pod.field("containers"), "needs one container")),
+            [Value::Object(c), more @ ..] => {
+                // Refused, but the first container is read on, so the refusal can name what
+                // else in the manifest is unsupported too.
+                self.unsupported.push(JobError::new(
+                    pod.field("containers"),
+                    format!("has {} containers; xpu runs one container per task", more.len() + 1),
+                ));
+                Obj { path: format!("{}[0]", pod.field("containers")), map: c }
+            }
             more => {
                 return Err(JobError::new(
                     pod.field("containers"),
@@ -522,15 +775,72 @@ impl Parser {
                 ));
             }
         };
-        if pod.get("initContainers").is_some() {
-            return Err(JobError::new(
-                pod.field("initContainers"),
-                "not supported; run the init step at the start of the container's command",
-            ));
-        }
         let rootfs = annotations.get("xpu.dev/rootfs").cloned();
         let bundle = annotations.get("xpu.dev/bundle").cloned();
-        let mut container = self.container(&container, rootfs, bundle)?;
+        if pod.get("resourceClaims").is_some() {
+            self.unsupported.push(JobError::new(pod.field("resourceClaims"), DRA_CLAIMS));
+        }
+        let (volumes, refused) = self.volumes(&pod)?;
+        let mut container = self.container(&container, rootfs.clone(), bundle.clone())?;
+        let mut init_containers = Vec::new();
+        match pod.get("initContainers") {
+            None => {}
+            Some(Value::Array(items)) => {
+                for (i, item) in items.iter().enumerate() {
+                    let path = format!("{}[{i}]", pod.field("initContainers"));
+                    let Value::Object(m) = item else {
+                        return Err(JobError::new(path, "must be a mapping"));
+                    };
+                    let c = Obj { path, map: m };
+                    init_containers.push(self.init_container(&c, &container, &rootfs, &bundle)?);
+                }
+            }
+            Some(_) => return Err(JobError::new(pod.field("initContainers"), "must be a list")),
+        }
+        let in_container = rootfs.is_some() || bundle.is_some();
+        let names = init_containers.iter().chain(std::iter::once(&container));
+        let all: Vec<(String, &Container)> = init_containers
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (format!("{}[{i}]", pod.field("initContainers")), c))
+            .chain(std::iter::once((format!("{}[0]", pod.field("containers")), &container)))
+            .collect();
+        let mut seen_names: Vec<&str> = Vec::new();
+        for c in names {
+            if seen_names.contains(&c.name.as_str()) {
+                return Err(JobError::new(
+                    pod.field("initContainers"),
+                    format!("container name {:?} is used twice; give each its own", c.name),
+                ));
+            }
+            seen_names.push(&c.name);
+        }
+        for (path, c) in &all {
+            for (j, m) in c.volume_mounts.iter().enumerate() {
+                let here = format!("{path}.volumeMounts[{j}]");
+                if refused.contains(&m.name) {
+                    continue;
+                }
+                if !volumes.iter().any(|v| v.name == m.name) {
+                    return Err(JobError::new(
+                        format!("{here}.name"),
+                        format!("no volume named {:?} in spec.volumes", m.name),
+                    ));
+                }
+                if !in_container {
+                    self.notes.push(format!(
+                        "{here}: a host-process task cannot mount volumes, so {} (volume {}) is not mounted; the pod's containers share the task's working directory instead (set xpu.dev/rootfs to run it as a container)",
+                        m.mount_path, m.name
+                    ));
+                }
+            }
+        }
+        if let Some(v) = volumes.iter().find(|v| v.size_limit.is_some() && !v.memory) {
+            self.notes.push(format!(
+                "volume {}: sizeLimit is not enforced on a disk-backed emptyDir (medium: Memory is a tmpfs of that size)",
+                v.name
+            ));
+        }
         if let Some(m) = annotations.get("xpu.dev/gpu-milli") {
             let path = root.field("metadata.annotations.xpu.dev/gpu-milli");
             let milli = m
@@ -555,7 +865,11 @@ impl Parser {
             subdomain,
             container,
             source: Source::Kubernetes,
+            pod: pod_meta,
+            init_containers,
+            volumes,
         };
+        self.refuse_unsupported()?;
         validate(&spec, &self.prefix)?;
         Ok(spec)
     }
@@ -607,14 +921,23 @@ impl Parser {
                         return Err(JobError::new(path, "must be a mapping with name and value"));
                     };
                     let e = Obj { path, map: m };
-                    if e.get("valueFrom").is_some() {
-                        return Err(JobError::new(
-                            e.field("valueFrom"),
-                            "not supported outside Kubernetes; set value",
-                        ));
-                    }
                     let name =
                         e.str("name")?.ok_or_else(|| JobError::new(e.field("name"), "required"))?;
+                    if let Some(from) = e.obj("valueFrom")? {
+                        let from = match env_from(&from) {
+                            Ok(f) => f,
+                            Err(err) => {
+                                self.unsupported.push(err);
+                                continue;
+                            }
+                        };
+                        env.push(EnvVar {
+                            name: name.to_owned(),
+                            value: String::new(),
+                            from: Some(from),
+                        });
+                        continue;
+                    }
                     let value = match e.get("value") {
                         None => String::new(),
                         Some(Value::String(s)) => s.clone(),
@@ -622,17 +945,144 @@ impl Parser {
                         Some(Value::Bool(b)) => b.to_string(),
                         Some(_) => return Err(JobError::new(e.field("value"), "must be a string")),
                     };
-                    env.push(EnvVar { name: name.to_owned(), value });
+                    env.push(EnvVar { name: name.to_owned(), value, from: None });
                 }
             }
             Some(_) => return Err(JobError::new(c.field("env"), "must be a list")),
+        }
+        if c.get("envFrom").is_some() {
+            self.unsupported.push(JobError::new(
+                c.field("envFrom"),
+                "ConfigMaps and Secrets are not available outside Kubernetes; list the variables in env[] with their values, or put them in a file the job reads",
+            ));
+        }
+        if let Some(r) = c.obj("resources")?
+            && r.get("claims").is_some()
+        {
+            self.unsupported.push(JobError::new(r.field("claims"), DRA_CLAIMS));
         }
         let working_dir = c.str("workingDir")?.map(str::to_owned);
         let resources = match c.obj("resources")? {
             Some(r) => self.resources(&r)?,
             None => Resources::default(),
         };
-        Ok(Container { name, image, argv, env, working_dir, rootfs, bundle, resources })
+        let volume_mounts = volume_mounts(c)?;
+        Ok(Container {
+            name,
+            image,
+            argv,
+            env,
+            working_dir,
+            rootfs,
+            bundle,
+            resources,
+            volume_mounts,
+            sidecar: false,
+        })
+    }
+
+    /// One of `initContainers`: a container like the main one that shares its devices, so it
+    /// may not ask for devices the main container does not hold.
+    fn init_container(
+        &mut self,
+        c: &Obj<'_>,
+        main: &Container,
+        rootfs: &Option<String>,
+        bundle: &Option<String>,
+    ) -> Result<Container, JobError> {
+        let mut init = self.container(c, rootfs.clone(), bundle.clone())?;
+        init.sidecar = match c.str("restartPolicy")? {
+            None => false,
+            Some("Always") => true,
+            Some(_) => {
+                return Err(JobError::new(
+                    c.field("restartPolicy"),
+                    "must be Always (a sidecar) or absent",
+                ));
+            }
+        };
+        for d in &init.resources.devices {
+            let held = main
+                .resources
+                .devices
+                .iter()
+                .find(|m| m.resource == d.resource)
+                .map_or(0, |m| m.count);
+            if d.count > held {
+                self.unsupported.push(JobError::new(
+                    format!("{}.limits.{}", c.field("resources"), d.resource),
+                    format!(
+                        "an init container runs on the task's devices: ask for {} {} in containers[0] (it asks for {held})",
+                        d.count, d.resource
+                    ),
+                ));
+            }
+        }
+        Ok(init)
+    }
+
+    /// `spec.volumes`: `emptyDir` ones, and the names of the others, each refused (in
+    /// [`Parser::unsupported`]) naming the volume.
+    fn volumes(&mut self, pod: &Obj<'_>) -> Result<(Vec<Volume>, Vec<String>), JobError> {
+        let mut refused = Vec::new();
+        let items = match pod.get("volumes") {
+            None => return Ok((Vec::new(), refused)),
+            Some(Value::Array(items)) => items,
+            Some(_) => return Err(JobError::new(pod.field("volumes"), "must be a list")),
+        };
+        let mut out: Vec<Volume> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let path = format!("{}[{i}]", pod.field("volumes"));
+            let Value::Object(m) = item else {
+                return Err(JobError::new(path, "must be a mapping"));
+            };
+            let v = Obj { path, map: m };
+            let name = v.str("name")?.ok_or_else(|| JobError::new(v.field("name"), "required"))?;
+            if !is_dns_label(name) {
+                return Err(JobError::new(
+                    v.field("name"),
+                    "must be a DNS label: 1 to 63 lower-case letters, digits and '-'",
+                ));
+            }
+            if out.iter().any(|o| o.name == name) || refused.iter().any(|r| r == name) {
+                return Err(JobError::new(
+                    v.field("name"),
+                    format!("volume {name:?} is declared twice"),
+                ));
+            }
+            let Some(dir) = v.obj("emptyDir")? else {
+                let kind = m
+                    .keys()
+                    .find(|k| k.as_str() != "name")
+                    .map_or("a volume without a type", String::as_str);
+                self.unsupported.push(JobError::new(
+                    v.path.clone(),
+                    format!(
+                        "volume {name:?} is {kind}; xpu provides emptyDir volumes only (put the data in the rootfs, or copy it in from an init container)"
+                    ),
+                ));
+                refused.push(name.to_owned());
+                continue;
+            };
+            let memory = match dir.str("medium")? {
+                None | Some("") => false,
+                Some("Memory") => true,
+                Some(other) => {
+                    return Err(JobError::new(
+                        dir.field("medium"),
+                        format!("unknown medium {other:?}; use Memory or leave it out"),
+                    ));
+                }
+            };
+            let size_limit = match dir.get("sizeLimit") {
+                None => None,
+                Some(q) => Some(memory_mib(q).map(|mib| mib << 20).ok_or_else(|| {
+                    JobError::new(dir.field("sizeLimit"), "must be a quantity such as 1Gi")
+                })?),
+            };
+            out.push(Volume { name: name.to_owned(), memory, size_limit });
+        }
+        Ok((out, refused))
     }
 
     /// `resources.requests` / `resources.limits`.
@@ -725,10 +1175,7 @@ impl Parser {
                         .or(requests.as_ref())
                         .map(|m| m.field(k))
                         .unwrap_or_else(|| r.field(k));
-                    return Err(JobError::new(
-                        path,
-                        "unknown resource; xpu schedules cpu, memory, nvidia.com/gpu, amd.com/gpu, google.com/tpu and habana.ai/gaudi",
-                    ));
+                    self.unsupported.push(JobError::new(path, unknown_resource(k)));
                 }
             }
         }
@@ -881,8 +1328,11 @@ impl Parser {
                 return Err(JobError::new(o.field("restartPolicy"), "must be Never or OnFailure"));
             }
         };
-        let env =
-            o.string_map("env")?.into_iter().map(|(name, value)| EnvVar { name, value }).collect();
+        let env = o
+            .string_map("env")?
+            .into_iter()
+            .map(|(name, value)| EnvVar { name, value, from: None })
+            .collect();
         let priority = match o.get("priority") {
             None => 0,
             Some(v) => int_value(v)
@@ -911,12 +1361,78 @@ impl Parser {
                 rootfs: o.str("rootfs")?.map(str::to_owned),
                 bundle,
                 resources,
+                volume_mounts: Vec::new(),
+                sidecar: false,
             },
             source: Source::Short,
+            pod: PodMeta::default(),
+            init_containers: Vec::new(),
+            volumes: Vec::new(),
         };
+        self.refuse_unsupported()?;
         validate(&spec, &self.prefix)?;
         Ok(spec)
     }
+}
+
+/// `volumeMounts` of one container.
+fn volume_mounts(c: &Obj<'_>) -> Result<Vec<VolumeMount>, JobError> {
+    let items = match c.get("volumeMounts") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(JobError::new(c.field("volumeMounts"), "must be a list")),
+    };
+    let mut out: Vec<VolumeMount> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let path = format!("{}[{i}]", c.field("volumeMounts"));
+        let Value::Object(m) = item else {
+            return Err(JobError::new(path, "must be a mapping"));
+        };
+        let v = Obj { path, map: m };
+        let name = v.str("name")?.ok_or_else(|| JobError::new(v.field("name"), "required"))?;
+        let mount_path =
+            v.str("mountPath")?.ok_or_else(|| JobError::new(v.field("mountPath"), "required"))?;
+        if !mount_path.starts_with('/')
+            || mount_path.contains('\0')
+            || mount_path.split('/').any(|p| p == "..")
+        {
+            return Err(JobError::new(
+                v.field("mountPath"),
+                "must be an absolute path without '..'",
+            ));
+        }
+        if out.iter().any(|o| o.mount_path == mount_path) {
+            return Err(JobError::new(
+                v.field("mountPath"),
+                format!("{mount_path} is mounted twice in this container"),
+            ));
+        }
+        let sub_path = v.str("subPath")?.filter(|p| !p.is_empty());
+        if let Some(p) = sub_path
+            && (p.starts_with('/') || p.contains('\0') || p.split('/').any(|s| s == ".."))
+        {
+            return Err(JobError::new(
+                v.field("subPath"),
+                "must be a relative path inside the volume, without '..'",
+            ));
+        }
+        out.push(VolumeMount {
+            name: name.to_owned(),
+            mount_path: mount_path.to_owned(),
+            read_only: v.bool("readOnly")?.unwrap_or(false),
+            sub_path: sub_path.map(str::to_owned),
+        });
+    }
+    Ok(out)
+}
+
+/// A DNS label (RFC 1123), as Kubernetes requires of volume names.
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
 }
 
 /// Checks that hold for both forms.
@@ -934,22 +1450,37 @@ fn validate(spec: &JobSpec, prefix: &str) -> Result<(), JobError> {
     if spec.queue.is_empty() || spec.queue.len() > 63 || spec.queue.chars().any(char::is_control) {
         return Err(JobError::new(join(prefix, "queue"), "must be 1 to 63 printable characters"));
     }
-    for (i, e) in spec.container.env.iter().enumerate() {
-        if e.name.is_empty() || e.name.contains('=') || e.name.contains('\0') {
-            return Err(JobError::new(
-                join(prefix, &format!("{env_path}[{i}].name")),
-                "must be a non-empty name without '=' or NUL",
-            ));
+    let inits = spec
+        .init_containers
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (format!("spec.template.spec.initContainers[{i}]"), c));
+    let main = std::iter::once((env_path.trim_end_matches(".env").to_owned(), &spec.container));
+    for (path, c) in main.chain(inits) {
+        let env_path =
+            if spec.source == Source::Short { "env".to_owned() } else { format!("{path}.env") };
+        for (i, e) in c.env.iter().enumerate() {
+            if e.name.is_empty() || e.name.contains('=') || e.name.contains('\0') {
+                return Err(JobError::new(
+                    join(prefix, &format!("{env_path}[{i}].name")),
+                    "must be a non-empty name without '=' or NUL",
+                ));
+            }
+            if e.value.contains('\0') {
+                return Err(JobError::new(
+                    join(prefix, &format!("{env_path}[{i}].value")),
+                    "must not contain NUL",
+                ));
+            }
         }
-        if e.value.contains('\0') {
-            return Err(JobError::new(
-                join(prefix, &format!("{env_path}[{i}].value")),
-                "must not contain NUL",
-            ));
+        if c.argv.iter().any(|a| a.contains('\0')) {
+            let at = if spec.source == Source::Short {
+                "command".to_owned()
+            } else {
+                format!("{path}.command")
+            };
+            return Err(JobError::new(join(prefix, &at), "must not contain NUL"));
         }
-    }
-    if spec.container.argv.iter().any(|a| a.contains('\0')) {
-        return Err(JobError::new(join(prefix, "command"), "must not contain NUL"));
     }
     let (rootfs_path, bundle_path) = match spec.source {
         Source::Kubernetes => {
@@ -977,6 +1508,9 @@ fn validate(spec: &JobSpec, prefix: &str) -> Result<(), JobError> {
     Ok(())
 }
 
+/// Why a manifest's DRA claims are refused.
+const DRA_CLAIMS: &str = "ResourceClaims (DRA) are allocated by a Kubernetes cluster (xpu k8s dra-driver serves them there); outside Kubernetes ask for devices in resources.limits (nvidia.com/gpu: 1)";
+
 const SHARE_RANGE: &str = "must be an integer from 1 to 999 (thousandths of one GPU)";
 
 /// Turns the task's GPU request into a share of one GPU: the GPU limit must be 1 (that vendor's
@@ -1003,6 +1537,53 @@ fn share_gpu(res: &mut Resources, milli: u16, path: &str) -> Result<(), JobError
     Ok(())
 }
 
+/// Five characters from the API server's `generateName` alphabet (no vowels, no 0/1/3).
+fn name_suffix() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    // A randomly keyed hasher: random enough for a name, without a dependency.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    let mut x = h.finish();
+    (0..5)
+        .map(|_| {
+            let c = ALPHABET[(x % ALPHABET.len() as u64) as usize];
+            x /= ALPHABET.len() as u64;
+            char::from(c)
+        })
+        .collect()
+}
+
+/// Why a resource name is refused, naming xpu's equivalent where there is one.
+fn unknown_resource(name: &str) -> String {
+    const SHARE: &str = "ask for a share of one GPU with the annotation xpu.dev/gpu-milli \
+                         (thousandths of a GPU) and nvidia.com/gpu: 1, or for whole GPUs";
+    if name.starts_with("nvidia.com/mig-") {
+        return format!(
+            "MIG devices are not supported yet; ask for whole GPUs (nvidia.com/gpu) or {}",
+            "for a share of one with the annotation xpu.dev/gpu-milli"
+        );
+    }
+    let sharing = [
+        "nvidia.com/gpumem",
+        "nvidia.com/gpumem-percentage",
+        "nvidia.com/gpucores",
+        "nvidia.com/gpu.shared",
+        "aliyun.com/gpu-mem",
+        "aliyun.com/gpu-count",
+    ];
+    if sharing.contains(&name) || name.starts_with("volcano.sh/vgpu") {
+        return format!("{name} is another project's GPU sharing resource; {SHARE}");
+    }
+    "unknown resource; xpu schedules cpu, memory, nvidia.com/gpu, amd.com/gpu, \
+     gpu.intel.com/i915, gpu.intel.com/xe, google.com/tpu and habana.ai/gaudi"
+        .to_owned()
+}
+
 /// The device kind and vendor an extended resource name stands for.
 pub fn extended_resource(name: &str) -> Option<(DeviceKind, &'static str)> {
     match name {
@@ -1010,6 +1591,8 @@ pub fn extended_resource(name: &str) -> Option<(DeviceKind, &'static str)> {
         "amd.com/gpu" => Some((DeviceKind::Gpu, "amd")),
         "google.com/tpu" => Some((DeviceKind::Tpu, "google")),
         "habana.ai/gaudi" => Some((DeviceKind::Npu, "intel")),
+        // Intel's device plugin: i915 (Flex, Max) and xe (newer parts) drivers.
+        "gpu.intel.com/i915" | "gpu.intel.com/xe" => Some((DeviceKind::Gpu, "intel")),
         _ => None,
     }
 }
@@ -1043,25 +1626,93 @@ pub fn memory_mib(v: &Value) -> Option<u64> {
         Value::String(s) => s.trim().to_owned(),
         _ => return None,
     };
-    const SUFFIXES: [(&str, f64); 10] = [
+    let bytes = quantity(&s)?;
+    (0.0..1e18).contains(&bytes).then(|| (bytes / 1048576.0).ceil() as u64)
+}
+
+/// A Kubernetes quantity as a number: `500m` is 0.5, `1Ki` 1024, `2G` 2e9, `3` 3.
+pub fn quantity(s: &str) -> Option<f64> {
+    const SUFFIXES: [(&str, f64); 11] = [
         ("Ki", 1024.0),
         ("Mi", 1048576.0),
         ("Gi", 1073741824.0),
         ("Ti", 1099511627776.0),
         ("Pi", 1125899906842624.0),
+        ("m", 1e-3),
         ("k", 1e3),
         ("M", 1e6),
         ("G", 1e9),
         ("T", 1e12),
         ("P", 1e15),
     ];
+    let s = s.trim();
     let (num, mult) = SUFFIXES
         .iter()
         .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n, *m)))
-        .unwrap_or((s.as_str(), 1.0));
+        .unwrap_or((s, 1.0));
     let f: f64 = num.parse().ok()?;
-    let bytes = f * mult;
-    (bytes.is_finite() && (0.0..1e18).contains(&bytes)).then(|| (bytes / 1048576.0).ceil() as u64)
+    Some(f * mult).filter(|v| v.is_finite() && *v >= 0.0)
+}
+
+/// `env[].valueFrom`: the downward API (`fieldRef`, `resourceFieldRef`); secrets and config
+/// maps are refused naming the field, since no API server holds them here.
+fn env_from(from: &Obj<'_>) -> Result<EnvFrom, JobError> {
+    for (key, what) in [("secretKeyRef", "secrets"), ("configMapKeyRef", "config maps")] {
+        if from.get(key).is_some() {
+            return Err(JobError::new(
+                from.field(key),
+                format!(
+                    "{what} are not available outside Kubernetes; put the value in env[].value, \
+                     or in a file the job reads"
+                ),
+            ));
+        }
+    }
+    if let Some(f) = from.obj("fieldRef")? {
+        let path =
+            f.str("fieldPath")?.ok_or_else(|| JobError::new(f.field("fieldPath"), "required"))?;
+        return FieldPath::parse(path).map(EnvFrom::Field).ok_or_else(|| {
+            JobError::new(
+                f.field("fieldPath"),
+                format!(
+                    "{path:?} is not a downward API field; use metadata.name, metadata.namespace, \
+                     metadata.uid, metadata.labels['KEY'], metadata.annotations['KEY'], \
+                     spec.nodeName, spec.serviceAccountName, status.hostIP or status.podIP"
+                ),
+            )
+        });
+    }
+    if let Some(r) = from.obj("resourceFieldRef")? {
+        let resource =
+            r.str("resource")?.ok_or_else(|| JobError::new(r.field("resource"), "required"))?;
+        if !(resource.starts_with("limits.") || resource.starts_with("requests.")) {
+            return Err(JobError::new(
+                r.field("resource"),
+                format!(
+                    "{resource:?}: must be limits.NAME or requests.NAME (limits.cpu, requests.memory)"
+                ),
+            ));
+        }
+        let divisor = match r.get("divisor") {
+            None => "1".to_owned(),
+            Some(Value::String(d)) => d.clone(),
+            Some(Value::Number(n)) => n.to_string(),
+            Some(_) => {
+                return Err(JobError::new(r.field("divisor"), "must be a quantity (1, 1m, 1Mi)"));
+            }
+        };
+        if quantity(&divisor).is_none_or(|d| d <= 0.0) {
+            return Err(JobError::new(
+                r.field("divisor"),
+                format!("{divisor:?} is not a positive quantity"),
+            ));
+        }
+        return Ok(EnvFrom::Resource { resource: resource.to_owned(), divisor });
+    }
+    Err(JobError::new(
+        &from.path,
+        "needs fieldRef or resourceFieldRef (secretKeyRef and configMapKeyRef are not available here)",
+    ))
 }
 
 #[cfg(test)]
@@ -1191,7 +1842,16 @@ spec:
         let p = parse(pod).unwrap();
         assert_eq!(p.spec.container.argv, ["nvidia-smi"]);
         assert_eq!(p.spec.container.resources.devices[0].vendor.as_deref(), Some("nvidia"));
-        assert_eq!(p.spec.restart_policy, RestartPolicy::Never);
+        // Kubernetes' default for a Pod, said in a note; no backoffLimit stops its restarts.
+        assert_eq!(p.spec.restart_policy, RestartPolicy::Always);
+        assert_eq!(p.spec.backoff_limit, u32::MAX);
+        assert!(p.notes.iter().any(|n| n.contains("restartPolicy: Always (the Pod default)")));
+        let once = pod.replace("spec:\n", "spec:\n  restartPolicy: Never\n");
+        let p = parse(&once).unwrap();
+        assert_eq!((p.spec.restart_policy, p.spec.backoff_limit), (RestartPolicy::Never, 0));
+        // A Job's pods run to completion: Always stays refused there.
+        let job = "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j}\nspec:\n  template:\n    spec:\n      restartPolicy: Always\n      containers: [{name: c, command: [\"true\"]}]\n";
+        assert!(parse(job).unwrap_err().to_string().contains("must be Never or OnFailure"));
     }
 
     #[test]
@@ -1323,5 +1983,230 @@ spec:
         assert_eq!(memory_mib(&Value::from("1G")), Some(954));
         assert_eq!(memory_mib(&Value::from("16Gi")), Some(16384));
         assert_eq!(memory_mib(&Value::from("-1Gi")), None);
+    }
+
+    #[test]
+    fn downward_api_env_parses_and_secrets_are_refused_naming_the_field() {
+        let job = |env: &str| {
+            format!(
+                "apiVersion: batch/v1\nkind: Job\nmetadata: {{name: j}}\nspec:\n  completionMode: Indexed\n  template:\n    metadata: {{labels: {{app: t}}}}\n    spec:\n      restartPolicy: Never\n      containers:\n      - name: c\n        command: [\"true\"]\n        env:\n{env}"
+            )
+        };
+        let ok = job(
+            "        - {name: R, valueFrom: {fieldRef: {fieldPath: \"metadata.annotations['batch.kubernetes.io/job-completion-index']\"}}}\n        - {name: A, valueFrom: {fieldRef: {fieldPath: \"metadata.labels['app']\"}}}\n        - {name: N, valueFrom: {fieldRef: {fieldPath: spec.nodeName}}}\n        - {name: M, valueFrom: {resourceFieldRef: {resource: limits.memory, divisor: 1Mi}}}\n",
+        );
+        let spec = parse(&ok).unwrap().spec;
+        let from: Vec<_> = spec.container.env.iter().map(|e| e.from.clone().unwrap()).collect();
+        assert_eq!(
+            from,
+            [
+                EnvFrom::Field(FieldPath::Annotation(
+                    "batch.kubernetes.io/job-completion-index".into()
+                )),
+                EnvFrom::Field(FieldPath::Label("app".into())),
+                EnvFrom::Field(FieldPath::NodeName),
+                EnvFrom::Resource { resource: "limits.memory".into(), divisor: "1Mi".into() },
+            ]
+        );
+        assert_eq!(spec.pod.labels.get("app").map(String::as_str), Some("t"));
+
+        let secret = job("        - {name: P, valueFrom: {secretKeyRef: {name: s, key: k}}}\n");
+        let e = parse(&secret).unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.containers[0].env[0].valueFrom.secretKeyRef");
+        assert!(e.to_string().contains("not available outside Kubernetes"), "{e}");
+        let bad = job("        - {name: P, valueFrom: {fieldRef: {fieldPath: status.phase}}}\n");
+        let e = parse(&bad).unwrap_err();
+        assert!(e.path.ends_with("valueFrom.fieldRef.fieldPath"), "{}", e.path);
+        let cpu = job("        - {name: P, valueFrom: {resourceFieldRef: {resource: cpu}}}\n");
+        assert!(parse(&cpu).unwrap_err().to_string().contains("limits.NAME or requests.NAME"));
+        assert_eq!(quantity("500m"), Some(0.5));
+        assert_eq!(quantity("1Mi"), Some(1048576.0));
+        assert_eq!(quantity("x"), None);
+    }
+
+    #[test]
+    fn generate_name_gets_a_suffix_and_sharing_resources_name_xpus_equivalent() {
+        let pod = |meta: &str, res: &str| {
+            format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{{meta}}}\nspec:\n  restartPolicy: Never\n  containers:\n  - name: c\n    command: [\"true\"]\n    resources: {{limits: {{{res}}}}}\n"
+            )
+        };
+        let a = parse(&pod("generateName: sample-job-", "nvidia.com/gpu: 1")).unwrap().spec.name;
+        let b = parse(&pod("generateName: sample-job-", "nvidia.com/gpu: 1")).unwrap().spec.name;
+        assert!(a.starts_with("sample-job-") && a.len() == "sample-job-".len() + 5, "{a}");
+        assert_ne!(a, b, "two submissions get two names");
+        let intel = parse(&pod("name: x", "gpu.intel.com/i915: 2")).unwrap().spec;
+        assert_eq!(intel.container.resources.devices[0].vendor.as_deref(), Some("intel"));
+        let e = parse(&pod("name: x", "nvidia.com/mig-1g.10gb: 1")).unwrap_err();
+        assert!(e.to_string().contains("MIG devices are not supported yet"), "{e}");
+        for r in ["nvidia.com/gpumem: 3000", "volcano.sh/vgpu-number: 1", "aliyun.com/gpu-mem: 4"] {
+            let e = parse(&pod("name: x", r)).unwrap_err();
+            assert!(e.to_string().contains("xpu.dev/gpu-milli"), "{r}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_key_given_twice_is_refused_not_silently_replaced() {
+        let yaml = "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  restartPolicy: Never\n  containers:\n  - {name: a, command: [\"true\"]}\n  containers:\n  - {name: b, command: [\"false\"]}\n";
+        let e = parse(yaml).unwrap_err().to_string();
+        assert!(e.contains("duplicate key \"containers\""), "{e}");
+        // The mapping's path and where it starts.
+        assert!(e.contains("spec: duplicate key") && e.contains("line 5"), "names where: {e}");
+        let json =
+            r#"{"apiVersion":"v1","kind":"Pod","metadata":{"name":"p","name":"q"},"spec":{}}"#;
+        let e = parse(json).unwrap_err().to_string();
+        assert!(e.contains("duplicate key \"name\""), "{e}");
+        // The same key in two different mappings is fine.
+        let ok = "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  restartPolicy: Never\n  containers:\n  - {name: a, command: [\"true\"]}\n";
+        assert!(parse(ok).is_ok());
+    }
+
+    #[test]
+    fn a_refusal_names_every_unsupported_field() {
+        let pod = "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  restartPolicy: Never\n  volumes:\n  - {name: data, hostPath: {path: /data}}\n  containers:\n  - name: a\n    command: [\"true\"]\n    env:\n    - {name: S, valueFrom: {secretKeyRef: {name: s, key: k}}}\n    resources: {limits: {nvidia.com/mig-1g.10gb: 1}}\n  - {name: b, command: [\"true\"]}\n";
+        let e = parse(pod).unwrap_err();
+        assert_eq!(e.path, "spec.containers", "the first one is the field");
+        let text = e.to_string();
+        for part in [
+            "has 2 containers",
+            "volume \"data\" is hostPath; xpu provides emptyDir volumes only",
+            "env[0].valueFrom.secretKeyRef: secrets are not available",
+            "nvidia.com/mig-1g.10gb: MIG devices are not supported yet",
+        ] {
+            assert!(text.contains(part), "{part} missing from: {text}");
+        }
+    }
+
+    const INDEXED_INIT: &str = "apiVersion: batch/v1\nkind: Job\nmetadata: {name: indexed, annotations: {xpu.dev/rootfs: /srv/rootfs}}\nspec:\n  completions: 3\n  parallelism: 3\n  completionMode: Indexed\n  template:\n    spec:\n      restartPolicy: Never\n      initContainers:\n      - name: input\n        image: docker.io/library/bash\n        command: [bash, -c, 'echo $JOB_COMPLETION_INDEX > /input/data.txt']\n        volumeMounts:\n        - {mountPath: /input, name: input}\n      - {name: proxy, image: busybox, restartPolicy: Always, command: [sleep, '600']}\n      containers:\n      - name: worker\n        image: docker.io/library/busybox\n        command: [cat, /input/data.txt]\n        volumeMounts:\n        - {mountPath: /input, name: input, readOnly: true}\n      volumes:\n      - name: input\n        emptyDir: {}\n      - name: scratch\n        emptyDir: {medium: Memory, sizeLimit: 64Mi}\n";
+
+    #[test]
+    fn init_containers_and_empty_dir_volumes() {
+        let p = parse(INDEXED_INIT).unwrap();
+        let s = &p.spec;
+        assert_eq!(s.init_containers.len(), 2);
+        assert_eq!(s.init_containers[0].name, "input");
+        assert!(!s.init_containers[0].sidecar);
+        assert!(s.init_containers[1].sidecar, "restartPolicy: Always makes a sidecar");
+        assert_eq!(s.init_containers[0].rootfs.as_deref(), Some("/srv/rootfs"));
+        assert_eq!(
+            s.volumes,
+            vec![
+                Volume { name: "input".into(), memory: false, size_limit: None },
+                Volume { name: "scratch".into(), memory: true, size_limit: Some(64 << 20) },
+            ]
+        );
+        assert_eq!(
+            s.container.volume_mounts,
+            vec![VolumeMount {
+                name: "input".into(),
+                mount_path: "/input".into(),
+                read_only: true,
+                sub_path: None,
+            }]
+        );
+        assert!(p.notes.is_empty(), "{:?}", p.notes);
+        // The spec round-trips through the store's JSON.
+        let back: JobSpec = serde_json::from_str(&serde_json::to_string(s).unwrap()).unwrap();
+        assert_eq!(&back, s);
+
+        // As a host process, the mounts cannot be honoured: each one says so.
+        let host = INDEXED_INIT.replace(", annotations: {xpu.dev/rootfs: /srv/rootfs}", "");
+        let p = parse(&host).unwrap();
+        let mounts: Vec<&String> = p.notes.iter().filter(|n| n.contains("cannot mount")).collect();
+        assert_eq!(mounts.len(), 2, "{:?}", p.notes);
+        assert!(mounts[0].starts_with("spec.template.spec.initContainers[0].volumeMounts[0]"));
+
+        // Bad references and types name their field.
+        let cases = [
+            (
+                "name: input\n        emptyDir: {}",
+                "name: input\n        configMap: {name: c}",
+                "spec.template.spec.volumes[0]",
+                "is configMap",
+            ),
+            (
+                "{mountPath: /input, name: input, readOnly: true}",
+                "{mountPath: /input, name: nope}",
+                "spec.template.spec.containers[0].volumeMounts[0].name",
+                "no volume named \"nope\"",
+            ),
+            (
+                "{mountPath: /input, name: input, readOnly: true}",
+                "{mountPath: input, name: input}",
+                "spec.template.spec.containers[0].volumeMounts[0].mountPath",
+                "absolute",
+            ),
+            (
+                "restartPolicy: Always, command",
+                "restartPolicy: OnFailure, command",
+                "spec.template.spec.initContainers[1].restartPolicy",
+                "must be Always",
+            ),
+            (
+                "medium: Memory",
+                "medium: Disk",
+                "spec.template.spec.volumes[1].emptyDir.medium",
+                "unknown medium",
+            ),
+            ("name: proxy", "name: worker", "spec.template.spec.initContainers", "used twice"),
+        ];
+        for (from, to, path, msg) in cases {
+            let bad = INDEXED_INIT.replace(from, to);
+            assert_ne!(bad, INDEXED_INIT, "{from}");
+            let e = parse(&bad).unwrap_err();
+            assert_eq!(e.path, path, "{e}");
+            assert!(e.message.contains(msg), "{e}");
+        }
+        // An init container runs on the task's devices; it cannot ask for more.
+        let greedy = INDEXED_INIT.replace(
+            "command: [sleep, '600']}",
+            "command: [sleep, '600'], resources: {limits: {nvidia.com/gpu: 1}}}",
+        );
+        let e = parse(&greedy).unwrap_err();
+        assert!(e.message.contains("an init container runs on the task's devices"), "{e}");
+    }
+
+    #[test]
+    fn a_file_of_several_workloads_is_taken_whole_or_not_at_all() {
+        let pod = |name: &str| {
+            format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}}}\nspec:\n  restartPolicy: Never\n  containers:\n  - {{name: c, command: [\"true\"], resources: {{limits: {{nvidia.com/gpu: 1}}}}}}\n"
+            )
+        };
+        let svc =
+            "apiVersion: v1\nkind: Service\nmetadata: {name: headless}\nspec: {clusterIP: None}\n";
+        let two = format!("{}---\n{svc}---\n{}", pod("a"), pod("b"));
+        let all = parse_all(&two).unwrap();
+        let names: Vec<&str> = all.jobs.iter().map(|j| j.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(all.notes, ["skipped Service headless: xpu runs Jobs and Pods"]);
+        // `parse` takes one workload and names the second.
+        let e = parse(&two).unwrap_err();
+        assert_eq!(e.path, "document[2]");
+        // One bad document refuses the file, naming it.
+        let bad = format!(
+            "{}---\n{}",
+            pod("a"),
+            pod("b").replace("nvidia.com/gpu: 1", "nvidia.com/gpu: x")
+        );
+        let e = parse_all(&bad).unwrap_err();
+        assert_eq!(e.path, "document[1].spec.containers[0].resources.limits.nvidia.com/gpu");
+        // The same Pod twice is a mistake, not two jobs.
+        let e = parse_all(&format!("{}---\n{}", pod("a"), pod("a"))).unwrap_err();
+        assert_eq!(e.path, "document[1].metadata.name");
+        assert!(e.message.contains("already document[0]"), "{e}");
+        // Bounded.
+        let many: Vec<String> = (0..=MAX_WORKLOADS).map(|i| pod(&format!("p{i}"))).collect();
+        let e = parse_all(&many.join("---\n")).unwrap_err();
+        assert!(e.message.contains("at most 100"), "{e}");
+        // Notes name their document.
+        let noted =
+            format!("{}---\n{}", pod("a"), pod("b").replace("restartPolicy", "restartPolisy"));
+        let all = parse_all(&noted).unwrap();
+        assert!(
+            all.notes.contains(&"document[1]: unknown field \"spec.restartPolisy\"".to_owned()),
+            "{:?}",
+            all.notes
+        );
     }
 }

@@ -16,8 +16,10 @@
 
 pub mod accel;
 pub mod driver;
+pub mod expand;
 pub mod inventory;
 pub mod job;
+mod k8s_fields;
 pub mod kernel;
 pub mod labels;
 pub mod nova;

@@ -42,6 +42,19 @@ impl PciAddress {
         format!("{:02x}:{:02x}.{:x}", self.bus, self.device, self.function)
     }
 
+    /// `0000-25-00-0`: the address as a DNS label (the DRA device names `gpu-0000-25-00-0`).
+    pub fn dns_label(&self) -> String {
+        format!("{:04x}-{:02x}-{:02x}-{:x}", self.domain, self.bus, self.device, self.function)
+    }
+
+    /// The address at the end of a name that [`PciAddress::dns_label`] made
+    /// (`gpu-0000-25-00-0`, `0000-25-00-0`); `None` for anything else.
+    pub fn from_dns_label_suffix(name: &str) -> Option<PciAddress> {
+        let parts: Vec<&str> = name.rsplitn(5, '-').collect();
+        let [f, d, b, dom, ..] = parts.as_slice() else { return None };
+        format!("{dom}:{b}:{d}.{f}").parse().ok()
+    }
+
     /// `pci_0000_25_00_0`: the name libvirt gives the node device (and Nova logs as `dev_id`).
     pub fn libvirt_name(&self) -> String {
         format!("pci_{:04x}_{:02x}_{:02x}_{:x}", self.domain, self.bus, self.device, self.function)
@@ -159,6 +172,16 @@ pub mod hex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dns_labels_round_trip() {
+        let a: PciAddress = "0000:c5:1f.7".parse().unwrap();
+        assert_eq!(a.dns_label(), "0000-c5-1f-7");
+        assert_eq!(PciAddress::from_dns_label_suffix(&format!("gpu-{}", a.dns_label())), Some(a));
+        assert_eq!(PciAddress::from_dns_label_suffix(&a.dns_label()), Some(a));
+        assert_eq!(PciAddress::from_dns_label_suffix("gpu-0"), None);
+        assert_eq!(PciAddress::from_dns_label_suffix("GPU-6f2b"), None);
+    }
 
     #[test]
     fn parses_full_and_short_forms() {

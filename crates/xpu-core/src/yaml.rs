@@ -108,6 +108,89 @@ struct Budget {
     limit: usize,
 }
 
+/// A mapping key: counted like any value, and returned as text when it is a scalar (for the
+/// duplicate check; a key that is itself a collection is counted, not compared).
+struct MapKey<'a>(Count<'a>);
+
+impl<'de> DeserializeSeed<'de> for MapKey<'_> {
+    type Value = Option<String>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MapKey<'_> {
+    type Value = Option<String>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a mapping key")
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Option<String>, E> {
+        self.0.add(1).map(|()| Some(v.to_string()))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Option<String>, E> {
+        self.0.add(1).map(|()| Some(v.to_string()))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Option<String>, E> {
+        self.0.add(1).map(|()| Some(v.to_string()))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Option<String>, E> {
+        self.0.add(1).map(|()| Some(v.to_string()))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Option<String>, E> {
+        self.0.add(v.len().saturating_add(1)).map(|()| Some(v.to_owned()))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Option<String>, E> {
+        self.0.add(1).map(|()| Some("null".to_owned()))
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Option<String>, E> {
+        self.visit_unit()
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Option<String>, E> {
+        self.0.visit_bytes(v).map(|()| None)
+    }
+
+    fn visit_some<D: de::Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
+        self.0.visit_some(d).map(|()| None)
+    }
+
+    fn visit_newtype_struct<D: de::Deserializer<'de>>(
+        self,
+        d: D,
+    ) -> Result<Option<String>, D::Error> {
+        self.0.visit_newtype_struct(d).map(|()| None)
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<Option<String>, A::Error> {
+        self.0.visit_seq(seq).map(|()| None)
+    }
+
+    fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Option<String>, A::Error> {
+        self.0.visit_map(map).map(|()| None)
+    }
+
+    fn visit_enum<A: de::EnumAccess<'de>>(self, data: A) -> Result<Option<String>, A::Error> {
+        self.0.visit_enum(data).map(|()| None)
+    }
+}
+
+/// Refuses a JSON text that repeats a key within one object (serde_json keeps the last one
+/// silently): the same check [`load`] makes for YAML.
+pub fn reject_duplicate_keys_json(text: &str) -> Result<(), String> {
+    let budget = Budget { used: Cell::new(0), limit: usize::MAX };
+    let mut d = serde_json::Deserializer::from_str(text);
+    Count(&budget).deserialize(&mut d).map_err(|e| e.to_string())
+}
+
 /// Walks a document, following aliases, and counts its expanded size into the budget; fails
 /// as soon as the budget is spent, so the walk costs at most the limit.
 #[derive(Clone, Copy)]
@@ -186,7 +269,17 @@ impl<'de> Visitor<'de> for Count<'_> {
 
     fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         self.add(1)?;
-        while map.next_key_seed(self)?.is_some() {
+        // A key given twice: the second would silently replace the first (a duplicated
+        // `containers:` drops a list); the API server's strict validation refuses it too.
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key_seed(MapKey(self))? {
+            if let Some(k) = key
+                && !seen.insert(k.clone())
+            {
+                return Err(de::Error::custom(format!(
+                    "duplicate key {k:?} in one mapping; keep one (the second would replace the first)"
+                )));
+            }
             map.next_value_seed(self)?;
         }
         Ok(())

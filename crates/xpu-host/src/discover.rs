@@ -194,13 +194,13 @@ impl Warnings {
 }
 
 /// What reading one sysfs attribute gave.
-enum Attr {
+pub(crate) enum Attr {
     Missing,
     Value(String),
     Unreadable(std::io::Error),
 }
 
-fn read_attr(path: &Path) -> Attr {
+pub(crate) fn read_attr(path: &Path) -> Attr {
     match read_small(path) {
         Ok(bytes) => Attr::Value(String::from_utf8_lossy(&bytes).trim().to_owned()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Attr::Missing,
@@ -558,11 +558,21 @@ fn read_dev_nodes(root: &Root, dev: &Dev, d: &mut PciDevice, w: &mut Warnings) {
     }
 }
 
-fn read_host(root: &Root, detail: Detail, w: &mut Warnings) -> HostInfo {
-    let text = |p: &str| match read_attr(&root.path(p)) {
+/// A small text file under the root, trimmed; `None` when missing, unreadable or empty.
+fn host_text(root: &Root, path: &str) -> Option<String> {
+    match read_attr(&root.path(path)) {
         Attr::Value(s) if !s.is_empty() => Some(s),
         _ => None,
-    };
+    }
+}
+
+/// The host's name, from the kernel (`/proc/sys/kernel/hostname`), else `/etc/hostname`.
+pub fn hostname(root: &Root) -> Option<String> {
+    host_text(root, "/proc/sys/kernel/hostname").or_else(|| host_text(root, "/etc/hostname"))
+}
+
+fn read_host(root: &Root, detail: Detail, w: &mut Warnings) -> HostInfo {
+    let text = |p: &str| host_text(root, p);
     let nvidia_driver_version = text("/proc/driver/nvidia/version").and_then(|v| {
         let found = nvidia_version(&v);
         if found.is_none() {
@@ -590,7 +600,7 @@ fn read_host(root: &Root, detail: Detail, w: &mut Warnings) -> HostInfo {
         .map(|d| d.flatten().count() as u32)
         .unwrap_or(0);
     HostInfo {
-        hostname: text("/proc/sys/kernel/hostname").or_else(|| text("/etc/hostname")),
+        hostname: hostname(root),
         kernel_release: text("/proc/sys/kernel/osrelease"),
         cpu_vendor,
         iommu_groups,

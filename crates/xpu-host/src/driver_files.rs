@@ -108,6 +108,22 @@ const LIB_DIRS_64: [&str; 7] = [
     "/usr/local/nvidia/lib64",
 ];
 
+/// Directories the dynamic loader searches without an ld.so.cache entry (glibc's built-in
+/// system directories on Debian-family and Red Hat-family systems).
+const LOADER_DIRS: [&str; 8] = [
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib64",
+    "/lib64",
+    "/usr/lib/i386-linux-gnu",
+    "/lib/i386-linux-gnu",
+    "/usr/lib32",
+    "/usr/lib",
+];
+/// Where a library from elsewhere is bound as well, so a container's loader finds it.
+const LOADER_HOME_64: [&str; 2] = ["/usr/lib/x86_64-linux-gnu", "/usr/lib64"];
+const LOADER_HOME_32: [&str; 2] = ["/usr/lib/i386-linux-gnu", "/usr/lib32"];
+
 const LIB_DIRS_32: [&str; 4] = ["/usr/lib/i386-linux-gnu", "/usr/lib32", "/lib32", "/usr/lib"];
 
 const BIN_DIRS: [&str; 6] =
@@ -161,9 +177,16 @@ pub fn find_for(root: &Root, driver_version: Option<&str>, caps: Capabilities) -
     }
     for &(cap, names) in NVIDIA_BINARIES.iter().filter(|(c, _)| caps.contains(*c)) {
         for name in names {
-            if let Some(path) =
-                BIN_DIRS.iter().find(|d| s.is_file_in(d, name, true)).map(|d| format!("{d}/{name}"))
-            {
+            let found: Vec<String> = BIN_DIRS
+                .iter()
+                .filter(|d| s.is_file_in(d, name, true))
+                .map(|d| format!("{d}/{name}"))
+                .collect();
+            // The program itself, not a shell wrapper in front of it (some images put a script
+            // in /usr/bin that execs /usr/local/nvidia/bin/nvidia-smi): a wrapper bound into a
+            // container execs a path the container does not have.
+            let elf = found.iter().find(|p| is_elf(&s.root.path(s.resolve(p))));
+            if let Some(path) = elf.or(found.first()).cloned() {
                 files.push(DriverFile {
                     vendor: DriverVendor::Nvidia,
                     capability: cap,
@@ -364,6 +387,20 @@ impl<'a> Search<'a> {
             }
             let mut container_paths = vec![path.clone()];
             container_paths.extend(links);
+            // A directory the dynamic loader does not search by default (the driver under
+            // /usr/local/nvidia/lib64, as on GPU cloud images): an image without an
+            // ld.so.conf entry for it would not find the library there, so it is bound into
+            // the loader's own directories too (Debian's and Red Hat's layouts).
+            if !LOADER_DIRS.contains(&dir.as_str()) {
+                let own: &[&str] = if bits32 { &LOADER_HOME_32 } else { &LOADER_HOME_64 };
+                let names: Vec<String> = container_paths
+                    .iter()
+                    .filter_map(|p| p.rsplit('/').next().map(str::to_owned))
+                    .collect();
+                for d in own {
+                    container_paths.extend(names.iter().map(|n| format!("{d}/{n}")));
+                }
+            }
             return Some(DriverFile {
                 vendor: DriverVendor::Nvidia,
                 capability: cap,
@@ -413,6 +450,14 @@ impl Search<'_> {
         let Some(t) = target.to_str().ok().filter(|t| !t.contains('/')) else { return false };
         t == file || self.links_to(dir, t, file, depth + 1)
     }
+}
+
+/// Whether the file starts with the ELF magic number.
+fn is_elf(path: &Path) -> bool {
+    use std::io::Read as _;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok()
+        && magic == *b"\x7fELF"
 }
 
 /// The regular file in `listing` that is the build of `stem`: `stem.<version>` when the driver
@@ -690,6 +735,58 @@ mod tests {
         assert!(any.files.iter().any(|f| f.path == drv.lib("libcuda.so")));
         let other = find(&root, Some("550.54.14"));
         assert!(other.files.iter().all(|f| f.kind != FileKind::Library));
+    }
+
+    #[test]
+    fn a_tool_behind_a_wrapper_script_is_found_as_the_program() {
+        // Seen on a GPU machine: /usr/bin/nvidia-smi is `exec /usr/local/nvidia/bin/nvidia-smi`.
+        let fx = xpu_testkit::hosts::a100_8x().build();
+        xpu_testkit::driver::install_nvidia(fx.root(), "535.104.05");
+        let root = Root::new(fx.root()).unwrap();
+        std::fs::write(
+            root.path("/usr/bin/nvidia-smi"),
+            "#!/bin/sh\nexec /usr/local/nvidia/bin/nvidia-smi \"$@\"\n",
+        )
+        .unwrap();
+        std::fs::create_dir_all(root.path("/usr/local/nvidia/bin")).unwrap();
+        std::fs::write(root.path("/usr/local/nvidia/bin/nvidia-smi"), b"\x7fELF\x02\x01\x01")
+            .unwrap();
+        let files = find(&root, Some("535.104.05"));
+        let smi: Vec<&DriverFile> =
+            files.files.iter().filter(|f| f.path.ends_with("/nvidia-smi")).collect();
+        assert_eq!(smi.len(), 1);
+        assert_eq!(smi[0].path, "/usr/local/nvidia/bin/nvidia-smi");
+        assert_eq!(smi[0].container_paths, ["/usr/bin/nvidia-smi"]);
+    }
+
+    #[test]
+    fn a_library_outside_the_loaders_directories_is_bound_into_them_too() {
+        // Seen on a GPU machine: the driver lives in /usr/local/nvidia/lib64, which an image's
+        // loader does not search; nvidia-smi in a container then finds no libnvidia-ml.so.
+        let fx = xpu_testkit::hosts::a100_8x().build();
+        let root = Root::new(fx.root()).unwrap();
+        let dir = root.path("/usr/local/nvidia/lib64");
+        std::fs::create_dir_all(&dir).unwrap();
+        let elf64 = b"\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00";
+        std::fs::write(dir.join("libnvidia-ml.so.580.159.04"), elf64).unwrap();
+        std::os::unix::fs::symlink("libnvidia-ml.so.580.159.04", dir.join("libnvidia-ml.so.1"))
+            .unwrap();
+        let files = find(&root, Some("580.159.04"));
+        let ml =
+            files.files.iter().find(|f| f.path.ends_with("libnvidia-ml.so.580.159.04")).unwrap();
+        assert_eq!(ml.path, "/usr/local/nvidia/lib64/libnvidia-ml.so.580.159.04");
+        for want in [
+            "/usr/local/nvidia/lib64/libnvidia-ml.so.1",
+            "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.159.04",
+            "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+            "/usr/lib64/libnvidia-ml.so.1",
+        ] {
+            assert!(
+                ml.container_paths.iter().any(|p| p == want),
+                "{want} in {:?}",
+                ml.container_paths
+            );
+        }
     }
 
     #[test]

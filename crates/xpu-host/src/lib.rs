@@ -7,6 +7,8 @@
 //! - [`modalias`]: which kernel modules claim a device (`modules.alias`).
 //! - [`devnode`]: `stat` of `/dev` nodes (type, major, minor, mode).
 //! - [`driver_files`]: the driver libraries and tools a container needs (`libcuda`, `nvidia-smi`).
+//! - [`amdgpu`]: an AMD GPU's load, memory, power, temperature, clocks and RAS counts from
+//!   sysfs and hwmon (for `xpu-telemetry`).
 //! - [`profile`]: host profiles (vfio-host, tpu-vm, container-host) and what each wants.
 //! - [`doctor`]: readiness checks (`xpu doctor`), with [`cgroups`] and [`limits`] readers.
 //! - [`provision`]: the files that make a host ready, rendered, as cloud-init, or applied with
@@ -14,6 +16,7 @@
 //! - [`vfio`]: binding devices to `vfio-pci` and back through [`kernel::SysfsKernel`].
 //! - [`metadata_env`]: `tpu-env` metadata to a shell-safe environment file.
 
+pub mod amdgpu;
 pub mod cgroups;
 pub mod devnode;
 pub mod discover;

@@ -494,9 +494,12 @@ xpu host metadata-env --input "$tmp" --output "$home/tpu-env"
     s
 }
 
+/// The unit that runs [`tpu_env_script`]. The Debian package ships the same text
+/// (`packaging/systemd/xpu-tpu-env.service`, compared by xpu's packaging test); the condition
+/// makes it a no-op where `xpu host apply --profile tpu-vm` has not written the script.
 fn tpu_env_unit() -> String {
     format!(
-        "# Written by xpu (profile tpu-vm).\n[Unit]\nDescription=TPU runtime environment from the tpu-env metadata (xpu)\nWants=network-online.target\nAfter=network-online.target\n\n[Service]\nType=oneshot\nExecStart={TPU_ENV_SCRIPT}\n\n[Install]\nWantedBy=multi-user.target\n"
+        "# Written by xpu (profile tpu-vm).\n[Unit]\nDescription=TPU runtime environment from the tpu-env metadata (xpu)\nWants=network-online.target\nAfter=network-online.target\nConditionFileIsExecutable={TPU_ENV_SCRIPT}\n\n[Service]\nType=oneshot\nExecStart={TPU_ENV_SCRIPT}\n\n[Install]\nWantedBy=multi-user.target\n"
     )
 }
 

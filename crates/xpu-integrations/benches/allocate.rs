@@ -30,6 +30,7 @@ fn main() {
             plugin_dir: dir.path().to_owned(),
             resources: Resource::defaults(),
             interval: Duration::from_secs(1),
+            health: None,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

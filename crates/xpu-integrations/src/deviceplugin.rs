@@ -63,6 +63,10 @@ pub struct Config {
     pub resources: Vec<Resource>,
     /// How often to re-discover the host and check the sockets.
     pub interval: Duration,
+    /// Device health from telemetry (XIDs, uncorrectable ECC errors, lost GPUs): a device it
+    /// reports unhealthy is sent `Unhealthy` at the next refresh. `None`: presence and driver
+    /// only.
+    pub health: Option<xpu_telemetry::collect::Collector>,
 }
 
 /// Things worth telling the operator, sent on the optional events channel.
@@ -129,6 +133,8 @@ struct Dev {
     expected_driver: Option<String>,
     driver: Option<String>,
     present: bool,
+    /// Why telemetry says the device may not take work (an XID needing a reset...).
+    telemetry: Option<String>,
     uuid: Option<String>,
     nodes: Vec<String>,
     cdi: Option<String>,
@@ -136,7 +142,7 @@ struct Dev {
 
 impl Dev {
     fn healthy(&self) -> bool {
-        self.present && self.driver == self.expected_driver
+        self.present && self.driver == self.expected_driver && self.telemetry.is_none()
     }
 
     fn from_inventory(d: &xpu_core::PciDevice, cdi: Option<String>) -> Dev {
@@ -149,6 +155,7 @@ impl Dev {
             expected_driver: d.driver.clone(),
             driver: d.driver.clone(),
             present: true,
+            telemetry: None,
             uuid: d.uuid.clone(),
             nodes: d.dev_nodes.iter().map(|n| n.path.clone()).collect(),
             cdi,
@@ -226,10 +233,15 @@ impl Plugin {
         self.read().list()
     }
 
-    /// Applies a fresh discovery: marks devices present/absent, notes driver changes, adds new
-    /// matching devices. Returns `(id, healthy)` for each device whose health changed, and sends
-    /// the new list to `ListAndWatch` streams when anything they show changed.
-    pub fn refresh(&self, inv: &Inventory) -> Vec<(String, bool)> {
+    /// Applies a fresh discovery: marks devices present/absent, notes driver changes and what
+    /// telemetry says is unhealthy (`unhealthy`, by address, with why), adds new matching
+    /// devices. Returns `(id, healthy)` for each device whose health changed, and sends the new
+    /// list to `ListAndWatch` streams when anything they show changed.
+    pub fn refresh(
+        &self,
+        inv: &Inventory,
+        unhealthy: &std::collections::BTreeMap<PciAddress, String>,
+    ) -> Vec<(String, bool)> {
         let cdi = crate::cdi::names(inv);
         let mut changed = Vec::new();
         let list = {
@@ -248,6 +260,7 @@ impl Plugin {
                     }
                     None => dev.present = false,
                 }
+                dev.telemetry = unhealthy.get(&dev.address).cloned();
                 if dev.healthy() != was {
                     changed.push((dev.id.clone(), dev.healthy()));
                 }
@@ -291,7 +304,8 @@ impl Plugin {
             })?;
             if !d.healthy() {
                 return Err(Status::failed_precondition(format!(
-                    "device {id} is unhealthy (missing or its driver changed); ListAndWatch reports it Unhealthy"
+                    "device {id} is unhealthy ({}); ListAndWatch reports it Unhealthy",
+                    d.telemetry.as_deref().unwrap_or("missing or its driver changed")
                 )));
             }
             if let Some(name) = &d.cdi {
@@ -614,8 +628,9 @@ pub async fn run(
             }
         }
         if let Ok(inv) = discover(&cfg.root).await {
+            let unhealthy = cfg.health.as_ref().map(|c| c.unhealthy()).unwrap_or_default();
             for s in &slots {
-                for (id, healthy) in s.plugin.refresh(&inv) {
+                for (id, healthy) in s.plugin.refresh(&inv, &unhealthy) {
                     emit(Event::Health { resource: s.plugin.resource.name.clone(), id, healthy });
                 }
             }

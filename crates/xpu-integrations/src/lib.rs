@@ -14,17 +14,24 @@
 //!   registration (`pluginregistration/v1`) generated from their protos, and
 //!   [`drakubelet`], the kubelet's side of both for tests and benchmarks (the driver itself,
 //!   which needs the API server, is `xpu-kube`'s `dra`).
+//! - [`exporter`]: `xpu exporter`, the Prometheus endpoint over `xpu-telemetry`, with pod
+//!   attribution from the kubelet's PodResources API ([`podresources`], `v1`, and its test kubelet).
+//! - [`tpuruntime`]: TPU chips' utilisation and HBM from the TPU runtime's metrics service
+//!   (localhost:8431), as an `xpu-telemetry` source.
 //! - [`cdi`]: the CDI device names `Allocate` returns, from `xpu-container`'s naming convention.
 
 pub mod cdi;
 pub mod deviceplugin;
 pub mod drakubelet;
+pub mod exporter;
 pub mod nfd;
 pub mod novaconf;
 pub mod numa;
+pub mod podresources;
 pub mod preferred;
 pub mod selector;
 pub mod testkubelet;
+pub mod tpuruntime;
 pub mod transport;
 
 /// Code generated from `proto/deviceplugin/v1beta1/api.proto` (package `v1beta1`).
@@ -75,4 +82,17 @@ pub mod drapb {
     pub const SERVICE_V1BETA1: &str = "v1beta1.DRAPlugin";
     /// `PluginInfo.type` of a DRA plugin (`pluginregistration.DRAPlugin`).
     pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
+}
+
+/// Code generated from `proto/podresources/v1/api.proto` (package `v1`, service
+/// `v1.PodResourcesLister`).
+#[allow(clippy::all, clippy::pedantic, missing_docs, unused_qualifications, clippy::unwrap_used)]
+pub mod podresourcespb {
+    include!(concat!(env!("OUT_DIR"), "/podresources_v1/v1.rs"));
+}
+
+/// Code generated from `proto/tpuruntime/metrics.proto` (package `tpu.monitoring.runtime`).
+#[allow(clippy::all, clippy::pedantic, missing_docs, unused_qualifications, clippy::unwrap_used)]
+pub mod tpuruntimepb {
+    include!(concat!(env!("OUT_DIR"), "/tpuruntime/tpu.monitoring.runtime.rs"));
 }

@@ -56,6 +56,7 @@ fn start(fixture: &Fixture, dir: &Path, resources: Vec<Resource>) -> Running {
         plugin_dir: dir.to_owned(),
         resources,
         interval: Duration::from_millis(40),
+        health: None,
     };
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -340,6 +341,7 @@ async fn refuses_a_host_without_matching_devices_and_a_missing_directory() {
         plugin_dir: dir.path().to_owned(),
         resources: vec![only_amd],
         interval: Duration::from_millis(40),
+        health: None,
     };
     let e = deviceplugin::run(cfg.clone(), None, async {}).await.unwrap_err();
     assert!(e.to_string().contains("no device on this host matches any resource"), "{e}");

@@ -33,6 +33,7 @@ use crate::engine::Msg;
 use crate::listen::ConnStats;
 use crate::metrics::DeviceSample;
 use crate::store::{JobState, ListQuery, NewJob, Outcome, TaskRow, Write, now_ms};
+use xpu_telemetry::collect::Holder;
 
 /// Largest accepted request body (a manifest).
 pub const MAX_BODY: usize = 1 << 20;
@@ -369,7 +370,26 @@ async fn metrics(State(s): S, Extension(conns): Extension<Arc<ConnStats>>) -> Re
         .collect();
     let mut text = s.metrics.render(&jobs, &samples, s.leader.load(Ordering::Relaxed));
     conns.render(&mut text);
+    if let Some(t) = &s.telemetry {
+        // The exporter's per-device series, labelled with the job and task holding each device.
+        t.set_holders(task_holders(&s));
+        text.push_str(&xpu_telemetry::render::render_collector_families(t));
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The first task holding each device, by PCI address, for the telemetry labels.
+fn task_holders(s: &Shared) -> std::collections::BTreeMap<xpu_core::PciAddress, Holder> {
+    let view = s.view.read().map(|v| v.holders.clone()).unwrap_or_default();
+    s.node
+        .devices
+        .iter()
+        .filter_map(|d| {
+            let h = view.get(d.id as usize)?.first()?;
+            let addr = d.address.parse().ok()?;
+            Some((addr, Holder::Task { job: h.job.to_string(), task: h.task.to_string() }))
+        })
+        .collect()
 }
 
 async fn status(State(s): S) -> Response {
@@ -405,10 +425,10 @@ async fn submit(
         return error(StatusCode::BAD_REQUEST, "manifest: not UTF-8 text; send YAML or JSON");
     };
     let parsed = if text.len() <= PARSE_INLINE {
-        xpu_core::job::parse(text)
+        xpu_core::job::parse_all(text)
     } else {
         let text = text.to_owned();
-        match tokio::task::spawn_blocking(move || xpu_core::job::parse(&text)).await {
+        match tokio::task::spawn_blocking(move || xpu_core::job::parse_all(&text)).await {
             Ok(r) => r,
             Err(e) => {
                 return error(
@@ -428,12 +448,17 @@ async fn submit(
                 .into_response();
         }
     };
-    if let Err((field, message)) = check_runnable(&s, &parsed.spec) {
-        return (
-            StatusCode::BAD_REQUEST,
-            Json(json!({ "error": format!("{field}: {message}"), "field": field })),
-        )
-            .into_response();
+    // All or nothing: one job the node cannot run refuses the whole file.
+    let multi = parsed.jobs.len() > 1;
+    for (i, spec) in parsed.jobs.iter().enumerate() {
+        if let Err((field, message)) = check_runnable(&s, spec) {
+            let field = if multi { format!("job[{i}] ({}).{field}", spec.name) } else { field };
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({ "error": format!("{field}: {message}"), "field": field })),
+            )
+                .into_response();
+        }
     }
     let key =
         headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned).or(q.key);
@@ -442,27 +467,72 @@ async fn submit(
     {
         return error(StatusCode::BAD_REQUEST, "idempotency key: must be 1 to 200 characters");
     }
-    let spec = parsed.spec;
-    let spec_json = match serde_json::to_string(&spec) {
-        Ok(j) => j,
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding spec: {e}")),
-    };
-    let new = NewJob {
-        key,
-        name: spec.name.clone(),
-        queue: spec.queue.clone(),
-        priority: i64::from(spec.priority),
-        spec: spec_json.clone(),
-        at_ms: now_ms(),
-    };
-    let (id, created) = match s.store.write(Write::Submit(new.clone())).await {
-        Ok(Outcome::Submitted { id, created }) => (id, created),
+    let at_ms = now_ms();
+    let mut news = Vec::with_capacity(parsed.jobs.len());
+    for (i, spec) in parsed.jobs.iter().enumerate() {
+        let spec_json = match serde_json::to_string(spec) {
+            Ok(j) => j,
+            Err(e) => {
+                return error(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding spec: {e}"));
+            }
+        };
+        news.push(NewJob {
+            // The file's key names its first job; the others get `<key>#<n>`, so a retry of
+            // the file finds every one of them.
+            key: key.as_ref().map(|k| if i == 0 { k.clone() } else { format!("{k}#{i}") }),
+            name: spec.name.clone(),
+            queue: spec.queue.clone(),
+            priority: i64::from(spec.priority),
+            spec: spec_json,
+            at_ms,
+        });
+    }
+    let write = if multi { Write::SubmitAll(news.clone()) } else { Write::Submit(news[0].clone()) };
+    let ids = match s.store.write(write).await {
+        Ok(Outcome::Submitted { id, created }) => vec![(id, created)],
+        Ok(Outcome::SubmittedAll(ids)) if ids.len() == news.len() => ids,
         Ok(_) => return error(StatusCode::INTERNAL_SERVER_ERROR, "store answered a submit oddly"),
         Err(e) => return unavailable(e),
     };
-    let mut state = JobState::Queued;
+    let mut answers = Vec::with_capacity(ids.len());
+    for ((spec, new), (id, created)) in parsed.jobs.into_iter().zip(news).zip(ids) {
+        match submitted(&s, spec, new, id, created).await {
+            Ok(a) => answers.push(a),
+            Err(resp) => return resp,
+        }
+    }
+    let any_created = answers.iter().any(|a| a["created"] == true);
+    let code = if any_created { StatusCode::CREATED } else { StatusCode::OK };
+    let first = answers[0].clone();
+    let mut body = json!({
+        "id": first["id"],
+        "name": first["name"],
+        "state": first["state"],
+        "created": first["created"],
+        "notes": parsed.notes,
+    });
+    body["jobs"] = Value::Array(answers);
+    let mut resp = (code, Json(body)).into_response();
+    if !multi && let Ok(v) = HeaderValue::from_str(&format!("/v1/jobs/{}", first["id"])) {
+        resp.headers_mut().insert(header::LOCATION, v);
+    }
+    resp
+}
+
+/// One job the store took: a new one goes to the engine; one whose idempotency key was seen
+/// before must be the same job (however the manifest is written), or the request is refused
+/// with 422 as the IETF Idempotency-Key draft says (section 2.7) and the first job stays as it
+/// was. The job's line of the answer: id, name, state, created.
+async fn submitted(
+    s: &Shared,
+    spec: xpu_core::job::JobSpec,
+    new: NewJob,
+    id: i64,
+    created: bool,
+) -> Result<Value, Response> {
     if created {
         s.metrics.submitted.fetch_add(1, Ordering::Relaxed);
+        let name = new.name.clone();
         let row = crate::store::JobRow {
             id,
             key: new.key,
@@ -470,7 +540,7 @@ async fn submit(
             queue: new.queue,
             priority: new.priority,
             state: JobState::Queued,
-            spec: spec_json,
+            spec: new.spec,
             submitted_at_ms: new.at_ms,
             started_at_ms: None,
             finished_at_ms: None,
@@ -478,58 +548,48 @@ async fn submit(
             cancel_requested: false,
             message: None,
         };
-        let _ = s.engine.send(Msg::Submitted { row, spec: Box::new(spec.clone()) });
-    } else {
-        // The key was seen before. The spec stored with it is its fingerprint: the same job
-        // (however the manifest is written) gets the first job back; a different one is
-        // refused with 422, as the IETF Idempotency-Key draft says (section 2.7), and the first
-        // job stays as it was.
-        let row = match s.store.job(id).await {
-            Ok(Some(row)) => row,
-            Ok(None) => {
-                let msg = format!("store: job {id}, which holds the idempotency key, is missing");
-                return error(StatusCode::INTERNAL_SERVER_ERROR, msg);
-            }
-            Err(e) => return unavailable(e),
-        };
-        // Compared as specs, so a spec stored by an older version (a field it lacked takes
-        // its default) still matches; as text when it no longer reads as one.
-        let same = match serde_json::from_str::<xpu_core::job::JobSpec>(&row.spec) {
-            Ok(first) => first == spec,
-            Err(_) => row.spec == spec_json,
-        };
-        if !same {
-            let key = new.key.unwrap_or_default();
-            return (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                Json(json!({
-                    "error": format!(
-                        "idempotency key {key:?}: already used for job {id} with a different manifest; resend that manifest to get job {id}, or use a new key for a new job"
-                    ),
-                    "field": "Idempotency-Key",
-                    "id": id,
-                })),
-            )
-                .into_response();
+        // The engine is gone only while the daemon stops; the job is stored and the next
+        // start picks it up.
+        let _ = s.engine.send(Msg::Submitted { row, spec: Box::new(spec) });
+        return Ok(json!({ "id": id, "name": name, "state": JobState::Queued, "created": true }));
+    }
+    let row = match s.store.job(id).await {
+        Ok(Some(row)) => row,
+        Ok(None) => {
+            let msg = format!("store: job {id}, which holds the idempotency key, is missing");
+            return Err(error(StatusCode::INTERNAL_SERVER_ERROR, msg));
         }
-        state = row.state;
+        Err(e) => return Err(unavailable(e)),
+    };
+    // Compared as specs, so a spec stored by an older version (a field it lacked takes its
+    // default) still matches; as text when it no longer reads as one.
+    let same = match serde_json::from_str::<xpu_core::job::JobSpec>(&row.spec) {
+        Ok(mut first) => {
+            // A generated name differs on every draw; the manifest is what must match.
+            if first.pod.generate_name.is_some()
+                && first.pod.generate_name == spec.pod.generate_name
+            {
+                first.name.clone_from(&spec.name);
+            }
+            first == spec
+        }
+        Err(_) => row.spec == new.spec,
+    };
+    if !same {
+        let key = new.key.unwrap_or_default();
+        return Err((
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Json(json!({
+                "error": format!(
+                    "idempotency key {key:?}: already used for job {id} with a different manifest; resend that manifest to get job {id}, or use a new key for a new job"
+                ),
+                "field": "Idempotency-Key",
+                "id": id,
+            })),
+        )
+            .into_response());
     }
-    let code = if created { StatusCode::CREATED } else { StatusCode::OK };
-    let mut resp = (
-        code,
-        Json(json!({
-            "id": id,
-            "name": spec.name,
-            "state": state,
-            "created": created,
-            "notes": parsed.notes,
-        })),
-    )
-        .into_response();
-    if let Ok(v) = HeaderValue::from_str(&format!("/v1/jobs/{id}")) {
-        resp.headers_mut().insert(header::LOCATION, v);
-    }
-    resp
+    Ok(json!({ "id": id, "name": row.name, "state": row.state, "created": false }))
 }
 
 /// What the parser cannot know: whether the scheduler can take the task's request, and
@@ -879,6 +939,12 @@ async fn read_from(path: &std::path::Path, offset: u64, max: u64) -> Vec<u8> {
 
 async fn devices(State(s): S) -> Response {
     let holders = s.view.read().map(|v| v.holders.clone()).unwrap_or_default();
+    let telemetry = s.telemetry.as_ref().map(|t| t.snapshot().devices).unwrap_or_default();
+    let unhealthy: std::collections::BTreeMap<String, String> = s
+        .telemetry
+        .as_ref()
+        .map(|t| t.unhealthy().into_iter().map(|(a, r)| (a.to_string(), r)).collect())
+        .unwrap_or_default();
     let devs: Vec<Value> = s
         .node
         .devices
@@ -897,6 +963,20 @@ async fn devices(State(s): S) -> Response {
                     json!(held.iter().map(|h| u32::from(h.milli)).sum::<u32>()),
                 );
                 m.insert("holders".into(), serde_json::to_value(&held).unwrap_or(Value::Null));
+                if let Some(t) = telemetry.iter().find(|t| t.address.to_string() == d.address) {
+                    let r = &t.reading;
+                    m.insert(
+                        "telemetry".into(),
+                        json!({
+                            "utilization_percent": r.utilization_percent,
+                            "memory_used_bytes": r.memory_used_bytes,
+                            "memory_total_bytes": r.memory_total_bytes,
+                            "power_watts": r.power_watts,
+                            "temperature_celsius": r.temperature_celsius,
+                        }),
+                    );
+                }
+                m.insert("unhealthy".into(), json!(unhealthy.get(&d.address)));
             }
             v
         })

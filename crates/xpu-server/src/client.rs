@@ -208,12 +208,28 @@ impl Client {
         req.push_str("\r\n");
         let mut bytes = req.into_bytes();
         bytes.extend_from_slice(body);
-        conn.get_mut().write_all(&bytes).map_err(|e| self.io(e))?;
+        // A daemon that refuses a request early (a body over its limit: 413) answers and closes
+        // while the body is still being sent: the write fails, but its answer is there to read.
+        // With no answer, the write's error is the one to report.
+        let write_err = match conn.get_mut().write_all(&bytes) {
+            Ok(()) => None,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                Some(e)
+            }
+            Err(e) => return Err(self.io(e)),
+        };
 
         let mut line = String::new();
-        conn.read_line(&mut line).map_err(|e| self.io(e))?;
-        if line.is_empty() {
-            return Err(self.proto("connection closed before the status line"));
+        match (conn.read_line(&mut line), write_err) {
+            (Ok(n), _) if n > 0 => {}
+            (_, Some(e)) => return Err(self.io(e)),
+            (Err(e), None) => return Err(self.io(e)),
+            (Ok(_), None) => return Err(self.proto("connection closed before the status line")),
         }
         let status: u16 = line
             .split_whitespace()

@@ -33,6 +33,19 @@ pub struct ContainerLaunch {
     pub id: String,
     pub source: Source,
     pub hostname: String,
+    /// The ids of the pod's init containers and sidecars, each a container of its own beside
+    /// `id` (the main one): `<id>-i<n>`. Killed and deleted with it.
+    pub steps: Vec<String>,
+}
+
+/// A volume directory bound into a container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    /// On the host: under the task directory.
+    pub source: PathBuf,
+    /// Absolute, in the container.
+    pub destination: String,
+    pub read_only: bool,
 }
 
 /// Where the container's filesystem comes from.
@@ -124,6 +137,8 @@ pub struct Process<'a> {
     pub argv: &'a [String],
     pub env: &'a [(String, String)],
     pub working_dir: Option<&'a str>,
+    /// Volumes to bind in, after the configuration's own mounts.
+    pub mounts: &'a [Mount],
 }
 
 /// `runc spec`'s default configuration with a rootfs, without the network namespace and with a
@@ -256,6 +271,22 @@ pub fn config(c: &ContainerLaunch, p: &Process<'_>) -> Result<Value, BundleError
         env.push(format!("{k}={v}"));
     }
     process.insert("env".into(), json!(env));
+    if !p.mounts.is_empty() {
+        let mounts = cfg
+            .as_object_mut()
+            .map(|o| o.entry("mounts").or_insert_with(|| json!([])))
+            .and_then(Value::as_array_mut)
+            .ok_or_else(|| bad("mounts is not a list"))?;
+        for m in p.mounts {
+            let mode = if m.read_only { "ro" } else { "rw" };
+            mounts.push(json!({
+                "destination": m.destination,
+                "type": "bind",
+                "source": m.source,
+                "options": ["rbind", "nosuid", "nodev", mode],
+            }));
+        }
+    }
     // A bundle's CDI annotations would ask the shim for devices too.
     if let Some(a) = cfg.get_mut("annotations").and_then(Value::as_object_mut) {
         a.retain(|k, _| !k.starts_with(crate::node::CDI_ANNOTATION_PREFIX));
@@ -297,20 +328,24 @@ pub fn run_argv(c: &ContainerLaunch, dir: &Path) -> Vec<OsString> {
     argv
 }
 
-/// Runs `xpu runtime --root STATE <args...> ID` (runc's `kill`, `delete`) and waits for it;
-/// failures (the container is already gone) are not errors.
+/// Runs `xpu runtime --root STATE <args...> ID` (runc's `kill`, `delete`) for the attempt's
+/// container and each of its init containers and sidecars, and waits for them; failures (the
+/// container is already gone) are not errors.
 pub async fn runtime_call(c: &ContainerLaunch, args: &[&str]) {
-    let mut cmd = tokio::process::Command::new(&c.runtime[0]);
-    cmd.args(&c.runtime[1..])
-        .arg("--root")
-        .arg(&c.state_dir)
-        .args(args)
-        .arg(&c.id)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    if let Ok(mut child) = cmd.spawn() {
-        let _ = child.wait().await;
+    for id in std::iter::once(&c.id).chain(&c.steps) {
+        let mut cmd = tokio::process::Command::new(&c.runtime[0]);
+        cmd.args(&c.runtime[1..])
+            .arg("--root")
+            .arg(&c.state_dir)
+            .args(args)
+            .arg(id)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if let Ok(mut child) = cmd.spawn() {
+            // Its status says nothing more: a container that is gone is what was wanted.
+            let _ = child.wait().await;
+        }
     }
 }
 
@@ -337,6 +372,7 @@ mod tests {
             id: "xpu-1-0-0".into(),
             source,
             hostname: "node-a".into(),
+            steps: Vec::new(),
         }
     }
 
@@ -346,7 +382,7 @@ mod tests {
         let c = launch(Source::Rootfs(tmp.path().to_owned()));
         let env = [("A".to_owned(), "1".to_owned()), ("PATH".to_owned(), "/bin".to_owned())];
         let argv = ["sh".to_owned(), "-c".to_owned(), "true".to_owned()];
-        let p = Process { job: 1, argv: &argv, env: &env, working_dir: Some("work") };
+        let p = Process { job: 1, argv: &argv, env: &env, working_dir: Some("work"), mounts: &[] };
         let v = config(&c, &p).unwrap();
         assert_eq!(v["process"]["args"], json!(["sh", "-c", "true"]));
         assert_eq!(v["process"]["env"], json!(["TERM=xterm", "A=1", "PATH=/bin"]));
@@ -391,7 +427,7 @@ mod tests {
         std::fs::write(tmp.path().join("config.json"), base.to_string()).unwrap();
         let c = launch(Source::Bundle(tmp.path().to_owned()));
         let env = [("NVIDIA_VISIBLE_DEVICES".to_owned(), "2".to_owned())];
-        let p = Process { job: 1, argv: &[], env: &env, working_dir: None };
+        let p = Process { job: 1, argv: &[], env: &env, working_dir: None, mounts: &[] };
         let v = config(&c, &p).unwrap();
         assert_eq!(v["process"]["args"], json!(["/app/train"]), "the bundle's command");
         assert_eq!(v["process"]["env"], json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=2"]));

@@ -167,13 +167,20 @@ impl Task {
     }
 }
 
-/// An index waiting to restart in place (`OnFailure`) on its slot's devices.
+/// An index waiting to restart in place (`OnFailure`, `Always`) on its slot's devices.
 #[derive(Debug)]
 struct Restart {
     idx: u32,
     slot: u32,
     devices: Vec<u32>,
+    /// The kubelet's crash-loop back-off: not started again before this.
+    not_before: Instant,
 }
+
+/// Longest wait before an in-place restart, and how long a task must run for its back-off to
+/// start again from the first step: the kubelet's 5 minutes and twice that.
+const MAX_RESTART_BACKOFF: Duration = Duration::from_secs(300);
+const BACKOFF_RESET_MS: i64 = 600_000;
 
 #[derive(Debug)]
 struct Job {
@@ -196,6 +203,8 @@ struct Job {
     /// Active attempts.
     tasks: Vec<Task>,
     restarts: Vec<Restart>,
+    /// Per completion index: in-place restarts since its back-off was last reset.
+    crash_loops: BTreeMap<u32, u32>,
     /// Set once the job reached a terminal state; the tasks are being stopped.
     ending: Option<(JobState, String)>,
     /// Why the last start failed, shown while it waits again.
@@ -227,6 +236,7 @@ impl Job {
             next_attempt: vec![0; n],
             tasks: Vec::new(),
             restarts: Vec::new(),
+            crash_loops: BTreeMap::new(),
             ending: None,
             reason: String::new(),
             sched: None,
@@ -276,6 +286,11 @@ pub struct Engine {
     /// Scheduler device index to node device id, and back.
     dev_ids: Vec<Option<u32>>,
     sched_idx: Vec<Option<u16>>,
+    /// Devices telemetry reports unhealthy (node device id), each held in the scheduler by a
+    /// placeholder job pinned to it so nothing new is placed there ([`Engine::apply_health`]).
+    health_holds: BTreeMap<u32, JobId>,
+    /// Unhealthy devices whose hold the scheduler refused, said once each.
+    hold_refused: std::collections::BTreeSet<u32>,
     /// Jobs the scheduler still remembers that ended since it was last rebuilt, and how many
     /// make it rebuild ([`REBUILD_AFTER`]).
     retired: usize,
@@ -295,6 +310,26 @@ pub const QUEUE_VIEW: usize = 1000;
 /// The scheduler keeps every job it was given; it is rebuilt from the active ones once this
 /// many have ended (and more than are active), so a long-lived daemon does not grow.
 const REBUILD_AFTER: usize = 20_000;
+
+/// The placeholder job that holds one unhealthy device of `kind`, in a queue of its own.
+fn health_hold(kind: DeviceKind) -> xpu_sched::Job {
+    xpu_sched::Job::single(
+        "xpu-health-hold",
+        xpu_sched::TaskGroup {
+            name: "hold".to_owned(),
+            count: 1,
+            task: xpu_sched::TaskSpec {
+                devices: xpu_sched::DeviceAsk::Whole(1),
+                device_kind: Some(kind),
+                ..xpu_sched::TaskSpec::default()
+            },
+            gang: false,
+            tpu: None,
+        },
+    )
+    // A queue of its own: an out-of-service device is not charged to any tenant's fair share.
+    .queue("xpu.dev/health-hold")
+}
 
 /// The scheduler for the daemon's node: fair share across queues, priority inside each, lanes
 /// per device kind, and jobs whose tasks end one by one ([`xpu_sched::manifest`]).
@@ -334,6 +369,8 @@ impl Engine {
             by_sched: HashMap::new(),
             dev_ids,
             sched_idx,
+            health_holds: BTreeMap::new(),
+            hold_refused: std::collections::BTreeSet::new(),
             retired: 0,
             rebuild_after: REBUILD_AFTER,
             t0: Instant::now(),
@@ -354,6 +391,8 @@ impl Engine {
             self.sched = s;
         }
         self.by_sched.clear();
+        // The placeholders went with the old scheduler; the next pass holds the devices again.
+        self.health_holds.clear();
         self.retired = 0;
     }
 
@@ -406,8 +445,92 @@ impl Engine {
                     self.tick();
                 }
             }
+            self.apply_health();
             self.schedule();
             self.publish();
+        }
+    }
+
+    /// Takes devices that telemetry reports unhealthy out of placement, and gives them back
+    /// when it reports them healthy. A device busy with a task is left to it (the task's own
+    /// errors end it) and held as soon as it is free: before the next placement, since this
+    /// runs first in each pass.
+    fn apply_health(&mut self) {
+        let Some(tel) = self.shared.telemetry.as_ref() else { return };
+        let bad = tel.unhealthy();
+        let now = self.now_s();
+        let shared = self.shared.clone();
+        for dev in &shared.node.devices {
+            let reason = dev.address.parse().ok().and_then(|a| bad.get(&a));
+            match (reason, self.health_holds.get(&dev.id).copied()) {
+                (Some(reason), None) => {
+                    let Some(si) = self.sched_idx.get(dev.id as usize).copied().flatten() else {
+                        continue;
+                    };
+                    let free = self
+                        .sched
+                        .cluster()
+                        .nodes()
+                        .first()
+                        .and_then(|n| n.devices.get(usize::from(si)))
+                        .is_some_and(|d| d.free_milli() == 1000);
+                    if !free {
+                        continue;
+                    }
+                    let hold = health_hold(dev.kind);
+                    let task = TaskRef { group: 0, index: 0 };
+                    match self.sched.adopt(hold, &[(task, 0, vec![si])], now) {
+                        Ok(jid) => {
+                            self.health_holds.insert(dev.id, jid);
+                            self.event(
+                                None,
+                                "device-unhealthy",
+                                format!(
+                                    "device {} is unhealthy ({reason}); no new work is placed on it",
+                                    dev.address
+                                ),
+                            );
+                            self.dirty = true;
+                        }
+                        // The device was free, so this is not expected; the adoption left
+                        // nothing allocated, and it is tried again next pass. Said once.
+                        Err(e) => {
+                            if self.hold_refused.insert(dev.id) {
+                                self.event(
+                                    None,
+                                    "device-unhealthy",
+                                    format!(
+                                        "device {} is unhealthy ({reason}) but could not be taken out of placement: {e}",
+                                        dev.address
+                                    ),
+                                );
+                            }
+                        }
+                    }
+                }
+                (None, Some(jid)) => {
+                    self.health_holds.remove(&dev.id);
+                    self.hold_refused.remove(&dev.id);
+                    match self.sched.finish(jid, now) {
+                        Ok(()) => self.retired += 1,
+                        Err(e) => self.event(
+                            None,
+                            "device-healthy",
+                            format!("releasing the hold on device {}: {e}", dev.address),
+                        ),
+                    }
+                    self.event(
+                        None,
+                        "device-healthy",
+                        format!("device {} is healthy again; it takes work", dev.address),
+                    );
+                    self.dirty = true;
+                }
+                (None, None) => {
+                    self.hold_refused.remove(&dev.id);
+                }
+                (Some(_), Some(_)) => {}
+            }
         }
     }
 
@@ -655,12 +778,15 @@ impl Engine {
             (None, None) => return None,
         };
         let data = &self.shared.data_dir;
+        let id = container::container_id(data, job_id, idx, attempt);
+        let steps = (0..job.spec.init_containers.len()).map(|n| format!("{id}-i{n}")).collect();
         Some(ContainerLaunch {
             runtime: self.shared.runtime.clone(),
             state_dir: data.join("runc"),
-            id: container::container_id(data, job_id, idx, attempt),
+            id,
             source,
             hostname: self.shared.node.hostname.clone(),
+            steps,
         })
     }
 
@@ -826,12 +952,30 @@ impl Engine {
             // `runc run` deletes its container when it exits; one killed with it is not.
             tokio::spawn(async move { container::runtime_call(&c, &["delete", "-f"]).await });
         }
+        // A task killed outright (SIGKILL) leaves its memory volumes mounted: unmounted here,
+        // lazily, so nothing holds the memory after the task.
+        for v in job.spec.volumes.iter().filter(|v| v.memory) {
+            let dir = task.dir.join("volumes").join(&v.name);
+            tokio::spawn(async move {
+                let status = tokio::process::Command::new("umount")
+                    .arg("-l")
+                    .arg(&dir)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .await;
+                // Not mounted any more (the task's script unmounted it) is the usual case.
+                let _ = status;
+            });
+        }
         if job.ending.is_some() {
             self.release_slot(job_id, task.slot);
             self.reap(job_id);
             return;
         }
-        if ok {
+        let always = job.spec.restart_policy == RestartPolicy::Always;
+        if ok && !always {
             job.set(idx, Idx::Done);
             let all = job.all_done();
             let n = job.spec.completions;
@@ -845,14 +989,18 @@ impl Engine {
             }
             return;
         }
-        self.shared.metrics.tasks_failed.fetch_add(1, Ordering::Relaxed);
-        job.failures += 1;
         let msg = match (start_error, code) {
+            (_, Some(0)) => format!("task {idx} attempt {attempt} exited with status 0"),
             (Some(e), _) => format!("task {idx} attempt {attempt} could not start: {e}"),
             (None, Some(c)) => format!("task {idx} attempt {attempt} failed: exit status {c}"),
             (None, None) => format!("task {idx} attempt {attempt} failed: lost (no exit status)"),
         };
+        if !ok {
+            self.shared.metrics.tasks_failed.fetch_add(1, Ordering::Relaxed);
+            job.failures += 1;
+        }
         let (failures, limit) = (job.failures, i64::from(job.spec.backoff_limit));
+        let unbounded = always || job.spec.backoff_limit == u32::MAX;
         let state = job.state;
         // Kubernetes: the Job fails once failures exceed backoffLimit.
         if failures > limit {
@@ -865,22 +1013,44 @@ impl Engine {
             );
             return;
         }
-        match (job.spec.restart_policy, task.slot) {
-            // Restarted in place: keeps its slot, so its devices.
-            (RestartPolicy::OnFailure, Some(slot)) => {
-                job.restarts.push(Restart { idx, slot, devices: task.devices.clone() })
+        let next = match (job.spec.restart_policy, task.slot) {
+            // Restarted in place: keeps its slot, so its devices, after the kubelet's back-off
+            // (base, doubled per restart, at most 5 minutes; back to the base once a run lasted
+            // 10 minutes).
+            (RestartPolicy::OnFailure | RestartPolicy::Always, Some(slot)) => {
+                let loops = job.crash_loops.entry(idx).or_insert(0);
+                if now_ms() - task.started_ms >= BACKOFF_RESET_MS {
+                    *loops = 0;
+                }
+                let delay = self
+                    .shared
+                    .restart_backoff
+                    .saturating_mul(1u32 << (*loops).min(16))
+                    .min(MAX_RESTART_BACKOFF);
+                *loops = loops.saturating_add(1);
+                job.restarts.push(Restart {
+                    idx,
+                    slot,
+                    devices: task.devices.clone(),
+                    not_before: Instant::now() + delay,
+                });
+                format!("restarting in place in {} s", delay.as_secs_f64())
             }
             // A new attempt, placed anew (Kubernetes makes a new pod).
             _ => {
                 job.set(idx, Idx::Pending);
                 self.release_slot(job_id, task.slot);
+                "retrying".to_owned()
             }
-        }
-        self.event(
-            Some(job_id),
-            "task-failed",
-            format!("{msg}; retrying ({failures} of {limit} retries used)"),
-        );
+        };
+        let (kind, detail) = if ok {
+            ("task-restarted", format!("{msg}; {next} (restartPolicy Always)"))
+        } else if unbounded {
+            ("task-failed", format!("{msg}; {next} ({failures} failures so far)"))
+        } else {
+            ("task-failed", format!("{msg}; {next} ({failures} of {limit} retries used)"))
+        };
+        self.event(Some(job_id), kind, detail);
         self.shared.store.write_later(Write::SetJob {
             id: job_id,
             state,
@@ -943,15 +1113,16 @@ impl Engine {
         if self.retired > self.rebuild_after && self.retired > self.jobs.len() {
             self.rebuild();
         }
-        // Restarts in place first: they already hold their devices.
-        let restarts: Vec<(i64, Restart)> = self
-            .jobs
-            .values_mut()
-            .flat_map(|j| {
-                let id = j.id;
-                j.restarts.drain(..).map(move |r| (id, r))
-            })
-            .collect();
+        // Restarts in place first: they already hold their devices. Those still in their
+        // back-off wait; the tick brings the loop back here.
+        let due_at = Instant::now();
+        let mut restarts: Vec<(i64, Restart)> = Vec::new();
+        for j in self.jobs.values_mut() {
+            let (due, later): (Vec<Restart>, Vec<Restart>) =
+                j.restarts.drain(..).partition(|r| r.not_before <= due_at);
+            j.restarts = later;
+            restarts.extend(due.into_iter().map(|r| (j.id, r)));
+        }
         for (id, r) in restarts {
             self.start(id, r.idx, Some(r.slot), r.devices);
         }
@@ -1066,17 +1237,49 @@ impl Engine {
             kills: 0,
             container: container.clone(),
         });
-        let env = task_env(&shared, job, idx, &devices, container.is_some());
-        let launch = Launch {
-            job_id,
-            idx,
-            attempt,
-            argv: job.spec.container.argv.clone(),
-            env,
-            working_dir: job.spec.container.working_dir.clone(),
-            dir: dir.clone(),
-            container,
-        };
+        // What the task is told, resolved now; a manifest whose references expand past the
+        // kernel's limits fails to start, saying which (after its row is written, as any start).
+        let in_container = container.is_some();
+        let main = &job.spec.container;
+        let prepared = task_env(&shared, job, main, idx, &devices, in_container)
+            .and_then(|env| Ok((task_argv(&job.spec, main, &env)?, env)))
+            .and_then(|(argv, env)| {
+                // Each init container with its own variables and arguments, on the same
+                // devices (see `executor::spawn_pod`).
+                let init = job
+                    .spec
+                    .init_containers
+                    .iter()
+                    .map(|c| {
+                        let env = task_env(&shared, job, c, idx, &devices, in_container)
+                            .map_err(|e| format!("init container {}: {e}", c.name))?;
+                        let argv = task_argv(&job.spec, c, &env)
+                            .map_err(|e| format!("init container {}: {e}", c.name))?;
+                        Ok(executor::Step {
+                            name: c.name.clone(),
+                            argv,
+                            env,
+                            working_dir: c.working_dir.clone(),
+                            sidecar: c.sidecar,
+                            mounts: c.volume_mounts.clone(),
+                        })
+                    })
+                    .collect::<Result<Vec<_>, String>>()?;
+                Ok(Launch {
+                    job_id,
+                    idx,
+                    attempt,
+                    argv,
+                    env,
+                    working_dir: main.working_dir.clone(),
+                    dir: dir.clone(),
+                    container,
+                    init,
+                    volumes: job.spec.volumes.clone(),
+                    mounts: main.volume_mounts.clone(),
+                    grace: shared.grace,
+                })
+            });
         let row = TaskRow {
             job_id,
             idx: i64::from(idx),
@@ -1099,6 +1302,14 @@ impl Engine {
                     tx.send(Msg::StartFailed { job: job_id, idx, attempt, error: e.to_string() });
                 return;
             }
+            let launch = match prepared {
+                Ok(l) => l,
+                Err(error) => {
+                    // Fails only when the engine is gone (the daemon stopping): nobody to tell.
+                    let _ = tx.send(Msg::StartFailed { job: job_id, idx, attempt, error });
+                    return;
+                }
+            };
             let mut spawned = match executor::spawn(&launch) {
                 Ok(s) => s,
                 Err(e) => {
@@ -1278,18 +1489,29 @@ fn why_never(shared: &Shared, spec: &JobSpec) -> Option<String> {
 fn task_env(
     shared: &Shared,
     job: &Job,
+    c: &xpu_core::job::Container,
     idx: u32,
     devices: &[u32],
     container: bool,
-) -> Vec<(String, String)> {
+) -> Result<Vec<(String, String)>, String> {
     let spec = &job.spec;
-    let mut env: Vec<(String, String)> = spec
-        .container
-        .env
-        .iter()
-        .filter(|e| !crate::node::selects_devices(&e.name))
-        .map(|e| (e.name.clone(), e.value.clone()))
-        .collect();
+    let pod = pod_identity(job, idx);
+    // The container's own variables in order: `valueFrom` resolved from the pod's identity,
+    // `$(VAR)` in a value expanded with the variables defined before it (Kubernetes' rules).
+    let mut env: Vec<(String, String)> = Vec::new();
+    for e in c.env.iter().filter(|e| !crate::node::selects_devices(&e.name)) {
+        let value = match &e.from {
+            Some(from) => resolve_env_from(shared, spec, c, &pod, from, devices.len()),
+            None if spec.source == xpu_core::job::Source::Kubernetes => {
+                let lookup =
+                    |n: &str| env.iter().rev().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+                xpu_core::expand::expand(&e.value, &lookup)
+                    .map_err(|err| format!("env {}: {err}", e.name))?
+            }
+            None => e.value.clone(),
+        };
+        env.push((e.name.clone(), value));
+    }
     if container {
         env.extend(shared.node.container_device_env(devices));
     } else {
@@ -1310,7 +1532,133 @@ fn task_env(
             (0..spec.completions).map(|_| shared.node.hostname.clone()).collect();
         env.push(("TPU_WORKER_HOSTNAMES".into(), hosts.join(",")));
     }
-    env
+    // Linux refuses an exec whose arguments and environment pass its limit (2 MiB with the
+    // default stack); a manifest's references must not make the daemon build more than that.
+    let total: usize = env.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+    if total > MAX_TASK_ENV {
+        return Err(format!(
+            "the environment expands to {total} bytes, over the {} MiB a process can be given",
+            MAX_TASK_ENV >> 20
+        ));
+    }
+    Ok(env)
+}
+
+/// Who a task is, as the downward API tells a pod: its name, uid, labels and annotations as
+/// the Job controller sets them.
+struct PodIdentity {
+    name: String,
+    uid: String,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+}
+
+fn pod_identity(job: &Job, idx: u32) -> PodIdentity {
+    let spec = &job.spec;
+    let uid_of = |n: u64| format!("{:08x}-0000-4000-8000-{:012x}", job.id, n);
+    let job_uid = uid_of(0);
+    let mut labels = spec.pod.labels.clone();
+    let mut annotations = spec.pod.annotations.clone();
+    if spec.source == xpu_core::job::Source::Kubernetes {
+        for (k, v) in [
+            ("batch.kubernetes.io/job-name", job.name.clone()),
+            ("job-name", job.name.clone()),
+            ("batch.kubernetes.io/controller-uid", job_uid.clone()),
+            ("controller-uid", job_uid.clone()),
+        ] {
+            labels.insert(k.to_owned(), v);
+        }
+    }
+    if spec.completion_mode == CompletionMode::Indexed {
+        let key = "batch.kubernetes.io/job-completion-index";
+        labels.insert(key.to_owned(), idx.to_string());
+        annotations.insert(key.to_owned(), idx.to_string());
+    }
+    PodIdentity {
+        name: format!("{}-{}-{idx}", job.name, job.id),
+        uid: uid_of(u64::from(idx) + 1),
+        labels,
+        annotations,
+    }
+}
+
+/// A `valueFrom` value. Tasks share the host's network (and a container has only loopback), so
+/// both IPs are 127.0.0.1. A resource the container does not set reads as the node's capacity,
+/// as the kubelet gives a limit that is not set.
+fn resolve_env_from(
+    shared: &Shared,
+    spec: &JobSpec,
+    c: &xpu_core::job::Container,
+    pod: &PodIdentity,
+    from: &xpu_core::job::EnvFrom,
+    devices: usize,
+) -> String {
+    use xpu_core::job::{EnvFrom, FieldPath};
+    match from {
+        EnvFrom::Field(f) => match f {
+            FieldPath::Name => pod.name.clone(),
+            FieldPath::Namespace => spec.pod.namespace.clone().unwrap_or_else(|| "default".into()),
+            FieldPath::Uid => pod.uid.clone(),
+            FieldPath::Label(k) => pod.labels.get(k).cloned().unwrap_or_default(),
+            FieldPath::Annotation(k) => pod.annotations.get(k).cloned().unwrap_or_default(),
+            FieldPath::NodeName => shared.node.name.clone(),
+            FieldPath::ServiceAccountName => {
+                spec.pod.service_account.clone().unwrap_or_else(|| "default".into())
+            }
+            FieldPath::HostIp | FieldPath::PodIp => "127.0.0.1".to_owned(),
+        },
+        EnvFrom::Resource { resource, divisor } => {
+            let r = &c.resources;
+            let name = resource.split_once('.').map_or(resource.as_str(), |(_, n)| n);
+            let value = match name {
+                "cpu" if r.cpu_milli > 0 => r.cpu_milli as f64 / 1000.0,
+                "cpu" => shared.node.cpu_milli as f64 / 1000.0,
+                "memory" if r.memory_mib > 0 => r.memory_mib as f64 * 1048576.0,
+                "memory" => shared.node.memory_mib as f64 * 1048576.0,
+                other => {
+                    if r.devices.iter().any(|d| d.resource == other) {
+                        devices as f64
+                    } else {
+                        0.0
+                    }
+                }
+            };
+            let d = xpu_core::job::quantity(divisor).filter(|d| *d > 0.0).unwrap_or(1.0);
+            format!("{}", (value / d).ceil() as u64)
+        }
+    }
+}
+
+/// Most bytes of environment, or of arguments, a task is started with (Linux's default limit
+/// for both together is 2 MiB).
+const MAX_TASK_ENV: usize = 2 << 20;
+
+/// `$(VAR)` in a Kubernetes manifest's command and args, by Kubernetes' rules, with every
+/// variable of the task. xpu's short form runs its command as written (a shell's `$(cmd)`
+/// stays a shell's).
+fn task_argv(
+    spec: &JobSpec,
+    c: &xpu_core::job::Container,
+    env: &[(String, String)],
+) -> Result<Vec<String>, String> {
+    if spec.source != xpu_core::job::Source::Kubernetes {
+        return Ok(c.argv.clone());
+    }
+    let lookup = |n: &str| env.iter().rev().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+    let mut total = 0;
+    let mut argv = Vec::with_capacity(c.argv.len());
+    for (i, a) in c.argv.iter().enumerate() {
+        let a = xpu_core::expand::expand(a, &lookup).map_err(|e| format!("argument {i}: {e}"))?;
+        total += a.len() + 1;
+        if total > MAX_TASK_ENV {
+            return Err(format!(
+                "the arguments expand to over the {} MiB a process can be given",
+                MAX_TASK_ENV >> 20
+            ));
+        }
+        argv.push(a);
+    }
+    Ok(argv)
 }
 
 fn is_gpu(shared: &Shared, d: u32) -> bool {
@@ -1361,8 +1709,10 @@ mod tests {
             token: String::new(),
             started_ms: 0,
             grace: Duration::from_secs(1),
+            restart_backoff: Duration::ZERO,
             runtime: vec!["xpu".into(), "runtime".into()],
             db_url: url,
+            telemetry: None,
         })
     }
 
@@ -1449,6 +1799,62 @@ mod tests {
         std::fs::write(&gate, "").unwrap();
         for id in [holder, a, b] {
             until("all to succeed", async || {
+                (state(&s, id).await == JobState::Succeeded).then_some(())
+            })
+            .await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_work_is_placed_on_a_device_telemetry_calls_unhealthy_until_it_recovers() {
+        use xpu_telemetry::Reading;
+        use xpu_telemetry::nvml::FakeNvml;
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let base = shared(tmp.path(), tx.clone()).await;
+        let addrs: Vec<xpu_core::PciAddress> =
+            base.node.devices.iter().map(|d| d.address.parse().unwrap()).collect();
+        let nvml = FakeNvml::new(addrs.iter().map(|a| (*a, Reading::default())).collect());
+        let empty = tempfile::tempdir().unwrap();
+        let telemetry = xpu_telemetry::collect::Collector::start(
+            xpu_host::Root::new(empty.path()).unwrap(),
+            Duration::from_millis(50),
+            vec![Box::new(nvml.clone())],
+        );
+        let mut s = Arc::try_unwrap(base).ok().unwrap();
+        s.telemetry = Some(telemetry.clone());
+        let s = Arc::new(s);
+        tokio::spawn(Engine::new(s.clone(), rx, tx).unwrap().run());
+
+        // GPU 0 reports XID 79 (fallen off the bus).
+        nvml.update(|st| st.devices.get_mut(&addrs[0]).unwrap().xids.push(79));
+        until("telemetry to report it", async || {
+            telemetry.unhealthy().contains_key(&addrs[0]).then_some(())
+        })
+        .await;
+        let gate = tmp.path().join("gate");
+        let hold = format!(
+            "command: [sh, -c, \"while [ ! -e {} ]; do sleep 0.05; done\"]\ngpus: 1\n",
+            gate.display()
+        );
+        let a = submit(&s, &hold).await;
+        until("a to run", async || (state(&s, a).await == JobState::Running).then_some(())).await;
+        let tasks = s.store.tasks(a).await.unwrap();
+        assert_eq!(tasks[0].devices, [1], "placed on the healthy GPU, not on GPU 0");
+        // A second one-GPU job waits: GPU 1 is busy and GPU 0 is out.
+        let b = submit(&s, &hold).await;
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(state(&s, b).await, JobState::Queued);
+        // Reads that succeed are not a recovery; a reset reported by the source is.
+        nvml.update(|st| st.devices.get_mut(&addrs[0]).unwrap().reset = true);
+        until("b to run on GPU 0", async || {
+            (state(&s, b).await == JobState::Running).then_some(())
+        })
+        .await;
+        assert_eq!(s.store.tasks(b).await.unwrap()[0].devices, [0]);
+        std::fs::write(&gate, "").unwrap();
+        for id in [a, b] {
+            until("both to succeed", async || {
                 (state(&s, id).await == JobState::Succeeded).then_some(())
             })
             .await;

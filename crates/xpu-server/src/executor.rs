@@ -91,6 +91,28 @@ pub struct Launch {
     pub dir: PathBuf,
     /// Run as a container (`argv`, `env` and `working_dir` then go into its `config.json`).
     pub container: Option<crate::container::ContainerLaunch>,
+    /// The pod's init containers and sidecars, run before the main program ([`Step`]).
+    pub init: Vec<Step>,
+    /// The pod's `emptyDir` volumes, made under the attempt's directory.
+    pub volumes: Vec<xpu_core::job::Volume>,
+    /// Where the main container mounts them.
+    pub mounts: Vec<xpu_core::job::VolumeMount>,
+    /// How long sidecars have after SIGTERM, once the main container ended.
+    pub grace: std::time::Duration,
+}
+
+/// One init container (or sidecar) of a task: what it runs, with what, and where its volumes
+/// go. A host-process task runs it as a process; a container task as a container of its own
+/// on the same root filesystem.
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub name: String,
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub working_dir: Option<String>,
+    /// Started and left running beside the next steps and the main program; stopped after it.
+    pub sidecar: bool,
+    pub mounts: Vec<xpu_core::job::VolumeMount>,
 }
 
 /// A started task.
@@ -157,6 +179,9 @@ pub fn fresh_dir(dir: &Path) -> Result<Option<PathBuf>, ExecError> {
 
 /// Starts the attempt in a new directory ([`fresh_dir`]).
 pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
+    if !l.init.is_empty() || !l.volumes.is_empty() {
+        return spawn_pod(l);
+    }
     let moved_aside = fresh_dir(&l.dir)?;
     let log_path = l.dir.join("output.log");
     let log = OpenOptions::new()
@@ -174,6 +199,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
             argv: &l.argv,
             env: &l.env,
             working_dir: l.working_dir.as_deref(),
+            mounts: &[],
         };
         crate::container::write_bundle(&l.dir, c, &p)?;
         let argv = crate::container::run_argv(c, &l.dir);
@@ -208,6 +234,206 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
     cmd.current_dir(cwd);
     let program = l.argv.first().cloned().unwrap_or_default();
     finish_spawn(cmd, l, &program, moved_aside)
+}
+
+/// A task with init containers or volumes: the supervisor runs `pod.sh`, a script written for
+/// the attempt that makes the volumes, runs each init container to completion in order (a
+/// failing one ends the task with its status), starts sidecars and leaves them running, runs
+/// the main program, then stops the sidecars (SIGTERM) and waits for them. Its status is the
+/// main program's. A SIGTERM to the task reaches every step at once (they share the process
+/// group); the script then stops what is left the same way.
+///
+/// Host-process steps run through `env NAME=VALUE... -- ARGV` on the daemon's pass-through
+/// environment, each with its own variables, as containers each have their own. Container
+/// steps are `xpu runtime ... run` on a bundle of their own under `containers/<n>-<name>/`,
+/// ids `<id>-i<n>`; a volume is the directory `volumes/<name>/` bound into each container that
+/// mounts it (a tmpfs of `sizeLimit` bytes for `medium: Memory`, which needs the daemon to run
+/// as root, as runc does).
+fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
+    let moved_aside = fresh_dir(&l.dir)?;
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |source| ExecError::Dir { path, source }
+    };
+    let mkdir = |p: &Path| {
+        std::fs::DirBuilder::new().recursive(true).mode(crate::datadir::DIR_MODE).create(p)
+    };
+    // The volumes and the steps; `end` (stopping sidecars, unmounting) goes in front at the end.
+    let mut script = String::new();
+    // What kills a container sidecar outright: its init ignores SIGTERM when it has no handler
+    // (PID 1), and killing `runc run` would leave the container behind.
+    let mut hard_kills: Vec<String> = Vec::new();
+    let volume_dir = |name: &str| l.dir.join("volumes").join(name);
+    for v in &l.volumes {
+        let dir = volume_dir(&v.name);
+        mkdir(&dir).map_err(io(&dir))?;
+        if v.memory {
+            let size = v.size_limit.map(|b| format!(",size={b}")).unwrap_or_default();
+            script.push_str(&format!(
+                "mount -t tmpfs -o nosuid,nodev,mode=0755{size} xpu-emptydir {d} || {{ echo {msg} >&2; exit 1; }}\n",
+                d = quote(&dir),
+                msg = quote(format!(
+                    "xpu: volume {}: cannot mount a tmpfs (medium: Memory needs the daemon to run as root)",
+                    v.name
+                )),
+            ));
+        }
+    }
+    let mounts_of = |ms: &[xpu_core::job::VolumeMount]| -> Vec<crate::container::Mount> {
+        ms.iter()
+            .map(|m| {
+                let mut source = volume_dir(&m.name);
+                if let Some(sub) = &m.sub_path {
+                    source = source.join(sub);
+                }
+                crate::container::Mount {
+                    source,
+                    destination: m.mount_path.clone(),
+                    read_only: m.read_only,
+                }
+            })
+            .collect()
+    };
+    // subPath directories are made inside the volume (after a tmpfs is mounted on it), as the
+    // kubelet makes them.
+    let mut subs: Vec<PathBuf> = Vec::new();
+    for m in l.init.iter().flat_map(|s| &s.mounts).chain(&l.mounts) {
+        if let Some(sub) = &m.sub_path {
+            let p = volume_dir(&m.name).join(sub);
+            if !subs.contains(&p) {
+                script.push_str(&format!("mkdir -p {} || exit 1\n", quote(&p)));
+                subs.push(p);
+            }
+        }
+    }
+    let main = Step {
+        name: "main".to_owned(),
+        argv: l.argv.clone(),
+        env: l.env.clone(),
+        working_dir: l.working_dir.clone(),
+        sidecar: false,
+        mounts: l.mounts.clone(),
+    };
+    let steps: Vec<(usize, &Step)> =
+        l.init.iter().chain(std::iter::once(&main)).enumerate().collect();
+    let last = l.init.len();
+    for (n, step) in steps {
+        let line = match &l.container {
+            Some(c) => {
+                let mut c = c.clone();
+                if n < last {
+                    c.id = format!("{}-i{n}", c.id);
+                }
+                let dir = l.dir.join("containers").join(format!("{n}-{}", step.name));
+                mkdir(&dir).map_err(io(&dir))?;
+                let mounts = mounts_of(&step.mounts);
+                let p = crate::container::Process {
+                    job: l.job_id,
+                    argv: &step.argv,
+                    env: &step.env,
+                    working_dir: step.working_dir.as_deref(),
+                    mounts: &mounts,
+                };
+                crate::container::write_bundle(&dir, &c, &p)?;
+                if step.sidecar {
+                    let mut kill: Vec<String> = c.runtime.iter().map(quote).collect();
+                    kill.extend(["'--root'".to_owned(), quote(&c.state_dir), "'kill'".to_owned()]);
+                    kill.extend([quote(&c.id), "'KILL'".to_owned()]);
+                    hard_kills.push(kill.join(" "));
+                }
+                let argv = crate::container::run_argv(&c, &dir);
+                let words: Vec<String> = argv.iter().map(quote).collect();
+                format!("exec {}", words.join(" "))
+            }
+            None => {
+                let cd = match &step.working_dir {
+                    Some(w) if Path::new(w).is_absolute() => {
+                        if !Path::new(w).is_dir() {
+                            return Err(ExecError::WorkingDir { job: l.job_id, dir: w.clone() });
+                        }
+                        format!("cd {} && ", quote(w))
+                    }
+                    Some(w) => {
+                        let p = l.dir.join(w);
+                        mkdir(&p).map_err(io(&p))?;
+                        format!("cd {} && ", quote(&p))
+                    }
+                    None => String::new(),
+                };
+                let mut words = vec!["env".to_owned(), "--".to_owned()];
+                words.extend(step.env.iter().map(|(k, v)| quote(format!("{k}={v}"))));
+                words.extend(step.argv.iter().map(quote));
+                format!("{cd}exec {}", words.join(" "))
+            }
+        };
+        let label = quote(&step.name);
+        if n == last {
+            script
+                .push_str(&format!("# main container {label}\n( {line} ); rc=$?\nend\nexit $rc\n"));
+        } else if step.sidecar {
+            script.push_str(&format!("# sidecar {label}\n( {line} ) & s=\"$s $!\"\n"));
+        } else {
+            script.push_str(&format!(
+                "# init container {label}\n( {line} ) || {{ rc=$?; echo {failed}\"$rc\" >&2; end; exit $rc; }}\n",
+                failed = quote(format!("xpu: init container {:?} failed with status ", step.name))
+            ));
+        }
+    }
+    // Sidecars get SIGTERM, then the grace period (in tenths of a second), then SIGKILL, as
+    // the kubelet stops them after the main container.
+    let tenths = l.grace.as_millis().div_ceil(100).max(1);
+    let mut head = String::from(
+        "# Written by xpu serve for this attempt: the pod's containers in order.\ns=\nend() {\n  for p in $s; do kill -TERM \"$p\" 2>/dev/null; done\n  n=0; alive=\n",
+    );
+    head.push_str(&format!(
+        "  while [ -n \"$s\" ] && [ $n -lt {tenths} ]; do\n    alive=; for p in $s; do kill -0 \"$p\" 2>/dev/null && alive=1; done\n    [ -n \"$alive\" ] || break\n    sleep 0.1; n=$((n+1))\n  done\n"
+    ));
+    if !hard_kills.is_empty() {
+        head.push_str("  if [ -n \"$alive\" ]; then\n");
+        for k in &hard_kills {
+            head.push_str(&format!("    {k} >/dev/null 2>&1\n"));
+        }
+        head.push_str("  fi\n");
+    }
+    head.push_str("  for p in $s; do kill -KILL \"$p\" 2>/dev/null; done\n  wait\n");
+    for v in l.volumes.iter().filter(|v| v.memory) {
+        head.push_str(&format!("  umount {} 2>/dev/null\n", quote(volume_dir(&v.name))));
+    }
+    head.push_str("  :\n}\ntrap 'end; exit 143' TERM\ntrap 'end; exit 130' INT\n");
+    let script = head + &script;
+    let script_path = l.dir.join("pod.sh");
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(crate::datadir::FILE_MODE)
+        .open(&script_path)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, script.as_bytes()))
+        .map_err(io(&script_path))?;
+    let log_path = l.dir.join("output.log");
+    let log = OpenOptions::new()
+        .create_new(true)
+        .append(true)
+        .mode(crate::datadir::FILE_MODE)
+        .open(&log_path)
+        .map_err(|source| ExecError::Dir { path: log_path.display().to_string(), source })?;
+    let log2 = log
+        .try_clone()
+        .map_err(|source| ExecError::Dir { path: log_path.display().to_string(), source })?;
+    let argv = [OsString::from("/bin/sh"), script_path.into_os_string()];
+    let mut cmd = supervisor(&l.dir, &argv, log, log2);
+    for k in RUNTIME_ENV {
+        if let Some(v) = std::env::var_os(k) {
+            cmd.env(k, v);
+        }
+    }
+    cmd.current_dir(&l.dir);
+    finish_spawn(cmd, l, "/bin/sh pod.sh", moved_aside)
+}
+
+/// `p` as one word for `/bin/sh`: in single quotes, each `'` written as `'\''`.
+fn quote<S: AsRef<std::ffi::OsStr>>(p: S) -> String {
+    let s = p.as_ref().to_string_lossy();
+    format!("'{}'", s.replace('\'', "'\\''"))
 }
 
 /// The supervisor running `argv` with the daemon's pass-through environment, output to the log.
@@ -317,7 +543,59 @@ mod tests {
             working_dir: None,
             dir,
             container: None,
+            init: Vec::new(),
+            volumes: Vec::new(),
+            mounts: Vec::new(),
+            grace: Duration::from_secs(1),
         }
+    }
+
+    fn step(name: &str, script: &str, sidecar: bool) -> Step {
+        Step {
+            name: name.to_owned(),
+            argv: vec!["sh".into(), "-c".into(), script.to_owned()],
+            env: vec![("WHO".into(), format!("{name} 'quoted' $x"))],
+            working_dir: None,
+            sidecar,
+            mounts: Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn init_containers_run_in_order_and_sidecars_stop_after_the_main_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut l = launch(tmp.path().join("t"), &["sh", "-c", "echo main $FOO; cat state"]);
+        l.init = vec![
+            step("first", "echo \"$WHO\"; echo one > state", false),
+            step(
+                "side",
+                "trap 'echo sidecar stopped; exit 0' TERM; echo sidecar up; while :; do sleep 0.05; done",
+                true,
+            ),
+            step("second", "echo \"$WHO\" FOO=${FOO-unset}; sleep 0.2", false),
+        ];
+        let mut s = spawn(&l).unwrap();
+        let status = s.child.wait().await.unwrap();
+        let log = std::fs::read_to_string(l.dir.join("output.log")).unwrap();
+        let script = std::fs::read_to_string(l.dir.join("pod.sh")).unwrap();
+        assert_eq!(status.code(), Some(0), "{log}\n{script}");
+        let lines: Vec<&str> = log.lines().collect();
+        // Each step has its own environment: the main one's FOO is not the init ones'.
+        assert_eq!(lines[0], "first 'quoted' $x", "{log}");
+        assert!(lines.contains(&"second 'quoted' $x FOO=unset"), "{log}");
+        assert!(lines.contains(&"sidecar up"), "{log}");
+        let main = lines.iter().position(|l| *l == "main bar").unwrap();
+        assert_eq!(lines[main + 1], "one", "the init containers ran first: {log}");
+        assert_eq!(lines.last(), Some(&"sidecar stopped"), "{log}");
+
+        // A failing init container ends the task with its status; the main one never runs.
+        let mut l = launch(tmp.path().join("u"), &["sh", "-c", "echo main"]);
+        l.init = vec![step("bad", "exit 7", false)];
+        let mut s = spawn(&l).unwrap();
+        assert_eq!(s.child.wait().await.unwrap().code(), Some(7));
+        assert_eq!(recorded_exit(&l.dir), Some(7));
+        let log = std::fs::read_to_string(l.dir.join("output.log")).unwrap();
+        assert_eq!(log, "xpu: init container \"bad\" failed with status 7\n");
     }
 
     /// Waits for a condition, with a deadline generous enough for a loaded 2-core machine.

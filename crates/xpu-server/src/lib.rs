@@ -57,6 +57,10 @@ pub enum ServeError {
     Scheduler(#[source] xpu_sched::scheduler::SchedError),
 }
 
+/// How often the daemon reads device telemetry (NVML, amdgpu sysfs): a device turning
+/// unhealthy stops taking work within about this long.
+const TELEMETRY_INTERVAL: Duration = Duration::from_secs(2);
+
 /// `xpu serve` options.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
@@ -76,6 +80,9 @@ pub struct ServeOptions {
     pub node_name: Option<String>,
     /// Time between SIGTERM and SIGKILL when stopping a task.
     pub grace: Duration,
+    /// The first wait before a task is restarted in place (`OnFailure`, a Pod's `Always`),
+    /// doubled per restart up to 5 minutes, as the kubelet's crash-loop back-off (10 s).
+    pub restart_backoff: Duration,
     /// The OCI runtime shim containerised tasks run through (`[/usr/bin/xpu, runtime]`); it
     /// takes runc's arguments.
     pub runtime: Vec<OsString>,
@@ -143,6 +150,7 @@ impl ServeOptions {
             labels: Vec::new(),
             node_name: None,
             grace: Duration::from_secs(10),
+            restart_backoff: Duration::from_secs(10),
             runtime: default_runtime(),
             http: listen::HttpLimits::default(),
             notify: Notify::default(),
@@ -180,8 +188,14 @@ pub struct Shared {
     pub token: String,
     pub started_ms: i64,
     pub grace: Duration,
+    /// See [`ServeOptions::restart_backoff`].
+    pub restart_backoff: Duration,
     pub runtime: Vec<OsString>,
     db_url: String,
+    /// The node's device telemetry and health (`xpu-telemetry`): `/metrics` exports its
+    /// per-device series, the dashboard shows utilisation and memory, and the engine places
+    /// nothing on a device it reports unhealthy. `None` in tests that do not need it.
+    pub telemetry: Option<xpu_telemetry::collect::Collector>,
 }
 
 /// How the loop becomes leader: always with SQLite (one daemon per file), by advisory lock with
@@ -279,6 +293,12 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         opts.notify.send(Notice::Warning(f));
     }
     let node = node_for(&opts)?;
+    // `--devices`' fake accelerators, for the telemetry's device list (no source reads them).
+    let fakes = {
+        let mut inv = xpu_core::Inventory::default();
+        node::add_fakes(&mut inv, &opts.devices);
+        inv.devices
+    };
     let db_url = opts.db_url();
     let store = Store::open(&db_url).await?;
     let token = load_token(&opts.data_dir)?;
@@ -294,8 +314,15 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         token,
         started_ms: store::now_ms(),
         grace: opts.grace,
+        restart_backoff: opts.restart_backoff,
         runtime: opts.runtime.clone(),
         db_url,
+        telemetry: Some(xpu_telemetry::collect::Collector::start_with(
+            opts.root.clone(),
+            TELEMETRY_INTERVAL,
+            xpu_telemetry::default_sources(&opts.root),
+            fakes,
+        )),
     });
     let engine = Engine::new(shared.clone(), rx, tx).map_err(ServeError::Scheduler)?;
 

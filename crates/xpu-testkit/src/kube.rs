@@ -294,6 +294,16 @@ impl ControlPlane {
         self.run.procs.iter().map(|p| (p.name, p.child.id())).collect()
     }
 
+    /// A client that authenticates with the bearer `token` (one the test minted itself through
+    /// the TokenRequest API, bound to a Pod for instance) and trusts the run's CA. Its
+    /// kubeconfig is written to `token-<name>.kubeconfig` in the run directory; `name` must be
+    /// usable in a file name.
+    pub async fn client_with_token(&self, name: &str, token: &str) -> Result<Client, HarnessError> {
+        let path = self.run.dir.join(format!("token-{name}.kubeconfig"));
+        write_kubeconfig(&path, &self.server_url, &self.ca_cert, name, token)?;
+        client_from_kubeconfig(&path, &self.server_url).await
+    }
+
     /// Write a kubeconfig that authenticates as ServiceAccount `namespace/name`, with a token
     /// from the TokenRequest API. The namespace and the ServiceAccount are created when missing.
     pub async fn service_account_kubeconfig(

@@ -35,6 +35,9 @@ enum Command {
     K8s(cmd::k8s::Args),
     /// OpenStack: nova.conf PCI passthrough configuration and flavor checks.
     Openstack(cmd::openstack::Args),
+    /// Prometheus exporter for every accelerator (xpu's and DCGM's metric names), with health
+    /// and the pod holding each device.
+    Exporter(cmd::exporter::Args),
     /// Run the job daemon: HTTP API, store, scheduler, executor, dashboard, metrics.
     Serve(cmd::server::ServeArgs),
     /// Submit a job (a Kubernetes Job manifest, or `--gpus N -- CMD ARGS`); prints its id.
@@ -90,6 +93,7 @@ fn main() -> ExitCode {
         Command::Vfio(args) => cmd::vfio::run(args),
         Command::K8s(args) => cmd::k8s::run(args),
         Command::Openstack(args) => cmd::openstack::run(args),
+        Command::Exporter(args) => cmd::exporter::run(args),
         Command::Serve(args) => cmd::server::serve(args),
         Command::Submit(args) => cmd::server::submit(args),
         Command::Jobs(args) => cmd::server::jobs(args),

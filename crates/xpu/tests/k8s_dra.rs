@@ -2,27 +2,49 @@
 //! and on by default in 1.37): the driver runs as a process on the 8×A100 + 6 NVSwitch fixture
 //! host, publishes its ResourceSlices, kube-scheduler allocates claims from them, and a test
 //! kubelet built from the upstream `dra/v1` and `pluginregistration/v1` protos registers the
-//! driver and prepares and unprepares the claims. No real kubelet: the test plays the Node.
+//! driver and prepares and unprepares the claims; Debian's runc runs busybox with the claim's
+//! CDI edits. No real kubelet: the test plays the Node. A second test holds `dra.yaml`'s
+//! ValidatingAdmissionPolicy to its word with a pod-bound token of the driver's ServiceAccount.
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 mod k8s_support;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::authentication::v1::{SelfSubjectReview, TokenRequest};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Client;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use xpu_integrations::drakubelet;
 use xpu_integrations::drapb::v1;
+use xpu_testkit::bundle::{self, Bundle, ContainerView, RUNC, RuncState, probe_script};
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
+use xpu_testkit::sysfs::{MAJOR_NVIDIA, MAJOR_NVIDIA_UVM};
 use xpu_testkit::{BuildOptions, hosts};
 
 use k8s_support::*;
 
 const NODE: &str = "gpu-node";
+
+/// Namespace, then the DRA manifest as an admin applies it (the DaemonSet: dry run).
+async fn install_dra(admin: &Client) {
+    let dir = repo().join("deploy/kubernetes");
+    for f in ["namespace.yaml", "dra.yaml"] {
+        for doc in documents(&dir.join(f)) {
+            let workload = doc["kind"] == "DaemonSet";
+            create(admin, &doc, true)
+                .await
+                .unwrap_or_else(|e| panic!("{f}: {} fails dry run: {e}", doc["kind"]));
+            if !workload {
+                create(admin, &doc, false).await.unwrap();
+            }
+        }
+    }
+}
 
 /// `xpu k8s dra-driver` for the fixture host, as a process.
 fn start_driver(cp: &ControlPlane, root: &Path, dirs: &Path, n: u32) -> XpuProcess {
@@ -121,31 +143,67 @@ fn cdi_files(dir: &Path) -> Vec<String> {
     v
 }
 
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+/// Runs busybox in Debian's runc with the edits a CDI-aware runtime makes for `ids` from
+/// `spec` (CDI `SPEC.md`: the spec's `containerEdits`, then each device's): device nodes in
+/// `linux.devices` with a cgroup rule allowing them, bind mounts, environment. Applied here
+/// from the spec's JSON, not with xpu's code, so the check does not share the writer's reading.
+fn run_with_cdi(spec: &Value, ids: &[String]) -> ContainerView {
+    if let Some(why) = bundle::container_tests_unavailable() {
+        panic!("runc with the claim's CDI edits cannot run: {why}");
+    }
+    let b = Bundle::busybox(&probe_script("cat /usr/lib/x86_64-linux-gnu/libcuda.so.1"));
+    let mut c = b.config();
+    let mut edits = vec![&spec["containerEdits"]];
+    for id in ids {
+        let (kind, name) = id.split_once('=').unwrap();
+        assert_eq!(kind, spec["kind"]);
+        let dev = spec["devices"].as_array().unwrap().iter().find(|d| d["name"] == name);
+        edits.push(&dev.unwrap_or_else(|| panic!("{id} not in the spec"))["containerEdits"]);
+    }
+    for key in ["/linux/devices", "/linux/resources/devices", "/mounts", "/process/env"] {
+        let v = c.pointer_mut(key);
+        if v.as_ref().is_none_or(|v| v.is_null()) {
+            let (parent, last) = key.rsplit_once('/').unwrap();
+            c.pointer_mut(parent).unwrap()[last] = json!([]);
+        }
+    }
+    for e in edits {
+        for n in e["deviceNodes"].as_array().into_iter().flatten() {
+            let mut d = json!({ "path": n["path"], "type": n["type"], "major": n["major"],
+                                "minor": n["minor"], "uid": 0, "gid": 0 });
+            if !n["fileMode"].is_null() {
+                d["fileMode"] = n["fileMode"].clone();
+            }
+            c["linux"]["devices"].as_array_mut().unwrap().push(d);
+            c["linux"]["resources"]["devices"].as_array_mut().unwrap().push(json!({
+                "allow": true, "type": n["type"], "major": n["major"], "minor": n["minor"],
+                "access": "rwm" }));
+        }
+        for m in e["mounts"].as_array().into_iter().flatten() {
+            c["mounts"].as_array_mut().unwrap().push(json!({ "destination": m["containerPath"],
+                "type": "bind", "source": m["hostPath"], "options": m["options"] }));
+        }
+        for v in e["env"].as_array().into_iter().flatten() {
+            c["process"]["env"].as_array_mut().unwrap().push(v.clone());
+        }
+    }
+    b.set_config(&c);
+    let state = RuncState::new();
+    let out = state.run(Path::new(RUNC), &[], &b, &bundle::container_id("dra-claim"), &[]);
+    ContainerView::of(&out)
 }
 
 /// Slices accepted, claims allocated by the real kube-scheduler, prepared and unprepared
-/// through the kubelet's gRPC API, a restart keeping the checkpoint, bad claims refused with
-/// nothing written, and a device removal reaching the slices.
+/// through the kubelet's gRPC API, runc given the claim's CDI edits seeing exactly its devices,
+/// a restart keeping the checkpoint, bad claims refused with nothing written, and a device
+/// removal and a rebind to vfio-pci reaching the slices. Needs root (mknod, runc). Timings
+/// are printed, never asserted: `cargo bench -p xpu --bench k8s_dra` measures them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dra_driver_with_real_scheduler_and_test_kubelet() {
     let _turn = TURN.lock().await;
     let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
     let admin = cp.admin_client();
-    // Namespace, then the DRA manifest as an admin applies it (the DaemonSet: dry run).
-    let dir = repo().join("deploy/kubernetes");
-    for f in ["namespace.yaml", "dra.yaml"] {
-        for doc in documents(&dir.join(f)) {
-            let workload = doc["kind"] == "DaemonSet";
-            create(&admin, &doc, true)
-                .await
-                .unwrap_or_else(|e| panic!("{f}: {} fails dry run: {e}", doc["kind"]));
-            if !workload {
-                create(&admin, &doc, false).await.unwrap();
-            }
-        }
-    }
+    install_dra(&admin).await;
     add_node(&admin, &NodeDef::new(NODE)).await;
 
     let host = hosts::a100_8x();
@@ -314,30 +372,33 @@ async fn dra_driver_with_real_scheduler_and_test_kubelet() {
         .into_inner();
     assert_eq!(b.claims[&pc.uid].devices.len(), 2);
 
-    // Benchmark: unprepare, then prepare with the API read, over the Unix socket.
-    let mut times = Vec::new();
-    for _ in 0..100 {
-        kubelet
-            .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
-                claims: vec![pc.clone()],
-            })
-            .await
+    // runc started with the CDI edits of the returned ids sees exactly the allocated GPUs'
+    // nodes and the driver's control nodes (those of `xpu cdi generate`'s nvidia.com/gpu spec,
+    // nvidia-modeset among them as in nvidia-ctk's), no other GPU.
+    let ids: Vec<String> = r.devices.iter().flat_map(|d| d.cdi_device_ids.clone()).collect();
+    let mut want: BTreeMap<String, (char, u32, u32)> = [
+        ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
+        ("/dev/nvidia-modeset", MAJOR_NVIDIA, 254),
+        ("/dev/nvidia-uvm", MAJOR_NVIDIA_UVM, 0),
+        ("/dev/nvidia-uvm-tools", MAJOR_NVIDIA_UVM, 1),
+    ]
+    .into_iter()
+    .map(|(p, ma, mi)| (p.to_owned(), ('c', ma, mi)))
+    .collect();
+    for (_, _, dev) in &pair {
+        let addr = attr(&slices, dev, "pciBusID")["string"].as_str().unwrap().to_owned();
+        let minor = fx
+            .spec
+            .devices
+            .iter()
+            .find(|d| d.address.to_string() == addr)
+            .and_then(|d| d.nvidia_minor)
             .unwrap();
-        let t = Instant::now();
-        let r = kubelet
-            .node_prepare_resources(v1::NodePrepareResourcesRequest { claims: vec![pc.clone()] })
-            .await
-            .unwrap()
-            .into_inner();
-        times.push(t.elapsed());
-        assert_eq!(r.claims[&pc.uid].error, "");
+        want.insert(format!("/dev/nvidia{minor}"), ('c', MAJOR_NVIDIA, minor));
     }
-    times.sort();
-    eprintln!(
-        "NodePrepareResources (2-GPU claim, API read, new CDI spec) over 100: p50 {:?} p99 {:?}",
-        pct(&times, 0.5),
-        pct(&times, 0.99)
-    );
+    let seen = run_with_cdi(&spec, &ids);
+    assert_eq!(seen.accel_nodes(), want, "the container's device nodes: exactly the claim's");
+    assert!(seen.extra.contains("fake libcuda.so"), "driver files mounted: {}", seen.extra);
 
     // 6. A restart keeps the checkpoint: the new process unprepares what the old one prepared.
     drop(kubelet);
@@ -358,6 +419,16 @@ async fn dra_driver_with_real_scheduler_and_test_kubelet() {
         .unwrap()
         .into_inner();
     assert_eq!(again.claims[&pc.uid], *r, "the restarted driver answers from its checkpoint");
+    // The spec is not fsynced: one a power cut left empty is written again, not trusted.
+    let whole = std::fs::read(&spec_path).unwrap();
+    std::fs::write(&spec_path, b"").unwrap();
+    let again = kubelet
+        .node_prepare_resources(v1::NodePrepareResourcesRequest { claims: vec![pc.clone()] })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.claims[&pc.uid], *r);
+    assert_eq!(std::fs::read(&spec_path).unwrap(), whole, "an emptied spec is written again");
     let u = kubelet
         .node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims: vec![pc.clone()] })
         .await
@@ -372,6 +443,8 @@ async fn dra_driver_with_real_scheduler_and_test_kubelet() {
     // 7. Bad input: per-claim errors naming the claim, nothing written.
     let gpu = device_names(&slices)[0].clone();
     let before = cdi_files(&cdi_dir);
+    let checkpoint = dirs.path().join("plugins/xpu.dev/checkpoint.json");
+    let checkpoint_before = std::fs::read(&checkpoint).unwrap();
     let one_gpu =
         json!({ "requests": [{ "name": "r", "exactly": { "deviceClassName": "gpu.xpu.dev" } }] });
     let cases = [
@@ -399,6 +472,15 @@ async fn dra_driver_with_real_scheduler_and_test_kubelet() {
             }),
             "opaque.parameters",
         ),
+        (
+            "unknown-field",
+            json!({
+                "results": [{ "request": "r", "driver": "xpu.dev", "pool": NODE, "device": gpu }],
+                "config": [{ "source": "FromClaim", "opaque": { "driver": "xpu.dev",
+                    "parameters": { "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mdoe": "passthrough" } } }],
+            }),
+            "mdoe",
+        ),
     ];
     let mut refs = Vec::new();
     for (name, devices, _) in &cases {
@@ -424,6 +506,7 @@ async fn dra_driver_with_real_scheduler_and_test_kubelet() {
         assert!(resp.claims[&c.uid].devices.is_empty());
     }
     assert_eq!(cdi_files(&cdi_dir), before, "nothing written for a failed claim");
+    assert_eq!(std::fs::read(&checkpoint).unwrap(), checkpoint_before, "checkpoint untouched");
 
     // 8. A GPU disappears: the slice follows.
     let victim = pair[0].2.clone();
@@ -446,4 +529,186 @@ async fn dra_driver_with_real_scheduler_and_test_kubelet() {
     eprintln!("device removed -> slice updated in the API server: {took:?}");
     let s = our_slices(&admin).await;
     assert!(s.iter().all(|s| s.spec.pool.generation > slices[0].spec.pool.generation));
+
+    // 9. Another GPU is rebound to vfio-pci: the slice says so, and marks it for passthrough.
+    let moved = device_names(&s).into_iter().find(|d| *d != victim).unwrap();
+    let addr = attr(&s, &moved, "pciBusID")["string"].as_str().unwrap().to_owned();
+    std::fs::create_dir_all(fx.root().join("sys/bus/pci/drivers/vfio-pci")).unwrap();
+    let link = fx.device_dir(&addr).join("driver");
+    let t = Instant::now();
+    let tmp = link.with_file_name("driver.new");
+    std::os::unix::fs::symlink("../../../bus/pci/drivers/vfio-pci", &tmp).unwrap();
+    std::fs::rename(&tmp, &link).unwrap();
+    let rebound = wait_until(Duration::from_secs(10), || async {
+        let s = our_slices(&admin).await;
+        device_names(&s).contains(&moved)
+            && attr(&s, &moved, "driver") == json!({ "string": "vfio-pci" })
+            && attr(&s, &moved, "passthrough") == json!({ "bool": true })
+    })
+    .await;
+    let took = t.elapsed();
+    let s = our_slices(&admin).await;
+    assert!(
+        rebound,
+        "{moved} on vfio-pci in the slice: {:?}\n{}",
+        attr(&s, &moved, "driver"),
+        driver.log_text()
+    );
+    eprintln!("device rebound to vfio-pci -> slice updated in the API server: {took:?}");
+}
+
+/// A ResourceSlice of driver `xpu.dev` for `node`'s pool, named `name`.
+fn slice_for(name: &str, node: &str) -> ResourceSlice {
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": { "name": name },
+        "spec": {
+            "driver": "xpu.dev", "nodeName": node,
+            "pool": { "name": node, "generation": 1, "resourceSliceCount": 1 },
+            "devices": [{ "name": "gpu-0" }],
+        },
+    }))
+    .unwrap()
+}
+
+/// A token for ServiceAccount xpu-system/xpu-dra-driver from the TokenRequest API, bound to
+/// `pod` when given (as the kubelet asks for a pod's projected token).
+async fn driver_token(admin: &Client, pod: Option<&Pod>) -> String {
+    let accounts: Api<ServiceAccount> = Api::namespaced(admin.clone(), "xpu-system");
+    let mut spec = json!({ "expirationSeconds": 3600 });
+    if let Some(p) = pod {
+        spec["boundObjectRef"] = json!({ "apiVersion": "v1", "kind": "Pod",
+            "name": p.metadata.name, "uid": p.metadata.uid });
+    }
+    let request: TokenRequest = serde_json::from_value(json!({
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec,
+    }))
+    .unwrap();
+    let answer = accounts
+        .create_token_request("xpu-dra-driver", &PostParams::default(), &request)
+        .await
+        .unwrap();
+    let token = serde_json::to_value(answer.status.unwrap()).unwrap()["token"].clone();
+    token.as_str().filter(|t| !t.is_empty()).unwrap().to_owned()
+}
+
+/// Who the API server takes `client` for: user name and extra info (SelfSubjectReview).
+async fn whoami(client: &Client) -> (String, BTreeMap<String, Vec<String>>) {
+    let api: Api<SelfSubjectReview> = Api::all(client.clone());
+    let review: SelfSubjectReview = serde_json::from_value(json!({
+        "apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview",
+    }))
+    .unwrap();
+    let answer = api.create(&PostParams::default(), &review).await.unwrap();
+    let user = answer.status.and_then(|s| s.user_info).unwrap();
+    (user.username.unwrap_or_default(), user.extra.unwrap_or_default())
+}
+
+/// The API server's refusal of `result` (403 or 422), whose message must contain `want`.
+fn refused<T: std::fmt::Debug>(result: Result<T, kube::Error>, want: &str, what: &str) -> String {
+    match result {
+        Err(kube::Error::Api(s)) if matches!(s.code, 403 | 422) && s.message.contains(want) => {
+            eprintln!("{what}: {} {}", s.code, s.message);
+            s.message
+        }
+        other => panic!("{what}: want a 403/422 refusal saying {want:?}, got {other:?}"),
+    }
+}
+
+/// The ValidatingAdmissionPolicy of `dra.yaml`, enforced by the real API server: the driver's
+/// ServiceAccount with a token bound to a Pod on node-a (the API server writes the Pod's node
+/// into the token's extra info, `authentication.kubernetes.io/node-name`) creates, updates and
+/// deletes node-a's ResourceSlices and is refused node-b's, for every verb; with a token bound
+/// to no Pod it names no node and writes no slice at all. RBAC alone would allow all of these.
+/// No kubelet, no scheduler: the Pod is created bound to node-a and never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_policy_limits_the_driver_to_its_own_nodes_slices() {
+    let _turn = TURN.lock().await;
+    let started = Instant::now();
+    let cp = plane(ControlPlaneOptions::default()).await;
+    let admin = cp.admin_client();
+    install_dra(&admin).await;
+    add_node(&admin, &NodeDef::new("node-a")).await;
+    add_node(&admin, &NodeDef::new("node-b")).await;
+
+    // The driver's pod on node-a, as the DaemonSet controller and scheduler would leave it.
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "xpu-system");
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "xpu-dra-driver-a" },
+        "spec": {
+            "nodeName": "node-a",
+            "serviceAccountName": "xpu-dra-driver",
+            "containers": [{ "name": "dra-driver", "image": "localhost/xpu:0.1.0" }],
+        },
+    }))
+    .unwrap();
+    let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
+
+    let token = driver_token(&admin, Some(&pod)).await;
+    let bound = cp.client_with_token("xpu-dra-driver-a", &token).await.unwrap();
+    let (user, extra) = whoami(&bound).await;
+    assert_eq!(user, "system:serviceaccount:xpu-system:xpu-dra-driver");
+    assert_eq!(
+        extra.get("authentication.kubernetes.io/node-name"),
+        Some(&vec!["node-a".to_owned()]),
+        "the pod-bound token names the pod's node: {extra:?}"
+    );
+    let token = driver_token(&admin, None).await;
+    let unbound = cp.client_with_token("xpu-dra-driver", &token).await.unwrap();
+    let (user, extra) = whoami(&unbound).await;
+    assert_eq!(user, "system:serviceaccount:xpu-system:xpu-dra-driver");
+    assert!(!extra.contains_key("authentication.kubernetes.io/node-name"), "{extra:?}");
+
+    let as_driver: Api<ResourceSlice> = Api::all(bound.clone());
+    let as_admin: Api<ResourceSlice> = Api::all(admin.clone());
+    let pp = PostParams::default();
+    // The API server loads a new policy asynchronously: wait until it refuses a dry run.
+    let dry = PostParams { dry_run: true, ..PostParams::default() };
+    let b = slice_for("node-b-xpu.dev", "node-b");
+    let enforced = wait_until(Duration::from_secs(30), || async {
+        matches!(as_driver.create(&dry, &b).await, Err(kube::Error::Api(s)) if s.code != 404)
+    })
+    .await;
+    assert!(
+        enforced,
+        "the policy never refused node-b's slice: {:?}",
+        as_driver.create(&dry, &b).await
+    );
+
+    // node-a's own slice: create, update, delete.
+    let a = as_driver.create(&pp, &slice_for("node-a-xpu.dev", "node-a")).await.unwrap();
+    let mut a2 = a.clone();
+    a2.spec.pool.generation = 2;
+    let a2 = as_driver.replace("node-a-xpu.dev", &pp, &a2).await.unwrap();
+    assert_eq!(a2.spec.pool.generation, 2);
+
+    // node-b's: refused to create; the one an admin made refused to update and delete.
+    let other = "xpu-dra-driver on node node-a may not write the ResourceSlices of node node-b";
+    refused(as_driver.create(&pp, &b).await, other, "create node-b's slice");
+    as_admin.create(&pp, &b).await.unwrap();
+    let mut b2 = as_driver.get("node-b-xpu.dev").await.unwrap();
+    b2.spec.pool.generation = 2;
+    refused(as_driver.replace("node-b-xpu.dev", &pp, &b2).await, other, "update node-b's slice");
+    let patch = json!({ "spec": { "pool": { "generation": 3 } } });
+    let patch = Patch::Merge(&patch);
+    let r = as_driver.patch("node-b-xpu.dev", &PatchParams::default(), &patch).await;
+    refused(r, other, "patch node-b's slice");
+    let r = as_driver.delete("node-b-xpu.dev", &DeleteParams::default()).await;
+    refused(r, other, "delete node-b's slice");
+    assert_eq!(as_admin.get("node-b-xpu.dev").await.unwrap().spec.pool.generation, 1);
+
+    // A token bound to no pod names no node: not even node-a's slice.
+    let no_pod = "may write ResourceSlices only from a pod's token";
+    let as_unbound: Api<ResourceSlice> = Api::all(unbound.clone());
+    let r = as_unbound.create(&pp, &slice_for("node-a-xpu.dev-2", "node-a")).await;
+    refused(r, no_pod, "create without a pod-bound token");
+    let r = as_unbound.delete("node-a-xpu.dev", &DeleteParams::default()).await;
+    refused(r, no_pod, "delete without a pod-bound token");
+
+    // Reads are RBAC's alone, and the policy leaves others (the admin) alone.
+    assert_eq!(as_unbound.list(&ListParams::default()).await.unwrap().items.len(), 2);
+    as_driver.delete("node-a-xpu.dev", &DeleteParams::default()).await.unwrap();
+    as_admin.delete("node-b-xpu.dev", &DeleteParams::default()).await.unwrap();
+    eprintln!("policy test done in {:?}", started.elapsed());
 }

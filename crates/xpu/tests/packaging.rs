@@ -1,18 +1,23 @@
-//! What the Debian package installs, checked without building the package: the systemd units
-//! under `packaging/systemd` (structure, and `systemd-analyze verify` where it is installed), the
-//! default `/etc/xpu/runtime.toml`, `xpu --version`, and the completions and man pages the
-//! binary generates for `scripts/build-deb`. The package itself is built and installed into a
-//! throw-away root by the ignored `deb_package_installs_into_a_throwaway_root`.
+//! What the Debian package installs: the systemd units under `packaging/systemd` (structure,
+//! `systemd-analyze verify` and the exposure scores), the default `/etc/xpu/runtime.toml`,
+//! `xpu --version` and `xpu-container-runtime --version`, and the completions (loaded by bash,
+//! parsed by zsh and fish) and man pages the binary generates for `scripts/build-deb`. The package
+//! itself is built from the binaries cargo built for these tests and installed into a throw-away
+//! root by `deb_package_installs_into_a_throwaway_root`.
 
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use xpu_container::config::RuntimeConfig;
 
 const XPU: &str = env!("CARGO_BIN_EXE_xpu");
+const SHIM: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
+/// The script `xpu-tpu-env.service` runs; `xpu host apply --profile tpu-vm` writes it.
+const TPU_ENV_SCRIPT: &str = "/var/scripts/xpu-tpu-env.sh";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -24,6 +29,20 @@ fn xpu(args: &[&str]) -> Output {
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// man's output as plain text: bold comes out as overstrike (`N\bNA\bA...`) when man writes to
+/// a pipe.
+fn without_overstrike(s: &str) -> String {
+    let mut text = String::new();
+    for c in s.chars() {
+        if c == '\u{8}' {
+            text.pop();
+        } else {
+            text.push(c);
+        }
+    }
+    text
 }
 
 /// Whether `program` can be run at all (`--version` exits, whatever its status).
@@ -82,14 +101,18 @@ fn units_have_the_keys_the_package_relies_on() {
         names,
         [
             "xpu-device-plugin.service",
+            "xpu-exporter.service",
             "xpu-nfd-features.service",
             "xpu-nfd-features.timer",
-            "xpu-serve.service"
+            "xpu-serve.service",
+            "xpu-tpu-env.service"
         ]
     );
     for (name, (_, unit)) in &units {
         assert!(!one(unit, "Unit", "Description").is_empty(), "{name}: no Description");
-        if name.ends_with(".service") {
+        // xpu-tpu-env.service is `xpu host render`'s unit (tpu_env_unit_is_what_host_render_writes):
+        // it runs the rendered script, which writes /etc/environment and /home/tpu-runtime.
+        if name.ends_with(".service") && name != "xpu-tpu-env.service" {
             let exec = one(unit, "Service", "ExecStart");
             let argv: Vec<&str> = exec.split_whitespace().collect();
             assert_eq!(argv.first(), Some(&"/usr/bin/xpu"), "{name}: {exec}");
@@ -117,6 +140,23 @@ fn units_have_the_keys_the_package_relies_on() {
     assert!(!one(timer, "Timer", "OnUnitActiveSec").is_empty());
     assert_eq!(one(timer, "Install", "WantedBy"), "timers.target");
     assert_eq!(one(&units["xpu-nfd-features.service"].1, "Service", "Type"), "oneshot");
+    let tpu = &units["xpu-tpu-env.service"].1;
+    assert_eq!(one(tpu, "Service", "ExecStart"), TPU_ENV_SCRIPT);
+    assert_eq!(one(tpu, "Unit", "ConditionFileIsExecutable"), TPU_ENV_SCRIPT);
+}
+
+#[test]
+fn tpu_env_unit_is_what_host_render_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = xpu(&["host", "render", "--profile", "tpu-vm", "--out", dir.path().to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    let rendered =
+        std::fs::read_to_string(dir.path().join("etc/systemd/system/xpu-tpu-env.service")).unwrap();
+    let packaged =
+        std::fs::read_to_string(repo().join("packaging/systemd/xpu-tpu-env.service")).unwrap();
+    assert_eq!(packaged, rendered, "packaging/systemd/xpu-tpu-env.service differs from render's");
+    let script = dir.path().join(TPU_ENV_SCRIPT.trim_start_matches('/'));
+    assert!(std::fs::read_to_string(script).unwrap().contains("xpu host metadata-env"));
 }
 
 #[test]
@@ -125,13 +165,18 @@ fn units_pass_systemd_analyze_verify() {
         have("systemd-analyze"),
         "systemd-analyze is not installed (Debian package systemd); run scripts/install-test-deps"
     );
-    // The units as shipped, with /usr/bin/xpu pointing at the binary under test (verify checks
-    // that ExecStart= is executable).
+    // The units as shipped, with /usr/bin/xpu pointing at the binary under test and the tpu-env
+    // script at a stand-in (verify checks that ExecStart= is executable; on a host the script is
+    // there once `xpu host apply --profile tpu-vm` wrote it).
     let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("xpu-tpu-env.sh");
+    std::fs::write(&script, "#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut paths = Vec::new();
     for (name, (text, _)) in units() {
         let path = dir.path().join(&name);
-        std::fs::write(&path, text.replace("/usr/bin/xpu", XPU)).unwrap();
+        let text = text.replace("/usr/bin/xpu", XPU);
+        std::fs::write(&path, text.replace(TPU_ENV_SCRIPT, script.to_str().unwrap())).unwrap();
         paths.push(path);
     }
     let o = Command::new("systemd-analyze")
@@ -144,10 +189,12 @@ fn units_pass_systemd_analyze_verify() {
     assert!(o.status.success() && stderr.trim().is_empty(), "systemd-analyze verify: {stderr}");
 
     // The exposure scores, printed for the record (`cargo test -- --nocapture`); the kubelet-side
-    // units are locked down, the daemon cannot be (it runs runc; see its unit's comments).
+    // units are locked down. The daemon scores 4.9 (the issue's bar is below 5.0): it runs runc
+    // and its tasks inherit the unit, so what is left unset would break them (the unit says why).
     for (name, limit) in [
-        ("xpu-serve.service", 7.0),
+        ("xpu-serve.service", 5.0),
         ("xpu-device-plugin.service", 3.0),
+        ("xpu-exporter.service", 3.0),
         ("xpu-nfd-features.service", 3.0),
     ] {
         let o = Command::new("systemd-analyze")
@@ -156,14 +203,12 @@ fn units_pass_systemd_analyze_verify() {
             .output()
             .unwrap();
         let text = stdout(&o);
-        let Some(score) = text.lines().find_map(|l| {
-            l.split_once("Overall exposure level for ")?.1.split_once(": ")?.1.split(' ').next()
-        }) else {
-            eprintln!(
-                "skipping the {name} security score: systemd-analyze security --offline gave {o:?}"
-            );
-            continue;
-        };
+        let score = text
+            .lines()
+            .find_map(|l| {
+                l.split_once("Overall exposure level for ")?.1.split_once(": ")?.1.split(' ').next()
+            })
+            .unwrap_or_else(|| panic!("systemd-analyze security --offline=yes {name}: {o:?}"));
         eprintln!("systemd-analyze security {name}: {score}");
         let score: f64 = score.parse().unwrap();
         assert!(score < limit, "{name}: exposure {score}, was below {limit}");
@@ -220,8 +265,46 @@ fn version_names_the_commit() {
     );
 }
 
+/// `xpu-container-runtime --version` (and runc's `-v`, and `xpu runtime --version`) prints the
+/// shim's version and commit, then the wrapped runc's lines, which engines (`docker info`) read.
 #[test]
-fn completions_name_the_subcommands_and_load_in_bash() {
+fn shim_version_is_its_own_then_runcs() {
+    assert!(
+        have("runc"),
+        "runc is not installed (Debian package runc); run scripts/install-test-deps"
+    );
+    let version = stdout(&xpu(&["--version"]));
+    let commit = version.trim().rsplit_once(" (").unwrap().1.trim_end_matches(')').to_owned();
+    let own = [
+        concat!("xpu-container-runtime version ", env!("CARGO_PKG_VERSION")).to_owned(),
+        format!("commit: {commit}"),
+    ];
+    let config = repo().join("packaging/etc/runtime.toml");
+    for argv in [&[SHIM, "--version"][..], &[SHIM, "-v"], &[XPU, "runtime", "--version"]] {
+        let o = Command::new(argv[0])
+            .args(&argv[1..])
+            .env("XPU_RUNTIME_CONFIG", &config)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{argv:?}: {o:?}");
+        let out = stdout(&o);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[..2], own, "{argv:?}: {out}");
+        assert!(lines.get(2).is_some_and(|l| l.starts_with("runc version")), "{argv:?}: {out}");
+    }
+    // Without the runtime the shim's own lines still come, and stderr says why runc's do not.
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("runtime.toml");
+    std::fs::write(&missing, "runtime = \"/nonexistent/runc\"\n").unwrap();
+    let o =
+        Command::new(SHIM).arg("--version").env("XPU_RUNTIME_CONFIG", &missing).output().unwrap();
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(stdout(&o).lines().collect::<Vec<_>>(), own);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/runc"), "{o:?}");
+}
+
+#[test]
+fn completions_name_the_subcommands_load_in_bash_and_parse_in_zsh_and_fish() {
     for shell in ["bash", "zsh", "fish"] {
         let o = xpu(&["completions", shell]);
         assert!(o.status.success(), "{shell}: {o:?}");
@@ -241,10 +324,10 @@ fn completions_name_the_subcommands_and_load_in_bash() {
     assert!(o.status.success(), "{o:?}");
     assert!(stdout(&o).contains("-F _xpu"), "{o:?}");
     for (shell, flag) in [("zsh", "-n"), ("fish", "--no-execute")] {
-        if !have(shell) {
-            eprintln!("skipping the {shell} syntax check: {shell} is not installed");
-            continue;
-        }
+        assert!(
+            have(shell),
+            "{shell} is not installed (Debian package {shell}); run scripts/install-test-deps"
+        );
         let path = dir.path().join(format!("xpu.{shell}"));
         std::fs::write(&path, xpu(&["completions", shell]).stdout).unwrap();
         let o = Command::new(shell).arg(flag).arg(&path).output().unwrap();
@@ -292,29 +375,33 @@ fn man_pages_cover_every_visible_command_and_render() {
             .unwrap();
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success() && stderr.trim().is_empty(), "man -l {page}: {stderr}");
-        // Bold comes out as overstrike (`N\bNA\bA...`) when man writes to a pipe.
-        let mut text = String::new();
-        for c in stdout(&o).chars() {
-            if c == '\u{8}' {
-                text.pop();
-            } else {
-                text.push(c);
-            }
-        }
+        let text = without_overstrike(&stdout(&o));
         assert!(text.contains("NAME"), "man -l {page} rendered nothing: {text}");
     }
 }
 
-/// Builds the package (`scripts/build-deb`, a release build), checks its contents and control
-/// files, installs it with `dpkg --root` into a throw-away root, runs the installed binaries,
-/// then removes (the conffile stays) and purges it (the conffile goes). Needs root for dpkg.
+/// Builds the package with `scripts/build-deb --no-build` from the binaries cargo built for these
+/// tests (not the release build and static shim `scripts/build-deb` makes by default, which take
+/// minutes), checks its contents and control files and lintian's verdict, installs it with
+/// `dpkg --root` into a throw-away root, runs the installed binaries, loads the installed
+/// completion and renders the installed man pages, then removes (the conffile stays) and purges
+/// it (the conffile goes). dpkg --root needs root.
 #[test]
-#[ignore = "builds the release binaries and the .deb (minutes); run with --ignored"]
 fn deb_package_installs_into_a_throwaway_root() {
+    for (program, package) in [("dpkg-deb", "dpkg"), ("lintian", "lintian"), ("man", "man-db")] {
+        assert!(
+            have(program),
+            "{program} is not installed (Debian package {package}); run scripts/install-test-deps"
+        );
+    }
     let dir = tempfile::tempdir().unwrap();
     let o = Command::new(repo().join("scripts/build-deb"))
+        .arg("--no-build")
         .arg("--out")
         .arg(dir.path())
+        .env("XPU_DEB_XPU_BIN", XPU)
+        .env("XPU_DEB_SHIM_BIN", SHIM)
+        .env("XPU_DEB_COMPRESSION", "gzip")
         .output()
         .unwrap();
     assert!(o.status.success(), "scripts/build-deb: {}", String::from_utf8_lossy(&o.stderr));
@@ -329,8 +416,10 @@ fn deb_package_installs_into_a_throwaway_root() {
         "./usr/bin/xpu-container-runtime",
         "./usr/lib/systemd/system/xpu-serve.service",
         "./usr/lib/systemd/system/xpu-device-plugin.service",
+        "./usr/lib/systemd/system/xpu-exporter.service",
         "./usr/lib/systemd/system/xpu-nfd-features.service",
         "./usr/lib/systemd/system/xpu-nfd-features.timer",
+        "./usr/lib/systemd/system/xpu-tpu-env.service",
         "./etc/xpu/runtime.toml",
         "./usr/share/bash-completion/completions/xpu",
         "./usr/share/zsh/vendor-completions/_xpu",
@@ -348,14 +437,11 @@ fn deb_package_installs_into_a_throwaway_root() {
         assert!(info.contains(needle), "{needle} missing from\n{info}");
     }
 
-    if have("lintian") {
-        // Errors fail; warnings are listed in packaging/debian/lintian-overrides or build-deb.
-        let o = Command::new("lintian").arg(&deb).output().unwrap();
-        let report = stdout(&o);
-        assert!(!report.lines().any(|l| l.starts_with("E:")), "lintian: {report}");
-    } else {
-        eprintln!("skipping lintian: it is not installed (Debian package lintian)");
-    }
+    // Errors fail; warnings are listed in packaging/debian/lintian-overrides or build-deb.
+    let o = Command::new("lintian").arg(&deb).output().unwrap();
+    let report = stdout(&o);
+    assert!(!report.lines().any(|l| l.starts_with("E:")), "lintian: {report}");
+    eprintln!("lintian:\n{report}");
 
     let root = dir.path().join("root");
     for d in ["var/lib/dpkg/info", "var/lib/dpkg/updates", "etc"] {
@@ -377,14 +463,39 @@ fn deb_package_installs_into_a_throwaway_root() {
     assert!(stdout(&o).starts_with("xpu "), "{o:?}");
     let o = Command::new(&installed).args(["discover", "--all"]).output().unwrap();
     assert!(o.status.success(), "{o:?}");
-    if have("runc") {
-        // The shim hands --version to runc after reading the installed runtime.toml.
-        let o = Command::new(root.join("usr/bin/xpu-container-runtime"))
-            .arg("--version")
-            .env("XPU_RUNTIME_CONFIG", root.join("etc/xpu/runtime.toml"))
+    // The shim's own version, reading the installed runtime.toml (runc's lines follow when runc
+    // is installed: shim_version_is_its_own_then_runcs).
+    let o = Command::new(root.join("usr/bin/xpu-container-runtime"))
+        .arg("--version")
+        .env("XPU_RUNTIME_CONFIG", root.join("etc/xpu/runtime.toml"))
+        .output()
+        .unwrap();
+    let first = concat!("xpu-container-runtime version ", env!("CARGO_PKG_VERSION"));
+    assert!(o.status.success() && stdout(&o).starts_with(first), "{o:?}");
+    let completion = root.join("usr/share/bash-completion/completions/xpu");
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg(format!("source '{}' && complete -p xpu", completion.display()))
+        .output()
+        .unwrap();
+    assert!(o.status.success() && stdout(&o).contains("-F _xpu"), "{o:?}");
+    let man1 = root.join("usr/share/man/man1");
+    let mut pages: Vec<PathBuf> =
+        std::fs::read_dir(&man1).unwrap().map(|e| e.unwrap().path()).collect();
+    pages.sort();
+    assert!(pages.len() > 5, "{pages:?}");
+    for page in &pages {
+        // xpu-container-runtime.1.gz is a symlink to xpu-runtime.1.gz, rendered through it.
+        let o = Command::new("man")
+            .args(["-l", "--warnings"])
+            .arg(page)
+            .env("MANWIDTH", "80")
             .output()
             .unwrap();
-        assert!(o.status.success() && stdout(&o).contains("runc version"), "{o:?}");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success() && stderr.trim().is_empty(), "man -l {page:?}: {stderr}");
+        let text = without_overstrike(&stdout(&o));
+        assert!(text.contains("NAME"), "man -l {page:?} rendered nothing: {text}");
     }
     let conffile = root.join("etc/xpu/runtime.toml");
     dpkg(&["-r", "xpu"]);

@@ -308,11 +308,14 @@ fn runtime_passes_other_subcommands_through_needs_root_and_runc() {
         Command::new(program).args(args).env("XPU_RUNTIME_CONFIG", &host.config).output().unwrap()
     };
     let root = state.path().to_str().unwrap();
-    for args in [
-        &["--version"][..],
-        &["--root", root, "list"],
-        &["--root", root, "list", "--format", "json"],
-    ] {
+    // `--version` prints the shim's own version first, then runc's unchanged (as NVIDIA's runtime
+    // does, so `docker info` still reads runc's).
+    let via_shim = run(&shim, &["--version"]);
+    let direct = run(Path::new(RUNC), &["--version"]);
+    assert!(via_shim.status.success() && direct.status.success());
+    assert!(via_shim.stdout.starts_with(b"xpu-container-runtime version "));
+    assert!(via_shim.stdout.ends_with(&direct.stdout), "runc's own lines follow");
+    for args in [&["--root", root, "list"][..], &["--root", root, "list", "--format", "json"]] {
         let via_shim = run(&shim, args);
         let direct = run(Path::new(RUNC), args);
         assert_eq!(via_shim.status.code(), direct.status.code(), "{args:?}");

@@ -129,6 +129,8 @@ fn suite(d: &Daemon, scratch: &std::path::Path) {
     deadline(d);
     bad_manifests(d);
     idempotent_submit(d);
+    several_workloads_in_one_file(d, scratch);
+    pod_restarts_by_default(d, scratch);
     cli_shapes(d);
     openapi_paths_answer(d);
 }
@@ -437,6 +439,111 @@ fn idempotent_submit(d: &Daemon) {
     assert_eq!(r1.json().unwrap()["id"], r2.json().unwrap()["id"]);
 }
 
+/// Two Pods sharing one GPU and a headless Service in one file, as `kubectl apply -f` takes it.
+fn two_pods(gate: &str) -> String {
+    let pod = |name: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  annotations: {{xpu.dev/gpu-milli: \"500\"}}\nspec:\n  restartPolicy: Never\n  containers:\n  - name: c\n    image: busybox\n    command: [sh, -c, 'echo {name} $XPU_GPU_MILLI $CUDA_VISIBLE_DEVICES; {gate}']\n    resources: {{limits: {{nvidia.com/gpu: 1}}}}\n"
+        )
+    };
+    format!(
+        "{}---\napiVersion: v1\nkind: Service\nmetadata: {{name: headless}}\nspec: {{clusterIP: None}}\n---\n{}",
+        pod("share-a"),
+        pod("share-b")
+    )
+}
+
+fn several_workloads_in_one_file(d: &Daemon, scratch: &std::path::Path) {
+    let gate = scratch.join("two-pods-gate");
+    let file = two_pods(&wait_gate(&gate));
+    let h = [("Idempotency-Key", "two-pods")];
+    let r = d.client().request("POST", "/v1/jobs", Some(file.as_bytes()), &h).unwrap();
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json().unwrap();
+    let jobs = v["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 2, "{v}");
+    assert_eq!(
+        (jobs[0]["name"].as_str(), jobs[1]["name"].as_str()),
+        (Some("share-a"), Some("share-b"))
+    );
+    assert_eq!(v["id"], jobs[0]["id"]);
+    assert!(v["notes"].to_string().contains("skipped Service headless"), "{v}");
+    let ids: Vec<i64> = jobs.iter().map(|j| j["id"].as_i64().unwrap()).collect();
+    // Both run at once on halves of one GPU.
+    for &id in &ids {
+        d.wait_state(id, &["running"]);
+        d.wait_log(id, " 500 ");
+    }
+    std::fs::write(&gate, "").unwrap();
+    let mut gpus = Vec::new();
+    for &id in &ids {
+        let j = d.wait_state(id, &["succeeded", "failed"]);
+        assert_eq!(j["state"], "succeeded", "{j}");
+        gpus.push(j["tasks"][0]["devices"].clone());
+    }
+    assert_eq!(gpus[0], gpus[1], "the two Pods shared one GPU");
+    // A retry of the file finds both jobs.
+    let r = d.client().request("POST", "/v1/jobs", Some(file.as_bytes()), &h).unwrap();
+    assert_eq!(r.status, 200);
+    let again: Vec<i64> = r.json().unwrap()["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(again, ids);
+
+    // One bad document: nothing of the file is submitted, and the error names the document.
+    let before = d.get("/v1/jobs?limit=1000")["jobs"].as_array().unwrap().len();
+    let third = two_pods("true").split("---").next().unwrap().replace("share-a", "third");
+    let bad = format!("{file}---\n{}", third.replace("nvidia.com/gpu: 1", "nvidia.com/gpu: many"));
+    let r = d.client().request("POST", "/v1/jobs", Some(bad.as_bytes()), &[]).unwrap();
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    let e = r.json().unwrap();
+    assert_eq!(e["field"], "document[3].spec.containers[0].resources.limits.nvidia.com/gpu", "{e}");
+    let after = d.get("/v1/jobs?limit=1000")["jobs"].as_array().unwrap().len();
+    assert_eq!(before, after, "a file with one bad document submits none");
+
+    // The CLI prints one id per job.
+    let f = scratch.join("two-pods.yaml");
+    std::fs::write(&f, two_pods("true")).unwrap();
+    let out = d.cli(&["submit", f.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed: Vec<i64> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim().parse().unwrap()).collect();
+    assert_eq!(printed.len(), 2, "{printed:?}");
+    for id in printed {
+        d.wait_state(id, &["succeeded"]);
+    }
+}
+
+/// A Pod without restartPolicy is restarted whenever it exits, as the kubelet does, until it
+/// is cancelled.
+fn pod_restarts_by_default(d: &Daemon, scratch: &std::path::Path) {
+    let runs = scratch.join("always-runs");
+    let pod = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: always}}\nspec:\n  containers:\n  - name: c\n    command: [sh, -c, 'echo run >> {}; sleep 0.05']\n",
+        runs.display()
+    );
+    let r = d.client().request("POST", "/v1/jobs", Some(pod.as_bytes()), &[]).unwrap();
+    assert_eq!(r.status, 201);
+    let v = r.json().unwrap();
+    assert!(v["notes"].to_string().contains("restartPolicy: Always (the Pod default)"), "{v}");
+    let id = v["id"].as_i64().unwrap();
+    d.wait_for("three runs of the Pod", || {
+        let n = std::fs::read_to_string(&runs).unwrap_or_default().lines().count();
+        (n >= 3).then_some(())
+    });
+    let j = d.get(&format!("/v1/jobs/{id}"));
+    assert_eq!(j["state"], "running", "a Pod with restartPolicy Always never completes: {j}");
+    assert_eq!(j["failures"], 0, "exiting 0 is not a failure: {j}");
+    let out = d.cli(&["cancel", &id.to_string()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    d.wait_state(id, &["cancelled"]);
+    let events = d.get(&format!("/v1/events?job={id}"));
+    assert!(events.to_string().contains("restartPolicy Always"), "{events}");
+}
+
 fn cli_shapes(d: &Daemon) {
     let out =
         d.cli(&["submit", "--gpus", "0", "--name", "cli-job", "--", "sh", "-c", "echo from-cli"]);
@@ -494,9 +601,36 @@ fn openapi_paths_answer(d: &Daemon) {
         "xpu_queue_wait_seconds_bucket",
         "xpu_device_allocated{",
         "xpu_scheduling_latency_seconds_count",
+        // The exporter's per-device series (xpu-telemetry), for the daemon's devices.
+        "xpu_device_info{",
+        "xpu_device_healthy{",
     ] {
         assert!(metrics.contains(name), "{name} missing from /metrics");
     }
+    // The whole text parses with Prometheus' own parser for the text format (0.0.4).
+    let out = std::process::Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(
+            "import sys\n\
+             from prometheus_client.parser import text_string_to_metric_families as p\n\
+             print(sum(len(f.samples) for f in p(sys.stdin.read())))",
+        )
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write as _;
+            c.stdin.take().unwrap().write_all(metrics.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("/usr/bin/python3 (run scripts/install-test-deps)");
+    assert!(
+        out.status.success(),
+        "Prometheus' parser refused /metrics (scripts/install-test-deps installs \
+         python3-prometheus-client): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

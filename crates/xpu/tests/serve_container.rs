@@ -191,3 +191,102 @@ fn rootfs_and_bundle_jobs_run_as_runc_containers_needs_root_and_runc() {
         "rootfs: /nonexistent/rootfs is not a directory on the daemon's host"
     );
 }
+
+/// Kubernetes' Indexed Job example (an init container writes the index's input into an
+/// `emptyDir`, the worker reads it), with a sidecar and a `medium: Memory` volume added, run as
+/// runc containers: every container of a task sees the same volumes, the init container ran
+/// first, the sidecar ran beside the worker and was stopped after it, and nothing is left.
+#[test]
+fn an_indexed_job_with_an_init_container_and_empty_dirs_runs_as_runc_containers_needs_root_and_runc()
+ {
+    if let Some(why) = bundle::container_tests_unavailable() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    let tmp = tempfile::tempdir().unwrap();
+    let image = Bundle::busybox_in(&tmp.path().join("image"), "true");
+    let rootfs = image.rootfs();
+    let data = tmp.path().join("data");
+    let _cleanup = Cleanup { data: data.clone() };
+    let cfg = host.config.to_str().unwrap().to_owned();
+    let d = Daemon::start_with_env(
+        &data,
+        None,
+        &["--root", host.fixture.root().to_str().unwrap()],
+        &[("XPU_RUNTIME_CONFIG", &cfg)],
+    );
+    let manifest = format!(
+        r#"apiVersion: batch/v1
+kind: Job
+metadata:
+  name: indexed-job
+  annotations: {{xpu.dev/rootfs: {rootfs}}}
+spec:
+  completions: 3
+  parallelism: 3
+  completionMode: Indexed
+  template:
+    spec:
+      restartPolicy: Never
+      initContainers:
+      - name: input
+        image: docker.io/library/bash
+        command:
+        - sh
+        - -c
+        - |
+          set -- foo bar baz
+          shift $JOB_COMPLETION_INDEX
+          echo $1 > /input/data.txt
+          echo from-init > /scratch/init
+        volumeMounts:
+        - {{name: input, mountPath: /input}}
+        - {{name: scratch, mountPath: /scratch}}
+      - name: heartbeat
+        image: busybox
+        restartPolicy: Always
+        command: [sh, -c, 'while :; do date +%s > /scratch/beat; sleep 0.05; done']
+        volumeMounts: [{{name: scratch, mountPath: /scratch}}]
+      containers:
+      - name: worker
+        image: docker.io/library/busybox
+        command:
+        - sh
+        - -c
+        - |
+          while [ ! -e /scratch/beat ]; do sleep 0.05; done
+          echo "data=$(cat /input/data.txt) init=$(cat /scratch/init) sidecar=up"
+          grep -q ' /scratch tmpfs ' /proc/mounts && echo scratch=tmpfs
+          {{ echo nope > /input/x; }} 2>/dev/null || echo input=read-only
+        volumeMounts:
+        - {{name: input, mountPath: /input, readOnly: true}}
+        - {{name: scratch, mountPath: /scratch}}
+      volumes:
+      - name: input
+        emptyDir: {{}}
+      - name: scratch
+        emptyDir: {{medium: Memory, sizeLimit: 16Mi}}
+"#,
+        rootfs = rootfs.display()
+    );
+    let id = d.submit(&manifest);
+    let j = d.wait_state(id, &["succeeded", "failed"]);
+    let tasks = j["tasks"].as_array().unwrap();
+    assert_eq!(j["state"], "succeeded", "{j}\n{}", logs(&d, id));
+    assert_eq!(tasks.len(), 3, "{j}");
+    for (i, word) in ["foo", "bar", "baz"].into_iter().enumerate() {
+        let r =
+            d.client().request("GET", &format!("/v1/jobs/{id}/logs?task={i}"), None, &[]).unwrap();
+        let log = String::from_utf8(r.body).unwrap();
+        assert_eq!(
+            log,
+            format!("data={word} init=from-init sidecar=up\nscratch=tmpfs\ninput=read-only\n"),
+            "task {i}"
+        );
+    }
+    // Every container (three per task) was deleted; no tmpfs is left mounted.
+    d.wait_for("runc's state to be empty", || containers(&data).is_empty().then_some(()));
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(!mounts.contains(&data.display().to_string()), "{mounts}");
+}

@@ -1,6 +1,8 @@
 //! The dashboard in a real headless browser (Debian's chromium): the page loads, fills itself
 //! from the API without a reload (devices with their holder, the queue, running and finished
-//! jobs, the allocation chart), and a screenshot is saved under the target directory.
+//! jobs, the allocation chart, each device's utilisation and memory from telemetry), and a
+//! screenshot is saved under the target directory. A missing chromium fails the test with the
+//! install command.
 
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
@@ -35,12 +37,13 @@ fn chromium(profile: &Path, extra: &[String], url: &str) -> std::process::Output
         .unwrap()
 }
 
+fn need_chromium() {
+    assert!(Path::new(CHROMIUM).exists(), "{CHROMIUM} is missing; run scripts/install-test-deps");
+}
+
 #[test]
 fn dashboard_in_headless_chromium_shows_a_submitted_job() {
-    if !Path::new(CHROMIUM).exists() {
-        eprintln!("skipping: {CHROMIUM} is missing; run scripts/install-test-deps");
-        return;
-    }
+    need_chromium();
     let dir = tempfile::tempdir().unwrap();
     let d = Daemon::start(&dir.path().join("data"), None, &["--devices", "nvidia-a100:2"]);
     let done = d.submit("name: finished-job\ncommand: [\"true\"]\n");
@@ -79,4 +82,29 @@ fn dashboard_in_headless_chromium_shows_a_submitted_job() {
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "screenshot {}", shot.display());
     eprintln!("dashboard screenshot: {}", shot.display());
     kill_tasks(&d.data_dir);
+}
+
+/// Utilisation and memory per device, from the daemon's telemetry (here amdgpu's sysfs values
+/// in a fixture host), next to the holder.
+#[test]
+fn dashboard_shows_each_devices_utilisation_and_memory() {
+    need_chromium();
+    let fx = xpu_testkit::hosts::mi300x().build();
+    let bus = xpu_testkit::hosts::MI300X_BUSES[0];
+    let dev = fx.device_dir(&format!("0000:{bus:02x}:00.0"));
+    std::fs::write(dev.join("gpu_busy_percent"), "37\n").unwrap();
+    std::fs::write(dev.join("mem_info_vram_used"), "3221225472\n").unwrap();
+    std::fs::write(dev.join("mem_info_vram_total"), "206158430208\n").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = fx.root().to_str().unwrap().to_owned();
+    let d = Daemon::start(&dir.path().join("data"), None, &["--root", &root]);
+    d.wait_for("telemetry in /v1/devices", || {
+        let v = d.get("/v1/devices");
+        (v["devices"][0]["telemetry"]["utilization_percent"] == 37.0).then_some(())
+    });
+    let profile = dir.path().join("profile");
+    let out = chromium(&profile, &["--dump-dom".to_owned()], &format!("{}/", d.url()));
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "chromium: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(dom.contains("<td>37%</td><td>3.0 / 192.0 GiB</td>"), "utilisation and memory:\n{dom}");
 }

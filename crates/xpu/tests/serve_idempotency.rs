@@ -48,6 +48,16 @@ fn reused_key_with_another_job_is_refused(d: &Daemon) {
     let job = d.get(&format!("/v1/jobs/{id}"));
     assert_eq!((job["name"].as_str(), job["key"].as_str()), (Some("first"), Some("k-1")));
     assert_eq!(job["spec"]["container"]["argv"], serde_json::json!(["true"]));
+
+    // A manifest with generateName gets a new random name on each parse; retried under its
+    // key it is still the same job, and the answer names the first one.
+    let generated = "apiVersion: v1\nkind: Pod\nmetadata: {generateName: sample-job-}\nspec:\n  restartPolicy: Never\n  containers:\n  - {name: c, command: [\"true\"]}\n";
+    let (status, v) = post(d, "/v1/jobs", generated, Some("k-gen"));
+    assert_eq!(status, 201, "{v}");
+    let (gen_id, gen_name) = (v["id"].as_i64(), v["name"].clone());
+    assert!(gen_name.as_str().unwrap().starts_with("sample-job-"), "{v}");
+    let (status, v) = post(d, "/v1/jobs", generated, Some("k-gen"));
+    assert_eq!((status, v["id"].as_i64(), &v["name"]), (200, gen_id, &gen_name), "{v}");
 }
 
 fn start(dir: &std::path::Path, db: Option<&str>) -> Daemon {

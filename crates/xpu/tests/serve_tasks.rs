@@ -1,7 +1,8 @@
 //! How `xpu serve` starts and runs tasks whatever the job puts in it: a job's `PATH` does not
 //! break the task supervisor (an exit status is recorded even while the daemon is down), a task
 //! that cannot start says why, a root filesystem runc would refuse is refused at submit, and a
-//! daemon that cannot start prints its cause once, no banner, and leaves no socket behind.
+//! daemon that cannot start prints its cause once, no banner, and leaves no socket behind; an
+//! Indexed Job's downward-API variables and `$(VAR)` references resolve as the kubelet's would.
 
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
@@ -138,4 +139,91 @@ fn a_daemon_that_cannot_listen_says_why_once_without_banner_or_socket() {
     // A daemon that starts prints its banner once it serves.
     let d = Daemon::start(&data, None, &[]);
     d.wait_for("the banner", || d.log().contains("xpu serve: socket").then_some(()));
+}
+
+/// The standard multi-host pattern: an Indexed Job whose env takes the completion index through
+/// the downward API and whose args use `$(VAR)` references, as the kubelet expands them.
+#[test]
+fn an_indexed_job_gets_its_rank_from_the_downward_api_and_var_references() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Daemon::start(&tmp.path().join("data"), None, &[]);
+    let manifest = r#"
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: ddp
+  namespace: ml
+spec:
+  completions: 1
+  completionMode: Indexed
+  template:
+    metadata:
+      labels:
+        app: trainer
+    spec:
+      restartPolicy: Never
+      serviceAccountName: trainer
+      containers:
+      - name: main
+        image: busybox
+        command: ["/bin/echo"]
+        args: ["rank=$(JOB_COMPLETION_INDEX)", "node_rank=$(RANK)", "master=$(MASTER)",
+               "ns=$(NS)", "app=$(APP)", "sa=$(SA)", "pod=$(POD)", "escaped=$$(RANK)",
+               "unknown=$(NOPE)", "cpus=$(CPUS)", "early=$(LATE)", "late_ref=$(LATE_REF)"]
+        env:
+        - name: RANK
+          valueFrom:
+            fieldRef:
+              fieldPath: "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        - name: JOB
+          valueFrom:
+            fieldRef:
+              fieldPath: "metadata.labels['job-name']"
+        - name: MASTER
+          value: "$(JOB)-0.ddp-svc"
+        - name: LATE_REF
+          value: "$(LATE)"
+        - name: LATE
+          value: "set-after"
+        - {name: NS, valueFrom: {fieldRef: {fieldPath: metadata.namespace}}}
+        - {name: APP, valueFrom: {fieldRef: {fieldPath: "metadata.labels['app']"}}}
+        - {name: SA, valueFrom: {fieldRef: {fieldPath: spec.serviceAccountName}}}
+        - {name: POD, valueFrom: {fieldRef: {fieldPath: metadata.name}}}
+        - name: CPUS
+          valueFrom:
+            resourceFieldRef: {resource: requests.cpu, divisor: 1m}
+        resources:
+          requests:
+            cpu: 500m
+"#;
+    let id = d.submit(manifest);
+    let j = d.wait_state(id, &["succeeded", "failed"]);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    d.wait_log(
+        id,
+        &format!(
+            "rank=0 node_rank=0 master=ddp-0.ddp-svc ns=ml app=trainer sa=trainer pod=ddp-{id}-0 \
+             escaped=$(RANK) unknown=$(NOPE) cpus=500 early=set-after late_ref=$(LATE)"
+        ),
+    );
+}
+
+/// References that double a value each time stand for a huge string in a small manifest: the
+/// task fails to start naming the variable, and the daemon never builds the string.
+#[test]
+fn a_doubling_chain_of_references_fails_the_start_instead_of_growing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Daemon::start(&tmp.path().join("data"), None, &[]);
+    let mut env = format!("        - {{name: V0, value: \"{}\"}}\n", "x".repeat(1000));
+    for i in 1..40 {
+        env.push_str(&format!("        - {{name: V{i}, value: \"$(V{p})$(V{p})\"}}\n", p = i - 1));
+    }
+    let manifest = format!(
+        "apiVersion: batch/v1\nkind: Job\nmetadata: {{name: bomb}}\nspec:\n  backoffLimit: 0\n  template:\n    spec:\n      restartPolicy: Never\n      containers:\n      - name: c\n        command: [\"/bin/true\"]\n        env:\n{env}"
+    );
+    let id = d.submit(&manifest);
+    let j = d.wait_state(id, &["succeeded", "failed"]);
+    assert_eq!(j["state"], "failed", "{j}");
+    let message = j["message"].as_str().unwrap();
+    assert!(message.contains("could not start: env V8: expands to more than 128 KiB"), "{message}");
 }

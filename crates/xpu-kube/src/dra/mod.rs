@@ -46,6 +46,9 @@ pub struct DriverArgs {
     pub paths: plugin::Paths,
     /// How often the host is re-discovered.
     pub interval: Duration,
+    /// Device health from telemetry (XIDs, uncorrectable memory errors, lost GPUs): an
+    /// unhealthy device is withdrawn from the published pool until it recovers.
+    pub health: Option<xpu_telemetry::collect::Collector>,
 }
 
 /// Errors starting the driver.
@@ -86,7 +89,13 @@ pub async fn run(
         args.paths.clone(),
         rx,
     )?);
-    let loop_task = tokio::spawn(slices::run(publisher, args.root.clone(), args.interval, tx));
+    let loop_task = tokio::spawn(slices::run(
+        publisher,
+        args.root.clone(),
+        args.interval,
+        tx,
+        args.health.clone(),
+    ));
     let r = plugin::serve(driver, stop).await;
     loop_task.abort();
     r?;

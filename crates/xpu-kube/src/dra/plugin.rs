@@ -4,11 +4,11 @@
 //!
 //! `NodePrepareResources` reads each claim from the API server, decides with
 //! [`super::prepare::plan`], writes the claim's CDI spec atomically into the CDI directory and
-//! records it in a checkpoint (`<plugin-dir>/xpu.dev/checkpoint.json`, also written
-//! atomically) before answering. A claim already in the checkpoint whose spec is still there is
-//! answered from it (idempotent, and right after a restart). `NodeUnprepareResources` removes
-//! exactly the spec the checkpoint names. Errors are per claim and nothing is written for a
-//! claim that fails.
+//! records it in a checkpoint (`<plugin-dir>/xpu.dev/checkpoint.json`, written atomically and
+//! fsynced; the spec is atomic but not fsynced) before answering. A claim already in the
+//! checkpoint whose spec is still there and parses is answered from it (idempotent, and right
+//! after a restart). `NodeUnprepareResources` removes exactly the spec the checkpoint names.
+//! Errors are per claim and nothing is written for a claim that fails.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -100,6 +100,12 @@ pub fn load_checkpoint(path: &Path) -> Result<Checkpoint, PluginError> {
     }
 }
 
+/// Whether a prepared claim's spec is still there and whole (a spec that does not parse, such
+/// as one left empty by a power cut before it reached the disk, is written again).
+fn spec_intact(path: &Path) -> bool {
+    std::fs::read(path).is_ok_and(|b| serde_json::from_slice::<Spec>(&b).is_ok())
+}
+
 fn save_checkpoint(path: &Path, c: &Checkpoint) -> std::io::Result<()> {
     let bytes = serde_json::to_vec_pretty(c).map_err(std::io::Error::other)?;
     xpu_container::fsutil::write_atomic(path, &bytes, 0o600)
@@ -176,7 +182,7 @@ impl Driver {
     ) -> Result<Vec<PreparedDevice>, String> {
         let who = format!("claim {}/{} ({})", c.namespace, c.name, c.uid);
         if let Some(p) = cp.claims.get(&c.uid)
-            && self.paths.cdi_dir.join(&p.spec_file).exists()
+            && spec_intact(&self.paths.cdi_dir.join(&p.spec_file))
         {
             return Ok(p.devices.clone());
         }
@@ -190,7 +196,12 @@ impl Driver {
             .map_err(|e| format!("{who} {e}"))?;
         let file = prepare::spec_file(&c.uid);
         let path = self.paths.cdi_dir.join(&file);
-        xpu_container::cdi::write(&path, xpu_container::cdi::to_json(&plan.spec).as_bytes())
+        // Atomic (a runtime sees the old spec or the new one) but not fsynced: the spec is
+        // derived from the claim, `--cdi-dir` is normally on tmpfs (/var/run/cdi), and a spec
+        // a power cut emptied fails `spec_intact` and is written again by the kubelet's next
+        // prepare. The checkpoint, which a restart needs whole, is fsynced.
+        let json = xpu_container::cdi::to_json(&plan.spec);
+        xpu_container::fsutil::write_replace(&path, json.as_bytes(), 0o644, false)
             .map_err(|e| format!("{who}: writing CDI spec {}: {e}", path.display()))?;
         cp.claims.insert(
             c.uid.clone(),

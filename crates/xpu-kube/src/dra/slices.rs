@@ -38,8 +38,7 @@ pub fn device_name(d: &PciDevice) -> Option<String> {
         DeviceKind::Npu => "npu",
         DeviceKind::Nvswitch | DeviceKind::Other => return None,
     };
-    let addr = d.address.to_string().replace([':', '.'], "-");
-    Some(format!("{kind}-{addr}"))
+    Some(format!("{kind}-{}", d.address.dns_label()))
 }
 
 fn string(s: impl Into<String>) -> DeviceAttribute {
@@ -119,6 +118,26 @@ pub fn device(root: &Root, d: &PciDevice) -> Option<Device> {
 /// Every published device of the inventory, in address order.
 pub fn devices(root: &Root, inv: &Inventory) -> Vec<Device> {
     inv.devices.iter().filter_map(|d| device(root, d)).collect()
+}
+
+/// `devices` without those telemetry reports unhealthy (`unhealthy`, by PCI address): an
+/// unhealthy device is withdrawn from the pool, so the scheduler allocates it to no new claim,
+/// and comes back with the next publication after it recovers.
+pub fn without_unhealthy(
+    devices: Vec<Device>,
+    inv: &Inventory,
+    unhealthy: &BTreeMap<xpu_core::PciAddress, String>,
+) -> Vec<Device> {
+    if unhealthy.is_empty() {
+        return devices;
+    }
+    let out: std::collections::BTreeSet<String> = inv
+        .devices
+        .iter()
+        .filter(|d| unhealthy.contains_key(&d.address))
+        .filter_map(device_name)
+        .collect();
+    devices.into_iter().filter(|d| !out.contains(&d.name)).collect()
 }
 
 /// The slice name of part `i` of `node`'s pool.
@@ -253,6 +272,7 @@ pub async fn run(
     root: Root,
     interval: Duration,
     inventory: tokio::sync::watch::Sender<std::sync::Arc<Inventory>>,
+    health: Option<xpu_telemetry::collect::Collector>,
 ) {
     let opts = xpu_host::DiscoverOptions {
         scope: xpu_host::Scope::Accelerators,
@@ -261,9 +281,28 @@ pub async fn run(
     };
     loop {
         let started = Instant::now();
-        match xpu_host::discover(&root, &opts) {
-            Ok(inv) => {
-                let devs = devices(&root, &inv);
+        // Discovery and the devices' attributes read sysfs: on the blocking pool, so the
+        // kubelet's NodePrepareResources calls never wait behind them on a worker thread.
+        let (r, o) = (root.clone(), opts.clone());
+        let read = tokio::task::spawn_blocking(move || {
+            xpu_host::discover(&r, &o).map(|inv| {
+                let devs = devices(&r, &inv);
+                (inv, devs)
+            })
+        })
+        .await;
+        let read = match read {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e, "re-discovering the host");
+                tokio::time::sleep(interval).await;
+                continue;
+            }
+        };
+        match read {
+            Ok((inv, devs)) => {
+                let unhealthy = health.as_ref().map(|h| h.unhealthy()).unwrap_or_default();
+                let devs = without_unhealthy(devs, &inv, &unhealthy);
                 // Only the publisher writes; receivers see the inventory the slices came from.
                 inventory.send_replace(std::sync::Arc::new(inv));
                 match publisher.publish(devs).await {
@@ -291,6 +330,33 @@ mod tests {
         let root = Root::new(fx.root()).unwrap();
         let inv = xpu_host::discover(&root, &DiscoverOptions::default()).unwrap();
         (fx, root, inv)
+    }
+
+    #[test]
+    fn a_device_telemetry_calls_unhealthy_is_withdrawn() {
+        use xpu_telemetry::Reading;
+        use xpu_telemetry::nvml::FakeNvml;
+        let (_fx, root, inv) = inv(&hosts::a100_8x());
+        let victim = inv.accelerators().nth(2).unwrap().address;
+        let nvml =
+            FakeNvml::new(inv.accelerators().map(|d| (d.address, Reading::default())).collect());
+        let mut sources: Vec<Box<dyn xpu_telemetry::Source>> = vec![Box::new(nvml.clone())];
+        let health = |sources: &mut Vec<Box<dyn xpu_telemetry::Source>>| {
+            let mut book = xpu_telemetry::health::HealthBook::default();
+            for s in sources.iter_mut() {
+                for (a, r) in s.read(&inv).unwrap().readings {
+                    book.observe(a, &r);
+                }
+            }
+            book.unhealthy()
+        };
+        assert_eq!(without_unhealthy(devices(&root, &inv), &inv, &health(&mut sources)).len(), 8);
+        nvml.update(|s| s.devices.get_mut(&victim).unwrap().xids.push(79));
+        let bad = health(&mut sources);
+        let published = without_unhealthy(devices(&root, &inv), &inv, &bad);
+        assert_eq!(published.len(), 7);
+        let gone = device_name(inv.device(&victim).unwrap()).unwrap();
+        assert!(published.iter().all(|d| d.name != gone), "{gone} withdrawn");
     }
 
     #[test]

@@ -203,6 +203,8 @@ pub struct NewJob {
 #[derive(Debug, Clone)]
 pub enum Write {
     Submit(NewJob),
+    /// Several jobs from one manifest file, inserted together or not at all.
+    SubmitAll(Vec<NewJob>),
     /// Marks an active job for cancellation; the scheduling loop carries it out.
     RequestCancel {
         id: i64,
@@ -233,6 +235,8 @@ pub enum Outcome {
         id: i64,
         created: bool,
     },
+    /// Per job of a [`Write::SubmitAll`], in order: its id and whether it is new.
+    SubmittedAll(Vec<(i64, bool)>),
     /// The job's state before the request; `None` when there is no such job.
     CancelRequested(Option<JobState>),
     Done,

@@ -15,8 +15,8 @@ use tokio_postgres::{Client, GenericClient, NoTls, Row};
 
 use super::sqlite::{SET_JOB_SQL, UPSERT_TASK_SQL};
 use super::{
-    ActiveRef, EventRow, JOB_COLS, JobRow, JobState, ListQuery, MIGRATIONS, Outcome, Reply, Result,
-    StoreError, TASK_COLS, TaskRow, Write, list_sql, parse_devices, parse_state,
+    ActiveRef, EventRow, JOB_COLS, JobRow, JobState, ListQuery, MIGRATIONS, NewJob, Outcome, Reply,
+    Result, StoreError, TASK_COLS, TaskRow, Write, list_sql, parse_devices, parse_state,
 };
 
 /// The advisory lock key of scheduling leadership ("xpu" in ASCII).
@@ -270,31 +270,15 @@ async fn apply_batch(
 async fn apply(c: &impl GenericClient, w: &Write) -> Result<Outcome> {
     match w {
         Write::Submit(j) => {
-            let row = c
-                .query_opt(
-                    "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms) VALUES ($1, $2, $3, $4, 'queued', $5, $6) ON CONFLICT (key) DO NOTHING RETURNING id",
-                    &[&j.key, &j.name, &j.queue, &j.priority, &j.spec, &j.at_ms],
-                )
-                .await?;
-            match row {
-                Some(r) => {
-                    let id: i64 = r.try_get(0)?;
-                    let msg = format!("job {id} ({}) queued in {}", j.name, j.queue);
-                    c.execute(
-                        "INSERT INTO events (at_ms, job_id, kind, message) VALUES ($1, $2, 'submitted', $3)",
-                        &[&j.at_ms, &id, &msg],
-                    )
-                    .await?;
-                    Ok(Outcome::Submitted { id, created: true })
-                }
-                None => {
-                    let id: i64 = c
-                        .query_one("SELECT id FROM jobs WHERE key = $1", &[&j.key])
-                        .await?
-                        .try_get(0)?;
-                    Ok(Outcome::Submitted { id, created: false })
-                }
+            let (id, created) = submit(c, j).await?;
+            Ok(Outcome::Submitted { id, created })
+        }
+        Write::SubmitAll(jobs) => {
+            let mut ids = Vec::with_capacity(jobs.len());
+            for j in jobs {
+                ids.push(submit(c, j).await?);
             }
+            Ok(Outcome::SubmittedAll(ids))
         }
         Write::RequestCancel { id } => {
             let row = c.query_opt("SELECT state FROM jobs WHERE id = $1", &[id]).await?;
@@ -370,6 +354,33 @@ impl PgLeader {
                 true
             }
             _ => false,
+        }
+    }
+}
+
+/// Inserts one job unless its idempotency key is taken: its id, and whether it is new.
+async fn submit(c: &impl GenericClient, j: &NewJob) -> Result<(i64, bool)> {
+    let row = c
+        .query_opt(
+            "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms) VALUES ($1, $2, $3, $4, 'queued', $5, $6) ON CONFLICT (key) DO NOTHING RETURNING id",
+            &[&j.key, &j.name, &j.queue, &j.priority, &j.spec, &j.at_ms],
+        )
+        .await?;
+    match row {
+        Some(r) => {
+            let id: i64 = r.try_get(0)?;
+            let msg = format!("job {id} ({}) queued in {}", j.name, j.queue);
+            c.execute(
+                "INSERT INTO events (at_ms, job_id, kind, message) VALUES ($1, $2, 'submitted', $3)",
+                &[&j.at_ms, &id, &msg],
+            )
+            .await?;
+            Ok((id, true))
+        }
+        None => {
+            let id: i64 =
+                c.query_one("SELECT id FROM jobs WHERE key = $1", &[&j.key]).await?.try_get(0)?;
+            Ok((id, false))
         }
     }
 }

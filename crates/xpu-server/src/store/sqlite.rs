@@ -8,8 +8,8 @@ use rusqlite::{Connection, OptionalExtension, Row, params};
 use tokio::sync::mpsc;
 
 use super::{
-    ActiveRef, EventRow, JOB_COLS, JobRow, JobState, ListQuery, MIGRATIONS, Outcome, Reply, Result,
-    StoreError, TASK_COLS, TaskRow, Write, list_sql, parse_devices, parse_state,
+    ActiveRef, EventRow, JOB_COLS, JobRow, JobState, ListQuery, MIGRATIONS, NewJob, Outcome, Reply,
+    Result, StoreError, TASK_COLS, TaskRow, Write, list_sql, parse_devices, parse_state,
 };
 
 /// Converts the shared `$n` placeholders to SQLite's `?n`.
@@ -405,29 +405,12 @@ fn apply_batch(conn: &mut Connection, batch: &[(Write, Reply)]) -> Result<Vec<Re
 fn apply(c: &Connection, w: &Write) -> Result<Outcome> {
     match w {
         Write::Submit(j) => {
-            let id: Option<i64> = c
-                .prepare_cached(
-                    "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms) VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6) ON CONFLICT (key) DO NOTHING RETURNING id",
-                )?
-                .query_row(params![j.key, j.name, j.queue, j.priority, j.spec, j.at_ms], |r| {
-                    r.get(0)
-                })
-                .optional()?;
-            match id {
-                Some(id) => {
-                    c.prepare_cached(
-                        "INSERT INTO events (at_ms, job_id, kind, message) VALUES (?1, ?2, 'submitted', ?3)",
-                    )?
-                    .execute(params![j.at_ms, id, format!("job {id} ({}) queued in {}", j.name, j.queue)])?;
-                    Ok(Outcome::Submitted { id, created: true })
-                }
-                None => {
-                    let id: i64 = c
-                        .prepare_cached("SELECT id FROM jobs WHERE key = ?1")?
-                        .query_row([&j.key], |r| r.get(0))?;
-                    Ok(Outcome::Submitted { id, created: false })
-                }
-            }
+            let (id, created) = submit(c, j)?;
+            Ok(Outcome::Submitted { id, created })
+        }
+        Write::SubmitAll(jobs) => {
+            let ids = jobs.iter().map(|j| submit(c, j)).collect::<Result<Vec<_>>>()?;
+            Ok(Outcome::SubmittedAll(ids))
         }
         Write::RequestCancel { id } => {
             let state: Option<String> = c
@@ -492,3 +475,28 @@ pub(super) const UPSERT_TASK_SQL: &str = "INSERT INTO tasks (job_id, idx, attemp
      ON CONFLICT (job_id, idx, attempt) DO UPDATE SET state = excluded.state, node = excluded.node, \
      devices = excluded.devices, pid = excluded.pid, finished_at_ms = excluded.finished_at_ms, \
      exit_code = excluded.exit_code, dir = excluded.dir";
+
+/// Inserts one job unless its idempotency key is taken: its id, and whether it is new.
+fn submit(c: &Connection, j: &NewJob) -> Result<(i64, bool)> {
+    let id: Option<i64> = c
+        .prepare_cached(
+            "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms) VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6) ON CONFLICT (key) DO NOTHING RETURNING id",
+        )?
+        .query_row(params![j.key, j.name, j.queue, j.priority, j.spec, j.at_ms], |r| r.get(0))
+        .optional()?;
+    match id {
+        Some(id) => {
+            c.prepare_cached(
+                "INSERT INTO events (at_ms, job_id, kind, message) VALUES (?1, ?2, 'submitted', ?3)",
+            )?
+            .execute(params![j.at_ms, id, format!("job {id} ({}) queued in {}", j.name, j.queue)])?;
+            Ok((id, true))
+        }
+        None => {
+            let id: i64 = c
+                .prepare_cached("SELECT id FROM jobs WHERE key = ?1")?
+                .query_row([&j.key], |r| r.get(0))?;
+            Ok((id, false))
+        }
+    }
+}

@@ -171,6 +171,10 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
             })?,
     };
     crate::output::init_tracing();
+    // Telemetry on the discovery interval: a device NVML (or amdgpu's RAS counters) reports
+    // unhealthy is withdrawn from the published pool.
+    let interval = Duration::from_millis(a.interval_ms);
+    let health = xpu_integrations::exporter::health_collector(&root, interval);
     let args = xpu_kube::dra::DriverArgs {
         root,
         node_name,
@@ -181,6 +185,7 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
             cdi_dir: a.cdi_dir,
         },
         interval: Duration::from_millis(a.interval_ms),
+        health: Some(health),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -254,11 +259,16 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
             .collect::<Result<Vec<_>, _>>()
             .map_err(CliError::input)?
     };
+    let interval = Duration::from_millis(args.interval_ms);
+    // Telemetry on the same interval: XIDs and uncorrectable memory errors reported by NVML (or
+    // amdgpu's RAS counters) mark a device Unhealthy, not only a vanished one.
+    let health = xpu_integrations::exporter::health_collector(&root, interval);
     let cfg = deviceplugin::Config {
         root,
         plugin_dir: args.plugin_dir,
         resources,
-        interval: Duration::from_millis(args.interval_ms),
+        interval,
+        health: Some(health),
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -283,7 +293,7 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
 }
 
 /// SIGINT, or SIGTERM (what a pod's shutdown sends).
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {

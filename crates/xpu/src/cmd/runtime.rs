@@ -61,9 +61,18 @@ fn fail(prefix: &str, e: impl Into<anyhow::Error>) -> ExitCode {
     ExitCode::FAILURE
 }
 
+/// The shim's version and the git commit it was built from (`build.rs`).
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+const COMMIT: &str = env!("XPU_GIT_COMMIT");
+
 /// Runs the shim with runc's arguments `args`; returns only when it cannot exec runc.
 pub fn run(args: Vec<OsString>) -> ExitCode {
     const ME: &str = "xpu-container-runtime";
+    if let [flag] = args.as_slice()
+        && (flag == "--version" || flag == "-v")
+    {
+        return version(ME);
+    }
     let cfg = match RuntimeConfig::load_default() {
         Ok(c) => c,
         Err(e) => return fail(ME, e),
@@ -86,6 +95,32 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
             fail(ME, e)
         }
     }
+}
+
+/// `--version` (runc's `-v` too) alone: the shim's own version and commit, then the wrapped
+/// runtime's `--version` lines, as nvidia-container-runtime prints them. Engines that show the
+/// runtime's version (`docker info`) read runc's lines, which come last. The shim's own lines are
+/// printed even when the runtime cannot be found or run; that is reported on stderr.
+fn version(me: &str) -> ExitCode {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let written =
+        writeln!(out, "{me} version {VERSION}\ncommit: {COMMIT}").and_then(|()| out.flush());
+    if written.is_err() {
+        return ExitCode::FAILURE;
+    }
+    drop(out);
+    let runtime = RuntimeConfig::load_default()
+        .map_err(anyhow::Error::from)
+        .and_then(|cfg| shim::real_runtime(&cfg).map_err(anyhow::Error::from));
+    match runtime.and_then(|rt| {
+        std::process::Command::new(&rt).arg("--version").status().map_err(anyhow::Error::from)
+    }) {
+        Ok(status) if !status.success() => eprintln!("{me}: the runtime's --version: {status}"),
+        Ok(_) => {}
+        Err(e) => eprintln!("{me}: no runtime version: {e:#}"),
+    }
+    ExitCode::SUCCESS
 }
 
 fn display_args(args: &[OsString]) -> String {

@@ -56,6 +56,11 @@ pub struct ServeArgs {
     /// Seconds between SIGTERM and SIGKILL when a task is stopped.
     #[arg(long, default_value_t = 10)]
     pub grace_seconds: u64,
+    /// Seconds before a task is restarted in place (restartPolicy OnFailure, a Pod's Always),
+    /// doubled per restart up to 300, as the kubelet's crash-loop back-off; 0 restarts at once.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(0..=300))]
+    pub restart_backoff_seconds: u64,
     /// Seconds a client has to send a request's head, from connecting or from its previous
     /// response (so also how long an idle connection stays open), and again for its body.
     #[arg(long, value_name = "SECONDS", default_value_t = 10,
@@ -94,6 +99,7 @@ pub fn serve(args: ServeArgs) -> CmdResult {
         .map_err(CliError::input)?;
     opts.node_name = args.node_name;
     opts.grace = Duration::from_secs(args.grace_seconds);
+    opts.restart_backoff = Duration::from_secs(args.restart_backoff_seconds);
     opts.http = xpu_server::listen::HttpLimits {
         max_connections: args.max_connections as usize,
         request_timeout: Duration::from_secs(args.request_timeout_seconds),
@@ -306,7 +312,15 @@ pub fn submit(args: SubmitArgs) -> CmdResult {
                     eprintln!("note: {n}");
                 }
             }
-            println!("{}", v["id"]);
+            // One id per line: a file of several Jobs and Pods submits each.
+            match v["jobs"].as_array() {
+                Some(jobs) if !jobs.is_empty() => {
+                    for j in jobs {
+                        println!("{}", j["id"]);
+                    }
+                }
+                _ => println!("{}", v["id"]),
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -158,6 +158,9 @@ impl Daemon {
             format!("127.0.0.1:{port}"),
             "--grace-seconds".into(),
             "1".into(),
+            // In-place restarts at once: the kubelet's 10 s back-off would only slow tests.
+            "--restart-backoff-seconds".into(),
+            "0".into(),
         ];
         if let Some(db) = db {
             args.push("--db".into());
