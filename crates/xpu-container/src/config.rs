@@ -7,6 +7,8 @@
 //! log_file = "/var/log/xpu-runtime.log"   # optional: one line per create
 //! default_capabilities = "utility,compute" # when NVIDIA_DRIVER_CAPABILITIES is unset
 //! cuda_version = "12.2"                   # optional: the CUDA driver version for NVIDIA_REQUIRE_*
+//! cdi_dirs = ["/etc/cdi", "/var/run/cdi"] # where `xpu cdi generate` left a host snapshot;
+//!                                         # [] always discovers
 //! ```
 //!
 //! A missing `/etc/xpu/runtime.toml` means the defaults; a missing file named by
@@ -30,6 +32,9 @@ pub struct RuntimeConfig {
     pub log_file: Option<PathBuf>,
     pub default_capabilities: Capabilities,
     pub cuda_version: Option<Version>,
+    /// Directories searched, in order, for the host snapshot `xpu cdi generate` writes beside
+    /// its specs ([`crate::snapshot`]); empty: always discover.
+    pub cdi_dirs: Vec<PathBuf>,
     /// Where the settings came from (for messages); `None` for built-in defaults.
     pub source: Option<PathBuf>,
 }
@@ -42,6 +47,7 @@ impl Default for RuntimeConfig {
             log_file: None,
             default_capabilities: Capabilities::parse("utility,compute").unwrap_or_default(),
             cuda_version: None,
+            cdi_dirs: crate::snapshot::DEFAULT_DIRS.iter().map(PathBuf::from).collect(),
             source: None,
         }
     }
@@ -55,6 +61,7 @@ struct File {
     log_file: Option<PathBuf>,
     default_capabilities: Option<String>,
     cuda_version: Option<String>,
+    cdi_dirs: Option<Vec<PathBuf>>,
 }
 
 /// Why the settings cannot be read.
@@ -113,7 +120,11 @@ impl RuntimeConfig {
         {
             return Err(invalid(format!("root {} must be an absolute path", r.display())));
         }
+        if let Some(dir) = f.cdi_dirs.iter().flatten().find(|d| !d.is_absolute()) {
+            return Err(invalid(format!("cdi_dirs: {} must be an absolute path", dir.display())));
+        }
         Ok(Self {
+            cdi_dirs: f.cdi_dirs.unwrap_or(d.cdi_dirs),
             root: f.root.unwrap_or(d.root),
             runtime: f.runtime.filter(|r| !r.is_empty()).unwrap_or(d.runtime),
             log_file: f.log_file,

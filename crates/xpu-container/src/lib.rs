@@ -9,6 +9,8 @@
 //! - [`edits`]: the device nodes, mounts and environment a selection means.
 //! - [`oci`]: editing `config.json`; [`rootfs`]: symlink-safe paths in the container rootfs.
 //! - [`shim`]: the runtime shim; [`hook`]: the hook; [`config`]: their settings file.
+//! - [`snapshot`]: the host's accelerators as `xpu cdi generate` last saw them, which the shim
+//!   reads instead of discovering while it is current.
 //!
 //! This crate never reads the host itself: callers pass the [`xpu_core::Inventory`] and
 //! [`xpu_core::driver::DriverFiles`] that `xpu-host` read (see [`shim::Host`]).
@@ -24,3 +26,4 @@ pub mod request;
 pub mod require;
 pub mod rootfs;
 pub mod shim;
+pub mod snapshot;

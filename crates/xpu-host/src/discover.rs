@@ -566,6 +566,46 @@ fn host_text(root: &Root, path: &str) -> Option<String> {
     }
 }
 
+/// Whether a snapshot of the host's accelerators (`xpu cdi generate` writes one beside its CDI
+/// specs for the runtime shim) still describes the host: a digest of the PCI functions present
+/// (the names in `/sys/bus/pci/devices`), the functions bound to each accelerator driver and to
+/// vfio-pci (`/sys/bus/pci/drivers/<driver>`), and the NVIDIA driver's version line
+/// (`/proc/driver/nvidia/version`). A device added or removed, bound to another driver, or a
+/// driver loaded, unloaded or upgraded changes it. Five directory listings and one small read:
+/// a fraction of what discovery reads.
+pub fn host_key(root: &Root) -> String {
+    const DRIVERS: [&str; 5] = ["nvidia", "amdgpu", "vfio-pci", "habanalabs", "accel"];
+    // FNV-1a, 64 bits: stable across builds and runs, which a snapshot written by one binary
+    // and read by another needs (std's hasher is seeded per process).
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes.iter().chain(b"\n") {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    let mut count = 0usize;
+    let list = |dir: &Path, eat: &mut dyn FnMut(&[u8])| {
+        let mut names: Vec<Vec<u8>> = match std::fs::read_dir(dir) {
+            Ok(d) => d.flatten().map(|e| e.file_name().into_vec()).collect(),
+            // Absent (the driver is not loaded) is a state of its own.
+            Err(_) => vec![b"-".to_vec()],
+        };
+        names.sort_unstable();
+        eat(dir.as_os_str().as_encoded_bytes());
+        for n in &names {
+            eat(n);
+        }
+        names.len()
+    };
+    count += list(&root.path(PCI_DEVICES), &mut eat);
+    for d in DRIVERS {
+        list(&root.path(format!("/sys/bus/pci/drivers/{d}")), &mut eat);
+    }
+    eat(host_text(root, "/proc/driver/nvidia/version").unwrap_or_default().as_bytes());
+    format!("{h:016x}-{count}")
+}
+
 /// The host's name, from the kernel (`/proc/sys/kernel/hostname`), else `/etc/hostname`.
 pub fn hostname(root: &Root) -> Option<String> {
     host_text(root, "/proc/sys/kernel/hostname").or_else(|| host_text(root, "/etc/hostname"))

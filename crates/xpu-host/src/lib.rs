@@ -34,5 +34,7 @@ pub mod root;
 pub mod textdiff;
 pub mod vfio;
 
-pub use discover::{DiscoverError, DiscoverOptions, Scope, Wanted, discover, discover_nodes};
+pub use discover::{
+    DiscoverError, DiscoverOptions, Scope, Wanted, discover, discover_nodes, host_key,
+};
 pub use root::{Root, RootError};

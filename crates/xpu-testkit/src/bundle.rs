@@ -318,16 +318,18 @@ impl ContainerView {
 }
 
 /// Writes `runtime.toml` for the shim and the hook into `dir`: discovery under fixture `root`,
-/// Debian's runc, a log file `dir/xpu.log`, CUDA 12.2 for `NVIDIA_REQUIRE_*`. Returns its path
+/// Debian's runc, a log file `dir/xpu.log`, CUDA 12.2 for `NVIDIA_REQUIRE_*`, and the host
+/// snapshot looked for in `dir/cdi` only (never the machine's own `/etc/cdi`). Returns its path
 /// (pass it as `XPU_RUNTIME_CONFIG`).
 pub fn runtime_config(dir: &Path, root: &Path) -> PathBuf {
     let path = dir.join("runtime.toml");
     fs::write(
         &path,
         format!(
-            "root = \"{}\"\nruntime = \"{RUNC}\"\nlog_file = \"{}\"\ncuda_version = \"12.2\"\n",
+            "root = \"{}\"\nruntime = \"{RUNC}\"\nlog_file = \"{}\"\ncuda_version = \"12.2\"\ncdi_dirs = [\"{}\"]\n",
             root.display(),
-            dir.join("xpu.log").display()
+            dir.join("xpu.log").display(),
+            dir.join("cdi").display()
         ),
     )
     .unwrap();

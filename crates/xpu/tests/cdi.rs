@@ -93,12 +93,21 @@ fn writes_into_a_cdi_directory_atomically_needs_root() {
 
     let out = xpu(&["cdi", "generate", "--root", root, "--output", cdi_dir]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let files: Vec<String> = std::fs::read_dir(dir.path())
+    let mut files: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(files, ["xpu-google.com-tpu.yaml"], "one spec, no temporary file left");
+    files.sort();
+    assert_eq!(
+        files,
+        ["xpu-google.com-tpu.yaml", "xpu-host.snapshot"],
+        "one spec and the runtime shim's host snapshot (not *.json: CDI loaders would read it), no temporary file left"
+    );
+    let snap: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join(&files[1])).unwrap()).unwrap();
+    assert_eq!(snap["format"], 1);
+    assert_eq!(snap["inventory"]["devices"].as_array().unwrap().len(), 4, "{snap}");
     let y: Value =
         serde_norway::from_slice(&std::fs::read(dir.path().join(&files[0])).unwrap()).unwrap();
     assert_eq!(y["kind"], "google.com/tpu");

@@ -100,6 +100,7 @@ fn units_have_the_keys_the_package_relies_on() {
     assert_eq!(
         names,
         [
+            "xpu-cdi-generate.service",
             "xpu-device-plugin.service",
             "xpu-exporter.service",
             "xpu-nfd-features.service",
@@ -196,6 +197,7 @@ fn units_pass_systemd_analyze_verify() {
         ("xpu-device-plugin.service", 3.0),
         ("xpu-exporter.service", 3.0),
         ("xpu-nfd-features.service", 3.0),
+        ("xpu-cdi-generate.service", 3.0),
     ] {
         let o = Command::new("systemd-analyze")
             .args(["security", "--offline=yes"])
@@ -421,6 +423,8 @@ fn deb_package_installs_into_a_throwaway_root() {
         "./usr/lib/systemd/system/xpu-nfd-features.timer",
         "./usr/lib/systemd/system/xpu-tpu-env.service",
         "./etc/xpu/runtime.toml",
+        "./usr/lib/systemd/system/xpu-cdi-generate.service",
+        "./usr/lib/udev/rules.d/70-xpu-cdi.rules",
         "./usr/share/bash-completion/completions/xpu",
         "./usr/share/zsh/vendor-completions/_xpu",
         "./usr/share/fish/vendor_completions.d/xpu.fish",

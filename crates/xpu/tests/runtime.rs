@@ -348,3 +348,161 @@ fn runtime_passes_other_subcommands_through_needs_root_and_runc() {
     ok(run(&shim, &["--root", root, "delete", "-f", &id]));
     assert!(b.config().to_string().contains("/dev/nvidia2"), "create edited the spec");
 }
+
+/// `runtime.toml` of `host` with `runtime` instead of runc and the host snapshot in `cdi`
+/// (`None`: always discover).
+fn config_with(host: &TestHost, runtime: &str, cdi: Option<&Path>) -> PathBuf {
+    let text = std::fs::read_to_string(&host.config).unwrap();
+    let mut out = String::new();
+    for line in text.lines() {
+        if line.starts_with("runtime =") {
+            out.push_str(&format!("runtime = \"{runtime}\"\n"));
+        } else if line.starts_with("cdi_dirs =") {
+            match cdi {
+                Some(d) => out.push_str(&format!("cdi_dirs = [\"{}\"]\n", d.display())),
+                None => out.push_str("cdi_dirs = []\n"),
+            }
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    let name = if cdi.is_some() { "runtime-snapshot.toml" } else { "runtime-discover.toml" };
+    let path = host.dir.path().join(name);
+    std::fs::write(&path, out).unwrap();
+    path
+}
+
+/// `xpu cdi generate --output DIR` on the fixture: the specs and the host snapshot.
+fn generate_snapshot(host: &TestHost) -> PathBuf {
+    let dir = host.dir.path().join("cdi");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(XPU)
+        .args(["cdi", "generate", "--root", host.fixture.root().to_str().unwrap(), "--output"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(dir.join("xpu-host.snapshot").is_file(), "{}", String::from_utf8_lossy(&out.stdout));
+    dir
+}
+
+/// The shim's `create` on a fresh bundle asking for `env`, through `config` (the real runtime
+/// is `/bin/true`): the edited `config.json`, or the refusal.
+fn edited(config: &Path, env: &[&str]) -> Result<serde_json::Value, String> {
+    let b = Bundle::busybox("true");
+    b.add_env(env);
+    let out = Command::new(LEAN)
+        .args(["create", "--bundle"])
+        .arg(b.dir())
+        .arg("snapshot-check")
+        .env("XPU_RUNTIME_CONFIG", config)
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(b.config())
+}
+
+/// Requests of every form the shim takes, for the snapshot's equivalence with discovery.
+const REQUESTS: [&[&str]; 12] = [
+    &["NVIDIA_VISIBLE_DEVICES=all"],
+    &["NVIDIA_VISIBLE_DEVICES=1,3"],
+    &["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=all"],
+    &["NVIDIA_VISIBLE_DEVICES=2", "NVIDIA_DRIVER_CAPABILITIES=compat32,graphics"],
+    &["NVIDIA_VISIBLE_DEVICES=none"],
+    &["NVIDIA_VISIBLE_DEVICES=7"],
+    &["XPU_VISIBLE_DEVICES=google.com/tpu=0,tpu:2"],
+    &["XPU_VISIBLE_DEVICES=gpu:all"],
+    &["XPU_VISIBLE_DEVICES=amd.com/gpu=1"],
+    &["XPU_VISIBLE_DEVICES=nvidia.com/gpu=all,google.com/tpu=all"],
+    &["NVIDIA_VISIBLE_DEVICES=void"],
+    &["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE_CUDA=cuda>=99.0"],
+];
+
+/// Issue 21: the shim's answer from the host snapshot `xpu cdi generate` writes is exactly its
+/// answer from discovery, for every request form on every fixture host (refusals included).
+#[test]
+fn runtime_host_snapshot_answers_as_discovery_on_every_fixture_host_needs_root() {
+    if bundle::skip_container_tests() {
+        return;
+    }
+    let mut compared = 0;
+    for spec in hosts::all() {
+        let host = TestHost::new(&spec);
+        let cdi = generate_snapshot(&host);
+        let discover = config_with(&host, "/bin/true", None);
+        let snapshot = config_with(&host, "/bin/true", Some(&cdi));
+        let mut edits = 0;
+        for env in REQUESTS {
+            let uuid = format!("NVIDIA_VISIBLE_DEVICES={}", hosts::gpu_uuid(0));
+            for env in [env.to_vec(), vec![uuid.as_str()]] {
+                let a = edited(&discover, &env);
+                let b = edited(&snapshot, &env);
+                assert_eq!(a, b, "host {} request {env:?}", spec.name);
+                edits += usize::from(a.is_ok());
+                compared += 1;
+            }
+        }
+        // The snapshot answered every request that asked for something the host has.
+        let from_snapshot = host.log().matches("(host snapshot)").count();
+        assert!(from_snapshot > 0 || edits == 0, "host {}: {}", spec.name, host.log());
+    }
+    assert!(compared >= 150, "{compared}");
+}
+
+/// A snapshot that no longer describes the host is not used: a GPU removed (the host key
+/// changes) or a device node renumbered (the key cannot see it) sends the shim back to
+/// discovery, and the container gets what the host has now.
+#[test]
+fn runtime_stale_host_snapshot_falls_back_to_discovery_needs_root() {
+    if bundle::skip_container_tests() {
+        return;
+    }
+    let host = TestHost::new(&hosts::a100_8x());
+    let cdi = generate_snapshot(&host);
+    let discover = config_with(&host, "/bin/true", None);
+    let snapshot = config_with(&host, "/bin/true", Some(&cdi));
+    let gpus = |cfg: &serde_json::Value| {
+        cfg["linux"]["devices"]
+            .as_array()
+            .map(|d| {
+                d.iter()
+                    .filter(|n| {
+                        let p = n["path"].as_str().unwrap_or("");
+                        p.starts_with("/dev/nvidia") && p[11..].parse::<u32>().is_ok()
+                    })
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let all = ["NVIDIA_VISIBLE_DEVICES=all"];
+    assert_eq!(gpus(&edited(&snapshot, &all).unwrap()), 8);
+    assert_eq!(host.log().matches("(host snapshot)").count(), 1, "{}", host.log());
+
+    // A node renumbered under the same key: /dev/nvidia7 now has another minor.
+    let node = host.fixture.root().join("dev/nvidia7");
+    std::fs::remove_file(&node).unwrap();
+    let made =
+        Command::new("mknod").arg(&node).args(["c", &MAJOR_NVIDIA.to_string(), "77"]).status();
+    assert!(made.unwrap().success());
+    let renumbered = edited(&snapshot, &all).unwrap();
+    assert_eq!(host.log().matches("(host snapshot)").count(), 1, "discovery, not the snapshot");
+    assert_eq!(Ok(renumbered), edited(&discover, &all));
+
+    // A GPU removed: its PCI function is gone from sysfs.
+    let devices = host.fixture.root().join("sys/bus/pci/devices");
+    let first = std::fs::read_dir(&devices)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| std::fs::read_to_string(p.join("vendor")).is_ok_and(|v| v.trim() == "0x10de"))
+        .min()
+        .unwrap();
+    std::fs::remove_file(&first).or_else(|_| std::fs::remove_dir_all(&first)).unwrap();
+    let now = edited(&snapshot, &all).unwrap();
+    assert_eq!(gpus(&now), 7, "the removed GPU is not given");
+    assert_eq!(Ok(now), edited(&discover, &all));
+    assert_eq!(host.log().matches("(host snapshot)").count(), 1, "{}", host.log());
+}

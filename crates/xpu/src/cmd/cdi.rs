@@ -54,6 +54,10 @@ pub struct GenerateArgs {
     /// Print what would be written, and where, without writing.
     #[arg(long)]
     pub dry_run: bool,
+    /// With --output DIR and every vendor: do not write the host snapshot
+    /// (`xpu-host.snapshot`) that lets the runtime shim skip discovery while it is current.
+    #[arg(long)]
+    pub no_snapshot: bool,
 }
 
 pub fn run(args: Args) -> CmdResult {
@@ -84,6 +88,9 @@ fn generate(args: GenerateArgs) -> CmdResult {
         }
     });
 
+    // The key first: a change while the host is read makes the snapshot stale, never a
+    // snapshot of a mix that passes as current.
+    let key = xpu_host::host_key(&root);
     let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
     let inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
     warn_all(&inv.warnings);
@@ -144,6 +151,34 @@ fn generate(args: GenerateArgs) -> CmdResult {
         })?;
         println!("wrote {}: {}, {} devices", path.display(), spec.kind, spec.devices.len());
     }
+    if out.is_dir() && args.vendor == Vendor::All && !args.no_snapshot {
+        write_snapshot(&root, key, &out, args.dry_run)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The host snapshot beside the specs: what the shim's own discovery returns (every
+/// accelerator, device nodes only) and the driver files for every capability.
+fn write_snapshot(root: &xpu_host::Root, key: String, dir: &Path, dry_run: bool) -> CmdResult {
+    use xpu_container::snapshot::{FILE_NAME, FORMAT, HostSnapshot};
+    let inventory = xpu_host::discover_nodes(root, None).map_err(CliError::input)?;
+    let version = inventory.host.nvidia_driver_version.as_deref();
+    let driver_files =
+        xpu_host::driver_files::find_for(root, version, xpu_core::driver::Capabilities::all());
+    let devices = inventory.devices.len();
+    let snap = HostSnapshot { format: FORMAT, key, inventory, driver_files };
+    let path = dir.join(FILE_NAME);
+    if dry_run {
+        println!("# would write {} ({devices} devices)", path.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    cdi::write(&path, snap.to_json().as_bytes()).map_err(|e| {
+        CliError::failed(anyhow::anyhow!(
+            "writing {} failed: {e}; check the directory is writable, or pass --no-snapshot",
+            path.display()
+        ))
+    })?;
+    println!("wrote {}: host snapshot for the runtime shim, {devices} devices", path.display());
     Ok(ExitCode::SUCCESS)
 }
 

@@ -15,13 +15,23 @@ use xpu_container::config::RuntimeConfig;
 use xpu_container::nvml::{Configured, SmiNvml};
 use xpu_container::request::Wanted;
 use xpu_container::shim::{self, Host, Outcome};
+use xpu_container::snapshot::HostSnapshot;
 use xpu_core::Inventory;
 use xpu_core::driver::{Capabilities, DriverFiles};
 use xpu_host::{Root, RootError};
 
-/// Reads the host under the configured root with `xpu-host`.
+/// Reads the host under the configured root with `xpu-host`, or takes it from the host
+/// snapshot `xpu cdi generate` left in the configured CDI directories while that is current
+/// (`xpu_container::snapshot`).
 pub struct HostReader {
     root: Root,
+    cdi_dirs: Vec<std::path::PathBuf>,
+    /// The current snapshot, looked for at the first request (a container that asks for
+    /// nothing never reads it): `None` until then, `Some(None)` when there is none to use.
+    snapshot: std::cell::OnceCell<Option<HostSnapshot>>,
+    /// Whether the last inventory came from the snapshot, so the driver files come from the
+    /// same place.
+    from_snapshot: std::cell::Cell<bool>,
 }
 
 impl HostReader {
@@ -31,16 +41,58 @@ impl HostReader {
         } else {
             Root::new(&cfg.root)?
         };
-        Ok(Self { root })
+        Ok(Self {
+            root,
+            cdi_dirs: cfg.cdi_dirs.clone(),
+            snapshot: std::cell::OnceCell::new(),
+            from_snapshot: std::cell::Cell::new(false),
+        })
+    }
+
+    /// Whether the last request was answered from the snapshot (for the log line).
+    pub fn used_snapshot(&self) -> bool {
+        self.from_snapshot.get()
+    }
+
+    fn snapshot(&self) -> Option<&HostSnapshot> {
+        self.snapshot
+            .get_or_init(|| {
+                if self.cdi_dirs.is_empty() {
+                    return None;
+                }
+                let (_, snap) = xpu_container::snapshot::load(&self.cdi_dirs)?;
+                (snap.key == xpu_host::host_key(&self.root)).then_some(snap)
+            })
+            .as_ref()
     }
 }
 
 impl Host for HostReader {
     fn inventory(&self, only: Option<&[Wanted]>) -> Result<Inventory, String> {
+        if let Some(snap) = self.snapshot() {
+            let inv = snap.inventory_for(only);
+            // The nodes the edits would name must still be those recorded (a driver reload can
+            // renumber them without changing the key).
+            let nodes =
+                inv.devices.iter().flat_map(|d| &d.dev_nodes).chain(&inv.host.control_nodes);
+            let current = nodes
+                .clone()
+                .all(|n| xpu_host::devnode::stat(&self.root, &n.path).as_ref() == Some(n));
+            if current {
+                self.from_snapshot.set(true);
+                return Ok(inv);
+            }
+        }
+        self.from_snapshot.set(false);
         xpu_host::discover_nodes(&self.root, only).map_err(|e| e.to_string())
     }
 
     fn driver_files(&self, inv: &Inventory, caps: Capabilities) -> DriverFiles {
+        if self.from_snapshot.get()
+            && let Some(snap) = self.snapshot()
+        {
+            return snap.driver_files_for(caps);
+        }
         let version = inv.host.nvidia_driver_version.as_deref();
         xpu_host::driver_files::find_for(&self.root, version, caps)
     }
@@ -84,7 +136,8 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
     match shim::handle(&args, &cfg, &host, &nvml(&cfg)) {
         Ok((runtime, outcome)) => {
             if let Outcome::Edited(summary) = &outcome {
-                cfg.log(summary);
+                let from = if host.used_snapshot() { " (host snapshot)" } else { "" };
+                cfg.log(&format!("{summary}{from}"));
             }
             let e = shim::exec(&runtime, &args);
             cfg.log(&shim::error_chain(&e));
