@@ -31,6 +31,7 @@ fn main() {
             resources: Resource::defaults(),
             interval: Duration::from_secs(1),
             health: None,
+            watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

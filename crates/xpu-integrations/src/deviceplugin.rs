@@ -67,7 +67,14 @@ pub struct Config {
     /// reports unhealthy is sent `Unhealthy` at the next refresh. `None`: presence and driver
     /// only.
     pub health: Option<xpu_telemetry::collect::Collector>,
+    /// How long after registering the kubelet has to open `ListAndWatch` before the plugin
+    /// reports it and registers again ([`LIST_AND_WATCH_WAIT`] by default).
+    pub watch_timeout: Duration,
 }
+
+/// A kubelet opens `ListAndWatch` within milliseconds of a registration; one that has not
+/// after this long could not talk to the plugin's socket.
+pub const LIST_AND_WATCH_WAIT: Duration = Duration::from_secs(10);
 
 /// Things worth telling the operator, sent on the optional events channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +98,12 @@ pub enum Event {
     /// The plugin's socket was deleted; it serves on a new one.
     Reserving {
         resource: String,
+    },
+    /// The kubelet took the registration but never opened `ListAndWatch`: the plugin registers
+    /// again.
+    NoListAndWatch {
+        resource: String,
+        waited: Duration,
     },
     Health {
         resource: String,
@@ -195,6 +208,9 @@ pub struct Plugin {
     resource: Resource,
     table: RwLock<Table>,
     updates: watch::Sender<Vec<pb::Device>>,
+    /// `ListAndWatch` calls so far, to notice a kubelet that registered the plugin and then
+    /// never called it.
+    watches: std::sync::atomic::AtomicU64,
 }
 
 impl Plugin {
@@ -211,7 +227,12 @@ impl Plugin {
         devs.sort_by(|a, b| a.id.cmp(&b.id));
         let table = Table { devs, control: inv.host.control_nodes.clone() };
         let (updates, _) = watch::channel(table.list());
-        Plugin { resource, table: RwLock::new(table), updates }
+        Plugin { resource, table: RwLock::new(table), updates, watches: Default::default() }
+    }
+
+    /// How many times `ListAndWatch` was opened.
+    pub fn watches(&self) -> u64 {
+        self.watches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn resource(&self) -> &Resource {
@@ -394,6 +415,7 @@ impl pb::device_plugin_server::DevicePlugin for Plugin {
         &self,
         _: Request<pb::Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        self.watches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // The current list first, then every change.
         let stream = WatchStream::new(self.updates.subscribe())
             .map(|devices| Ok(pb::ListAndWatchResponse { devices }));
@@ -535,6 +557,9 @@ struct Slot {
     registered_with: Option<transport::SocketId>,
     /// The identity a registration last failed against, so failures are reported once.
     failed_with: Option<transport::SocketId>,
+    /// When the last registration was taken and how many `ListAndWatch` calls there had been,
+    /// until the kubelet opens one more.
+    awaiting_watch: Option<(tokio::time::Instant, u64)>,
 }
 
 /// Serves every resource that has devices until `shutdown` completes, then stops the servers
@@ -566,6 +591,7 @@ pub async fn run(
             server: None,
             registered_with: None,
             failed_with: None,
+            awaiting_watch: None,
         });
     }
     if slots.is_empty() {
@@ -602,6 +628,17 @@ pub async fn run(
                 s.registered_with = None;
                 emit(Event::Reserving { resource: name.clone() });
             }
+            if let Some((since, watches)) = s.awaiting_watch {
+                if s.plugin.watches() > watches {
+                    s.awaiting_watch = None;
+                } else if since.elapsed() >= cfg.watch_timeout {
+                    // Registered, never called: register again (a kubelet that lost the first
+                    // one takes the second), and say so.
+                    emit(Event::NoListAndWatch { resource: name.clone(), waited: since.elapsed() });
+                    s.awaiting_watch = None;
+                    s.registered_with = None;
+                }
+            }
             let k = transport::identity(&kubelet);
             if k.is_none() {
                 // The kubelet is down; whatever comes up next needs a registration.
@@ -616,6 +653,7 @@ pub async fn run(
                     Ok(()) => {
                         s.registered_with = Some(k);
                         s.failed_with = None;
+                        s.awaiting_watch = Some((tokio::time::Instant::now(), s.plugin.watches()));
                         emit(Event::Registered { resource: name.clone() });
                     }
                     Err(error) => {

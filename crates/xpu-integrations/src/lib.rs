@@ -24,6 +24,7 @@ pub mod cdi;
 pub mod deviceplugin;
 pub mod drakubelet;
 pub mod exporter;
+pub mod h2authority;
 pub mod nfd;
 pub mod novaconf;
 pub mod numa;

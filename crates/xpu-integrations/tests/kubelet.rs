@@ -57,6 +57,7 @@ fn start(fixture: &Fixture, dir: &Path, resources: Vec<Resource>) -> Running {
         resources,
         interval: Duration::from_millis(40),
         health: None,
+        watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
     };
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -342,10 +343,168 @@ async fn refuses_a_host_without_matching_devices_and_a_missing_directory() {
         resources: vec![only_amd],
         interval: Duration::from_millis(40),
         health: None,
+        watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
     };
     let e = deviceplugin::run(cfg.clone(), None, async {}).await.unwrap_err();
     assert!(e.to_string().contains("no device on this host matches any resource"), "{e}");
     let cfg = Config { plugin_dir: dir.path().join("missing"), ..cfg };
     let e = deviceplugin::run(cfg, None, async {}).await.unwrap_err();
     assert!(e.to_string().contains("does not exist"), "{e}");
+}
+
+/// What a raw HTTP/2 unary gRPC call got back: the response and trailer headers, the DATA
+/// octets, and the RST_STREAM error code if the stream was reset instead.
+#[derive(Debug, Default)]
+struct RawReply {
+    headers: Vec<(Vec<u8>, Vec<u8>)>,
+    data: Vec<u8>,
+    reset: Option<u32>,
+}
+
+/// One unary gRPC call written frame by frame, as a kubelet built with grpc-go before
+/// Kubernetes 1.26 makes it: `:authority` is whatever the caller gives (the socket's path).
+async fn raw_call(socket: &Path, authority: &[u8], path: &str) -> RawReply {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len();
+        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+    let mut conn = tokio::net::UnixStream::connect(socket).await.unwrap();
+    let mut enc = fluke_hpack::Encoder::new();
+    let block = enc.encode([
+        (&b":method"[..], &b"POST"[..]),
+        (b":scheme", b"http"),
+        (b":path", path.as_bytes()),
+        (b":authority", authority),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
+    ]);
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(frame(0x4, 0, 0, &[]));
+    out.extend(frame(0x1, 0x4, 1, &block));
+    out.extend(frame(0x0, 0x1, 1, &[0, 0, 0, 0, 0])); // an empty message, end of stream
+    conn.write_all(&out).await.unwrap();
+    let mut dec = fluke_hpack::Decoder::new();
+    let mut reply = RawReply::default();
+    let read = async {
+        loop {
+            let mut head = [0u8; 9];
+            if conn.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]);
+            let mut payload = vec![0u8; len];
+            conn.read_exact(&mut payload).await.unwrap();
+            match (head[3], stream) {
+                (0x4, 0) if head[4] & 0x1 == 0 => {
+                    conn.write_all(&frame(0x4, 0x1, 0, &[])).await.unwrap();
+                }
+                (0x1, 1) => {
+                    reply.headers.extend(dec.decode(&payload).unwrap());
+                    if head[4] & 0x1 != 0 {
+                        return;
+                    }
+                }
+                (0x0, 1) => reply.data.extend_from_slice(&payload),
+                (0x3, 1) => {
+                    reply.reset = Some(u32::from_be_bytes(payload[..4].try_into().unwrap()));
+                    return;
+                }
+                _ => {}
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, read).await.expect("an answer in time");
+    reply
+}
+
+/// Issue 22: a kubelet that sends the socket's path as the HTTP/2 `:authority` (grpc-go before
+/// Kubernetes 1.26) is served. The same call to a plain tonic server is reset with
+/// PROTOCOL_ERROR, which is what such a kubelet met before.
+#[tokio::test]
+async fn a_socket_path_authority_is_served_as_older_kubelets_send_it() {
+    use prost::Message;
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let plugin = start(&fixture, dir.path(), Resource::defaults());
+    let reg = kubelet.next_registration(WAIT).await.expect("registration");
+    let socket = dir.path().join(&reg.endpoint);
+    let authority = socket.to_str().unwrap().as_bytes().to_vec();
+    let method = "/v1beta1.DevicePlugin/GetDevicePluginOptions";
+
+    let reply = raw_call(&socket, &authority, method).await;
+    assert_eq!(reply.reset, None, "{reply:?}");
+    let get = |k: &[u8]| reply.headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    assert_eq!(get(b":status").as_deref(), Some(&b"200"[..]), "{reply:?}");
+    assert_eq!(get(b"grpc-status").as_deref(), Some(&b"0"[..]), "{reply:?}");
+    let options = pb::DevicePluginOptions::decode(&reply.data[5..]).unwrap();
+    assert_eq!(options, deviceplugin::options());
+
+    // The control: tonic alone resets the stream.
+    let plain = dir.path().join("plain.sock");
+    let listener = tokio::net::UnixListener::bind(&plain).unwrap();
+    let inv = xpu_host::discover(&Root::new(fixture.root()).unwrap(), &Default::default()).unwrap();
+    let served =
+        std::sync::Arc::new(deviceplugin::Plugin::new(Resource::defaults()[0].clone(), &inv));
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::device_plugin_server::DevicePluginServer::from_arc(served))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
+    let reply = raw_call(&plain, &authority, method).await;
+    assert_eq!(reply.reset, Some(0x1), "PROTOCOL_ERROR from h2 without the fix: {reply:?}");
+    server.abort();
+
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
+
+/// Issue 22: a kubelet that takes the registration and never opens ListAndWatch is noticed:
+/// an event naming it, and a second registration.
+#[tokio::test]
+async fn a_kubelet_that_never_opens_list_and_watch_is_reported_and_registered_again() {
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let cfg = Config {
+        root: Root::new(fixture.root()).unwrap(),
+        plugin_dir: dir.path().to_owned(),
+        resources: Resource::defaults(),
+        interval: Duration::from_millis(40),
+        health: None,
+        // Long enough that this test's own ListAndWatch below always comes in time.
+        watch_timeout: Duration::from_secs(1),
+    };
+    let (tx, events) = mpsc::unbounded_channel();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(deviceplugin::run(cfg, Some(tx), async {
+        let _ = stopped.await;
+    }));
+    let mut plugin = Running { stop: Some(stop), task, events };
+    let first = kubelet.next_registration(WAIT).await.expect("registration");
+    // This kubelet never calls: reported, then registered again.
+    let e = plugin.wait_for(|e| matches!(e, Event::NoListAndWatch { .. })).await;
+    let Event::NoListAndWatch { resource, waited } = e else { unreachable!() };
+    assert_eq!(resource, "nvidia.com/gpu");
+    assert!(waited >= Duration::from_secs(1));
+    let again = kubelet.next_registration(WAIT).await.expect("a second registration");
+    assert_eq!(again.endpoint, first.endpoint);
+    // Once the kubelet watches, nothing more is reported.
+    let mut client = kubelet.plugin(&again.endpoint).await.unwrap();
+    let _stream = client.list_and_watch(pb::Empty {}).await.unwrap().into_inner();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(kubelet.pending_registrations().is_empty(), "no third registration");
+    while let Ok(e) = plugin.events.try_recv() {
+        assert!(
+            !matches!(e, Event::NoListAndWatch { .. }) || matches!(e, Event::Registered { .. }),
+            "{e:?}"
+        );
+    }
+    plugin.shutdown().await;
+    kubelet.stop().await;
 }

@@ -384,7 +384,7 @@ impl reg::registration_server::Registration for Registrar {
     }
 }
 
-fn listen(path: &Path) -> Result<tokio_stream::wrappers::UnixListenerStream, PluginError> {
+fn listen(path: &Path) -> Result<xpu_integrations::transport::Incoming, PluginError> {
     xpu_integrations::transport::bind(path)
         .map_err(|source| PluginError::Listen { path: path.to_owned(), source })
 }

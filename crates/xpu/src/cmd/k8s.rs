@@ -269,6 +269,7 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
         resources,
         interval,
         health: Some(health),
+        watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -323,6 +324,10 @@ fn describe(e: &Event) -> String {
         Event::Reserving { resource } => {
             format!("{resource}: its socket was removed; serving on a new one")
         }
+        Event::NoListAndWatch { resource, waited } => format!(
+            "error: {resource}: the kubelet took the registration but has not opened ListAndWatch in {} s, so the resource will not appear in the node's allocatable; the kubelet most likely cannot talk to the plugin's socket (look for ListAndWatch errors in the kubelet's log; a kubelet that cannot reach the plugin directory's sockets, or one whose device-plugin API differs from v1beta1, does this); registering again",
+            waited.as_secs()
+        ),
         Event::Health { resource, id, healthy } => {
             format!("{resource}: device {id} is {}", if *healthy { "Healthy" } else { "Unhealthy" })
         }
