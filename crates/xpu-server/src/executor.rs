@@ -183,16 +183,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
         return spawn_pod(l);
     }
     let moved_aside = fresh_dir(&l.dir)?;
-    let log_path = l.dir.join("output.log");
-    let log = OpenOptions::new()
-        .create_new(true)
-        .append(true)
-        .mode(crate::datadir::FILE_MODE)
-        .open(&log_path)
-        .map_err(|source| ExecError::Dir { path: log_path.display().to_string(), source })?;
-    let log2 = log
-        .try_clone()
-        .map_err(|source| ExecError::Dir { path: log_path.display().to_string(), source })?;
+    let (log, log2) = open_log(&l.dir)?;
     if let Some(c) = &l.container {
         let p = crate::container::Process {
             job: l.job_id,
@@ -409,16 +400,7 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
         .open(&script_path)
         .and_then(|mut f| std::io::Write::write_all(&mut f, script.as_bytes()))
         .map_err(io(&script_path))?;
-    let log_path = l.dir.join("output.log");
-    let log = OpenOptions::new()
-        .create_new(true)
-        .append(true)
-        .mode(crate::datadir::FILE_MODE)
-        .open(&log_path)
-        .map_err(|source| ExecError::Dir { path: log_path.display().to_string(), source })?;
-    let log2 = log
-        .try_clone()
-        .map_err(|source| ExecError::Dir { path: log_path.display().to_string(), source })?;
+    let (log, log2) = open_log(&l.dir)?;
     let argv = [OsString::from("/bin/sh"), script_path.into_os_string()];
     let mut cmd = supervisor(&l.dir, &argv, log, log2);
     for k in RUNTIME_ENV {
@@ -434,6 +416,20 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
 fn quote<S: AsRef<std::ffi::OsStr>>(p: S) -> String {
     let s = p.as_ref().to_string_lossy();
     format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// The attempt's `output.log`, new, twice: the supervisor's stdout and stderr.
+fn open_log(dir: &Path) -> Result<(std::fs::File, std::fs::File), ExecError> {
+    let path = dir.join("output.log");
+    let err = |source| ExecError::Dir { path: path.display().to_string(), source };
+    let log = OpenOptions::new()
+        .create_new(true)
+        .append(true)
+        .mode(crate::datadir::FILE_MODE)
+        .open(&path)
+        .map_err(err)?;
+    let log2 = log.try_clone().map_err(err)?;
+    Ok((log, log2))
 }
 
 /// The supervisor running `argv` with the daemon's pass-through environment, output to the log.

@@ -68,25 +68,45 @@ fn gpu_nodes(gpus: &[u32]) -> BTreeMap<String, (char, u32, u32)> {
     m
 }
 
+/// A daemon on the 8×A100 fixture with real device nodes, its shim pointed at the fixture, and
+/// a busybox root filesystem for its jobs.
+struct Setup {
+    host: TestHost,
+    tmp: tempfile::TempDir,
+    image: Bundle,
+    rootfs: PathBuf,
+    data: PathBuf,
+    _cleanup: Cleanup,
+    d: Daemon,
+}
+
+impl Setup {
+    fn new() -> Setup {
+        let host = TestHost::new(&hosts::a100_8x());
+        let tmp = tempfile::tempdir().unwrap();
+        let image = Bundle::busybox_in(&tmp.path().join("image"), "true");
+        let rootfs = image.rootfs();
+        let data = tmp.path().join("data");
+        let cleanup = Cleanup { data: data.clone() };
+        let cfg = host.config.to_str().unwrap().to_owned();
+        let d = Daemon::start_with_env(
+            &data,
+            None,
+            &["--root", host.fixture.root().to_str().unwrap()],
+            &[("XPU_RUNTIME_CONFIG", &cfg)],
+        );
+        Setup { host, tmp, image, rootfs, data, _cleanup: cleanup, d }
+    }
+}
+
 #[test]
 fn rootfs_and_bundle_jobs_run_as_runc_containers_needs_root_and_runc() {
     if let Some(why) = bundle::container_tests_unavailable() {
         eprintln!("skipping: {why}");
         return;
     }
-    let host = TestHost::new(&hosts::a100_8x());
-    let tmp = tempfile::tempdir().unwrap();
-    let image = Bundle::busybox_in(&tmp.path().join("image"), "true");
-    let rootfs = image.rootfs();
-    let data = tmp.path().join("data");
-    let _cleanup = Cleanup { data: data.clone() };
-    let cfg = host.config.to_str().unwrap().to_owned();
-    let d = Daemon::start_with_env(
-        &data,
-        None,
-        &["--root", host.fixture.root().to_str().unwrap()],
-        &[("XPU_RUNTIME_CONFIG", &cfg)],
-    );
+    // Bound in this order so the daemon goes first, then its containers, then the files.
+    let Setup { host, tmp, image: _image, rootfs, data, _cleanup, d } = Setup::new();
     let devs = d.get("/v1/devices");
     assert_eq!(devs["devices"].as_array().unwrap().len(), 8, "{devs}");
 
@@ -203,19 +223,7 @@ fn an_indexed_job_with_an_init_container_and_empty_dirs_runs_as_runc_containers_
         eprintln!("skipping: {why}");
         return;
     }
-    let host = TestHost::new(&hosts::a100_8x());
-    let tmp = tempfile::tempdir().unwrap();
-    let image = Bundle::busybox_in(&tmp.path().join("image"), "true");
-    let rootfs = image.rootfs();
-    let data = tmp.path().join("data");
-    let _cleanup = Cleanup { data: data.clone() };
-    let cfg = host.config.to_str().unwrap().to_owned();
-    let d = Daemon::start_with_env(
-        &data,
-        None,
-        &["--root", host.fixture.root().to_str().unwrap()],
-        &[("XPU_RUNTIME_CONFIG", &cfg)],
-    );
+    let Setup { host: _host, tmp: _tmp, image: _image, rootfs, data, _cleanup, d } = Setup::new();
     let manifest = format!(
         r#"apiVersion: batch/v1
 kind: Job
