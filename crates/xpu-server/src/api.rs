@@ -533,6 +533,7 @@ async fn submitted(
     if created {
         s.metrics.submitted.fetch_add(1, Ordering::Relaxed);
         let name = new.name.clone();
+        tracing::info!(job_id = id, state = "queued", name = %name, queue = %new.queue, "job state");
         let row = crate::store::JobRow {
             id,
             key: new.key,

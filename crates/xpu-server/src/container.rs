@@ -341,10 +341,31 @@ pub async fn runtime_call(c: &ContainerLaunch, args: &[&str]) {
             .arg(id)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        if let Ok(mut child) = cmd.spawn() {
-            // Its status says nothing more: a container that is gone is what was wanted.
-            let _ = child.wait().await;
+            .stderr(std::process::Stdio::piped());
+        let line = format!(
+            "{} --root {} {} {id}",
+            c.runtime.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" "),
+            c.state_dir.display(),
+            args.join(" ")
+        );
+        tracing::debug!(command = %line, "runtime call");
+        match cmd.output().await {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                let stderr = stderr.trim();
+                // A container that is already gone is what was wanted (`runc run` deletes its
+                // container when it exits).
+                if !stderr.contains("does not exist") {
+                    tracing::warn!(
+                        command = %line,
+                        status = %out.status,
+                        stderr = %stderr,
+                        "runtime call failed"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!(command = %line, error = %e, "runtime call could not start"),
         }
     }
 }

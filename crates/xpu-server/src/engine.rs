@@ -435,6 +435,10 @@ impl Engine {
                     if !leadership.acquire().await {
                         // Lost the store session that held leadership: stop scheduling. Running
                         // tasks continue; the new leader re-adopts or retries them.
+                        tracing::warn!(
+                            node = %self.shared.node.name,
+                            "lost the store's leadership; no longer scheduling (running tasks go on)"
+                        );
                         self.leader = false;
                         self.shared.leader.store(false, Ordering::Relaxed);
                         self.jobs.clear();
@@ -550,7 +554,14 @@ impl Engine {
         self.fresh_scheduler();
         let shared = self.shared.clone();
         let store = &shared.store;
-        let Ok(active) = store.active().await else { return };
+        let active = match store.active().await {
+            Ok(a) => a,
+            Err(e) => {
+                // Nothing to adopt this time; the next poll reads the store again.
+                tracing::warn!(error = %e, "recovery: reading the active jobs failed");
+                return;
+            }
+        };
         for a in &active {
             self.fetch(a.id).await;
         }
@@ -571,7 +582,13 @@ impl Engine {
                 }
             }
         }
-        let Ok(tasks) = store.active_tasks().await else { return };
+        let tasks = match store.active_tasks().await {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(error = %e, "recovery: reading the running tasks failed");
+                return;
+            }
+        };
         let mut dead: Vec<(TaskRow, Option<i32>)> = Vec::new();
         for t in tasks {
             let dir = PathBuf::from(&t.dir);
@@ -642,7 +659,14 @@ impl Engine {
         if self.jobs.contains_key(&id) {
             return false;
         }
-        let Ok(Some(row)) = self.shared.store.job(id).await else { return false };
+        let row = match self.shared.store.job(id).await {
+            Ok(Some(row)) => row,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!(job_id = id, error = %e, "reading a job from the store failed");
+                return false;
+            }
+        };
         if row.state.is_terminal() {
             return false;
         }
@@ -675,7 +699,13 @@ impl Engine {
 
     /// Picks up jobs and cancellations recorded by other daemons.
     async fn poll(&mut self) {
-        let Ok(active) = self.shared.store.active().await else { return };
+        let active = match self.shared.store.active().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "poll: reading the active jobs failed");
+                return;
+            }
+        };
         for a in active {
             if !self.jobs.contains_key(&a.id) {
                 self.load(a.id, a.cancel_requested).await;

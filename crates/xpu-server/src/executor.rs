@@ -194,6 +194,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
         };
         crate::container::write_bundle(&l.dir, c, &p)?;
         let argv = crate::container::run_argv(c, &l.dir);
+        tracing::debug!(job_id = l.job_id, task = l.idx, attempt = l.attempt, argv = ?argv, "starting a container");
         let mut cmd = supervisor(&l.dir, &argv, log, log2);
         for k in RUNTIME_ENV {
             if let Some(v) = std::env::var_os(k) {
@@ -218,6 +219,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
         }
         None => l.dir.clone(),
     };
+    tracing::debug!(job_id = l.job_id, task = l.idx, attempt = l.attempt, argv = ?l.argv, "starting a process");
     let mut cmd = supervisor(&l.dir, &l.argv, log, log2);
     for (k, v) in &l.env {
         cmd.env(k, v);
@@ -401,6 +403,7 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
         .and_then(|mut f| std::io::Write::write_all(&mut f, script.as_bytes()))
         .map_err(io(&script_path))?;
     let (log, log2) = open_log(&l.dir)?;
+    tracing::debug!(job_id = l.job_id, task = l.idx, attempt = l.attempt, script = %script_path.display(), steps = l.init.len() + 1, "starting a pod script");
     let argv = [OsString::from("/bin/sh"), script_path.into_os_string()];
     let mut cmd = supervisor(&l.dir, &argv, log, log2);
     for k in RUNTIME_ENV {
@@ -483,7 +486,23 @@ pub fn signal_task(pid: i32, sig: Signal) {
         return;
     }
     if let Some(pid) = Pid::from_raw(pid) {
-        let _ = rustix::process::kill_process(pid, sig);
+        report_kill(rustix::process::kill_process(pid, sig), "task", pid, sig);
+    }
+}
+
+/// A signal that could not be sent is a warning, unless its target is already gone.
+fn report_kill(r: rustix::io::Result<()>, what: &str, pid: Pid, sig: Signal) {
+    match r {
+        Ok(()) => {
+            tracing::debug!(pid = pid.as_raw_nonzero().get(), signal = ?sig, "signalled the {what}")
+        }
+        Err(rustix::io::Errno::SRCH) => {}
+        Err(e) => tracing::warn!(
+            pid = pid.as_raw_nonzero().get(),
+            signal = ?sig,
+            error = %e,
+            "could not signal the {what}"
+        ),
     }
 }
 
@@ -494,7 +513,12 @@ pub fn signal_group(pid: i32, sig: Signal) {
         return;
     }
     if let Some(pid) = Pid::from_raw(pid) {
-        let _ = rustix::process::kill_process_group(pid, sig);
+        report_kill(
+            rustix::process::kill_process_group(pid, sig),
+            "task's process group",
+            pid,
+            sig,
+        );
     }
 }
 

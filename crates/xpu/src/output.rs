@@ -99,16 +99,45 @@ pub fn report_peak_rss() {
 /// (`error`, `warn`, `info` (default), `debug`, `trace`); `XPU_LOG_FORMAT=json` prints one JSON
 /// object per event (for journald and log shippers).
 pub fn init_tracing() {
+    init_tracing_with(&LogArgs::default());
+}
+
+/// `--log-level` and `--log-format` of a long-running command; unset, `RUST_LOG` and
+/// `XPU_LOG_FORMAT` decide.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LogArgs {
+    /// Log level: error, warn, info, debug or trace [default: $RUST_LOG, else info].
+    #[arg(long, value_name = "LEVEL")]
+    pub log_level: Option<tracing_subscriber::filter::LevelFilter>,
+    /// Log format on stderr: text, or json (one object per event, for journald and log
+    /// shippers) [default: $XPU_LOG_FORMAT, else text].
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub log_format: Option<LogFormat>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// [`init_tracing`] with the command's flags first.
+pub fn init_tracing_with(args: &LogArgs) {
     use tracing_subscriber::filter::LevelFilter;
-    let level = std::env::var("RUST_LOG")
-        .ok()
-        .and_then(|v| v.trim().parse::<LevelFilter>().ok())
-        .unwrap_or(LevelFilter::INFO);
+    let level = args.log_level.unwrap_or_else(|| {
+        std::env::var("RUST_LOG")
+            .ok()
+            .and_then(|v| v.trim().parse::<LevelFilter>().ok())
+            .unwrap_or(LevelFilter::INFO)
+    });
+    let json = match args.log_format {
+        Some(f) => f == LogFormat::Json,
+        None => std::env::var("XPU_LOG_FORMAT").is_ok_and(|v| v == "json"),
+    };
     let b = tracing_subscriber::fmt()
         .with_max_level(level)
         .with_writer(std::io::stderr)
         .with_target(false);
-    let json = std::env::var("XPU_LOG_FORMAT").is_ok_and(|v| v == "json");
     // An already set subscriber (a test calling twice) keeps the first one.
     let _ = if json { b.json().try_init() } else { b.try_init() };
 }

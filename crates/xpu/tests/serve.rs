@@ -770,3 +770,36 @@ fn status_with(target: &xpu_server::client::Target, token: Option<&str>, path: &
     let mut c = xpu_server::client::Client::new(target.clone(), token.map(str::to_owned));
     c.request("GET", path, None, &[]).unwrap().status
 }
+
+/// Issue 15: `--log-format json` prints one parseable JSON object per state change, each job
+/// and task event carrying the job's id.
+#[test]
+fn json_logs_have_one_event_per_state_change_with_the_job_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start(&dir.path().join("data"), None, &["--log-format", "json"]);
+    let id = d.submit(&short("echo logged", ""));
+    d.wait_state(id, &["succeeded"]);
+    let events: Vec<Value> = d.wait_for("the job's end in the log", || {
+        let events: Vec<Value> = d
+            .log()
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        let done = events
+            .iter()
+            .any(|e| e["fields"]["job_id"] == id && e["fields"]["state"] == "succeeded");
+        done.then_some(events)
+    });
+    let of_job: Vec<&Value> = events.iter().filter(|e| e["fields"]["job_id"] == id).collect();
+    let states = |msg: &str| -> Vec<String> {
+        of_job
+            .iter()
+            .filter(|e| e["fields"]["message"] == msg)
+            .map(|e| e["fields"]["state"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(states("job state"), ["queued", "running", "succeeded"], "{of_job:#?}");
+    assert_eq!(states("task state"), ["starting", "running", "succeeded"], "{of_job:#?}");
+    assert!(of_job.iter().all(|e| e["level"] == "INFO" && e["timestamp"].is_string()));
+}

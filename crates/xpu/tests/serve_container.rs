@@ -82,7 +82,16 @@ struct Setup {
 
 impl Setup {
     fn new() -> Setup {
+        Setup::with_runtime(None)
+    }
+
+    /// With `runtime` in place of runc in the shim's settings.
+    fn with_runtime(runtime: Option<&Path>) -> Setup {
         let host = TestHost::new(&hosts::a100_8x());
+        if let Some(r) = runtime {
+            let text = std::fs::read_to_string(&host.config).unwrap();
+            std::fs::write(&host.config, text.replace(RUNC, r.to_str().unwrap())).unwrap();
+        }
         let tmp = tempfile::tempdir().unwrap();
         let image = Bundle::busybox_in(&tmp.path().join("image"), "true");
         let rootfs = image.rootfs();
@@ -297,4 +306,35 @@ spec:
     d.wait_for("runc's state to be empty", || containers(&data).is_empty().then_some(()));
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
     assert!(!mounts.contains(&data.display().to_string()), "{mounts}");
+}
+
+/// Issue 15: a runtime call that fails is a warning in the daemon's log with the runtime's
+/// stderr, not dropped (here `runc delete` is refused by a wrapper in front of runc).
+#[test]
+fn a_failing_runtime_call_is_logged_with_its_stderr_needs_root_and_runc() {
+    if let Some(why) = bundle::container_tests_unavailable() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let wrapper = dir.path().join("runc-refusing-delete");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = delete ] && {{ echo 'delete refused by the test wrapper' >&2; exit 1; }}; done\nexec {RUNC} \"$@\"\n"
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .unwrap();
+    let Setup { host: _host, tmp: _tmp, image: _image, rootfs, data: _data, _cleanup, d } =
+        Setup::with_runtime(Some(&wrapper));
+    let id = d.submit(&job("echo hi", &rootfs, ""));
+    let j = d.wait_state(id, &["succeeded", "failed"]);
+    assert_eq!(j["state"], "succeeded", "{j}");
+    d.wait_for("the runtime's stderr in the daemon's log", || {
+        let log = d.log();
+        (log.contains("runtime call failed") && log.contains("delete refused by the test wrapper"))
+            .then_some(())
+    });
 }

@@ -298,6 +298,7 @@ impl Store {
 
     /// Applies one change and returns once it is durable.
     pub async fn write(&self, w: Write) -> Result<Outcome> {
+        trace_write(&w);
         let (tx, rx) = oneshot::channel();
         self.writes.send((w, tx)).await.map_err(|_| StoreError::WriterGone)?;
         rx.await.map_err(|_| StoreError::WriterGone)?
@@ -305,6 +306,7 @@ impl Store {
 
     /// Queues a change without waiting for it; changes from one caller keep their order.
     pub fn write_later(&self, w: Write) {
+        trace_write(&w);
         let (tx, _rx) = oneshot::channel();
         if let Err(mpsc::error::TrySendError::Full(item)) = self.writes.try_send((w, tx)) {
             // Full: wait in a task so the change is not lost.
@@ -515,6 +517,47 @@ fn parse_state<T: FromStr<Err = String>>(s: &str) -> Result<T> {
 }
 
 /// Milliseconds since the Unix epoch.
+/// Every state change the daemon records is also a log event (`info`): jobs and tasks with
+/// their ids, so `--log-format json` gives one parseable line per change. What is only
+/// bookkeeping (a cancel request) is `debug`.
+fn trace_write(w: &Write) {
+    match w {
+        Write::Submit(j) => {
+            tracing::debug!(name = %j.name, queue = %j.queue, "storing a submitted job");
+        }
+        Write::SubmitAll(jobs) => {
+            tracing::debug!(jobs = jobs.len(), "storing the jobs of one file");
+        }
+        Write::RequestCancel { id } => tracing::debug!(job_id = id, "cancel requested"),
+        Write::SetJob { id, state, failures, message, .. } => tracing::info!(
+            job_id = id,
+            state = state.as_str(),
+            failures,
+            detail = message.as_deref().unwrap_or(""),
+            "job state"
+        ),
+        Write::Task(t) => tracing::info!(
+            job_id = t.job_id,
+            task = t.idx,
+            attempt = t.attempt,
+            state = t.state.as_str(),
+            pid = t.pid,
+            exit_code = t.exit_code,
+            devices = ?t.devices,
+            "task state"
+        ),
+        Write::Event { job_id, kind, message, .. } => {
+            tracing::info!(job_id, kind = %kind, "{message}");
+        }
+    }
+}
+
+/// A write that failed: `warn`, since a change queued with [`Store::write_later`] has nobody
+/// else to tell.
+pub(crate) fn trace_failure(e: &StoreError) {
+    tracing::warn!(error = %e, "store: a change could not be written");
+}
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

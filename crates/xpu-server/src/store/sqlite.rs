@@ -368,11 +368,16 @@ fn writer(mut conn: Connection, mut rx: mpsc::Receiver<(Write, Reply)>) {
         match results {
             Ok(outcomes) => {
                 for ((_, reply), out) in batch.drain(..).zip(outcomes) {
+                    if let Err(e) = &out {
+                        super::trace_failure(e);
+                    }
+                    // The caller may have gone (write_later never waits): logged above.
                     let _ = reply.send(out);
                 }
             }
             Err(e) => {
                 let msg = e.to_string();
+                tracing::error!(error = %msg, changes = batch.len(), "store: a commit failed; its changes are lost");
                 for (_, reply) in batch.drain(..) {
                     let _ = reply.send(Err(StoreError::Corrupt(format!("commit failed: {msg}"))));
                 }

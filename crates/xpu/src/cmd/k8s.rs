@@ -121,6 +121,8 @@ pub struct DevicePluginArgs {
     #[arg(long, value_name = "MS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(10..))]
     pub interval_ms: u64,
+    #[command(flatten)]
+    pub log: crate::output::LogArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -249,6 +251,7 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
 }
 
 fn device_plugin(args: DevicePluginArgs) -> CmdResult {
+    crate::output::init_tracing_with(&args.log);
     let root = root_arg(args.root)?;
     let resources = if args.resources.is_empty() {
         Resource::defaults()
@@ -279,7 +282,19 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let printer = tokio::spawn(async move {
             while let Some(e) = rx.recv().await {
-                eprintln!("xpu: {}", describe(&e));
+                let line = describe(&e);
+                match e {
+                    Event::NoListAndWatch { .. } => {
+                        tracing::error!(resource = %resource_of(&e), "{line}")
+                    }
+                    Event::RegisterFailed { .. } => {
+                        tracing::warn!(resource = %resource_of(&e), "{line}")
+                    }
+                    Event::Health { healthy: false, .. } => {
+                        tracing::warn!(resource = %resource_of(&e), "{line}")
+                    }
+                    _ => tracing::info!(resource = %resource_of(&e), "{line}"),
+                }
             }
         });
         let result = deviceplugin::run(cfg, Some(tx), shutdown_signal()).await;
@@ -309,6 +324,18 @@ pub async fn shutdown_signal() {
     }
 }
 
+fn resource_of(e: &Event) -> &str {
+    match e {
+        Event::Skipped { resource }
+        | Event::Serving { resource, .. }
+        | Event::Registered { resource }
+        | Event::RegisterFailed { resource, .. }
+        | Event::Reserving { resource }
+        | Event::NoListAndWatch { resource, .. }
+        | Event::Health { resource, .. } => resource,
+    }
+}
+
 fn describe(e: &Event) -> String {
     match e {
         Event::Skipped { resource } => {
@@ -325,7 +352,7 @@ fn describe(e: &Event) -> String {
             format!("{resource}: its socket was removed; serving on a new one")
         }
         Event::NoListAndWatch { resource, waited } => format!(
-            "error: {resource}: the kubelet took the registration but has not opened ListAndWatch in {} s, so the resource will not appear in the node's allocatable; the kubelet most likely cannot talk to the plugin's socket (look for ListAndWatch errors in the kubelet's log; a kubelet that cannot reach the plugin directory's sockets, or one whose device-plugin API differs from v1beta1, does this); registering again",
+            "{resource}: the kubelet took the registration but has not opened ListAndWatch in {} s, so the resource will not appear in the node's allocatable; the kubelet most likely cannot talk to the plugin's socket (look for ListAndWatch errors in the kubelet's log; a kubelet that cannot reach the plugin directory's sockets, or one whose device-plugin API differs from v1beta1, does this); registering again",
             waited.as_secs()
         ),
         Event::Health { resource, id, healthy } => {

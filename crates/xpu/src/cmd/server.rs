@@ -77,9 +77,16 @@ pub struct ServeArgs {
     /// Print the node and settings the daemon would use, and exit.
     #[arg(long)]
     pub dry_run: bool,
+    #[command(flatten)]
+    pub log: crate::output::LogArgs,
 }
 
 pub fn serve(args: ServeArgs) -> CmdResult {
+    // Every job and task state change, runtime call, leadership change and store error is an
+    // event on stderr (journald under systemd).
+    if !args.dry_run {
+        crate::output::init_tracing_with(&args.log);
+    }
     let mut opts = xpu_server::ServeOptions::new(args.data_dir);
     opts.listen = if args.no_tcp { None } else { args.listen };
     opts.socket = args.socket;
