@@ -170,9 +170,25 @@ pub enum FieldPath {
     ServiceAccountName,
     HostIp,
     PodIp,
+    /// `metadata.labels`: every label, one `key="value"` line each (downward API volumes only).
+    Labels,
+    /// `metadata.annotations`, likewise.
+    Annotations,
 }
 
 impl FieldPath {
+    /// A path a `downwardAPI` volume item may name: those of `env`, and the whole label and
+    /// annotation maps.
+    pub fn parse_for_volume(path: &str) -> Option<FieldPath> {
+        match path {
+            "metadata.labels" => Some(FieldPath::Labels),
+            "metadata.annotations" => Some(FieldPath::Annotations),
+            // The node's and the pod's addresses are env-only in Kubernetes.
+            "spec.nodeName" | "spec.serviceAccountName" | "status.hostIP" | "status.podIP" => None,
+            _ => FieldPath::parse(path),
+        }
+    }
+
     /// `metadata.labels['app']` and the like; `None` for a path the downward API does not give.
     pub fn parse(path: &str) -> Option<FieldPath> {
         let key = |prefix: &str| {
@@ -257,8 +273,9 @@ pub struct VolumeMount {
     pub sub_path: Option<String>,
 }
 
-/// An `emptyDir` volume: a directory made for each task attempt, shared by the pod's
-/// containers, removed with the attempt. The only volume type xpu provides.
+/// A volume: a directory made for each task attempt, shared by the pod's containers, removed
+/// with the attempt. An `emptyDir` starts empty; a `downwardAPI` one holds its files. The only
+/// volume types xpu provides.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Volume {
     pub name: String,
@@ -267,9 +284,21 @@ pub struct Volume {
     pub memory: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_limit: Option<u64>,
+    /// A `downwardAPI` volume instead of an `emptyDir`: these files, written before the first
+    /// container starts and mounted read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downward_api: Option<Vec<DownwardFile>>,
 }
 
-/// A validated job.
+/// One item of a `downwardAPI` volume: a file holding a field of the pod.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DownwardFile {
+    /// Relative to the volume.
+    pub path: String,
+    pub from: EnvFrom,
+    /// Permission bits (`mode`, else the volume's `defaultMode`, else 0644).
+    pub mode: u32,
+}
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobSpec {
     pub name: String,
@@ -1050,6 +1079,16 @@ impl Parser {
                     format!("volume {name:?} is declared twice"),
                 ));
             }
+            if let Some(d) = v.obj("downwardAPI")? {
+                let files = downward_files(&d)?;
+                out.push(Volume {
+                    name: name.to_owned(),
+                    memory: false,
+                    size_limit: None,
+                    downward_api: Some(files),
+                });
+                continue;
+            }
             let Some(dir) = v.obj("emptyDir")? else {
                 let kind = m
                     .keys()
@@ -1058,7 +1097,7 @@ impl Parser {
                 self.unsupported.push(JobError::new(
                     v.path.clone(),
                     format!(
-                        "volume {name:?} is {kind}; xpu provides emptyDir volumes only (put the data in the rootfs, or copy it in from an init container)"
+                        "volume {name:?} is {kind}; xpu provides emptyDir and downwardAPI volumes only (put the data in the rootfs, or copy it in from an init container)"
                     ),
                 ));
                 refused.push(name.to_owned());
@@ -1080,7 +1119,7 @@ impl Parser {
                     JobError::new(dir.field("sizeLimit"), "must be a quantity such as 1Gi")
                 })?),
             };
-            out.push(Volume { name: name.to_owned(), memory, size_limit });
+            out.push(Volume { name: name.to_owned(), memory, size_limit, downward_api: None });
         }
         Ok((out, refused))
     }
@@ -1422,6 +1461,81 @@ fn volume_mounts(c: &Obj<'_>) -> Result<Vec<VolumeMount>, JobError> {
             read_only: v.bool("readOnly")?.unwrap_or(false),
             sub_path: sub_path.map(str::to_owned),
         });
+    }
+    Ok(out)
+}
+
+/// A file mode (`mode`, `defaultMode`). Kubernetes reads YAML 1.1, where `0644` is octal; the
+/// YAML loader here reads it as the decimal 644. A value over 0o777 whose digits are all octal
+/// digits is therefore taken as written in octal (`0644`, `0755`, `0600`); others are decimal,
+/// as JSON and `kubectl get -o yaml` write them (`420` is 0o644). An octal mode written with a
+/// leading zero that is also a valid decimal mode (`0444`, `0400`) cannot be told from it and
+/// is read as decimal.
+fn file_mode(o: &Obj<'_>, key: &str) -> Result<Option<u32>, JobError> {
+    let Some(v) = o.get(key) else { return Ok(None) };
+    let bad = || JobError::new(o.field(key), "must be a file mode from 0 to 0777 (420 or 0644)");
+    let n = int_value(v).filter(|n| *n >= 0).ok_or_else(bad)?;
+    if n <= 0o777 {
+        return Ok(Some(n as u32));
+    }
+    let digits = n.to_string();
+    if digits.bytes().all(|b| (b'0'..=b'7').contains(&b)) {
+        let octal = u32::from_str_radix(&digits, 8).map_err(|_| bad())?;
+        if octal <= 0o777 {
+            return Ok(Some(octal));
+        }
+    }
+    Err(bad())
+}
+
+/// The `items` of a `downwardAPI` volume.
+fn downward_files(d: &Obj<'_>) -> Result<Vec<DownwardFile>, JobError> {
+    let default_mode = file_mode(d, "defaultMode")?.unwrap_or(0o644);
+    let items = match d.get("items") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(JobError::new(d.field("items"), "must be a list")),
+    };
+    let mut out: Vec<DownwardFile> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let path = format!("{}[{i}]", d.field("items"));
+        let Value::Object(m) = item else {
+            return Err(JobError::new(path, "must be a mapping"));
+        };
+        let it = Obj { path, map: m };
+        let file = it.str("path")?.ok_or_else(|| JobError::new(it.field("path"), "required"))?;
+        if file.is_empty()
+            || file.starts_with('/')
+            || file.contains('\0')
+            || file.split('/').any(|p| p == ".." || p.is_empty())
+        {
+            return Err(JobError::new(
+                it.field("path"),
+                "must be a relative path inside the volume, without '..'",
+            ));
+        }
+        if out.iter().any(|f| f.path == file) {
+            return Err(JobError::new(it.field("path"), format!("{file} is written twice")));
+        }
+        let from = if let Some(f) = it.obj("fieldRef")? {
+            let fp = f
+                .str("fieldPath")?
+                .ok_or_else(|| JobError::new(f.field("fieldPath"), "required"))?;
+            EnvFrom::Field(FieldPath::parse_for_volume(fp).ok_or_else(|| {
+                JobError::new(
+                    f.field("fieldPath"),
+                    format!(
+                        "{fp:?} is not a field a downwardAPI volume gives; use metadata.name, metadata.namespace, metadata.uid, metadata.labels, metadata.annotations, or one label or annotation (metadata.labels['KEY'])"
+                    ),
+                )
+            })?)
+        } else if it.get("resourceFieldRef").is_some() {
+            env_from(&it)?
+        } else {
+            return Err(JobError::new(it.path.clone(), "needs fieldRef or resourceFieldRef"));
+        };
+        let mode = file_mode(&it, "mode")?.unwrap_or(default_mode);
+        out.push(DownwardFile { path: file.to_owned(), from, mode });
     }
     Ok(out)
 }
@@ -2069,7 +2183,7 @@ spec:
         let text = e.to_string();
         for part in [
             "has 2 containers",
-            "volume \"data\" is hostPath; xpu provides emptyDir volumes only",
+            "volume \"data\" is hostPath; xpu provides emptyDir and downwardAPI volumes only",
             "env[0].valueFrom.secretKeyRef: secrets are not available",
             "nvidia.com/mig-1g.10gb: MIG devices are not supported yet",
         ] {
@@ -2091,8 +2205,18 @@ spec:
         assert_eq!(
             s.volumes,
             vec![
-                Volume { name: "input".into(), memory: false, size_limit: None },
-                Volume { name: "scratch".into(), memory: true, size_limit: Some(64 << 20) },
+                Volume {
+                    name: "input".into(),
+                    memory: false,
+                    size_limit: None,
+                    downward_api: None
+                },
+                Volume {
+                    name: "scratch".into(),
+                    memory: true,
+                    size_limit: Some(64 << 20),
+                    downward_api: None
+                },
             ]
         );
         assert_eq!(
@@ -2208,5 +2332,26 @@ spec:
             "{:?}",
             all.notes
         );
+    }
+
+    #[test]
+    fn downward_api_volumes_hold_the_pods_fields() {
+        let job = "apiVersion: batch/v1\nkind: Job\nmetadata: {name: indexed-job}\nspec:\n  completions: 5\n  completionMode: Indexed\n  template:\n    spec:\n      restartPolicy: Never\n      containers:\n      - {name: worker, image: busybox, command: [rev, /input/data.txt], volumeMounts: [{mountPath: /input, name: input}]}\n      volumes:\n      - name: input\n        downwardAPI:\n          defaultMode: 420\n          items:\n          - path: data.txt\n            mode: 0640\n            fieldRef: {fieldPath: \"metadata.annotations['batch.kubernetes.io/job-completion-index']\"}\n          - {path: meta/labels, fieldRef: {fieldPath: metadata.labels}, mode: 0644}\n          - {path: cpu, resourceFieldRef: {containerName: worker, resource: limits.cpu, divisor: 1m}}\n";
+        let p = parse(job).unwrap();
+        let files = p.spec.volumes[0].downward_api.clone().unwrap();
+        assert_eq!(files.len(), 3);
+        assert_eq!(files[0].path, "data.txt");
+        assert_eq!(
+            files[0].from,
+            EnvFrom::Field(FieldPath::Annotation(
+                "batch.kubernetes.io/job-completion-index".into()
+            ))
+        );
+        // 0640 and 0644 as Kubernetes reads them (octal), 420 as JSON writes 0o644.
+        assert_eq!((files[0].mode, files[1].mode, files[2].mode), (0o640, 0o644, 0o644));
+        assert_eq!(files[1].from, EnvFrom::Field(FieldPath::Labels));
+        assert!(matches!(files[2].from, EnvFrom::Resource { .. }));
+        // Not a field for env.
+        assert_eq!(FieldPath::parse("metadata.labels"), None);
     }
 }

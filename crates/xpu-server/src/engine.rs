@@ -1295,12 +1295,14 @@ impl Engine {
                         })
                     })
                     .collect::<Result<Vec<_>, String>>()?;
+                let files = downward_files(&shared, job, idx, devices.len());
                 Ok(Launch {
                     job_id,
                     idx,
                     attempt,
                     argv,
                     env,
+                    files,
                     working_dir: main.working_dir.clone(),
                     dir: dir.clone(),
                     container,
@@ -1574,6 +1576,40 @@ fn task_env(
     Ok(env)
 }
 
+/// The files of the job's `downwardAPI` volumes for task `idx`: (volume, path, content, mode).
+fn downward_files(
+    shared: &Shared,
+    job: &Job,
+    idx: u32,
+    devices: usize,
+) -> Vec<executor::VolumeFile> {
+    use xpu_core::job::{EnvFrom, FieldPath};
+    let pod = pod_identity(job, idx);
+    // `key="value"` lines, sorted, as the kubelet writes a whole map.
+    let map = |m: &BTreeMap<String, String>| -> String {
+        m.iter().map(|(k, v)| format!("{k}={v:?}\n")).collect()
+    };
+    let mut out = Vec::new();
+    for v in &job.spec.volumes {
+        for f in v.downward_api.iter().flatten() {
+            let content = match &f.from {
+                EnvFrom::Field(FieldPath::Labels) => map(&pod.labels),
+                EnvFrom::Field(FieldPath::Annotations) => map(&pod.annotations),
+                from => {
+                    resolve_env_from(shared, &job.spec, &job.spec.container, &pod, from, devices)
+                }
+            };
+            out.push(executor::VolumeFile {
+                volume: v.name.clone(),
+                path: f.path.clone(),
+                content,
+                mode: f.mode,
+            });
+        }
+    }
+    out
+}
+
 /// Who a task is, as the downward API tells a pod: its name, uid, labels and annotations as
 /// the Job controller sets them.
 struct PodIdentity {
@@ -1636,6 +1672,8 @@ fn resolve_env_from(
                 spec.pod.service_account.clone().unwrap_or_else(|| "default".into())
             }
             FieldPath::HostIp | FieldPath::PodIp => "127.0.0.1".to_owned(),
+            // Whole maps are for volumes (`downward_files`); the parser keeps them out of env.
+            FieldPath::Labels | FieldPath::Annotations => String::new(),
         },
         EnvFrom::Resource { resource, divisor } => {
             let r = &c.resources;

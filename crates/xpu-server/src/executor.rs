@@ -87,6 +87,8 @@ pub struct Launch {
     pub argv: Vec<String>,
     /// Final environment additions, applied in order (later wins).
     pub env: Vec<(String, String)>,
+    /// The files of `downwardAPI` volumes, written before anything runs.
+    pub files: Vec<VolumeFile>,
     pub working_dir: Option<String>,
     pub dir: PathBuf,
     /// Run as a container (`argv`, `env` and `working_dir` then go into its `config.json`).
@@ -99,6 +101,16 @@ pub struct Launch {
     pub mounts: Vec<xpu_core::job::VolumeMount>,
     /// How long sidecars have after SIGTERM, once the main container ended.
     pub grace: std::time::Duration,
+}
+
+/// A file of a `downwardAPI` volume.
+#[derive(Debug, Clone)]
+pub struct VolumeFile {
+    pub volume: String,
+    /// Relative to the volume (the parser keeps it inside).
+    pub path: String,
+    pub content: String,
+    pub mode: u32,
 }
 
 /// One init container (or sidecar) of a task: what it runs, with what, and where its volumes
@@ -179,7 +191,7 @@ pub fn fresh_dir(dir: &Path) -> Result<Option<PathBuf>, ExecError> {
 
 /// Starts the attempt in a new directory ([`fresh_dir`]).
 pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
-    if !l.init.is_empty() || !l.volumes.is_empty() {
+    if !l.init.is_empty() || !l.volumes.is_empty() || !l.files.is_empty() {
         return spawn_pod(l);
     }
     let moved_aside = fresh_dir(&l.dir)?;
@@ -279,14 +291,30 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
                 if let Some(sub) = &m.sub_path {
                     source = source.join(sub);
                 }
+                // A downwardAPI volume is read-only, as the kubelet mounts it.
+                let downward =
+                    l.volumes.iter().any(|v| v.name == m.name && v.downward_api.is_some());
                 crate::container::Mount {
                     source,
                     destination: m.mount_path.clone(),
-                    read_only: m.read_only,
+                    read_only: m.read_only || downward,
                 }
             })
             .collect()
     };
+    for f in &l.files {
+        let path = volume_dir(&f.volume).join(&f.path);
+        if let Some(parent) = path.parent() {
+            mkdir(parent).map_err(io(parent))?;
+        }
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(f.mode)
+            .open(&path)
+            .and_then(|mut file| std::io::Write::write_all(&mut file, f.content.as_bytes()))
+            .map_err(io(&path))?;
+    }
     // subPath directories are made inside the volume (after a tmpfs is mounted on it), as the
     // kubelet makes them.
     let mut subs: Vec<PathBuf> = Vec::new();
@@ -560,6 +588,7 @@ mod tests {
             attempt: 0,
             argv: argv.iter().map(|a| (*a).to_owned()).collect(),
             env: vec![("FOO".into(), "bar".into())],
+            files: Vec::new(),
             working_dir: None,
             dir,
             container: None,

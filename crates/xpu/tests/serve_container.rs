@@ -273,13 +273,19 @@ spec:
         - -c
         - |
           while [ ! -e /scratch/beat ]; do sleep 0.05; done
-          echo "data=$(cat /input/data.txt) init=$(cat /scratch/init) sidecar=up"
+          echo "data=$(cat /input/data.txt) init=$(cat /scratch/init) sidecar=up index=$(cat /meta/index)"
           grep -q ' /scratch tmpfs ' /proc/mounts && echo scratch=tmpfs
           {{ echo nope > /input/x; }} 2>/dev/null || echo input=read-only
         volumeMounts:
         - {{name: input, mountPath: /input, readOnly: true}}
         - {{name: scratch, mountPath: /scratch}}
+        - {{name: meta, mountPath: /meta}}
       volumes:
+      - name: meta
+        downwardAPI:
+          items:
+          - path: index
+            fieldRef: {{fieldPath: "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
       - name: input
         emptyDir: {{}}
       - name: scratch
@@ -298,7 +304,9 @@ spec:
         let log = String::from_utf8(r.body).unwrap();
         assert_eq!(
             log,
-            format!("data={word} init=from-init sidecar=up\nscratch=tmpfs\ninput=read-only\n"),
+            format!(
+                "data={word} init=from-init sidecar=up index={i}\nscratch=tmpfs\ninput=read-only\n"
+            ),
             "task {i}"
         );
     }
