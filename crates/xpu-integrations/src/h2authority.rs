@@ -14,8 +14,10 @@
 //! into one block, decoded with the client's HPACK context, and encoded again with a context of
 //! our own towards the server, so the two dynamic tables stay consistent on either side. Padding
 //! is dropped, priority kept. Every other frame, and everything the server sends, goes through
-//! byte for byte. Bounded: a frame or a header block over [`MAX_BLOCK`] ends the connection, as
-//! does a header block that does not decode.
+//! byte for byte. Bounded: a frame over [`MAX_BLOCK`], a header block over [`MAX_HEADER_BLOCK`]
+//! or decoding to more than [`MAX_HEADER_LIST`] (HPACK lets a few octets name a long table
+//! entry again and again), a dynamic table over 4096 octets (what the server allows, h2's
+//! default), or a block that does not decode ends the connection.
 
 use std::io;
 
@@ -35,6 +37,14 @@ const MAX_FRAME: usize = 16_384;
 /// Largest frame or header block read: far above what a kubelet sends (a few hundred octets of
 /// headers), far below what would let a peer make the plugin hold much memory.
 pub const MAX_BLOCK: usize = 1 << 20;
+/// Largest header block (HEADERS and its CONTINUATIONs) taken: a kubelet's are a few hundred
+/// octets.
+pub const MAX_HEADER_BLOCK: usize = 64 << 10;
+/// Largest decoded header list, names and values together.
+pub const MAX_HEADER_LIST: usize = 64 << 10;
+/// The dynamic table size the client may use: `SETTINGS_HEADER_TABLE_SIZE`'s initial value,
+/// which h2 does not change.
+const MAX_TABLE: usize = 4096;
 
 /// What the peer sent that cannot be passed on.
 fn bad(what: &str) -> io::Error {
@@ -57,6 +67,7 @@ where
         return Ok(());
     }
     let mut decoder = fluke_hpack::Decoder::new();
+    decoder.set_max_allowed_table_size(MAX_TABLE);
     let mut encoder = fluke_hpack::Encoder::new();
     // A header block being joined: its stream, the HEADERS flags, priority octets, fragments.
     let mut pending: Option<(u32, u8, Vec<u8>, Vec<u8>)> = None;
@@ -97,12 +108,15 @@ where
                     priority = body[..5].to_vec();
                     body = &body[5..];
                 }
+                if body.len() > MAX_HEADER_BLOCK {
+                    return Err(bad("a header block over 64 KiB"));
+                }
                 pending = Some((stream, flags, priority, body.to_vec()));
             }
             CONTINUATION => match &mut pending {
                 Some((s, _, _, block)) if *s == stream => {
-                    if block.len() + payload.len() > MAX_BLOCK {
-                        return Err(bad("a header block over 1 MiB"));
+                    if block.len() + payload.len() > MAX_HEADER_BLOCK {
+                        return Err(bad("a header block over 64 KiB"));
                     }
                     block.extend_from_slice(&payload);
                 }
@@ -125,21 +139,46 @@ where
             continue;
         }
         let Some((stream, flags, priority, block)) = pending.take() else { continue };
-        let headers = decoder.decode(&block).map_err(|e| bad(&format!("HPACK: {e:?}")))?;
-        let headers: Vec<(Vec<u8>, Vec<u8>)> = headers
-            .into_iter()
-            .map(|(name, value)| {
-                if name == b":authority" && !is_authority(&value) {
-                    (name, b"localhost".to_vec())
-                } else {
-                    (name, value)
-                }
-            })
-            .collect();
+        let headers = decode(&mut decoder, &block)?;
         let encoded = encoder.encode(headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
         write_block(&mut to, stream, flags & (END_STREAM | PRIORITY), &priority, &encoded).await?;
     }
     to.shutdown().await
+}
+
+/// One header block, with a non-authority `:authority` replaced by `localhost`; at most
+/// [`MAX_HEADER_LIST`] octets of headers are kept.
+fn decode(
+    decoder: &mut fluke_hpack::Decoder<'_>,
+    block: &[u8],
+) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let mut headers: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut size = 0usize;
+    let mut over = false;
+    // fluke-hpack panics on some malformed size updates (an `unwrap` on a truncated
+    // integer); a peer's bytes must end its connection, not unwind through the proxy.
+    let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        decoder.decode_with_cb(block, |name, value| {
+            // RFC 7541's size of an entry: both lengths and 32.
+            size += name.len() + value.len() + 32;
+            if size > MAX_HEADER_LIST {
+                over = true;
+                return;
+            }
+            let value = if name.as_ref() == b":authority" && !is_authority(&value) {
+                b"localhost".to_vec()
+            } else {
+                value.into_owned()
+            };
+            headers.push((name.into_owned(), value));
+        })
+    }));
+    match decoded {
+        Ok(Ok(())) if !over => Ok(headers),
+        Ok(Ok(())) => Err(bad("a header list over 64 KiB")),
+        Ok(Err(e)) => Err(bad(&format!("HPACK: {e:?}"))),
+        Err(_) => Err(bad("HPACK: a malformed block")),
+    }
 }
 
 /// Whether `value` is an authority as `h2` takes one.
@@ -280,9 +319,23 @@ mod tests {
         let h = fluke_hpack::Decoder::new().decode(&got[0].3).unwrap();
         assert_eq!(h, vec![(b":authority".to_vec(), b"localhost:1234".to_vec())]);
 
+        // A 4 KiB entry named 60,000 times by one octet each: 240 MB if decoded whole.
+        let mut bomb = vec![0x40, 0x01, b'x', 0x7f, 0xa1, 0x1e];
+        bomb.extend(std::iter::repeat_n(b'v', 4000));
+        bomb.extend(std::iter::repeat_n(0xbe, 60_000));
+        let mut d = fluke_hpack::Decoder::new();
+        let e = decode(&mut d, &bomb).unwrap_err();
+        assert!(e.to_string().contains("a header list over 64 KiB"), "{e}");
+        let e = decode(&mut fluke_hpack::Decoder::new(), &[0x3f]).unwrap_err();
+        assert!(e.to_string().contains("malformed"), "{e}");
         for bad in [
             frame(CONTINUATION, END_HEADERS, 1, b"x"),
             frame(HEADERS, END_HEADERS, 1, &[0xff, 0xff, 0xff, 0xff]),
+            // A dynamic table size update cut short (the library would panic on it).
+            frame(HEADERS, END_HEADERS, 1, &[0x3f]),
+            // A table larger than the server allows.
+            frame(HEADERS, END_HEADERS, 1, &[0x3f, 0xe1, 0xff, 0x03]),
+            frame(HEADERS, END_HEADERS, 1, &bomb),
             {
                 let mut f = frame(0x0, 0, 1, &[]);
                 f[0] = 0x20; // 2 MiB

@@ -483,6 +483,7 @@ async fn a_kubelet_that_never_opens_list_and_watch_is_reported_and_registered_ag
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(deviceplugin::run(cfg, Some(tx), async {
+        // Sent or dropped (the test failed early): either way the plugin stops.
         let _ = stopped.await;
     }));
     let mut plugin = Running { stop: Some(stop), task, events };

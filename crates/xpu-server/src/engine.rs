@@ -983,20 +983,32 @@ impl Engine {
             tokio::spawn(async move { container::runtime_call(&c, &["delete", "-f"]).await });
         }
         // A task killed outright (SIGKILL) leaves its memory volumes mounted: unmounted here,
-        // lazily, so nothing holds the memory after the task.
+        // lazily, so nothing holds the memory after the task. Usually the task's script did it
+        // already; a directory on the same device as its parent is not a mount point.
         for v in job.spec.volumes.iter().filter(|v| v.memory) {
             let dir = task.dir.join("volumes").join(&v.name);
+            if !executor::is_mount_point(&dir) {
+                continue;
+            }
             tokio::spawn(async move {
-                let status = tokio::process::Command::new("umount")
+                let out = tokio::process::Command::new("umount")
                     .arg("-l")
                     .arg(&dir)
                     .stdin(std::process::Stdio::null())
                     .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .status()
+                    .output()
                     .await;
-                // Not mounted any more (the task's script unmounted it) is the usual case.
-                let _ = status;
+                match out {
+                    Ok(o) if o.status.success() => {}
+                    Ok(o) => tracing::warn!(
+                        dir = %dir.display(),
+                        stderr = %String::from_utf8_lossy(&o.stderr).trim(),
+                        "could not unmount a memory volume"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(dir = %dir.display(), error = %e, "could not run umount")
+                    }
+                }
             });
         }
         if job.ending.is_some() {

@@ -388,6 +388,27 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
             }
         };
         let label = quote(&step.name);
+        // A subPath must still lead into its volume when the container starts: an earlier
+        // container may have replaced it with a symlink to anywhere on the host, which runc
+        // would follow when it binds the source. (A sidecar still running could swap it between
+        // this check and runc's mount; the job's own containers are the only ones that can.)
+        if l.container.is_some() {
+            for m in step.mounts.iter().filter(|m| m.sub_path.is_some()) {
+                let vol = volume_dir(&m.name);
+                let src = vol.join(m.sub_path.as_deref().unwrap_or_default());
+                script.push_str(&format!(
+                    "case \"$(readlink -f {src})\" in {vol}/*) ;; *) echo {msg} >&2; end; exit 1 ;; esac\n",
+                    src = quote(&src),
+                    vol = quote(&vol),
+                    msg = quote(format!(
+                        "xpu: container {:?}: subPath {:?} of volume {:?} leads out of the volume",
+                        step.name,
+                        m.sub_path.as_deref().unwrap_or_default(),
+                        m.name
+                    )),
+                ));
+            }
+        }
         if n == last {
             script
                 .push_str(&format!("# main container {label}\n( {line} ); rc=$?\nend\nexit $rc\n"));
@@ -441,6 +462,16 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
     }
     cmd.current_dir(&l.dir);
     finish_spawn(cmd, l, "/bin/sh pod.sh", moved_aside)
+}
+
+/// Whether `dir` is a mount point: on another device than its parent.
+pub fn is_mount_point(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let dev = |p: &Path| std::fs::symlink_metadata(p).map(|m| m.dev()).ok();
+    match (dev(dir), dir.parent().and_then(dev)) {
+        (Some(a), Some(b)) => a != b,
+        _ => false,
+    }
 }
 
 /// `p` as one word for `/bin/sh`: in single quotes, each `'` written as `'\''`.

@@ -346,3 +346,39 @@ fn a_failing_runtime_call_is_logged_with_its_stderr_needs_root_and_runc() {
             .then_some(())
     });
 }
+
+/// A subPath that an earlier container turned into a symlink out of the volume is refused
+/// before runc would bind the host directory it points to.
+#[test]
+fn a_sub_path_replaced_by_a_symlink_is_refused_needs_root_and_runc() {
+    if let Some(why) = bundle::container_tests_unavailable() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let Setup { host: _host, tmp: _tmp, image: _image, rootfs, data: _data, _cleanup, d } =
+        Setup::new();
+    let pod = format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: escape, annotations: {{xpu.dev/rootfs: {rootfs}}}}}
+spec:
+  restartPolicy: Never
+  initContainers:
+  - name: plant
+    command: [sh, -c, 'rmdir /data/sub; ln -s /etc /data/sub']
+    volumeMounts: [{{name: data, mountPath: /data}}]
+  containers:
+  - name: main
+    command: [cat, /x/hostname]
+    volumeMounts: [{{name: data, mountPath: /x, subPath: sub}}]
+  volumes:
+  - {{name: data, emptyDir: {{}}}}
+"#,
+        rootfs = rootfs.display()
+    );
+    let id = d.submit(&pod);
+    let j = d.wait_state(id, &["failed", "succeeded"]);
+    assert_eq!(j["state"], "failed", "{j}");
+    let log = logs(&d, id);
+    assert!(log.contains("subPath \"sub\" of volume \"data\" leads out of the volume"), "{log}");
+}
