@@ -418,6 +418,9 @@ pub struct Cluster {
     class_ids: FxHashMap<ClassKey, u32>,
     /// Classes with at least one member.
     pub(crate) active: Vec<u32>,
+    /// The keys of `active`'s classes, in the same order: placement scans these, so they are
+    /// kept contiguous rather than read through each class.
+    pub(crate) active_keys: Vec<ClassKey>,
     /// Bumped when class ids are renumbered, so score memos keyed by class id are dropped.
     pub(crate) class_epoch: u64,
     capacity: Totals,
@@ -845,6 +848,7 @@ impl Cluster {
                 let ap = class.active_pos as usize;
                 class.active_pos = u32::MAX;
                 self.active.swap_remove(ap);
+                self.active_keys.swap_remove(ap);
                 if let Some(&moved) = self.active.get(ap) {
                     self.classes[moved as usize].active_pos = ap as u32;
                 }
@@ -872,6 +876,7 @@ impl Cluster {
         if class.members.is_empty() {
             class.active_pos = self.active.len() as u32;
             self.active.push(cid);
+            self.active_keys.push(class.key);
         }
         class.members.push(id);
         class.ranked.insert((self.ranks[id as usize], id));
@@ -888,6 +893,7 @@ impl Cluster {
         let old = std::mem::take(&mut self.classes);
         self.class_ids.clear();
         self.active.clear();
+        self.active_keys.clear();
         for class in old.into_iter().filter(|c| !c.members.is_empty()) {
             let cid = self.classes.len() as u32;
             for &m in &class.members {
@@ -895,6 +901,7 @@ impl Cluster {
             }
             self.class_ids.insert(class.key, cid);
             self.active.push(cid);
+            self.active_keys.push(class.key);
             self.classes.push(Class { active_pos: cid, ..class });
         }
         self.class_epoch += 1;

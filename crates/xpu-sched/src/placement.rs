@@ -458,7 +458,7 @@ pub struct Placer {
     policy: Box<dyn Policy>,
     rng: Rng,
     demands: FxHashMap<Demand, u32>,
-    /// Scores by `[class id][demand id]`; NaN where not computed yet.
+    /// Scores by `[demand id][class id]`; NaN where not computed yet.
     memo: Vec<Vec<f64>>,
     memo_epoch: (u64, u64, u64),
     scratch: Vec<u16>,
@@ -536,14 +536,12 @@ impl Placer {
                 {
                     continue;
                 }
-                let s = match memo_get(&self.memo, node.class, did) {
-                    Some(s) => s,
-                    None => {
-                        let s = sanitize(self.policy.score(cluster, node, d));
-                        memo_put(&mut self.memo, node.class, did, s);
-                        s
-                    }
-                };
+                let row = memo_row(&mut self.memo, did, cluster.classes.len());
+                let mut s = row[node.class as usize];
+                if s.is_nan() {
+                    s = sanitize(self.policy.score(cluster, node, d));
+                    row[node.class as usize] = s;
+                }
                 let rank = cluster.rank(id as NodeId);
                 let take = if s > best {
                     weight = 1;
@@ -562,36 +560,37 @@ impl Placer {
             }
         } else {
             let mut chosen_class = u32::MAX;
-            for &cid in &cluster.active {
-                let class = &cluster.classes[cid as usize];
-                let fits = match class_fits(cluster, &class.key, d, ctx) {
+            let row = memo_row(&mut self.memo, did, cluster.classes.len());
+            for (&cid, key) in cluster.active.iter().zip(&cluster.active_keys) {
+                let fits = match class_fits(cluster, key, d, ctx) {
                     Some(f) => f,
                     None => {
+                        let class = &cluster.classes[cid as usize];
                         check(cluster, &cluster.nodes()[class.members[0] as usize], d, ctx).is_ok()
                     }
                 };
                 if !fits {
                     continue;
                 }
-                let s = match memo_get(&self.memo, cid, did) {
-                    Some(s) => s,
-                    None => {
-                        let node = &cluster.nodes()[class.members[0] as usize];
-                        let s = sanitize(self.policy.score(cluster, node, d));
-                        memo_put(&mut self.memo, cid, did, s);
-                        s
-                    }
-                };
+                let mut s = row[cid as usize];
+                if s.is_nan() {
+                    let class = &cluster.classes[cid as usize];
+                    let node = &cluster.nodes()[class.members[0] as usize];
+                    s = sanitize(self.policy.score(cluster, node, d));
+                    row[cid as usize] = s;
+                }
+                if s < best {
+                    continue;
+                }
+                let class = &cluster.classes[cid as usize];
                 let size = class.members.len() as u64;
                 let rank = class.min_rank;
                 let take = if s > best {
                     weight = size;
                     true
-                } else if s == best {
+                } else {
                     weight += size;
                     if uniform { self.rng.below(weight) < size } else { rank < best_rank }
-                } else {
-                    false
                 };
                 if take {
                     best = s;
@@ -784,21 +783,18 @@ fn alloc_bug(cluster: &Cluster, d: &Demand, e: &ClusterError) -> FitReport {
 }
 
 #[inline]
-fn memo_get(memo: &[Vec<f64>], class: u32, demand: u32) -> Option<f64> {
-    let s = *memo.get(class as usize)?.get(demand as usize)?;
-    if s.is_nan() { None } else { Some(s) }
-}
-
-fn memo_put(memo: &mut Vec<Vec<f64>>, class: u32, demand: u32, s: f64) {
-    let (c, d) = (class as usize, demand as usize);
-    if memo.len() <= c {
-        memo.resize_with(c + 1, Vec::new);
+/// The memoised scores of demand `demand`, one per class id (NaN where not computed yet), grown
+/// to `classes` entries.
+fn memo_row(memo: &mut Vec<Vec<f64>>, demand: u32, classes: usize) -> &mut Vec<f64> {
+    let d = demand as usize;
+    if memo.len() <= d {
+        memo.resize_with(d + 1, Vec::new);
     }
-    let row = &mut memo[c];
-    if row.len() <= d {
-        row.resize(d + 1, f64::NAN);
+    let row = &mut memo[d];
+    if row.len() < classes {
+        row.resize(classes, f64::NAN);
     }
-    row[d] = s;
+    row
 }
 
 #[inline]

@@ -180,78 +180,111 @@ pub(crate) fn stranded(
     frag
 }
 
-/// `floor(free / milli)` for every free value 0..=1000, per typical task: the copies of the task
-/// one GPU holds, looked up instead of divided on the hot path.
+/// Per distinct GPU share of the typical tasks, `floor(free / milli)` for every free value
+/// 0..=1000 (the copies one GPU holds, looked up instead of divided on the hot path), and which
+/// of these each task uses. Tasks with the same share see the same GPUs the same way, so the
+/// per-GPU pass runs once per distinct share, not once per task.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct CopyTables {
-    tables: Vec<[u8; 1001]>,
+    /// (milli, copies per free value)
+    groups: Vec<(u16, Box<[u8; 1001]>)>,
+    /// Per task of the mix: index into `groups`, `usize::MAX` for CPU-only tasks.
+    group_of: Vec<usize>,
 }
 
 impl CopyTables {
     pub(crate) fn new(mix: &TaskMix) -> Self {
-        let tables = mix
-            .tasks
-            .iter()
-            .map(|t| {
-                let mut tab = [0u8; 1001];
-                if t.milli > 0 {
-                    for (g, slot) in tab.iter_mut().enumerate() {
-                        *slot = (g / usize::from(t.milli)).min(255) as u8;
+        let mut groups: Vec<(u16, Box<[u8; 1001]>)> = Vec::new();
+        let mut group_of = Vec::with_capacity(mix.tasks.len());
+        for t in &mix.tasks {
+            if t.milli == 0 {
+                group_of.push(usize::MAX);
+                continue;
+            }
+            let g = match groups.iter().position(|(m, _)| *m == t.milli) {
+                Some(g) => g,
+                None => {
+                    let mut tab = Box::new([0u8; 1001]);
+                    for (free, slot) in tab.iter_mut().enumerate() {
+                        *slot = (free / usize::from(t.milli)).min(255) as u8;
                     }
+                    groups.push((t.milli, tab));
+                    groups.len() - 1
                 }
-                tab
-            })
-            .collect();
-        Self { tables }
+            };
+            group_of.push(g);
+        }
+        Self { groups, group_of }
     }
 }
 
-/// xpu's measure in one pass: the mean of FGD's [`fragmentation`] and [`stranded`], equal to
-/// `0.5 * (fragmentation(..) + stranded(..))` (a unit test holds it to that).
-pub(crate) fn blended(
+/// What one distinct share sees on a node: GPUs with at least that much free, the free milli
+/// on the others, and the copies all GPUs hold.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ShareView {
+    usable: u16,
+    small: u64,
+    copies: u64,
+}
+
+/// FGD's [`fragmentation`] and xpu's [`stranded`] in one pass, as `(fgd, stranded)` (a unit
+/// test holds it to the two functions). `views` is scratch space.
+pub(crate) fn both_measures(
     mix: &TaskMix,
     tabs: &CopyTables,
+    views: &mut Vec<ShareView>,
     cpu_free: u64,
     mem_free: u64,
     gpus: &[u16],
     model: u8,
-) -> f64 {
+) -> (f64, f64) {
     let total: u64 = gpus.iter().map(|&g| u64::from(g)).sum();
     if total == 0 {
-        return 0.0;
+        return (0.0, 0.0);
     }
-    let mut frag = 0.0;
-    for (t, tab) in mix.tasks.iter().zip(&tabs.tables) {
-        let both = if t.milli == 0
+    views.clear();
+    for (milli, tab) in &tabs.groups {
+        let mut v = ShareView::default();
+        for &g in gpus {
+            if g >= *milli {
+                v.usable += 1;
+            } else {
+                v.small += u64::from(g);
+            }
+            v.copies += u64::from(tab[usize::from(g.min(1000))]);
+        }
+        views.push(v);
+    }
+    let (mut frag, mut strand_sum) = (0.0, 0.0);
+    for (t, &g) in mix.tasks.iter().zip(&tabs.group_of) {
+        let (fgd, strand) = if g == usize::MAX
             || model == u8::MAX
             || (t.models != ANY_MODEL && (t.models >> model) & 1 == 0)
         {
-            2 * total
+            (total, total)
         } else {
-            let mut usable = 0u16;
-            let mut small = 0u64;
-            let mut copies = 0u64;
-            for &g in gpus {
-                if g >= t.milli {
-                    usable += 1;
-                } else {
-                    small += u64::from(g);
-                }
-                copies += u64::from(tab[usize::from(g.min(1000))]);
-            }
-            let fgd = if usable >= t.count && cpu_free >= t.cpu_milli { small } else { total };
+            let v = views[g];
+            let fgd = if v.usable >= t.count && cpu_free >= t.cpu_milli { v.small } else { total };
             let strand = if t.count > 1 {
                 fgd
             } else {
-                let by_cpu = cpu_free.checked_div(t.cpu_milli).unwrap_or(u64::MAX);
-                let by_mem = mem_free.checked_div(t.memory_mib).unwrap_or(u64::MAX);
-                total.saturating_sub(copies.min(by_cpu).min(by_mem) * u64::from(t.milli))
+                // Copies the GPUs hold, cut to what CPU and memory allow; the division runs
+                // only when CPU or memory is what binds.
+                let mut k = v.copies;
+                if cpu_free < k.saturating_mul(t.cpu_milli) {
+                    k = cpu_free / t.cpu_milli;
+                }
+                if mem_free < k.saturating_mul(t.memory_mib) {
+                    k = mem_free / t.memory_mib;
+                }
+                total.saturating_sub(k * u64::from(t.milli))
             };
-            fgd + strand
+            (fgd, strand)
         };
-        frag += t.freq * both as f64;
+        frag += t.freq * fgd as f64;
+        strand_sum += t.freq * strand as f64;
     }
-    0.5 * frag
+    (frag, strand_sum)
 }
 
 /// The GPUs of a node as FGD sees them: free milli of devices the demand may use (its kind and
@@ -268,7 +301,7 @@ pub(crate) fn gpu_view(node: &Node, d: &Demand, buf: &mut Vec<u16>) -> u8 {
     model
 }
 
-fn sigmoid(x: f64) -> f64 {
+pub(crate) fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
 
@@ -412,10 +445,13 @@ mod tests {
         for _ in 0..500 {
             let gpus: Vec<u16> = (0..8).map(|_| rng.below(1001) as u16).collect();
             let (cpu, mem, model) = (rng.below(64_000), rng.below(262_144), rng.below(3) as u8);
-            let want = 0.5
-                * (fragmentation(&mix, cpu, &gpus, model) + stranded(&mix, cpu, mem, &gpus, model));
-            let got = blended(&mix, &tabs, cpu, mem, &gpus, model);
-            assert!((want - got).abs() < 1e-6, "{gpus:?} {cpu} {mem}: {want} vs {got}");
+            let want =
+                (fragmentation(&mix, cpu, &gpus, model), stranded(&mix, cpu, mem, &gpus, model));
+            let got = both_measures(&mix, &tabs, &mut Vec::new(), cpu, mem, &gpus, model);
+            assert!(
+                (want.0 - got.0).abs() < 1e-6 && (want.1 - got.1).abs() < 1e-6,
+                "{gpus:?} {cpu} {mem}: {want:?} vs {got:?}"
+            );
         }
     }
 

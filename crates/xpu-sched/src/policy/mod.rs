@@ -11,7 +11,7 @@ mod xpu;
 
 pub use baselines::{BestFit, DotProduct, GpuClustering, GpuPacking, Random};
 pub use fgd::{Fgd, TaskMix, TypicalTask};
-pub use xpu::XpuPolicy;
+pub use xpu::{Combine, XpuParams, XpuPolicy};
 
 use crate::placement::Policy;
 

@@ -1,75 +1,185 @@
-//! xpu's default placement policy: *stranding-aware fragmentation descent*.
+//! xpu's default placement policy: *FGD first, stranding on FGD's ties*.
 //!
-//! It keeps FGD's idea — place a task where the GPU capacity the typical task mix cannot use
-//! grows least — and changes two things, each measured on the OpenB benchmark
-//! (`xpu sim openb`):
+//! FGD (Weng et al., ATC '23) places a task where the GPU capacity the typical task mix could not
+//! use grows least, squashing that change through a sigmoid and truncating it to an integer
+//! score. The truncation makes FGD tie often — nodes within about 40 milli-GPU of each other near
+//! zero, several hundred farther out — and a tie goes to the first node in a fixed order, which is
+//! what makes FGD pack. xpu keeps FGD's decision wherever FGD has one and changes only how its
+//! ties are broken:
 //!
-//! 1. **What counts as unusable.** FGD asks, per typical task, whether a free GPU slice is big
-//!    enough for it at all. That misses capacity that is big enough for one copy but not for the
-//!    next: 700 milli free is "usable" for a 500-milli task, yet 200 of it is stranded; four
-//!    free GPUs on a node with CPU for one more task are mostly stranded too. xpu blends FGD's
-//!    measure with a *capacity* measure — for each typical task, the free GPU milli left over
-//!    after packing as many copies as the node's GPUs, CPU **and memory** allow (FGD ignores
-//!    memory) — half and half. Multi-GPU typical tasks keep FGD's rule, which protects whole
-//!    empty nodes for 8-GPU jobs better than counting copies does.
-//! 2. **How close is a tie.** FGD squashes the fragmentation change through a sigmoid and
-//!    truncates it to an integer, so nodes within roughly 40 milli-GPU (near zero) to several
-//!    hundred (far from it) of each other tie, and the tie goes to the first node in a fixed
-//!    order — which is what makes FGD pack. xpu uses uniform 75-milli-GPU bands: fine enough to
-//!    prefer genuinely better nodes, coarse enough to keep packing. Within a band the node
-//!    order decides, as in FGD; a share goes to the GPU that scores best, the fullest on ties.
+//! 1. **FGD's score first.** A node FGD scores higher always wins. xpu never overrules FGD.
+//! 2. **Then stranding, measured more completely than FGD does.** FGD asks, per typical task,
+//!    whether a free GPU slice is big enough for it at all, and ignores memory. Among the nodes
+//!    FGD ties, xpu prefers the one where the GPU capacity that *streams* of the typical tasks
+//!    could not turn into allocation grows least: for each typical task, the free milli left
+//!    after packing as many copies as the node's GPUs, CPU **and memory** allow (700 milli free
+//!    holds one 500-milli task and strands 200; four free GPUs on a node with CPU for one more
+//!    task strand three). Multi-GPU typical tasks keep FGD's all-or-nothing rule. This measure
+//!    is blended 3:1 with FGD's own, so it refines FGD's view rather than replacing it.
+//! 3. **Differences below 150 milli-GPU are not differences.** The stranding change is
+//!    compared in 150-milli bands; within a band the node order decides, as in FGD, so the
+//!    policy keeps FGD's packing wherever the extra information is too small to trust. A share
+//!    goes to the GPU that scores best, the fullest on ties.
 //!
-//! Over seeds 42–51 this beats the published FGD mean on all five OpenB traces; the margins are
-//! small (0.1–0.8 points) and reported as measured.
+//! **Why this generalizes.** Nothing here is fitted to a workload: the typical mix is the one
+//! FGD estimates from the tasks themselves, and the policy can only reorder choices FGD considers
+//! equal, so on a workload where stranding carries no information it degrades to FGD's own
+//! order rather than below it. The earlier design (a half-and-half blend in uniform 75-milli
+//! bands, with no FGD-first rule) won on the five traces it was tuned on and lost up to 0.3
+//! points on workloads it was not: it overruled FGD's strict preferences, which on traces with
+//! many 8-GPU tasks cost whole empty nodes. The two constants (3:1, 150 milli) were chosen among
+//! nine FGD-first candidates by the largest worst-case margin over FGD on the five real OpenB
+//! traces and the paper's sixteen synthetic variants drawn with one seed
+//! ([`crate::sim::variant`]), then confirmed on variants drawn with another seed, which the
+//! choice never saw; the leave-one-trace-out choice is the same on every fold. All FGD-first
+//! candidates beat FGD on every real trace; what separates them is the worst synthetic row.
+//! `cargo run --release -p xpu-sched --example policy_eval -- --loo` repeats the evaluation.
 
-use crate::cluster::{Cluster, MILLI, Node};
+use xpu_core::DeviceKind;
+
+use crate::cluster::{ANY_MODEL, Cluster, MILLI, Node};
 use crate::placement::{Demand, Policy, chosen_or_picked, device_matches};
 use crate::rng::Rng;
 
-use super::fgd::{CopyTables, TaskMix, blended, gpu_view};
+use super::fgd::{CopyTables, ShareView, TaskMix, both_measures, gpu_view, sigmoid};
 
-/// Width of a score band, in milli-GPU of fragmentation change.
-const BAND: f64 = 75.0;
+/// How the two measures make a score (the evaluation tool compares these).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Combine {
+    /// `floor(Δm / band)` of the blended measure `m`.
+    Bands,
+    /// FGD's own score first (`int(sigmoid(Δfgd/1000)·100)`), the blended bands only among
+    /// nodes FGD ties.
+    FgdFirst,
+    /// FGD's squashing applied to the blended measure.
+    Sigmoid,
+}
+
+/// The policy's knobs. [`XpuParams::default`] is what `--policy xpu` runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct XpuParams {
+    /// Weight of the stranding measure in the blend (the rest is FGD's measure).
+    pub strand_weight: f64,
+    /// Width of a score band, in milli-GPU of fragmentation change.
+    pub band: f64,
+    pub combine: Combine,
+}
+
+impl Default for XpuParams {
+    fn default() -> Self {
+        Self { strand_weight: 0.75, band: 150.0, combine: Combine::FgdFirst }
+    }
+}
 
 /// xpu's default policy.
 #[derive(Debug, Clone)]
 pub struct XpuPolicy {
     mix: TaskMix,
     tabs: CopyTables,
+    params: XpuParams,
     buf: Vec<u16>,
+    views: Vec<ShareView>,
+    /// The measures of each class's own state for GPU demands that may use any model (the same
+    /// for every such demand: the measures do not depend on the order of the GPUs), by class id; NaN where not computed. Valid for one
+    /// (cluster, class numbering), `before_epoch`.
+    before: Vec<(f64, f64)>,
+    before_epoch: (u64, u64),
 }
 
 impl XpuPolicy {
     pub fn new(mix: TaskMix) -> Self {
+        Self::with_params(mix, XpuParams::default())
+    }
+
+    pub fn with_params(mix: TaskMix, params: XpuParams) -> Self {
         let tabs = CopyTables::new(&mix);
-        Self { mix, tabs, buf: Vec::new() }
+        Self {
+            mix,
+            tabs,
+            params,
+            buf: Vec::new(),
+            views: Vec::new(),
+            before: Vec::new(),
+            before_epoch: (0, 0),
+        }
     }
 
     pub fn mix(&self) -> &TaskMix {
         &self.mix
     }
 
-    fn frag(&self, cpu: u64, mem: u64, gpus: &[u16], model: u8) -> f64 {
-        blended(&self.mix, &self.tabs, cpu, mem, gpus, model)
+    fn measures(&mut self, cpu: u64, mem: u64, gpus: &[u16], model: u8) -> (f64, f64) {
+        both_measures(&self.mix, &self.tabs, &mut self.views, cpu, mem, gpus, model)
     }
 
-    /// (score band, device index for a share).
-    fn evaluate(&mut self, node: &Node, d: &Demand) -> (f64, Option<usize>) {
+    /// The score of going from `before` to `after` (each `(fgd, stranded)`).
+    fn score_of(&self, before: (f64, f64), after: (f64, f64)) -> f64 {
+        let w = self.params.strand_weight;
+        let m = |x: (f64, f64)| (1.0 - w) * x.0 + w * x.1;
+        let delta = m(before) - m(after);
+        match self.params.combine {
+            Combine::Bands => (delta / self.params.band).floor(),
+            Combine::Sigmoid => (sigmoid(delta / 1000.0) * 100.0).trunc(),
+            Combine::FgdFirst => {
+                let fgd = (sigmoid((before.0 - after.0) / 1000.0) * 100.0).trunc();
+                let band = if self.params.band > 0.0 {
+                    self.params.band
+                } else {
+                    // The width, in milli-GPU of Δ, of FGD's integer score `fgd`.
+                    let logit = |p: f64| (p / (1.0 - p)).ln();
+                    let lo = (fgd / 100.0).max(0.005);
+                    let hi = ((fgd + 1.0) / 100.0).min(0.995);
+                    1000.0 * (logit(hi) - logit(lo)).max(0.01)
+                };
+                fgd * 1e6 + (delta / band).floor()
+            }
+        }
+    }
+
+    /// The measures of `node`'s current state as `d` sees it.
+    fn before(
+        &mut self,
+        cluster: &Cluster,
+        node: &Node,
+        d: &Demand,
+        gpus: &[u16],
+        model: u8,
+    ) -> (f64, f64) {
+        let class = node.class as usize;
+        if d.models != ANY_MODEL || d.kind != DeviceKind::Gpu || class == u32::MAX as usize {
+            return self.measures(node.cpu_free, node.mem_free, gpus, model);
+        }
+        let epoch = (cluster.uid.0, cluster.class_epoch);
+        if epoch != self.before_epoch {
+            self.before.clear();
+            self.before_epoch = epoch;
+        }
+        if self.before.len() <= class {
+            self.before.resize(cluster.classes.len().max(class + 1), (f64::NAN, f64::NAN));
+        }
+        if self.before[class].0.is_nan() {
+            self.before[class] = self.measures(node.cpu_free, node.mem_free, gpus, model);
+        }
+        self.before[class]
+    }
+
+    /// (score, device index for a share).
+    fn evaluate(&mut self, cluster: &Cluster, node: &Node, d: &Demand) -> (f64, Option<usize>) {
         let mut gpus = std::mem::take(&mut self.buf);
         let model = gpu_view(node, d, &mut gpus);
-        let before = self.frag(node.cpu_free, node.mem_free, &gpus, model);
+        let before = self.before(cluster, node, d, &gpus, model);
         let cpu = node.cpu_free - d.cpu_milli;
         let mem = node.mem_free - d.memory_mib;
-        let band = |after: f64| ((before - after) / BAND).floor();
         let result = if d.is_shared() {
-            // (band, fullness after, position in `gpus`)
+            // (score, fullness after, position in `gpus`)
             let mut best: Option<(f64, u16, usize)> = None;
             for k in 0..gpus.len() {
                 // GPUs with equal free capacity leave equal states (the first one is kept, as
                 // on ties): evaluate each value once.
                 if gpus[k] >= d.milli && !gpus[..k].contains(&gpus[k]) {
                     gpus[k] -= d.milli;
-                    let s = band(self.frag(cpu, mem, &gpus, model));
+                    let after = self.measures(cpu, mem, &gpus, model);
+                    let s = self.score_of(before, after);
                     let fullness = MILLI - gpus[k];
                     gpus[k] += d.milli;
                     if best.is_none_or(|(b, f, _)| s > b || (s == b && fullness > f)) {
@@ -96,7 +206,8 @@ impl XpuPolicy {
                     need -= 1;
                 }
             }
-            (band(self.frag(cpu, mem, &gpus, model)), None)
+            let after = self.measures(cpu, mem, &gpus, model);
+            (self.score_of(before, after), None)
         };
         self.buf = gpus;
         result
@@ -107,11 +218,18 @@ impl Policy for XpuPolicy {
     fn name(&self) -> &'static str {
         "xpu"
     }
-    fn score(&mut self, _: &Cluster, node: &Node, d: &Demand) -> f64 {
-        self.evaluate(node, d).0
+    fn score(&mut self, cluster: &Cluster, node: &Node, d: &Demand) -> f64 {
+        self.evaluate(cluster, node, d).0
     }
-    fn devices(&mut self, _: &Cluster, node: &Node, d: &Demand, _: &mut Rng, out: &mut Vec<u16>) {
-        let chosen = self.evaluate(node, d).1;
+    fn devices(
+        &mut self,
+        cluster: &Cluster,
+        node: &Node,
+        d: &Demand,
+        _: &mut Rng,
+        out: &mut Vec<u16>,
+    ) {
+        let chosen = self.evaluate(cluster, node, d).1;
         chosen_or_picked(chosen, node, d, out);
     }
 }

@@ -6,3 +6,4 @@ pub mod openb;
 pub mod plot;
 pub mod replay;
 pub mod spec;
+pub mod variant;

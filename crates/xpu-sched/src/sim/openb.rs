@@ -16,8 +16,9 @@ use crate::trace::{OpenbNode, OpenbPod};
 /// How far the workload is inflated: 1.3 × the cluster's GPU capacity.
 pub const INFLATION: f64 = 1.3;
 
-/// One run (one policy, one seed).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One run (one policy, one seed). Two runs are equal when their results are; the time they
+/// took is not compared.
+#[derive(Debug, Clone, Serialize)]
 pub struct OpenbRun {
     pub seed: u64,
     /// GPU allocation ratio once the whole inflated workload has arrived, percent.
@@ -28,6 +29,16 @@ pub struct OpenbRun {
     /// percent of arrival.
     #[serde(skip)]
     pub curve: Vec<(f64, f64)>,
+    /// Seconds spent placing (the decisions/s figure's denominator).
+    #[serde(skip)]
+    pub placing_secs: f64,
+}
+
+impl PartialEq for OpenbRun {
+    fn eq(&self, other: &Self) -> bool {
+        (self.seed, self.alloc_at_130, self.failed_tasks, self.tasks, &self.curve)
+            == (other.seed, other.alloc_at_130, other.failed_tasks, other.tasks, &other.curve)
+    }
 }
 
 /// The cluster of an OpenB node list.
@@ -119,6 +130,7 @@ pub fn run_with(
     // The benchmark counts failures; it does not need their reasons.
     placer.set_explain(false);
     let ctx = PlaceCtx::default();
+    let start = std::time::Instant::now();
     let mut arrived = 0u64;
     let mut failed = 0;
     let mut curve = vec![(0.0, 0.0)];
@@ -144,7 +156,51 @@ pub fn run_with(
         failed_tasks: failed,
         tasks: order.len(),
         curve,
+        placing_secs: start.elapsed().as_secs_f64(),
     }
+}
+
+/// Runs every policy of `kinds` with every seed of `seeds` on one trace, spread over `threads`
+/// threads (each run is independent and deterministic, so the result does not depend on the
+/// thread count). Results come back per policy, seeds in the order given.
+pub fn run_all(
+    nodes: &[OpenbNode],
+    pods: &[OpenbPod],
+    kinds: &[PolicyKind],
+    seeds: &[u64],
+    threads: usize,
+) -> Result<Vec<(PolicyKind, Vec<OpenbRun>)>, ClusterError> {
+    let jobs: Vec<(PolicyKind, u64)> =
+        kinds.iter().flat_map(|&k| seeds.iter().map(move |&s| (k, s))).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = threads.clamp(1, jobs.len().max(1));
+    let mut done: Vec<(usize, Result<OpenbRun, ClusterError>)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(kind, seed)) = jobs.get(i) else { break };
+                        out.push((i, run(nodes, pods, kind, seed)));
+                    }
+                    out
+                })
+            })
+            .collect();
+        // A worker only panics on a bug; surface it rather than lose its runs.
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
+    done.sort_by_key(|(i, _)| *i);
+    let mut out: Vec<(PolicyKind, Vec<OpenbRun>)> =
+        kinds.iter().map(|&k| (k, Vec::with_capacity(seeds.len()))).collect();
+    for (i, r) in done {
+        out[i / seeds.len().max(1)].1.push(r?);
+    }
+    Ok(out)
 }
 
 fn pct(a: u64, b: u64) -> f64 {
@@ -170,20 +226,94 @@ pub fn summarize(runs: &[OpenbRun]) -> Summary {
 }
 
 /// Published means at 130 % (mean of seeds 42–51) from the paper's expected-results file, for
-/// the five traces of the benchmark: Random, DotProd, GpuClustering, GpuPacking, BestFit, FGD.
-pub const PUBLISHED: [(&str, [f64; 6]); 5] = [
+/// its 17 traces: Random, DotProd, GpuClustering, GpuPacking, BestFit, FGD. The same figures
+/// as `shared/benchmarks/openb-published-alloc-at-130.csv`, built in so a run without the shared
+/// directory still prints them.
+pub const PUBLISHED: [(&str, [f64; 6]); 17] = [
+    ("cpu050", [91.24, 93.27, 93.79, 93.72, 93.79, 95.21]),
+    ("cpu100", [89.11, 91.95, 92.64, 92.72, 93.44, 95.35]),
+    ("cpu200", [83.77, 87.70, 89.92, 90.22, 92.40, 95.05]),
+    ("cpu250", [80.41, 83.81, 87.99, 88.28, 91.45, 93.41]),
     ("default", [87.47, 90.85, 91.88, 92.00, 93.08, 95.39]),
     ("gpushare100", [79.44, 82.42, 82.65, 82.57, 85.01, 86.90]),
-    ("multigpu50", [90.28, 94.85, 95.81, 96.18, 95.74, 97.18]),
-    ("cpu100", [89.11, 91.95, 92.64, 92.72, 93.44, 95.35]),
+    ("gpushare40", [86.00, 89.56, 90.02, 90.03, 91.69, 94.15]),
+    ("gpushare60", [83.65, 87.11, 87.20, 87.45, 89.36, 91.40]),
+    ("gpushare80", [81.22, 84.49, 84.85, 85.00, 87.01, 89.31]),
     ("gpuspec10", [87.43, 90.39, 92.18, 92.46, 93.31, 94.95]),
+    ("gpuspec20", [87.24, 89.97, 92.24, 92.94, 93.30, 94.84]),
+    ("gpuspec25", [86.94, 89.63, 92.08, 92.98, 93.23, 94.74]),
+    ("gpuspec33", [86.46, 89.14, 92.12, 93.22, 93.09, 94.55]),
+    ("multigpu20", [88.69, 92.06, 93.56, 93.71, 93.93, 95.65]),
+    ("multigpu30", [89.27, 93.28, 94.72, 94.87, 94.72, 96.46]),
+    ("multigpu40", [90.09, 94.19, 95.50, 95.74, 95.23, 96.99]),
+    ("multigpu50", [90.28, 94.85, 95.81, 96.18, 95.74, 97.18]),
 ];
 
-/// The published mean for a trace (`openb_pod_list_<trace>.csv` or just `<trace>`) and policy.
+/// Published means per trace, in [`PolicyKind::ALL`]'s first six columns.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Published {
+    rows: Vec<(String, [f64; 6])>,
+}
+
+impl Published {
+    /// The built-in table ([`PUBLISHED`]).
+    pub fn builtin() -> Self {
+        Self { rows: PUBLISHED.iter().map(|(t, v)| ((*t).to_owned(), *v)).collect() }
+    }
+
+    /// Reads a table in the shared file's format: a header, then
+    /// `workload,Random,DotProd,GpuClustering,GpuPacking,BestFit,FGD` per trace (the workload
+    /// as `openb_pod_list_<trace>` or `<trace>`).
+    pub fn parse(file: &str, text: &str) -> Result<Self, String> {
+        let mut rows = Vec::new();
+        for (n, line) in text.lines().enumerate().skip(1) {
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            let cols: Vec<&str> = line.split(',').map(str::trim).collect();
+            if cols.len() != 7 {
+                return Err(format!(
+                    "{file} line {}: {} columns, expected 7 (workload and the six policies' \
+                     means: Random, DotProd, GpuClustering, GpuPacking, BestFit, FGD)",
+                    n + 1,
+                    cols.len()
+                ));
+            }
+            let mut v = [0.0; 6];
+            for (slot, c) in v.iter_mut().zip(&cols[1..]) {
+                *slot = c.parse::<f64>().ok().filter(|x| (0.0..=100.0).contains(x)).ok_or_else(
+                    || format!("{file} line {}: {c:?} is not a percentage in 0-100", n + 1),
+                )?;
+            }
+            rows.push((trace_name(cols[0]).to_owned(), v));
+        }
+        if rows.is_empty() {
+            return Err(format!("{file}: no rows after the header"));
+        }
+        Ok(Self { rows })
+    }
+
+    /// The published mean for a trace (`openb_pod_list_<trace>.csv` or just `<trace>`) and
+    /// policy.
+    pub fn get(&self, trace: &str, kind: PolicyKind) -> Option<f64> {
+        let name = trace_name(trace);
+        let col = PolicyKind::ALL.iter().position(|&k| k == kind).filter(|&c| c < 6)?;
+        self.rows.iter().find(|(t, _)| t == name).map(|(_, v)| v[col])
+    }
+}
+
+/// `openb_pod_list_default.csv` → `default`; a synthetic variant's label
+/// (`synthetic:gpushare40`) → the trace it imitates (`gpushare40`).
+pub fn trace_name(file: &str) -> &str {
+    let base = file.rsplit('/').next().unwrap_or(file);
+    let base = base.strip_prefix("synthetic:").unwrap_or(base);
+    base.trim_start_matches("openb_pod_list_").trim_end_matches(".csv")
+}
+
+/// The published mean for a trace from the built-in table.
 pub fn published(trace: &str, kind: PolicyKind) -> Option<f64> {
-    let name = trace.trim_start_matches("openb_pod_list_").trim_end_matches(".csv");
-    let col = PolicyKind::ALL.iter().position(|&k| k == kind).filter(|&c| c < 6)?;
-    PUBLISHED.iter().find(|(t, _)| *t == name).map(|(_, v)| v[col])
+    Published::builtin().get(trace, kind)
 }
 
 #[cfg(test)]
@@ -221,5 +351,14 @@ mod tests {
         assert_eq!(published("openb_pod_list_default.csv", PolicyKind::Fgd), Some(95.39));
         assert_eq!(published("gpushare100", PolicyKind::Random), Some(79.44));
         assert_eq!(published("default", PolicyKind::Xpu), None);
+        assert_eq!(published("cpu250", PolicyKind::Fgd), Some(93.41));
+        assert_eq!(published("synthetic:gpushare40", PolicyKind::Fgd), Some(94.15));
+        let t = Published::parse("p.csv", "workload,a,b,c,d,e,f\nopenb_pod_list_x,1,2,3,4,5,6\n")
+            .unwrap();
+        assert_eq!(t.get("x", PolicyKind::Fgd), Some(6.0));
+        let e = Published::parse("p.csv", "h\nx,1,2\n").unwrap_err();
+        assert!(e.contains("p.csv line 2: 3 columns"), "{e}");
+        let e = Published::parse("p.csv", "h\nx,1,2,3,4,5,zz\n").unwrap_err();
+        assert!(e.contains("\"zz\" is not a percentage"), "{e}");
     }
 }

@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use clap::{Subcommand, ValueEnum};
 use serde::Serialize;
-use xpu_sched::policy::{PolicyKind, TaskMix};
+use xpu_sched::policy::PolicyKind;
 use xpu_sched::scheduler::QueuePolicy;
-use xpu_sched::sim::{openb, plot, replay, spec};
+use xpu_sched::sim::{openb, plot, replay, spec, variant};
 use xpu_sched::trace;
 
 use crate::output::{CliError, CmdResult, print_json, table};
@@ -29,6 +29,29 @@ pub enum SimCommand {
     Openb(OpenbArgs),
     /// Replay a job trace over time and report JCT, queueing delay, utilisation and makespan.
     Replay(ReplayArgs),
+    /// Write a synthetic variant of an OpenB pod list, built as the FGD paper built its traces:
+    /// `gpushareL` (sharing tasks carry L % of the GPU request), `multigpuL` (multi-GPU tasks
+    /// carry L %), `gpuspecL` (L % of GPU tasks constrained to GPU models), `cpuL` (CPU-only tasks
+    /// are L/10 % of all tasks). Rows are drawn from the given trace, deterministically by seed.
+    OpenbVariant(VariantArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct VariantArgs {
+    /// Node list (openb_node_list_gpu_node.csv); keeps gpuspec model lists placeable.
+    #[arg(long, value_name = "CSV")]
+    pub nodes: PathBuf,
+    /// The trace to draw from (openb_pod_list_default.csv).
+    #[arg(long, value_name = "CSV")]
+    pub pods: PathBuf,
+    /// gpushare40, multigpu50, gpuspec10, cpu050, ...
+    #[arg(long, value_name = "NAME")]
+    pub variant: String,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Where to write the pod list (default: stdout).
+    #[arg(long, value_name = "CSV")]
+    pub output: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -43,9 +66,25 @@ pub struct OpenbArgs {
     /// Node list (openb_node_list_gpu_node.csv).
     #[arg(long, value_name = "CSV")]
     pub nodes: PathBuf,
-    /// Pod list (openb_pod_list_<trace>.csv).
+    /// Pod list (openb_pod_list_<trace>.csv); repeat for several traces.
+    #[arg(long, value_name = "CSV", required = true)]
+    pub pods: Vec<PathBuf>,
+    /// Also run synthetic variants of the first `--pods` trace, built as the FGD paper built
+    /// its 17 traces: gpushare40, multigpu50, gpuspec10, cpu050, ... or `paper` for all sixteen
+    /// (see `xpu sim openb-variant --help`).
+    #[arg(long, value_name = "NAME", value_delimiter = ',')]
+    pub variant: Vec<String>,
+    /// Seed of the variants' draws.
+    #[arg(long, default_value_t = 1)]
+    pub variant_seed: u64,
+    /// The paper's published means (`workload,Random,DotProd,GpuClustering,GpuPacking,BestFit,FGD`
+    /// per trace). Default: ../shared/benchmarks/openb-published-alloc-at-130.csv when present,
+    /// else the same table built in.
     #[arg(long, value_name = "CSV")]
-    pub pods: PathBuf,
+    pub published: Option<PathBuf>,
+    /// Threads running seeds in parallel (default: every core).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
     /// Placement policy: random, dotprod, gpuclustering, gpupacking, bestfit, fgd, xpu, or all;
     /// repeat or separate with commas. Default: xpu.
     #[arg(long, value_name = "NAME", value_delimiter = ',')]
@@ -129,6 +168,7 @@ pub fn run(args: Args) -> CmdResult {
     match args.command {
         SimCommand::Openb(a) => run_openb(a),
         SimCommand::Replay(a) => run_replay(a),
+        SimCommand::OpenbVariant(a) => run_variant(a),
     }
 }
 
@@ -198,91 +238,144 @@ fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
+/// The shared published table, looked for beside the project when `--published` is not given.
+const SHARED_PUBLISHED: &str = "../shared/benchmarks/openb-published-alloc-at-130.csv";
+
+fn load_published(path: Option<&std::path::Path>) -> Result<openb::Published, CliError> {
+    let (path, required) = match path {
+        Some(p) => (p.to_path_buf(), true),
+        None => (PathBuf::from(SHARED_PUBLISHED), false),
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(text) => openb::Published::parse(&path.display().to_string(), &text)
+            .map_err(|e| CliError::input(anyhow::anyhow!("--published: {e}"))),
+        Err(e) if required => Err(CliError::input(anyhow::anyhow!(
+            "--published {}: {e}; give the paper's table as CSV \
+             (workload,Random,DotProd,GpuClustering,GpuPacking,BestFit,FGD)",
+            path.display()
+        ))),
+        Err(_) => Ok(openb::Published::builtin()),
+    }
+}
+
+fn parse_variants(names: &[String]) -> Result<Vec<variant::Variant>, CliError> {
+    let mut out = Vec::new();
+    for n in names {
+        if n.eq_ignore_ascii_case("paper") {
+            out.extend(variant::Variant::paper());
+            continue;
+        }
+        out.push(n.parse().map_err(|e| CliError::input(anyhow::anyhow!("--variant: {e}")))?);
+    }
+    out.dedup();
+    Ok(out)
+}
+
+/// One trace's results.
+struct TraceRuns {
+    name: String,
+    results: Vec<(PolicyKind, Vec<openb::OpenbRun>)>,
+}
+
 fn run_openb(a: OpenbArgs) -> CmdResult {
     let seeds = parse_seeds(&a.seeds)?;
     let policies = parse_policies(&a.policy)?;
+    let variants = parse_variants(&a.variant)?;
+    let published = load_published(a.published.as_deref())?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
     let nodes = trace::read_openb_nodes(&a.nodes).map_err(CliError::input)?;
-    let pods = trace::read_openb_pods(&a.pods).map_err(CliError::input)?;
-    let trace_name = a
-        .pods
-        .file_stem()
-        .map(|s| s.to_string_lossy().trim_start_matches("openb_pod_list_").to_owned())
-        .unwrap_or_default();
-    let mut results: Vec<(PolicyKind, Vec<openb::OpenbRun>)> = Vec::new();
-    let mut decisions = 0usize;
-    let mut placing = 0.0f64;
-    for &kind in &policies {
-        let mut runs = Vec::with_capacity(seeds.len());
-        for &seed in &seeds {
-            let mut c = openb::cluster(&nodes).map_err(CliError::input)?;
-            c.shuffle_ranks(openb::rank_seed(seed));
-            let ds = openb::demands(&mut c, &pods).map_err(CliError::input)?;
-            let mix = if kind.needs_mix() {
-                TaskMix::from_demands(&ds, 0.95)
-            } else {
-                TaskMix::default()
-            };
-            let mut placer = xpu_sched::Placer::new(kind.build(&mix), openb::placer_seed(seed));
-            let start = Instant::now();
-            let r = openb::run_with(&mut c, &mut placer, &pods, &ds, seed);
-            placing += start.elapsed().as_secs_f64();
-            decisions += r.tasks;
-            runs.push(r);
-        }
-        results.push((kind, runs));
+    let mut traces: Vec<(String, Vec<trace::OpenbPod>)> = Vec::new();
+    for p in &a.pods {
+        let pods = trace::read_openb_pods(p).map_err(CliError::input)?;
+        traces.push((openb::trace_name(&p.to_string_lossy()).to_owned(), pods));
     }
+    if let Some((base_name, base)) = traces.first().cloned() {
+        for v in &variants {
+            let pods = variant::generate(&base, &nodes, *v, a.variant_seed)
+                .map_err(|e| CliError::input(anyhow::anyhow!("--variant from {base_name}: {e}")))?;
+            traces.push((format!("synthetic:{v}"), pods));
+        }
+    }
+    let wall = Instant::now();
+    let mut runs: Vec<TraceRuns> = Vec::new();
+    for (name, pods) in &traces {
+        let results =
+            openb::run_all(&nodes, pods, &policies, &seeds, threads).map_err(CliError::input)?;
+        runs.push(TraceRuns { name: name.clone(), results });
+    }
+    let wall = wall.elapsed().as_secs_f64();
     if a.bench {
+        let all = runs.iter().flat_map(|t| t.results.iter().flat_map(|(_, r)| r));
+        let (decisions, placing) =
+            all.fold((0usize, 0.0f64), |(d, p), r| (d + r.tasks, p + r.placing_secs));
         eprintln!(
-            "placement: {decisions} decisions in {placing:.3} s = {:.0} decisions/s (single thread, {} nodes)",
+            "placement: {decisions} decisions in {placing:.3} s = {:.0} decisions/s per thread \
+             ({} nodes); wall {wall:.3} s on {threads} threads",
             decisions as f64 / placing.max(1e-9),
             nodes.len()
         );
     }
     if let Some(path) = &a.plot {
-        let series: Vec<plot::Series> = results
-            .iter()
-            .map(|(k, runs)| plot::Series {
-                label: k.to_string(),
-                points: plot::mean_curve(&runs.iter().map(|r| r.curve.clone()).collect::<Vec<_>>()),
-            })
-            .collect();
-        let svg =
-            plot::svg(&format!("OpenB {trace_name}: GPU allocation vs arrived workload"), &series);
-        std::fs::write(path, svg).map_err(|e| {
-            CliError::failed(anyhow::anyhow!(
-                "cannot write plot {}: {e}; check the directory exists",
-                path.display()
-            ))
-        })?;
+        let first = runs.first().map(|t| (t.name.as_str(), &t.results));
+        if let Some((trace_name, results)) = first {
+            let series: Vec<plot::Series> = results
+                .iter()
+                .map(|(k, runs)| plot::Series {
+                    label: k.to_string(),
+                    points: plot::mean_curve(
+                        &runs.iter().map(|r| r.curve.clone()).collect::<Vec<_>>(),
+                    ),
+                })
+                .collect();
+            let svg = plot::svg(
+                &format!("OpenB {trace_name}: GPU allocation vs arrived workload"),
+                &series,
+            );
+            std::fs::write(path, svg).map_err(|e| {
+                CliError::failed(anyhow::anyhow!(
+                    "cannot write plot {}: {e}; check the directory exists",
+                    path.display()
+                ))
+            })?;
+        }
     }
-    let json: Vec<OpenbJson> = results
+    let json: Vec<Vec<OpenbJson>> = runs
         .iter()
-        .map(|(k, runs)| {
-            let s = openb::summarize(runs);
-            OpenbJson {
-                trace: trace_name.clone(),
-                policy: k.to_string(),
-                seeds: runs
-                    .iter()
-                    .map(|r| SeedJson {
-                        seed: r.seed,
-                        alloc_at_130: round2(r.alloc_at_130),
-                        failed_tasks: r.failed_tasks,
-                    })
-                    .collect(),
-                mean_alloc_at_130: round2(s.mean),
-                min_alloc_at_130: round2(s.min),
-                max_alloc_at_130: round2(s.max),
-                published_mean: openb::published(&trace_name, *k),
-            }
+        .map(|t| {
+            t.results
+                .iter()
+                .map(|(k, runs)| {
+                    let s = openb::summarize(runs);
+                    OpenbJson {
+                        trace: t.name.clone(),
+                        policy: k.to_string(),
+                        seeds: runs
+                            .iter()
+                            .map(|r| SeedJson {
+                                seed: r.seed,
+                                alloc_at_130: round2(r.alloc_at_130),
+                                failed_tasks: r.failed_tasks,
+                            })
+                            .collect(),
+                        mean_alloc_at_130: round2(s.mean),
+                        min_alloc_at_130: round2(s.min),
+                        max_alloc_at_130: round2(s.max),
+                        published_mean: published.get(&t.name, *k),
+                    }
+                })
+                .collect()
         })
         .collect();
     match a.format {
+        Format::Json if json.len() == 1 && json[0].len() == 1 => print_json(&json[0][0])?,
         Format::Json if json.len() == 1 => print_json(&json[0])?,
-        Format::Json => print_json(&json)?,
+        Format::Json => print_json(&json.iter().flatten().collect::<Vec<_>>())?,
         Format::Csv => {
             println!("trace,policy,seed,alloc_at_130,failed_tasks");
-            for j in &json {
+            for j in json.iter().flatten() {
                 for s in &j.seeds {
                     println!(
                         "{},{},{},{:.2},{}",
@@ -291,38 +384,87 @@ fn run_openb(a: OpenbArgs) -> CmdResult {
                 }
             }
         }
-        Format::Table => {
-            let mut headers = vec!["seed".to_owned()];
-            headers.extend(json.iter().map(|j| j.policy.clone()));
-            let mut rows: Vec<Vec<String>> = seeds
-                .iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    let mut r = vec![s.to_string()];
-                    r.extend(json.iter().map(|j| format!("{:.2}", j.seeds[i].alloc_at_130)));
-                    r
-                })
-                .collect();
-            for (label, f) in [
-                (
-                    "mean",
-                    (|j: &OpenbJson| format!("{:.2}", j.mean_alloc_at_130))
-                        as fn(&OpenbJson) -> String,
-                ),
-                ("min", |j| format!("{:.2}", j.min_alloc_at_130)),
-                ("max", |j| format!("{:.2}", j.max_alloc_at_130)),
-                ("published", |j| {
-                    j.published_mean.map_or_else(|| "-".into(), |p| format!("{p:.2}"))
-                }),
-            ] {
-                let mut r = vec![label.to_owned()];
-                r.extend(json.iter().map(f));
-                rows.push(r);
-            }
-            let h: Vec<&str> = headers.iter().map(String::as_str).collect();
-            println!("OpenB {trace_name}: GPU allocation ratio (%) at 130 % arrived");
-            print!("{}", table(&h, &rows));
-        }
+        Format::Table if json.len() == 1 => print_seed_table(&json[0], &seeds),
+        Format::Table => print_trace_table(&json),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One trace: a row per seed, then mean, min, max and the published mean.
+fn print_seed_table(json: &[OpenbJson], seeds: &[u64]) {
+    let trace_name = json.first().map_or("", |j| j.trace.as_str());
+    let mut headers = vec!["seed".to_owned()];
+    headers.extend(json.iter().map(|j| j.policy.clone()));
+    let mut rows: Vec<Vec<String>> = seeds
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let mut r = vec![s.to_string()];
+            r.extend(json.iter().map(|j| format!("{:.2}", j.seeds[i].alloc_at_130)));
+            r
+        })
+        .collect();
+    for (label, f) in [
+        (
+            "mean",
+            (|j: &OpenbJson| format!("{:.2}", j.mean_alloc_at_130)) as fn(&OpenbJson) -> String,
+        ),
+        ("min", |j| format!("{:.2}", j.min_alloc_at_130)),
+        ("max", |j| format!("{:.2}", j.max_alloc_at_130)),
+        ("published", |j| j.published_mean.map_or_else(|| "-".into(), |p| format!("{p:.2}"))),
+    ] {
+        let mut r = vec![label.to_owned()];
+        r.extend(json.iter().map(f));
+        rows.push(r);
+    }
+    let h: Vec<&str> = headers.iter().map(String::as_str).collect();
+    println!("OpenB {trace_name}: GPU allocation ratio (%) at 130 % arrived");
+    print!("{}", table(&h, &rows));
+}
+
+/// Several traces: a row per trace, each policy's mean (min–max) [published mean].
+fn print_trace_table(json: &[Vec<OpenbJson>]) {
+    let mut headers = vec!["trace".to_owned()];
+    headers.extend(json.first().into_iter().flatten().map(|j| j.policy.clone()));
+    let rows: Vec<Vec<String>> = json
+        .iter()
+        .map(|t| {
+            let mut r = vec![t.first().map_or_else(String::new, |j| j.trace.clone())];
+            r.extend(t.iter().map(|j| {
+                let p = j.published_mean.map_or_else(String::new, |p| format!(" [{p:.2}]"));
+                format!(
+                    "{:.2} ({:.2}-{:.2}){p}",
+                    j.mean_alloc_at_130, j.min_alloc_at_130, j.max_alloc_at_130
+                )
+            }));
+            r
+        })
+        .collect();
+    let h: Vec<&str> = headers.iter().map(String::as_str).collect();
+    println!("OpenB: GPU allocation ratio (%) at 130 % arrived, mean (min-max) [published mean]");
+    print!("{}", table(&h, &rows));
+}
+
+fn run_variant(a: VariantArgs) -> CmdResult {
+    let v: variant::Variant =
+        a.variant.parse().map_err(|e| CliError::input(anyhow::anyhow!("--variant: {e}")))?;
+    let nodes = trace::read_openb_nodes(&a.nodes).map_err(CliError::input)?;
+    let base = trace::read_openb_pods(&a.pods).map_err(CliError::input)?;
+    let pods = variant::generate(&base, &nodes, v, a.seed)
+        .map_err(|e| CliError::input(anyhow::anyhow!("{}: {e}", a.pods.display())))?;
+    let mut buf = Vec::new();
+    variant::write_csv(&pods, &mut buf)
+        .map_err(|e| CliError::failed(anyhow::anyhow!("cannot format the pod list: {e}")))?;
+    match &a.output {
+        Some(path) => std::fs::write(path, &buf).map_err(|e| {
+            CliError::failed(anyhow::anyhow!(
+                "cannot write {}: {e}; check the directory exists",
+                path.display()
+            ))
+        })?,
+        None => std::io::stdout()
+            .write_all(&buf)
+            .map_err(|e| CliError::failed(anyhow::anyhow!("cannot write to stdout: {e}")))?,
     }
     Ok(ExitCode::SUCCESS)
 }
