@@ -238,10 +238,13 @@ pub(crate) fn both_measures(
     gpus: &[u16],
     model: u8,
 ) -> (f64, f64) {
+    share_views(tabs, gpus, views);
     let total: u64 = gpus.iter().map(|&g| u64::from(g)).sum();
-    if total == 0 {
-        return (0.0, 0.0);
-    }
+    measures_of(mix, tabs, views, cpu_free, mem_free, total, model)
+}
+
+/// What each distinct share of the mix sees on GPUs with free milli `gpus`.
+pub(crate) fn share_views(tabs: &CopyTables, gpus: &[u16], views: &mut Vec<ShareView>) {
     views.clear();
     for (milli, tab) in &tabs.groups {
         let mut v = ShareView::default();
@@ -254,6 +257,40 @@ pub(crate) fn both_measures(
             v.copies += u64::from(tab[usize::from(g.min(1000))]);
         }
         views.push(v);
+    }
+}
+
+/// Updates `views` for one GPU whose free milli goes from `from` to `to`, without another pass
+/// over the node's GPUs.
+pub(crate) fn shift_views(tabs: &CopyTables, views: &mut [ShareView], from: u16, to: u16) {
+    for ((milli, tab), v) in tabs.groups.iter().zip(views.iter_mut()) {
+        if from >= *milli {
+            v.usable -= 1;
+        } else {
+            v.small -= u64::from(from);
+        }
+        if to >= *milli {
+            v.usable += 1;
+        } else {
+            v.small += u64::from(to);
+        }
+        v.copies -= u64::from(tab[usize::from(from.min(1000))]);
+        v.copies += u64::from(tab[usize::from(to.min(1000))]);
+    }
+}
+
+/// The two measures from views already taken (`total`: the GPUs' free milli in all).
+pub(crate) fn measures_of(
+    mix: &TaskMix,
+    tabs: &CopyTables,
+    views: &[ShareView],
+    cpu_free: u64,
+    mem_free: u64,
+    total: u64,
+    model: u8,
+) -> (f64, f64) {
+    if total == 0 {
+        return (0.0, 0.0);
     }
     let (mut frag, mut strand_sum) = (0.0, 0.0);
     for (t, &g) in mix.tasks.iter().zip(&tabs.group_of) {
@@ -452,6 +489,40 @@ mod tests {
                 (want.0 - got.0).abs() < 1e-6 && (want.1 - got.1).abs() < 1e-6,
                 "{gpus:?} {cpu} {mem}: {want:?} vs {got:?}"
             );
+        }
+    }
+
+    #[test]
+    fn shifted_views_equal_views_taken_again() {
+        let mut rng = Rng::new(5);
+        let tasks = [100u16, 250, 460, 500, 1000]
+            .iter()
+            .map(|&milli| TypicalTask {
+                cpu_milli: 1000,
+                memory_mib: 0,
+                milli,
+                count: 1,
+                models: ANY_MODEL,
+                freq: 0.2,
+            })
+            .collect();
+        let tabs = CopyTables::new(&TaskMix { tasks });
+        let (mut views, mut again) = (Vec::new(), Vec::new());
+        for _ in 0..300 {
+            let mut gpus: Vec<u16> = (0..8).map(|_| rng.below(1001) as u16).collect();
+            share_views(&tabs, &gpus, &mut views);
+            let k = rng.index(8);
+            let to = rng.below(u64::from(gpus[k]) + 1) as u16;
+            shift_views(&tabs, &mut views, gpus[k], to);
+            gpus[k] = to;
+            share_views(&tabs, &gpus, &mut again);
+            for (a, b) in views.iter().zip(&again) {
+                assert_eq!(
+                    (a.usable, a.small, a.copies),
+                    (b.usable, b.small, b.copies),
+                    "{gpus:?}"
+                );
+            }
         }
     }
 

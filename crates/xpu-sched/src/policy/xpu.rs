@@ -41,7 +41,10 @@ use crate::cluster::{ANY_MODEL, Cluster, MILLI, Node};
 use crate::placement::{Demand, Policy, chosen_or_picked, device_matches};
 use crate::rng::Rng;
 
-use super::fgd::{CopyTables, ShareView, TaskMix, both_measures, gpu_view, sigmoid};
+use super::fgd::{
+    CopyTables, ShareView, TaskMix, both_measures, gpu_view, measures_of, share_views, shift_views,
+    sigmoid,
+};
 
 /// How the two measures make a score (the evaluation tool compares these).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -79,6 +82,8 @@ pub struct XpuPolicy {
     params: XpuParams,
     buf: Vec<u16>,
     views: Vec<ShareView>,
+    /// The node's views with one placement applied (scratch).
+    after_views: Vec<ShareView>,
     /// The measures of each class's own state for GPU demands that may use any model (the same
     /// for every such demand: the measures do not depend on the order of the GPUs), by class id; NaN where not computed. Valid for one
     /// (cluster, class numbering), `before_epoch`.
@@ -99,6 +104,7 @@ impl XpuPolicy {
             params,
             buf: Vec::new(),
             views: Vec::new(),
+            after_views: Vec::new(),
             before: Vec::new(),
             before_epoch: (0, 0),
         }
@@ -163,11 +169,32 @@ impl XpuPolicy {
         self.before[class]
     }
 
+    /// The measures after taking `take` milli from each GPU at `positions` of `gpus`, from the
+    /// node's views (`self.views`) shifted rather than recomputed.
+    fn after(
+        &mut self,
+        gpus: &[u16],
+        positions: &[usize],
+        take: u16,
+        cpu: u64,
+        mem: u64,
+        model: u8,
+    ) -> (f64, f64) {
+        self.after_views.clone_from(&self.views);
+        let mut total: u64 = gpus.iter().map(|&g| u64::from(g)).sum();
+        for &k in positions {
+            shift_views(&self.tabs, &mut self.after_views, gpus[k], gpus[k] - take);
+            total -= u64::from(take);
+        }
+        measures_of(&self.mix, &self.tabs, &self.after_views, cpu, mem, total, model)
+    }
+
     /// (score, device index for a share).
     fn evaluate(&mut self, cluster: &Cluster, node: &Node, d: &Demand) -> (f64, Option<usize>) {
         let mut gpus = std::mem::take(&mut self.buf);
         let model = gpu_view(node, d, &mut gpus);
         let before = self.before(cluster, node, d, &gpus, model);
+        share_views(&self.tabs, &gpus, &mut self.views);
         let cpu = node.cpu_free - d.cpu_milli;
         let mem = node.mem_free - d.memory_mib;
         let result = if d.is_shared() {
@@ -177,11 +204,9 @@ impl XpuPolicy {
                 // GPUs with equal free capacity leave equal states (the first one is kept, as
                 // on ties): evaluate each value once.
                 if gpus[k] >= d.milli && !gpus[..k].contains(&gpus[k]) {
-                    gpus[k] -= d.milli;
-                    let after = self.measures(cpu, mem, &gpus, model);
+                    let after = self.after(&gpus, &[k], d.milli, cpu, mem, model);
                     let s = self.score_of(before, after);
-                    let fullness = MILLI - gpus[k];
-                    gpus[k] += d.milli;
+                    let fullness = MILLI - (gpus[k] - d.milli);
                     if best.is_none_or(|(b, f, _)| s > b || (s == b && fullness > f)) {
                         best = Some((s, fullness, k));
                     }
@@ -199,14 +224,11 @@ impl XpuPolicy {
         } else {
             // Whole devices: the ones the default NVLink/NUMA-aware choice would take (the
             // lowest-index free ones on nodes without topology information).
-            let mut need = d.count;
-            for g in gpus.iter_mut() {
-                if need > 0 && *g >= d.milli {
-                    *g -= d.milli;
-                    need -= 1;
-                }
-            }
-            let after = self.measures(cpu, mem, &gpus, model);
+            let taken: Vec<usize> = (0..gpus.len())
+                .filter(|&k| gpus[k] >= d.milli)
+                .take(usize::from(d.count))
+                .collect();
+            let after = self.after(&gpus, &taken, d.milli, cpu, mem, model);
             (self.score_of(before, after), None)
         };
         self.buf = gpus;
