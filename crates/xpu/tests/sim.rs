@@ -285,3 +285,76 @@ fn a_pod_at_the_end_of_time_is_an_error_naming_its_line() {
         "{err}"
     );
 }
+
+#[test]
+fn openb_variants_are_written_run_and_compared_with_the_published_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, pods) = small_openb(dir.path());
+    // A variant written to a file reads back as a pod list with the same shape of rows.
+    let out = dir.path().join("openb_pod_list_gpushare100.csv");
+    let w = xpu(&[
+        "sim",
+        "openb-variant",
+        "--nodes",
+        &nodes,
+        "--pods",
+        &pods,
+        "--variant",
+        "gpushare100",
+        "--seed",
+        "3",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(w.status.success(), "{}", String::from_utf8_lossy(&w.stderr));
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.starts_with("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"), "{text}");
+    for row in text.lines().skip(1) {
+        let c: Vec<&str> = row.split(',').collect();
+        assert!(c[3] == "0" || (c[3] == "1" && c[4] != "1000"), "only shares and CPU: {row}");
+    }
+    // --variant adds synthetic traces, each with the published mean of its namesake.
+    let published = dir.path().join("published.csv");
+    std::fs::write(&published, "workload,a,b,c,d,e,f\nopenb_pod_list_cpu050,1,2,3,4,5,91.5\n")
+        .unwrap();
+    let v = ok_json(&[
+        "sim",
+        "openb",
+        "--nodes",
+        &nodes,
+        "--pods",
+        &pods,
+        "--variant",
+        "cpu050,multigpu50",
+        "--policy",
+        "fgd",
+        "--seeds",
+        "42",
+        "--published",
+        published.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    let rows = v.as_array().unwrap();
+    let traces: Vec<&str> = rows.iter().map(|r| r["trace"].as_str().unwrap()).collect();
+    assert_eq!(traces, ["tiny", "synthetic:cpu050", "synthetic:multigpu50"]);
+    assert_eq!(rows[1]["published_mean"], 91.5);
+    assert!(rows[2]["published_mean"].is_null(), "not in the given table");
+    // Bad names and files say what to write instead.
+    let e = xpu(&["sim", "openb", "--nodes", &nodes, "--pods", &pods, "--variant", "gpushare"]);
+    assert_eq!(e.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&e.stderr).contains("such as gpushare40"));
+    std::fs::write(&published, "workload,a\nx,1\n").unwrap();
+    let e = xpu(&[
+        "sim",
+        "openb",
+        "--nodes",
+        &nodes,
+        "--pods",
+        &pods,
+        "--published",
+        published.to_str().unwrap(),
+    ]);
+    assert_eq!(e.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&e.stderr).contains("2 columns, expected 7"));
+}
