@@ -227,8 +227,10 @@ pub(crate) struct ShareView {
     copies: u64,
 }
 
-/// FGD's [`fragmentation`] and xpu's [`stranded`] in one pass, as `(fgd, stranded)` (a unit
-/// test holds it to the two functions). `views` is scratch space.
+/// FGD's [`fragmentation`] and xpu's [`stranded`] in one pass, as `(fgd, stranded)`: what
+/// xpu's policy computes through [`share_views`] and [`measures_of`], held to the two plain
+/// functions by a unit test. `views` is scratch space.
+#[cfg(test)]
 pub(crate) fn both_measures(
     mix: &TaskMix,
     tabs: &CopyTables,

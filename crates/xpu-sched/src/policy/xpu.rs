@@ -42,8 +42,7 @@ use crate::placement::{Demand, Policy, chosen_or_picked, device_matches};
 use crate::rng::Rng;
 
 use super::fgd::{
-    CopyTables, ShareView, TaskMix, both_measures, gpu_view, measures_of, share_views, shift_views,
-    sigmoid,
+    CopyTables, ShareView, TaskMix, gpu_view, measures_of, share_views, shift_views, sigmoid,
 };
 
 /// How the two measures make a score (the evaluation tool compares these).
@@ -54,8 +53,6 @@ pub enum Combine {
     /// FGD's own score first (`int(sigmoid(Δfgd/1000)·100)`), the blended bands only among
     /// nodes FGD ties.
     FgdFirst,
-    /// FGD's squashing applied to the blended measure.
-    Sigmoid,
 }
 
 /// The policy's knobs. [`XpuParams::default`] is what `--policy xpu` runs.
@@ -85,8 +82,8 @@ pub struct XpuPolicy {
     /// The node's views with one placement applied (scratch).
     after_views: Vec<ShareView>,
     /// The measures of each class's own state for GPU demands that may use any model (the same
-    /// for every such demand: the measures do not depend on the order of the GPUs), by class id; NaN where not computed. Valid for one
-    /// (cluster, class numbering), `before_epoch`.
+    /// for every such demand: the measures do not depend on the order of the GPUs), by class
+    /// id; NaN where not computed. Valid for one (cluster, class numbering), `before_epoch`.
     before: Vec<(f64, f64)>,
     before_epoch: (u64, u64),
 }
@@ -114,10 +111,6 @@ impl XpuPolicy {
         &self.mix
     }
 
-    fn measures(&mut self, cpu: u64, mem: u64, gpus: &[u16], model: u8) -> (f64, f64) {
-        both_measures(&self.mix, &self.tabs, &mut self.views, cpu, mem, gpus, model)
-    }
-
     /// The score of going from `before` to `after` (each `(fgd, stranded)`).
     fn score_of(&self, before: (f64, f64), after: (f64, f64)) -> f64 {
         let w = self.params.strand_weight;
@@ -125,7 +118,6 @@ impl XpuPolicy {
         let delta = m(before) - m(after);
         match self.params.combine {
             Combine::Bands => (delta / self.params.band).floor(),
-            Combine::Sigmoid => (sigmoid(delta / 1000.0) * 100.0).trunc(),
             Combine::FgdFirst => {
                 let fgd = (sigmoid((before.0 - after.0) / 1000.0) * 100.0).trunc();
                 let band = if self.params.band > 0.0 {
@@ -142,18 +134,22 @@ impl XpuPolicy {
         }
     }
 
-    /// The measures of `node`'s current state as `d` sees it.
+    /// The measures of `node`'s current state as `d` sees it, from the node's views
+    /// (`self.views`, `total` free milli).
     fn before(
         &mut self,
         cluster: &Cluster,
         node: &Node,
         d: &Demand,
-        gpus: &[u16],
+        total: u64,
         model: u8,
     ) -> (f64, f64) {
+        let measure = |p: &Self| {
+            measures_of(&p.mix, &p.tabs, &p.views, node.cpu_free, node.mem_free, total, model)
+        };
         let class = node.class as usize;
         if d.models != ANY_MODEL || d.kind != DeviceKind::Gpu || class == u32::MAX as usize {
-            return self.measures(node.cpu_free, node.mem_free, gpus, model);
+            return measure(self);
         }
         let epoch = (cluster.uid.0, cluster.class_epoch);
         if epoch != self.before_epoch {
@@ -164,25 +160,26 @@ impl XpuPolicy {
             self.before.resize(cluster.classes.len().max(class + 1), (f64::NAN, f64::NAN));
         }
         if self.before[class].0.is_nan() {
-            self.before[class] = self.measures(node.cpu_free, node.mem_free, gpus, model);
+            self.before[class] = measure(self);
         }
         self.before[class]
     }
 
     /// The measures after taking `take` milli from each GPU at `positions` of `gpus`, from the
-    /// node's views (`self.views`) shifted rather than recomputed.
+    /// node's views (`self.views`, `total` free milli) shifted rather than recomputed.
+    #[allow(clippy::too_many_arguments)]
     fn after(
         &mut self,
         gpus: &[u16],
-        positions: &[usize],
+        positions: impl IntoIterator<Item = usize>,
         take: u16,
+        mut total: u64,
         cpu: u64,
         mem: u64,
         model: u8,
     ) -> (f64, f64) {
         self.after_views.clone_from(&self.views);
-        let mut total: u64 = gpus.iter().map(|&g| u64::from(g)).sum();
-        for &k in positions {
+        for k in positions {
             shift_views(&self.tabs, &mut self.after_views, gpus[k], gpus[k] - take);
             total -= u64::from(take);
         }
@@ -193,8 +190,9 @@ impl XpuPolicy {
     fn evaluate(&mut self, cluster: &Cluster, node: &Node, d: &Demand) -> (f64, Option<usize>) {
         let mut gpus = std::mem::take(&mut self.buf);
         let model = gpu_view(node, d, &mut gpus);
-        let before = self.before(cluster, node, d, &gpus, model);
         share_views(&self.tabs, &gpus, &mut self.views);
+        let total: u64 = gpus.iter().map(|&g| u64::from(g)).sum();
+        let before = self.before(cluster, node, d, total, model);
         let cpu = node.cpu_free - d.cpu_milli;
         let mem = node.mem_free - d.memory_mib;
         let result = if d.is_shared() {
@@ -204,7 +202,7 @@ impl XpuPolicy {
                 // GPUs with equal free capacity leave equal states (the first one is kept, as
                 // on ties): evaluate each value once.
                 if gpus[k] >= d.milli && !gpus[..k].contains(&gpus[k]) {
-                    let after = self.after(&gpus, &[k], d.milli, cpu, mem, model);
+                    let after = self.after(&gpus, [k], d.milli, total, cpu, mem, model);
                     let s = self.score_of(before, after);
                     let fullness = MILLI - (gpus[k] - d.milli);
                     if best.is_none_or(|(b, f, _)| s > b || (s == b && fullness > f)) {
@@ -224,11 +222,8 @@ impl XpuPolicy {
         } else {
             // Whole devices: the ones the default NVLink/NUMA-aware choice would take (the
             // lowest-index free ones on nodes without topology information).
-            let taken: Vec<usize> = (0..gpus.len())
-                .filter(|&k| gpus[k] >= d.milli)
-                .take(usize::from(d.count))
-                .collect();
-            let after = self.after(&gpus, &taken, d.milli, cpu, mem, model);
+            let taken = (0..gpus.len()).filter(|&k| gpus[k] >= d.milli).take(usize::from(d.count));
+            let after = self.after(&gpus, taken, d.milli, total, cpu, mem, model);
             (self.score_of(before, after), None)
         };
         self.buf = gpus;

@@ -16,9 +16,8 @@ use crate::trace::{OpenbNode, OpenbPod};
 /// How far the workload is inflated: 1.3 × the cluster's GPU capacity.
 pub const INFLATION: f64 = 1.3;
 
-/// One run (one policy, one seed). Two runs are equal when their results are; the time they
-/// took is not compared.
-#[derive(Debug, Clone, Serialize)]
+/// One run (one policy, one seed).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct OpenbRun {
     pub seed: u64,
     /// GPU allocation ratio once the whole inflated workload has arrived, percent.
@@ -29,16 +28,6 @@ pub struct OpenbRun {
     /// percent of arrival.
     #[serde(skip)]
     pub curve: Vec<(f64, f64)>,
-    /// Seconds spent placing (the decisions/s figure's denominator).
-    #[serde(skip)]
-    pub placing_secs: f64,
-}
-
-impl PartialEq for OpenbRun {
-    fn eq(&self, other: &Self) -> bool {
-        (self.seed, self.alloc_at_130, self.failed_tasks, self.tasks, &self.curve)
-            == (other.seed, other.alloc_at_130, other.failed_tasks, other.tasks, &other.curve)
-    }
 }
 
 /// The cluster of an OpenB node list.
@@ -139,7 +128,6 @@ pub fn run_with(
     // The benchmark counts failures; it does not need their reasons.
     placer.set_explain(false);
     let ctx = PlaceCtx::default();
-    let start = std::time::Instant::now();
     let mut arrived = 0u64;
     let mut failed = 0;
     let mut curve = vec![(0.0, 0.0)];
@@ -165,7 +153,6 @@ pub fn run_with(
         failed_tasks: failed,
         tasks: order.len(),
         curve,
-        placing_secs: start.elapsed().as_secs_f64(),
     }
 }
 

@@ -95,13 +95,15 @@ impl FromStr for Variant {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let name = s.trim().trim_start_matches("openb_pod_list_").trim_end_matches(".csv");
         let fix = "expected a family and a level such as gpushare40, multigpu50, gpuspec10 or \
-                   cpu050 (gpushare and multigpu up to 100, gpuspec up to 100, cpu up to 999)";
+                   cpu050 (gpushare, multigpu and gpuspec up to 100, cpu 1 to 900)";
         for family in Family::ALL {
             let Some(level) = name.strip_prefix(family.as_str()) else { continue };
             let level: u32 = level
                 .parse()
                 .map_err(|_| format!("variant {s:?}: {level:?} is not a level; {fix}"))?;
-            let max = if family == Family::Cpu { 999 } else { 100 };
+            // cpu900 (90 % CPU-only) already draws nine CPU-only rows per GPU row; higher
+            // levels would draw hundreds, so they are refused rather than built.
+            let max = if family == Family::Cpu { 900 } else { 100 };
             if level > max || (family == Family::Cpu && level == 0) {
                 return Err(format!("variant {s:?}: level {level} is out of range; {fix}"));
             }
@@ -396,6 +398,7 @@ mod tests {
         assert_eq!("openb_pod_list_cpu050.csv".parse::<Variant>().unwrap().to_string(), "cpu050");
         assert!("gpushare".parse::<Variant>().unwrap_err().contains("is not a level"));
         assert!("multigpu101".parse::<Variant>().unwrap_err().contains("out of range"));
+        assert!("cpu950".parse::<Variant>().unwrap_err().contains("out of range"));
         assert!("default".parse::<Variant>().unwrap_err().contains("unknown variant"));
     }
 
