@@ -32,6 +32,7 @@ fn main() {
             interval: Duration::from_secs(1),
             health: None,
             watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
+            share: None,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

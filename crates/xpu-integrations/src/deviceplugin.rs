@@ -70,6 +70,34 @@ pub struct Config {
     /// How long after registering the kubelet has to open `ListAndWatch` before the plugin
     /// reports it and registers again ([`LIST_AND_WATCH_WAIT`] by default).
     pub watch_timeout: Duration,
+    /// Finds the pod an `Allocate` of [`SHARE_RESOURCE`] is for and the GPUs the scheduler
+    /// chose for it; required when `resources` holds that resource.
+    pub share: Option<Arc<dyn ShareResolver>>,
+}
+
+/// The GPU-share resource: each GPU is offered as [`SHARE_UNITS`] interchangeable units, and
+/// which GPU a container gets is the scheduler's choice, not the unit ids the kubelet picked.
+pub const SHARE_RESOURCE: &str = "xpu.dev/gpu-milli";
+/// Units of [`SHARE_RESOURCE`] per GPU.
+pub const SHARE_UNITS: usize = 1000;
+
+/// GPUs given to one pod's container for a share allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareGrant {
+    /// `namespace/name`, for the log.
+    pub pod: String,
+    /// Indices into the plugin's GPUs in PCI address order.
+    pub gpus: Vec<u16>,
+    /// The share of each GPU (`XPU_GPU_MILLI`): less than 1000 for part of one GPU.
+    pub milli_per_gpu: u16,
+}
+
+/// Who knows which pod an allocation is for: the scheduler's signed record on the pod (see
+/// `xpu_kube::share`).
+#[tonic::async_trait]
+pub trait ShareResolver: Send + Sync + std::fmt::Debug {
+    /// The grant for an allocation of `units` units, or why none can be made.
+    async fn resolve(&self, units: u64) -> Result<ShareGrant, String>;
 }
 
 /// A kubelet opens `ListAndWatch` within milliseconds of a registration; one that has not
@@ -125,6 +153,12 @@ pub enum PluginError {
         "no device on this host matches any resource ({resources}); check `xpu discover` and the --resource selectors"
     )]
     NoDevices { resources: String },
+    #[error(
+        "{SHARE_RESOURCE} needs the pod lookup: pass --share with --kubeconfig, --node-name and --share-key"
+    )]
+    ShareWithoutResolver,
+    #[error("GPU shares: {0}")]
+    Share(String),
     #[error("cannot serve on {}", path.display())]
     Listen {
         path: PathBuf,
@@ -181,6 +215,8 @@ struct Table {
     /// Sorted by id, so lookups are binary searches.
     devs: Vec<Dev>,
     control: Vec<DevNode>,
+    /// Advertise each device as [`SHARE_UNITS`] units.
+    share: bool,
 }
 
 impl Table {
@@ -189,14 +225,19 @@ impl Table {
     }
 
     fn list(&self) -> Vec<pb::Device> {
+        let units = if self.share { SHARE_UNITS } else { 1 };
         self.devs
             .iter()
-            .map(|d| pb::Device {
-                id: d.id.clone(),
-                health: if d.healthy() { HEALTHY } else { UNHEALTHY }.to_owned(),
-                topology: d
+            .flat_map(|d| {
+                let health = if d.healthy() { HEALTHY } else { UNHEALTHY };
+                let topology = d
                     .numa
-                    .map(|n| pb::TopologyInfo { nodes: vec![pb::NumaNode { id: i64::from(n) }] }),
+                    .map(|n| pb::TopologyInfo { nodes: vec![pb::NumaNode { id: i64::from(n) }] });
+                (0..units).map(move |u| pb::Device {
+                    id: if units == 1 { d.id.clone() } else { format!("{}-u{u:03}", d.id) },
+                    health: health.to_owned(),
+                    topology: topology.clone(),
+                })
             })
             .collect()
     }
@@ -211,9 +252,24 @@ pub struct Plugin {
     /// `ListAndWatch` calls so far, to notice a kubelet that registered the plugin and then
     /// never called it.
     watches: std::sync::atomic::AtomicU64,
+    share: Option<Arc<dyn ShareResolver>>,
 }
 
 impl Plugin {
+    /// A [`SHARE_RESOURCE`] plugin: the devices `resource` selects, each offered as
+    /// [`SHARE_UNITS`] units, given out as `resolver` says.
+    pub fn shared(resource: Resource, inv: &Inventory, resolver: Arc<dyn ShareResolver>) -> Plugin {
+        let mut p = Plugin::new(resource, inv);
+        let list = {
+            let t = p.table.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+            t.share = true;
+            t.list()
+        };
+        p.updates.send_replace(list);
+        p.share = Some(resolver);
+        p
+    }
+
     /// The devices of `inv` that `resource` selects.
     pub fn new(resource: Resource, inv: &Inventory) -> Plugin {
         let cdi = crate::cdi::names(inv);
@@ -225,9 +281,15 @@ impl Plugin {
             .collect();
         // Ids sort like addresses except for 5-digit (VMD) domains; lookups need id order.
         devs.sort_by(|a, b| a.id.cmp(&b.id));
-        let table = Table { devs, control: inv.host.control_nodes.clone() };
+        let table = Table { devs, control: inv.host.control_nodes.clone(), share: false };
         let (updates, _) = watch::channel(table.list());
-        Plugin { resource, table: RwLock::new(table), updates, watches: Default::default() }
+        Plugin {
+            resource,
+            table: RwLock::new(table),
+            updates,
+            watches: Default::default(),
+            share: None,
+        }
     }
 
     /// How many times `ListAndWatch` was opened.
@@ -366,19 +428,62 @@ impl Plugin {
         Ok(resp)
     }
 
+    /// The `Allocate` answer for one container of a [`SHARE_RESOURCE`] plugin: `units` unit ids
+    /// were picked by the kubelet; the GPUs are those the scheduler chose for the pod.
+    pub async fn allocate_share(
+        &self,
+        resolver: &dyn ShareResolver,
+        units: &[String],
+    ) -> Result<pb::ContainerAllocateResponse, Status> {
+        let grant =
+            resolver.resolve(units.len() as u64).await.map_err(Status::failed_precondition)?;
+        let ids: Vec<String> = {
+            let t = self.read();
+            grant
+                .gpus
+                .iter()
+                .map(|&i| {
+                    t.devs.get(usize::from(i)).map(|d| d.id.clone()).ok_or_else(|| {
+                        Status::failed_precondition(format!(
+                            "pod {}: the scheduler chose GPU {i} but this node has {} GPUs; the node's {SHARE_RESOURCE} capacity and the plugin disagree",
+                            grant.pod,
+                            t.devs.len()
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let mut resp = self.allocate_container(&ids)?;
+        resp.envs.insert("XPU_GPU_MILLI".to_owned(), grant.milli_per_gpu.to_string());
+        Ok(resp)
+    }
+
     /// The `GetPreferredAllocation` answer for one container.
     pub fn preferred_container(
         &self,
         r: &pb::ContainerPreferredAllocationRequest,
     ) -> pb::ContainerPreferredAllocationResponse {
         let t = self.read();
+        let size = usize::try_from(r.allocation_size).unwrap_or(0);
+        if t.share {
+            // Units are interchangeable; the GPU comes from the scheduler's choice.
+            let mut ids: Vec<String> = r.must_include_device_i_ds.clone();
+            for id in &r.available_device_i_ds {
+                if ids.len() >= size {
+                    break;
+                }
+                if !ids.contains(id) {
+                    ids.push(id.clone());
+                }
+            }
+            return pb::ContainerPreferredAllocationResponse { device_i_ds: ids };
+        }
         let candidates: Vec<Candidate<'_>> = t
             .devs
             .iter()
             .filter(|d| d.healthy())
             .map(|d| Candidate { id: &d.id, numa: d.numa, domain: d.domain.as_deref() })
             .collect();
-        let size = usize::try_from(r.allocation_size).unwrap_or(0);
         pb::ContainerPreferredAllocationResponse {
             device_i_ds: preferred::choose(
                 &candidates,
@@ -439,12 +544,20 @@ impl pb::device_plugin_server::DevicePlugin for Plugin {
         &self,
         request: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateResponse>, Status> {
-        let container_responses = request
-            .get_ref()
-            .container_requests
-            .iter()
-            .map(|r| self.allocate_container(&r.devices_ids))
-            .collect::<Result<_, _>>()?;
+        let requests = &request.get_ref().container_requests;
+        let container_responses = match &self.share {
+            Some(resolver) => {
+                let mut out = Vec::with_capacity(requests.len());
+                for r in requests {
+                    out.push(self.allocate_share(resolver.as_ref(), &r.devices_ids).await?);
+                }
+                out
+            }
+            None => requests
+                .iter()
+                .map(|r| self.allocate_container(&r.devices_ids))
+                .collect::<Result<_, _>>()?,
+        };
         Ok(Response::new(pb::AllocateResponse { container_responses }))
     }
 
@@ -580,7 +693,12 @@ pub async fn run(
     let inv = discover(&cfg.root).await?;
     let mut slots = Vec::new();
     for r in &cfg.resources {
-        let plugin = Arc::new(Plugin::new(r.clone(), &inv));
+        let plugin = if r.name == SHARE_RESOURCE {
+            let resolver = cfg.share.clone().ok_or(PluginError::ShareWithoutResolver)?;
+            Arc::new(Plugin::shared(r.clone(), &inv, resolver))
+        } else {
+            Arc::new(Plugin::new(r.clone(), &inv))
+        };
         if plugin.device_count() == 0 {
             emit(Event::Skipped { resource: r.name.clone() });
             continue;

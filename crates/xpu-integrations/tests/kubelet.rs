@@ -58,6 +58,7 @@ fn start(fixture: &Fixture, dir: &Path, resources: Vec<Resource>) -> Running {
         interval: Duration::from_millis(40),
         health: None,
         watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
+        share: None,
     };
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -344,6 +345,7 @@ async fn refuses_a_host_without_matching_devices_and_a_missing_directory() {
         interval: Duration::from_millis(40),
         health: None,
         watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
+        share: None,
     };
     let e = deviceplugin::run(cfg.clone(), None, async {}).await.unwrap_err();
     assert!(e.to_string().contains("no device on this host matches any resource"), "{e}");
@@ -479,6 +481,7 @@ async fn a_kubelet_that_never_opens_list_and_watch_is_reported_and_registered_ag
         health: None,
         // Long enough that this test's own ListAndWatch below always comes in time.
         watch_timeout: Duration::from_secs(1),
+        share: None,
     };
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();

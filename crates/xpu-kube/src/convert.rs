@@ -16,11 +16,20 @@ use xpu_sched::request::{GKE_TPU_ACCELERATOR, GKE_TPU_TOPOLOGY};
 use xpu_sched::{DeviceAsk, DeviceSpec, NodeSpec, TaskSpec};
 
 /// Extended resources xpu schedules, with the device kind each stands for.
-pub const DEVICE_RESOURCES: [(&str, DeviceKind); 3] = [
+pub const DEVICE_RESOURCES: [(&str, DeviceKind); 4] = [
     ("nvidia.com/gpu", DeviceKind::Gpu),
     ("amd.com/gpu", DeviceKind::Gpu),
     ("google.com/tpu", DeviceKind::Tpu),
+    (SHARE_RESOURCE, DeviceKind::Gpu),
 ];
+
+/// GPU sharing: a pod asks for thousandths of one GPU (`xpu.dev/gpu-milli: 500` is half of
+/// one), or for whole GPUs in multiples of 1000 (`2000` is two). A node offers
+/// `1000 × GPUs` of it (xpu's device plugin with `--share`); its GPUs are numbered 0.. in PCI
+/// address order, which is how the scheduler names the one it chose (see [`crate::share`]).
+pub const SHARE_RESOURCE: &str = "xpu.dev/gpu-milli";
+/// Units of [`SHARE_RESOURCE`] in one GPU.
+pub const MILLI_PER_GPU: u64 = 1000;
 
 /// Label (or annotation) naming a gang of pods that start together or not at all.
 pub const GANG_LABEL: &str = "xpu.dev/gang";
@@ -135,7 +144,15 @@ pub fn node(n: &Node) -> Result<NodeView, String> {
         ));
     }
     for (res, kind) in DEVICE_RESOURCES {
-        let count = q(alloc, res, 1.0).map_err(|e| format!("status.allocatable.{e}"))?;
+        let mut count = q(alloc, res, 1.0).map_err(|e| format!("status.allocatable.{e}"))?;
+        if res == SHARE_RESOURCE {
+            // GPUs are numbered over every GPU the plugin advertises (capacity counts the
+            // unhealthy ones, which allocatable leaves out), so an index names the same GPU on
+            // both sides.
+            let cap = status.and_then(|s| s.capacity.as_ref());
+            let all = q(cap, res, 1.0).map_err(|e| format!("status.capacity.{e}"))?;
+            count = all.max(count) / MILLI_PER_GPU;
+        }
         if count as usize > xpu_sched::cluster::MAX_DEVICES {
             return Err(format!(
                 "status.allocatable.{res}: {count} devices; xpu schedules at most {} per node",
@@ -182,9 +199,12 @@ pub fn node(n: &Node) -> Result<NodeView, String> {
 pub struct Resources {
     pub cpu_milli: u64,
     pub memory_mib: u64,
-    /// Whole devices and their extended-resource name (one kind per pod).
+    /// Whole devices and their extended-resource name (one kind per pod); 1 for a share.
     pub devices: u16,
     pub device_resource: Option<&'static str>,
+    /// A share of one GPU, in milli (1..=999), when the pod asks [`SHARE_RESOURCE`] for less
+    /// than one; 0 otherwise.
+    pub share_milli: u16,
 }
 
 /// A constraint xpu does not schedule, by its field path.
@@ -302,10 +322,36 @@ pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
             ),
         ));
     }
-    let (device_resource, devices) = match u.devices.into_iter().next() {
+    let (device_resource, mut devices) = match u.devices.into_iter().next() {
         None => (None, 0),
         Some((k, v)) => (Some(k), v),
     };
+    let mut share_milli = 0;
+    if device_resource == Some(SHARE_RESOURCE) {
+        if p.spec.as_ref().is_some_and(|s| share_containers(s) > 1) {
+            return Err(unsupported(
+                "spec.containers[*].resources",
+                &format!(
+                    "more than one container asks for {SHARE_RESOURCE}; ask in one container (the GPU share is the pod's)"
+                ),
+            ));
+        }
+        if devices < MILLI_PER_GPU {
+            share_milli = devices as u16;
+            devices = 1;
+        } else if devices % MILLI_PER_GPU == 0 {
+            devices /= MILLI_PER_GPU;
+        } else {
+            return Err(unsupported(
+                "spec.containers[*].resources",
+                &format!(
+                    "{SHARE_RESOURCE}: {devices} is neither a share of one GPU (1 to 999) nor whole GPUs (a multiple of {MILLI_PER_GPU}); ask for {} or {}",
+                    devices / MILLI_PER_GPU * MILLI_PER_GPU,
+                    (devices / MILLI_PER_GPU + 1) * MILLI_PER_GPU
+                ),
+            ));
+        }
+    }
     let devices = u16::try_from(devices)
         .ok()
         .filter(|&d| usize::from(d) <= xpu_sched::cluster::MAX_DEVICES)
@@ -318,7 +364,29 @@ pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
                 ),
             )
         })?;
-    Ok(Resources { cpu_milli: u.cpu_milli, memory_mib: u.memory_mib, devices, device_resource })
+    Ok(Resources {
+        cpu_milli: u.cpu_milli,
+        memory_mib: u.memory_mib,
+        devices,
+        device_resource,
+        share_milli,
+    })
+}
+
+/// How many containers (init containers included) ask for [`SHARE_RESOURCE`].
+fn share_containers(spec: &k8s_openapi::api::core::v1::PodSpec) -> usize {
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .filter(|c| {
+            c.resources.as_ref().is_some_and(|r| {
+                [r.requests.as_ref(), r.limits.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .any(|m| m.contains_key(SHARE_RESOURCE))
+            })
+        })
+        .count()
 }
 
 /// How the pod belongs to a gang.
@@ -440,7 +508,10 @@ pub fn pod(p: &Pod) -> Result<PodAsk, Unsupported> {
     }
     let resources = resources(p)?;
     let mut task = TaskSpec::cpu(resources.cpu_milli, resources.memory_mib);
-    if resources.devices > 0 {
+    if resources.share_milli > 0 {
+        task.devices = DeviceAsk::Fraction(resources.share_milli);
+        task.device_kind = Some(DeviceKind::Gpu);
+    } else if resources.devices > 0 {
         task.devices = DeviceAsk::Whole(resources.devices);
         task.device_kind = DEVICE_RESOURCES
             .iter()
@@ -524,5 +595,49 @@ mod tests {
         assert_eq!(quantity("1Zi", 1.0), None);
         assert_eq!(quantity("-1", 1.0), None);
         assert_eq!(quantity("abc", 1.0), None);
+    }
+
+    fn share_pod(milli: &str, containers: usize) -> Pod {
+        let c = serde_json::json!({ "name": "c", "resources": { "limits": { SHARE_RESOURCE: milli } } });
+        serde_json::from_value(serde_json::json!({
+            "metadata": { "name": "p", "namespace": "default", "uid": "u" },
+            "spec": { "containers": vec![c; containers] }
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn gpu_shares_are_a_fraction_of_one_gpu_or_whole_gpus() {
+        let half = pod(&share_pod("500", 1)).unwrap();
+        assert_eq!(half.task.devices, DeviceAsk::Fraction(500));
+        assert_eq!(half.resources.share_milli, 500);
+        let two = pod(&share_pod("2000", 1)).unwrap();
+        assert_eq!(two.task.devices, DeviceAsk::Whole(2));
+        let e = pod(&share_pod("1500", 1)).unwrap_err();
+        assert!(e.why.contains("ask for 1000 or 2000"), "{e}");
+        let e = pod(&share_pod("300", 2)).unwrap_err();
+        assert!(e.why.contains("one container"), "{e}");
+    }
+
+    #[test]
+    fn a_share_node_numbers_every_gpu_it_has() {
+        let n: Node = serde_json::from_value(serde_json::json!({
+            "metadata": { "name": "n", "labels": { "nvidia.com/gpu.product": "A100" } },
+            "status": { "capacity": { "cpu": "8", "memory": "8Gi", SHARE_RESOURCE: "4000" },
+                        "allocatable": { "cpu": "8", "memory": "8Gi", SHARE_RESOURCE: "3000" } }
+        }))
+        .unwrap();
+        let v = node(&n).unwrap();
+        let ids: Vec<&str> = v.spec.devices.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(
+            ids,
+            [
+                "xpu.dev/gpu-milli/0",
+                "xpu.dev/gpu-milli/1",
+                "xpu.dev/gpu-milli/2",
+                "xpu.dev/gpu-milli/3"
+            ]
+        );
+        assert!(v.spec.devices.iter().all(|d| d.model == "A100"));
     }
 }

@@ -12,10 +12,18 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+use xpu_sched::placement::{DeviceShare, Placement};
+use xpu_sched::policy::TaskMix;
 use xpu_sched::request::{GKE_TPU_ACCELERATOR, GKE_TPU_TOPOLOGY};
 use xpu_sched::{Cluster, Decision, Job, NodeStatus, Scheduler, SchedulerConfig, TaskGroup};
 
-use crate::convert::{self, GangRef, PodAsk};
+use crate::convert::{self, GangRef, PodAsk, SHARE_RESOURCE};
+use crate::share;
+
+/// Internal node label (never a real one: `~` is not allowed in label keys) saying which device
+/// resource a node offers, so that when a cluster offers GPUs both whole (`nvidia.com/gpu`)
+/// and as shares, a pod only lands on the kind of GPU it asked for.
+const OFFERS: &str = "xpu.dev~offers/";
 
 /// A pod by name and uid.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -48,6 +56,8 @@ pub struct Bind {
     pub node: String,
     /// The gang it starts with (all its members are in the same plan).
     pub gang: Option<String>,
+    /// For a [`SHARE_RESOURCE`] pod: the GPU indices chosen on the node, and what it asks.
+    pub share: Option<(Vec<u16>, u64)>,
 }
 
 /// What one cycle decided.
@@ -71,6 +81,10 @@ pub struct Snapshot<'a> {
     pub jobs: &'a HashMap<String, (i32, i32, bool)>,
     /// Pods this scheduler bound whose binding the watch has not shown yet: uid → node.
     pub assumed: &'a HashMap<String, String>,
+    /// The GPUs chosen for assumed [`SHARE_RESOURCE`] pods: uid → indices.
+    pub assumed_gpus: &'a HashMap<String, Vec<u16>>,
+    /// Whether GPU shares can be placed (the scheduler has the key to sign its choices).
+    pub shares: bool,
 }
 
 fn terminal(p: &Pod) -> bool {
@@ -102,6 +116,8 @@ struct Used {
     mem: u64,
     pods: u64,
     dev: BTreeMap<&'static str, u64>,
+    /// [`SHARE_RESOURCE`] pods: what each asks and the GPUs recorded for it.
+    shares: Vec<(u64, Option<Vec<u16>>)>,
 }
 
 /// Pending members of one gang: (completion index, pod, ask).
@@ -114,6 +130,8 @@ struct Unit {
     job: Option<u32>,
     /// The extended resource its pods ask for, for messages.
     resource: Option<&'static str>,
+    /// What each pod asks of [`SHARE_RESOURCE`] (0: not a share pod).
+    share_ask: u64,
 }
 
 /// Runs one cycle. `explain(uid)` says whether a waiting pod's reason is wanted this time (the
@@ -145,7 +163,19 @@ pub fn plan(
         u.mem += r.memory_mib;
         u.pods += 1;
         for (res, n) in r.devices {
-            *u.dev.entry(res).or_default() += n;
+            if res == SHARE_RESOURCE {
+                let uid = p.metadata.uid.as_deref().unwrap_or("");
+                let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| {
+                    p.metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(share::GPUS_ANNOTATION))
+                        .and_then(|g| share::parse_gpus(g))
+                });
+                u.shares.push((n, gpus));
+            } else {
+                *u.dev.entry(res).or_default() += n;
+            }
         }
         // A malformed gang label only matters for a pending pod, which is told about it.
         if let Ok(Some(g)) = convert::gang(p, job_shape) {
@@ -155,18 +185,40 @@ pub fn plan(
         }
     }
 
-    // Nodes, with what is used subtracted.
+    // Nodes in name order (the tie-break order, the same on every replica and restart), with
+    // what is used subtracted.
+    let mut nodes: Vec<&Arc<Node>> = snap.nodes.iter().collect();
+    nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let mut views = Vec::with_capacity(nodes.len());
+    let mut offered: std::collections::BTreeSet<&'static str> = Default::default();
+    for n in nodes {
+        match convert::node(n) {
+            Ok(v) => {
+                for (res, _) in convert::DEVICE_RESOURCES {
+                    let prefix = format!("{res}/");
+                    if v.spec.devices.iter().any(|d| d.id.starts_with(&prefix)) {
+                        offered.insert(res);
+                    }
+                }
+                views.push(v);
+            }
+            Err(why) => out.bad_nodes.push((n.metadata.name.clone().unwrap_or_default(), why)),
+        }
+    }
+    // Only a cluster that offers more than one device resource needs to keep them apart.
+    let separate = offered.len() > 1;
     let mut cluster = Cluster::new();
     let mut pool_of: HashMap<String, Option<String>> = HashMap::new();
-    for n in snap.nodes {
-        let view = match convert::node(n) {
-            Ok(v) => v,
-            Err(why) => {
-                out.bad_nodes.push((n.metadata.name.clone().unwrap_or_default(), why));
-                continue;
-            }
-        };
+    for view in views {
         let mut spec = view.spec;
+        if separate {
+            for res in &offered {
+                let prefix = format!("{res}/");
+                if spec.devices.iter().any(|d| d.id.starts_with(&prefix)) {
+                    spec.labels.insert(format!("{OFFERS}{res}"), "true".into());
+                }
+            }
+        }
         let u = used.remove(spec.name.as_str()).unwrap_or_default();
         spec.cpu_milli = spec.cpu_milli.saturating_sub(u.cpu);
         spec.memory_mib = spec.memory_mib.saturating_sub(u.mem);
@@ -185,8 +237,9 @@ pub fn plan(
         };
         pool_of.insert(spec.name.clone(), spec.pool.clone());
         let name = spec.name.clone();
-        if let Err(e) = cluster.add_node_with_status(spec, status) {
-            out.bad_nodes.push((name, e.to_string()));
+        match cluster.add_node_with_status(spec, status) {
+            Ok(id) => hold_shares(&mut cluster, id, &u.shares),
+            Err(e) => out.bad_nodes.push((name, e.to_string())),
         }
     }
 
@@ -220,15 +273,29 @@ pub fn plan(
             out.waiting.push((k, msg));
         }
     };
+    let mut mix_tasks: Vec<xpu_sched::TaskSpec> = Vec::new();
     for p in &pending {
         let Some(key) = PodKey::of(p) else { continue };
-        let ask = match convert::pod(p) {
+        let mut ask = match convert::pod(p) {
             Ok(a) => a,
             Err(u) => {
                 say(&mut out, key, format!("{u}"), explain);
                 continue;
             }
         };
+        if ask.resources.device_resource == Some(SHARE_RESOURCE) && !snap.shares {
+            let msg = format!(
+                "{SHARE_RESOURCE} is placed only by a scheduler started with --share-key FILE (the key xpu's device plugins check its GPU choices with)"
+            );
+            say(&mut out, key, msg, explain);
+            continue;
+        }
+        if separate && let Some(res) = ask.resources.device_resource {
+            ask.task.node_selector.insert(format!("{OFFERS}{res}"), "true".into());
+        }
+        if config.policy.needs_mix() {
+            mix_tasks.push(ask.task.clone());
+        }
         match convert::gang(p, job_shape) {
             Err(u) => say(&mut out, key, format!("{u}"), explain),
             Ok(Some(g)) => {
@@ -322,7 +389,42 @@ pub fn plan(
             Job::single(gkey.clone(), group).priority(first.priority).queue(first.queue.clone());
         let keys = members.into_iter().map(|(k, _)| k).collect();
         let resource = first.resources.device_resource;
-        submit(&mut sched, &mut units, job, keys, Some(gkey), resource, now, &mut out, explain);
+        let ask = share_ask(&first);
+        submit(
+            &mut sched,
+            &mut units,
+            job,
+            keys,
+            Some(gkey),
+            resource,
+            ask,
+            now,
+            &mut out,
+            explain,
+        );
+    }
+
+    // FGD and xpu measure fragmentation against the tasks the cluster runs: those waiting and
+    // those this scheduler placed.
+    if config.policy.needs_mix() {
+        for p in snap.pods {
+            let mine =
+                p.spec.as_ref().and_then(|s| s.scheduler_name.as_deref()) == Some(scheduler_name);
+            if mine
+                && !terminal(p)
+                && bound_node(p, snap.assumed).is_some()
+                && let Ok(mut ask) = convert::pod(p)
+            {
+                if separate && let Some(res) = ask.resources.device_resource {
+                    ask.task.node_selector.insert(format!("{OFFERS}{res}"), "true".into());
+                }
+                mix_tasks.push(ask.task);
+            }
+        }
+        let demands: Vec<_> = mix_tasks.iter().filter_map(|t| sched.demand(t).ok()).collect();
+        if !demands.is_empty() {
+            sched.set_task_mix(&TaskMix::from_demands(&demands, 0.95));
+        }
     }
 
     let by_job: HashMap<u32, usize> =
@@ -338,10 +440,14 @@ pub fn plan(
                     ) else {
                         continue;
                     };
+                    let share = (unit.share_ask > 0).then(|| {
+                        (t.placement.devices.iter().map(|d| d.index).collect(), unit.share_ask)
+                    });
                     out.binds.push(Bind {
                         pod: pod.clone(),
                         node: node.name.clone(),
                         gang: unit.gang.clone(),
+                        share,
                     });
                 }
                 unit.job = None;
@@ -443,7 +549,54 @@ fn submit_pod(
         .priority(ask.priority)
         .queue(ask.queue.clone());
     let resource = ask.resources.device_resource;
-    submit(sched, units, job, vec![key], None, resource, now, out, explain);
+    submit(sched, units, job, vec![key], None, resource, share_ask(ask), now, out, explain);
+}
+
+/// What a pod asks of [`SHARE_RESOURCE`], 0 for any other pod.
+fn share_ask(ask: &PodAsk) -> u64 {
+    if ask.resources.device_resource != Some(SHARE_RESOURCE) {
+        return 0;
+    }
+    match ask.resources.share_milli {
+        0 => u64::from(ask.resources.devices) * convert::MILLI_PER_GPU,
+        m => u64::from(m),
+    }
+}
+
+/// Takes the GPU shares bound pods hold on node `id`: on the GPUs recorded for each, else (a
+/// pod bound without xpu's record, which xpu's device plugin will refuse) on the first GPUs
+/// with room, so that the node is never counted emptier than it may be.
+fn hold_shares(cluster: &mut Cluster, id: xpu_sched::NodeId, shares: &[(u64, Option<Vec<u16>>)]) {
+    for (ask, gpus) in shares {
+        let Some((count, milli)) = share::spread(*ask) else { continue };
+        let Some(node) = cluster.node(id) else { return };
+        let free: Vec<u16> = node.devices.iter().map(|d| d.free_milli()).collect();
+        let chosen: Vec<u16> = match gpus {
+            Some(g) if g.len() == count && g.iter().all(|&i| usize::from(i) < free.len()) => {
+                g.clone()
+            }
+            _ => (0..free.len() as u16)
+                .filter(|&i| free[usize::from(i)] >= milli)
+                .take(count)
+                .collect(),
+        };
+        let p = Placement {
+            node: id,
+            cpu_milli: 0,
+            memory_mib: 0,
+            devices: chosen
+                .iter()
+                .map(|&index| DeviceShare { index, milli: milli.min(free[usize::from(index)]) })
+                .filter(|d| d.milli > 0)
+                .collect(),
+            tag: 0,
+        };
+        // CPU and memory are already subtracted; a GPU over-committed by pods bound elsewhere
+        // (two pods claiming one GPU) keeps what fits, and the rest is simply not there.
+        if !p.devices.is_empty() && cluster.allocate(&p).is_err() {
+            tracing::debug!(node = id, ?p, "a bound pod's GPU share does not fit its record");
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -454,12 +607,13 @@ fn submit(
     pods: Vec<PodKey>,
     gang: Option<String>,
     resource: Option<&'static str>,
+    share_ask: u64,
     now: u64,
     out: &mut Plan,
     explain: &mut dyn FnMut(&str) -> bool,
 ) {
     match sched.submit(job, now) {
-        Ok(id) => units.push(Unit { pods, gang, job: Some(id), resource }),
+        Ok(id) => units.push(Unit { pods, gang, job: Some(id), resource, share_ask }),
         Err(e) => {
             for k in pods {
                 if explain(&k.uid) {
@@ -543,7 +697,14 @@ mod tests {
         );
         let (nodes, pods) = (vec![gpu_node], vec![bound, pending]);
         let (jobs, assumed) = (HashMap::new(), HashMap::new());
-        let snap = Snapshot { nodes: &nodes, pods: &pods, jobs: &jobs, assumed: &assumed };
+        let snap = Snapshot {
+            nodes: &nodes,
+            pods: &pods,
+            jobs: &jobs,
+            assumed: &assumed,
+            assumed_gpus: &HashMap::new(),
+            shares: true,
+        };
         let plan = plan(&snap, "xpu", &SchedulerConfig::default(), 0, &mut |_| true);
         assert!(plan.binds.is_empty(), "only 1 of 4 CPUs is free: {:?}", plan.binds);
         assert!(plan.waiting[0].1.contains("Insufficient cpu"), "{:?}", plan.waiting);
@@ -562,7 +723,14 @@ mod tests {
         let pods = vec![tpu_pod("job-1-0", 0, "j"), tpu_pod("job-1-1", 1, "j")];
         let jobs = HashMap::from([("j".to_owned(), (2, 2, true))]);
         let assumed = HashMap::new();
-        let snap = Snapshot { nodes: &nodes, pods: &pods, jobs: &jobs, assumed: &assumed };
+        let snap = Snapshot {
+            nodes: &nodes,
+            pods: &pods,
+            jobs: &jobs,
+            assumed: &assumed,
+            assumed_gpus: &HashMap::new(),
+            shares: true,
+        };
         let plan = plan(&snap, "xpu", &SchedulerConfig::default(), 0, &mut |_| true);
         assert!(plan.waiting.is_empty(), "{:?}", plan.waiting);
         let mut on: Vec<&str> = plan.binds.iter().map(|b| b.node.as_str()).collect();

@@ -40,6 +40,13 @@ pub struct Options {
     pub status_interval: Duration,
     /// Events across all pods per second, at most.
     pub events_per_second: u32,
+    /// Signs GPU-share choices ([`crate::share`]); without it, share pods wait and are told so.
+    pub share_key: Option<Arc<crate::share::ShareKey>>,
+    /// A pod that cannot be placed holds back nothing (kube-scheduler's order), instead of
+    /// the later pods of its queue asking for the same device kind.
+    pub best_effort: bool,
+    /// Seeds the placement policy's tie-breaking.
+    pub seed: u64,
 }
 
 impl Default for Options {
@@ -50,6 +57,9 @@ impl Default for Options {
             bind_concurrency: 32,
             status_interval: Duration::from_secs(10),
             events_per_second: 20,
+            share_key: None,
+            best_effort: false,
+            seed: 0,
         }
     }
 }
@@ -129,6 +139,7 @@ fn trim_pod(p: &mut Pod) {
             k == crate::convert::COMPLETION_INDEX
                 || k == crate::convert::GANG_LABEL
                 || k == crate::convert::GANG_SIZE
+                || k == crate::share::GPUS_ANNOTATION
         });
     }
     if let Some(s) = p.status.as_mut() {
@@ -181,9 +192,13 @@ pub async fn run(
         policy: opts.policy,
         lanes: true,
         fit_per_task: true,
+        best_effort: opts.best_effort,
+        seed: opts.seed,
         ..SchedulerConfig::default()
     };
     let assumed: Arc<Mutex<HashMap<String, String>>> = Arc::default();
+    // GPU choices of assumed share pods, forgotten with them.
+    let mut assumed_gpus: HashMap<String, Vec<u16>> = HashMap::new();
     let binds = Arc::new(Semaphore::new(opts.bind_concurrency.max(1)));
     let mut said = Said::default();
     let mut warned_nodes: HashMap<String, String> = HashMap::new();
@@ -237,7 +252,15 @@ pub async fn run(
             }
             a.clone()
         };
-        let snap = Snapshot { nodes: &nodes, pods: &pods, jobs: &jobs, assumed: &assumed_now };
+        assumed_gpus.retain(|uid, _| assumed_now.contains_key(uid));
+        let snap = Snapshot {
+            nodes: &nodes,
+            pods: &pods,
+            jobs: &jobs,
+            assumed: &assumed_now,
+            assumed_gpus: &assumed_gpus,
+            shares: opts.share_key.is_some(),
+        };
         let now = started.elapsed().as_secs();
         let t0 = Instant::now();
         let interval = opts.status_interval;
@@ -276,6 +299,9 @@ pub async fn run(
             let mut a = assumed.lock().await;
             for b in &plan.binds {
                 a.insert(b.pod.uid.clone(), b.node.clone());
+                if let Some((gpus, _)) = &b.share {
+                    assumed_gpus.insert(b.pod.uid.clone(), gpus.clone());
+                }
             }
         }
         for b in plan.binds {
@@ -288,9 +314,10 @@ pub async fn run(
             let permit = binds.clone().acquire_owned().await;
             let (client, assumed, metrics, changed) =
                 (client.clone(), assumed.clone(), metrics.clone(), changed.clone());
+            let key = opts.share_key.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                match bind(&client, &b).await {
+                match bind(&client, &b, key.as_deref()).await {
                     Ok(()) => {
                         metrics.attempts_scheduled.fetch_add(1, Ordering::Relaxed);
                         if let Some(t) = created {
@@ -369,13 +396,26 @@ impl EventBudget {
     }
 }
 
-/// `POST pods/{name}/binding`.
-pub async fn bind(client: &Client, b: &Bind) -> Result<(), kube::Error> {
+/// `POST pods/{name}/binding`. A GPU-share choice goes in the Binding's annotations, which the
+/// API server copies onto the pod in the same write that sets `spec.nodeName`.
+pub async fn bind(
+    client: &Client,
+    b: &Bind,
+    key: Option<&crate::share::ShareKey>,
+) -> Result<(), kube::Error> {
     let api: Api<Pod> = Api::namespaced(client.clone(), &b.pod.namespace);
+    let mut metadata = serde_json::json!({ "name": b.pod.name, "uid": b.pod.uid });
+    if let (Some((gpus, ask)), Some(key)) = (&b.share, key) {
+        use crate::share::{GPUS_ANNOTATION, SIGNATURE_ANNOTATION, format_gpus};
+        metadata["annotations"] = serde_json::json!({
+            GPUS_ANNOTATION: format_gpus(gpus),
+            SIGNATURE_ANNOTATION: key.sign(&b.pod.uid, &b.node, gpus, *ask),
+        });
+    }
     let body = serde_json::json!({
         "apiVersion": "v1",
         "kind": "Binding",
-        "metadata": { "name": b.pod.name, "uid": b.pod.uid },
+        "metadata": metadata,
         "target": { "apiVersion": "v1", "kind": "Node", "name": b.node },
     });
     api.create_subresource::<_, serde_json::Value>(

@@ -98,6 +98,13 @@ pub struct SchedulerConfig {
     /// [`Scheduler::requeue_task`]), so a job may have more tasks than fit at once.
     #[serde(default)]
     pub fit_per_task: bool,
+    /// Fair queue only: a job that cannot start holds back nothing; the jobs queued behind it
+    /// are tried in turn (kube-scheduler's behaviour, and Kueue's `BestEffortFIFO`). Small jobs
+    /// then fill what a large one is waiting for, so the large one can wait indefinitely;
+    /// without it (`lanes`, or neither), the first job that cannot start blocks its lane.
+    /// Takes precedence over `lanes`.
+    #[serde(default)]
+    pub best_effort: bool,
 }
 
 fn default_policy() -> PolicyKind {
@@ -121,6 +128,7 @@ impl Default for SchedulerConfig {
             seed: 0,
             lanes: false,
             fit_per_task: false,
+            best_effort: false,
         }
     }
 }
@@ -1087,6 +1095,8 @@ impl Scheduler {
         // `lanes`), and whether the queue has nothing left to try.
         let mut blocked = vec![0u8; self.by_queue.len()];
         let mut exhausted = vec![false; self.by_queue.len()];
+        // Best effort: per queue, the last job tried that is still queued.
+        let mut cursor: Vec<Option<QKey>> = vec![None; self.by_queue.len()];
         loop {
             let mut best: Option<(f64, usize)> = None;
             for (q, set) in self.by_queue.iter().enumerate() {
@@ -1115,7 +1125,16 @@ impl Scheduler {
                 }
             }
             let Some((_, q)) = best else { break };
-            let head = if self.config.lanes {
+            let head = if self.config.best_effort {
+                let set = &self.by_queue[q];
+                match &cursor[q] {
+                    None => set.first(),
+                    Some(c) => {
+                        set.range((std::ops::Bound::Excluded(c), std::ops::Bound::Unbounded)).next()
+                    }
+                }
+                .map(|k| k.2)
+            } else if self.config.lanes {
                 // The first job of the queue whose lane is not held back.
                 self.by_lane[q]
                     .iter()
@@ -1131,7 +1150,12 @@ impl Scheduler {
                 continue;
             };
             if !self.start_any_way(id, now, out) || self.jobs[id as usize].key.is_some() {
-                if self.config.lanes {
+                if self.config.best_effort {
+                    // Still queued (did not start, or started only in part): try the next.
+                    if let Some(k) = self.jobs[id as usize].key {
+                        cursor[q] = Some(k);
+                    }
+                } else if self.config.lanes {
                     blocked[q] |= self.jobs[id as usize].lane;
                 } else {
                     exhausted[q] = true;

@@ -102,6 +102,25 @@ pub struct SchedulerArgs {
     #[arg(long, value_name = "N", default_value_t = 32,
           value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub bind_concurrency: u64,
+    /// Key that signs the GPU chosen for each xpu.dev/gpu-milli pod (32 or more random bytes,
+    /// the same file the device plugins get, normally a mounted Secret). Without it, GPU-share
+    /// pods wait and are told why.
+    #[arg(long, value_name = "FILE")]
+    pub share_key: Option<PathBuf>,
+    /// strict: a pod that cannot be placed holds back the later pods of its queue that ask for
+    /// the same device kind (large jobs are never starved); best-effort: later pods are placed
+    /// around it, as kube-scheduler does.
+    #[arg(long, value_enum, default_value_t = Queueing::Strict)]
+    pub queueing: Queueing,
+    /// Seed of the placement policy's tie-breaking (the seed `xpu sim openb` prints).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Queueing {
+    Strict,
+    BestEffort,
 }
 
 #[derive(Debug, clap::Args)]
@@ -121,6 +140,20 @@ pub struct DevicePluginArgs {
     #[arg(long, value_name = "MS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(10..))]
     pub interval_ms: u64,
+    /// Offer GPUs as shares (xpu.dev/gpu-milli, 1000 per GPU) instead of whole
+    /// (nvidia.com/gpu, amd.com/gpu); each container gets the GPU the xpu scheduler chose for
+    /// its pod. Needs --node-name, --share-key and access to the API server.
+    #[arg(long)]
+    pub share: bool,
+    /// This node's name (default $NODE_NAME, set from the downward API).
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
+    /// The scheduler's share key (see `xpu k8s scheduler --share-key`).
+    #[arg(long, value_name = "FILE")]
+    pub share_key: Option<PathBuf>,
+    /// Kubeconfig for --share; default $KUBECONFIG, ~/.kube/config, then in-cluster.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
     #[command(flatten)]
     pub log: crate::output::LogArgs,
 }
@@ -213,6 +246,12 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
             a.leader_elect_lease_duration
         )));
     }
+    let share_key = match &a.share_key {
+        Some(path) => Some(std::sync::Arc::new(
+            xpu_kube::share::ShareKey::load(path).map_err(CliError::input)?,
+        )),
+        None => None,
+    };
     crate::output::init_tracing();
     let identity = format!(
         "{}_{}",
@@ -228,6 +267,9 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
             scheduler_name: a.scheduler_name.clone(),
             policy,
             bind_concurrency: a.bind_concurrency as usize,
+            share_key,
+            best_effort: a.queueing == Queueing::BestEffort,
+            seed: a.seed,
             ..xpu_kube::scheduler::Options::default()
         },
         leader_elect: a.leader_elect.then(|| xpu_kube::leader::LeaseConfig {
@@ -254,13 +296,38 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
     crate::output::init_tracing_with(&args.log);
     let root = root_arg(args.root)?;
     let resources = if args.resources.is_empty() {
-        Resource::defaults()
+        let mut r = Resource::defaults();
+        if args.share {
+            r.retain(|r| !r.name.ends_with("/gpu"));
+            r.push(
+                format!("{}=kind:gpu", deviceplugin::SHARE_RESOURCE)
+                    .parse()
+                    .map_err(CliError::input)?,
+            );
+        }
+        r
     } else {
         args.resources
             .iter()
             .map(|r| r.parse::<Resource>())
             .collect::<Result<Vec<_>, _>>()
             .map_err(CliError::input)?
+    };
+    let share_setup = if args.share {
+        let node = args.node_name.clone().or_else(|| std::env::var("NODE_NAME").ok()).ok_or_else(|| {
+            CliError::input(anyhow::anyhow!(
+                "--share needs this node's name: pass --node-name NAME or set NODE_NAME (downward API spec.nodeName)"
+            ))
+        })?;
+        let path = args.share_key.clone().ok_or_else(|| {
+            CliError::input(anyhow::anyhow!(
+                "--share needs --share-key FILE, the key the xpu scheduler signs its GPU choices with"
+            ))
+        })?;
+        let key = xpu_kube::share::ShareKey::load(&path).map_err(CliError::input)?;
+        Some((node, key, args.kubeconfig.clone()))
+    } else {
+        None
     };
     let interval = Duration::from_millis(args.interval_ms);
     // Telemetry on the same interval: XIDs and uncorrectable memory errors reported by NVML (or
@@ -273,12 +340,21 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
         interval,
         health: Some(health),
         watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
+        share: None,
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(CliError::failed)?;
+    let mut cfg = cfg;
     rt.block_on(async {
+        if let Some((node, key, kubeconfig)) = share_setup {
+            let client = xpu_kube::client(kubeconfig.as_deref())
+                .await
+                .map_err(|e| PluginError::Share(e.to_string()))?;
+            cfg.share =
+                Some(std::sync::Arc::new(xpu_kube::share::ApiResolver::new(client, node, key)));
+        }
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let printer = tokio::spawn(async move {
             while let Some(e) = rx.recv().await {
