@@ -61,6 +61,37 @@ fn gangs_are_all_or_nothing_and_hold_nothing_while_waiting() {
     s.audit().unwrap();
 }
 
+/// Fair queue: with `lanes`, a GPU job that cannot start holds back the later GPU jobs of its
+/// queue; with `best_effort`, they are placed around it (kube-scheduler's order), and it still
+/// starts first once it fits.
+#[test]
+fn best_effort_places_around_a_job_that_waits_and_strict_lanes_do_not() {
+    for best_effort in [false, true] {
+        let config = SchedulerConfig {
+            queue: QueuePolicy::Fair,
+            lanes: true,
+            best_effort,
+            fit_per_task: true,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(gpu_nodes(1, 4), config).unwrap();
+        let hog = s.submit(gpus("hog", 3), 0).unwrap();
+        assert_eq!(started(&s.schedule(0)), vec![hog]);
+        let big = s.submit(gpus("big", 2), 1).unwrap();
+        let small = s.submit(gpus("small", 1), 2).unwrap();
+        let ds = started(&s.schedule(2));
+        if best_effort {
+            assert_eq!(ds, vec![small], "the small job fills the free GPU");
+        } else {
+            assert!(ds.is_empty(), "strict: the big job holds its lane: {ds:?}");
+        }
+        s.finish(hog, 3).unwrap();
+        let ds = started(&s.schedule(3));
+        assert!(ds.starts_with(&[big]), "{ds:?}");
+        s.audit().unwrap();
+    }
+}
+
 #[test]
 fn two_gangs_that_cannot_both_fit_do_not_deadlock() {
     // Each gang wants 3 of the 4 nodes; one runs, the other waits with nothing held, then runs.

@@ -1,5 +1,5 @@
 //! scheduler_perf's shape on a real control plane: N Node objects, then pods created as fast as
-//! the API server takes them (CPU pods, then whole-GPU pods), scheduled by the real
+//! the API server takes them (CPU pods, then whole-GPU pods, then for xpu GPU-share pods), scheduled by the real
 //! kube-scheduler of the same release and by `xpu k8s scheduler`, each on a fresh plane, side
 //! by side in one run. Prints pods bound per second (first create to last bind, per mix), p50/p99
 //! of create-to-bound latency as a watch sees it, and each scheduler's peak RSS.
@@ -9,7 +9,10 @@
 //!
 //! Both schedulers get the same objects and the same client budget: kube-scheduler runs with
 //! `clientConnection.qps/burst` 5000 (as scheduler_perf sets it; its default 50 would bind 50
-//! pods/s), xpu's client has no limiter. Pods tolerate the `not-ready` taint admission puts on
+//! pods/s), xpu's client has no limiter. Nodes: every second one has 8 GPUs, whole
+//! (`nvidia.com/gpu`, `i % 4 == 0`) or as shares (`xpu.dev/gpu-milli: 8000`, `i % 4 == 2`).
+//! kube-scheduler cannot choose a GPU for a share, so the share mix (OpenB's shares: 100 to 900
+//! milli) runs for xpu only and compares with kube-scheduler's whole-GPU figure. Pods tolerate the `not-ready` taint admission puts on
 //! every new Node (no node lifecycle controller runs: there are no kubelets).
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
 
@@ -31,15 +34,16 @@ fn env_num(name: &str, default: usize) -> usize {
 }
 
 fn node(i: usize) -> Node {
-    let gpus = if i.is_multiple_of(2) { "8" } else { "0" };
+    let gpus = if i.is_multiple_of(4) { "8" } else { "0" };
+    let shares = if i % 4 == 2 { "8000" } else { "0" };
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Node",
         "metadata": { "name": format!("node-{i:05}"), "labels": {
             "kubernetes.io/hostname": format!("node-{i:05}"),
             "topology.kubernetes.io/zone": format!("zone-{}", i % 4) } },
         "status": {
-            "capacity": { "cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": gpus },
-            "allocatable": { "cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": gpus },
+            "capacity": { "cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": gpus, "xpu.dev/gpu-milli": shares },
+            "allocatable": { "cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": gpus, "xpu.dev/gpu-milli": shares },
             "conditions": [{ "type": "Ready", "status": "True", "reason": "KubeletReady",
                              "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z" }],
         },
@@ -47,8 +51,14 @@ fn node(i: usize) -> Node {
     .unwrap()
 }
 
-fn pod(name: &str, scheduler: &str, gpus: u32) -> Pod {
-    let limits = if gpus > 0 { json!({ "nvidia.com/gpu": gpus.to_string() }) } else { json!({}) };
+fn pod(name: &str, scheduler: &str, gpus: u32, share: u32) -> Pod {
+    let limits = if gpus > 0 {
+        json!({ "nvidia.com/gpu": gpus.to_string() })
+    } else if share > 0 {
+        json!({ "xpu.dev/gpu-milli": share.to_string() })
+    } else {
+        json!({})
+    };
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": { "name": name },
@@ -113,6 +123,12 @@ fn start_scheduler(which: &str, cp: &ControlPlane) -> Child {
         _ => Command::new(env!("CARGO_BIN_EXE_xpu"))
             .args(["k8s", "scheduler", "--kubeconfig"])
             .arg(cp.admin_kubeconfig())
+            .arg("--share-key")
+            .arg({
+                let key = dir.join("share.key");
+                std::fs::write(&key, [7u8; 32]).unwrap();
+                key
+            })
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -126,7 +142,12 @@ struct Mix {
     name: &'static str,
     pods: usize,
     gpus: u32,
+    /// Shares of one GPU, cycled through pod by pod (empty: none).
+    shares: &'static [u32],
 }
+
+/// GPU shares as OpenB's default trace has them (its share pods ask 100 to 900 milli).
+const SHARES: [u32; 8] = [500, 250, 100, 500, 300, 750, 200, 900];
 
 struct Figures {
     pods_per_s: f64,
@@ -149,7 +170,9 @@ async fn run_mix(
     let names: Vec<String> = (0..mix.pods).map(|i| format!("{}-{i:05}", mix.name)).collect();
     let mut s = futures_util::stream::iter(names.iter().map(|n| {
         let (api, pp, created) = (&api, &pp, created.clone());
-        let p = pod(n, sched, mix.gpus);
+        let share =
+            if mix.shares.is_empty() { 0 } else { mix.shares[n_index(n) % mix.shares.len()] };
+        let p = pod(n, sched, mix.gpus, share);
         async move {
             let sent = Instant::now();
             api.create(pp, &p).await.unwrap();
@@ -233,19 +256,25 @@ async fn bench(which: &str, nodes: usize, mixes: &[Mix]) -> (Vec<Figures>, f64) 
     (out, rss)
 }
 
+fn n_index(name: &str) -> usize {
+    name.rsplit('-').next().and_then(|i| i.parse().ok()).unwrap_or(0)
+}
+
 fn main() {
     let nodes = env_num("XPU_BENCH_NODES", 5000);
     let pods = env_num("XPU_BENCH_PODS", 10_000);
     let which = std::env::var("XPU_BENCH_SCHEDULERS").unwrap_or_else(|_| "kube,xpu".into());
+    let share_pods = env_num("XPU_BENCH_SHARE_PODS", 10_000);
     let mixes = [
-        Mix { name: "cpu", pods: pods / 2, gpus: 0 },
-        Mix { name: "gpu", pods: pods - pods / 2, gpus: 1 },
+        Mix { name: "cpu", pods: pods / 2, gpus: 0, shares: &[] },
+        Mix { name: "gpu", pods: pods - pods / 2, gpus: 1, shares: &[] },
+        Mix { name: "share", pods: share_pods, gpus: 0, shares: &SHARES },
     ];
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "k8s scheduler bench: {nodes} nodes (half with 8 nvidia.com/gpu), {pods} pods; load before: {}",
+        "k8s scheduler bench: {nodes} nodes (a quarter with 8 nvidia.com/gpu, a quarter with 8 GPUs as xpu.dev/gpu-milli), {pods} pods, then {share_pods} share pods for xpu; load before: {}",
         load.trim()
     );
     println!(
@@ -254,7 +283,9 @@ fn main() {
     );
     let mut rates: HashMap<(String, &str), f64> = HashMap::new();
     for w in which.split(',') {
-        let (figs, rss) = rt.block_on(bench(w, nodes, &mixes));
+        // kube-scheduler cannot place GPU shares: it runs the first two mixes.
+        let run = if w == "kube" { &mixes[..2] } else { &mixes[..] };
+        let (figs, rss) = rt.block_on(bench(w, nodes, run));
         for (m, f) in mixes.iter().zip(&figs) {
             let label = if w == "kube" { "kube-scheduler" } else { "xpu" };
             println!(
@@ -270,6 +301,14 @@ fn main() {
         {
             println!("xpu / kube-scheduler pods/s, {} pods: {:.2}x", m.name, x / k);
         }
+    }
+    if let (Some(x), Some(k)) =
+        (rates.get(&("xpu".into(), "share")), rates.get(&("kube".into(), "gpu")))
+    {
+        println!(
+            "xpu share pods/s / kube-scheduler whole-GPU pods/s (kube-scheduler cannot place shares): {:.2}x",
+            x / k
+        );
     }
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load after: {}", load.trim());
