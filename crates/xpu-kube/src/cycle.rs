@@ -71,10 +71,17 @@ pub struct Plan {
     pub bad_nodes: Vec<(String, String)>,
     /// Pods waiting for this scheduler when the cycle began.
     pub pending: usize,
+    /// Lower-priority pods to evict, and where the pods they make room for go.
+    pub preemptions: Vec<crate::preempt::Preemption>,
+    /// Units keep what they submitted (set while planning when preemption is on).
+    preemption_on: bool,
 }
 
 /// The inputs of a cycle.
+#[derive(Clone)]
 pub struct Snapshot<'a> {
+    /// Pods with this `spec.schedulerName` are ours.
+    pub scheduler_name: &'a str,
     pub nodes: &'a [Arc<Node>],
     pub pods: &'a [Arc<Pod>],
     /// Job uid → (completions, parallelism, Indexed).
@@ -85,14 +92,51 @@ pub struct Snapshot<'a> {
     pub assumed_gpus: &'a HashMap<String, Vec<u16>>,
     /// Whether GPU shares can be placed (the scheduler has the key to sign its choices).
     pub shares: bool,
+    /// Evict lower-priority pods for a pod that fits no other way.
+    pub preemption: bool,
+    /// Pods not to evict (a PodDisruptionBudget refused them lately), by uid.
+    pub excluded: &'a std::collections::HashSet<String>,
+    /// The wall clock, Unix seconds (how long victims have run).
+    pub unix_now: i64,
+    /// Bound pods to leave out of what nodes hold (preemption's what-if), by uid.
+    pub hold_out: Option<&'a std::collections::HashSet<&'a str>>,
 }
 
-fn terminal(p: &Pod) -> bool {
+impl<'a> Snapshot<'a> {
+    /// A snapshot with every option at its default: no shares, no preemption.
+    pub fn new(
+        scheduler_name: &'a str,
+        nodes: &'a [Arc<Node>],
+        pods: &'a [Arc<Pod>],
+        jobs: &'a HashMap<String, (i32, i32, bool)>,
+        assumed: &'a HashMap<String, String>,
+    ) -> Self {
+        static NO_GPUS: std::sync::LazyLock<HashMap<String, Vec<u16>>> =
+            std::sync::LazyLock::new(HashMap::new);
+        static NONE: std::sync::LazyLock<std::collections::HashSet<String>> =
+            std::sync::LazyLock::new(Default::default);
+        Self {
+            scheduler_name,
+            nodes,
+            pods,
+            jobs,
+            assumed,
+            assumed_gpus: &NO_GPUS,
+            shares: false,
+            preemption: false,
+            excluded: &NONE,
+            unix_now: 0,
+            hold_out: None,
+        }
+    }
+}
+
+pub(crate) fn terminal(p: &Pod) -> bool {
     matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))
 }
 
 /// The node a pod is on, from the object or from what this scheduler assumed.
-fn bound_node<'a>(p: &'a Pod, assumed: &'a HashMap<String, String>) -> Option<&'a str> {
+pub(crate) fn bound_node<'a>(p: &'a Pod, assumed: &'a HashMap<String, String>) -> Option<&'a str> {
     p.spec
         .as_ref()
         .and_then(|s| s.node_name.as_deref())
@@ -132,116 +176,25 @@ struct Unit {
     resource: Option<&'static str>,
     /// What each pod asks of [`SHARE_RESOURCE`] (0: not a share pod).
     share_ask: u64,
+    /// What was submitted, for preemption's what-if (only when preemption is on).
+    spec: Option<Job>,
 }
 
 /// Runs one cycle. `explain(uid)` says whether a waiting pod's reason is wanted this time (the
 /// caller rate-limits status updates); `now` is seconds on the caller's clock.
 pub fn plan(
     snap: &Snapshot<'_>,
-    scheduler_name: &str,
     config: &SchedulerConfig,
     now: u64,
     explain: &mut dyn FnMut(&str) -> bool,
 ) -> Plan {
     let mut out = Plan::default();
 
-    // What bound pods use, per node, and which gang members are already bound where.
-    let mut used: HashMap<&str, Used> = HashMap::new();
-    let mut gang_bound: HashMap<String, (u32, Option<String>)> = HashMap::new();
+    let Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved } = cluster_of(snap);
+    out.bad_nodes = bad_nodes;
+    out.preemption_on = snap.preemption;
     let job_shape = |uid: &str| snap.jobs.get(uid).copied();
-    for p in snap.pods {
-        if terminal(p) {
-            continue;
-        }
-        let Some(node) = bound_node(p, snap.assumed) else { continue };
-        // A bound pod holds what it asks for, whichever scheduler placed it and whatever xpu
-        // itself would refuse to place (two device kinds, DRA claims). Quantities are validated
-        // by the API server, so `usage` does not fail on a stored pod.
-        let r = convert::usage(p).unwrap_or_default();
-        let u = used.entry(node).or_default();
-        u.cpu += r.cpu_milli;
-        u.mem += r.memory_mib;
-        u.pods += 1;
-        for (res, n) in r.devices {
-            if res == SHARE_RESOURCE {
-                let uid = p.metadata.uid.as_deref().unwrap_or("");
-                let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| {
-                    p.metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(share::GPUS_ANNOTATION))
-                        .and_then(|g| share::parse_gpus(g))
-                });
-                u.shares.push((n, gpus));
-            } else {
-                *u.dev.entry(res).or_default() += n;
-            }
-        }
-        // A malformed gang label only matters for a pending pod, which is told about it.
-        if let Ok(Some(g)) = convert::gang(p, job_shape) {
-            let e = gang_bound.entry(g.key).or_insert((0, None));
-            e.0 += 1;
-            e.1.get_or_insert_with(|| node.to_owned());
-        }
-    }
-
-    // Nodes in name order (the tie-break order, the same on every replica and restart), with
-    // what is used subtracted.
-    let mut nodes: Vec<&Arc<Node>> = snap.nodes.iter().collect();
-    nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    let mut views = Vec::with_capacity(nodes.len());
-    let mut offered: std::collections::BTreeSet<&'static str> = Default::default();
-    for n in nodes {
-        match convert::node(n) {
-            Ok(v) => {
-                for (res, _) in convert::DEVICE_RESOURCES {
-                    let prefix = format!("{res}/");
-                    if v.spec.devices.iter().any(|d| d.id.starts_with(&prefix)) {
-                        offered.insert(res);
-                    }
-                }
-                views.push(v);
-            }
-            Err(why) => out.bad_nodes.push((n.metadata.name.clone().unwrap_or_default(), why)),
-        }
-    }
-    // Only a cluster that offers more than one device resource needs to keep them apart.
-    let separate = offered.len() > 1;
-    let mut cluster = Cluster::new();
-    let mut pool_of: HashMap<String, Option<String>> = HashMap::new();
-    for view in views {
-        let mut spec = view.spec;
-        if separate {
-            for res in &offered {
-                let prefix = format!("{res}/");
-                if spec.devices.iter().any(|d| d.id.starts_with(&prefix)) {
-                    spec.labels.insert(format!("{OFFERS}{res}"), "true".into());
-                }
-            }
-        }
-        let u = used.remove(spec.name.as_str()).unwrap_or_default();
-        spec.cpu_milli = spec.cpu_milli.saturating_sub(u.cpu);
-        spec.memory_mib = spec.memory_mib.saturating_sub(u.mem);
-        for (res, count) in &u.dev {
-            let prefix = format!("{res}/");
-            for _ in 0..*count {
-                if let Some(i) = spec.devices.iter().rposition(|d| d.id.starts_with(&prefix)) {
-                    spec.devices.remove(i);
-                }
-            }
-        }
-        let status = if view.ready && u.pods < view.max_pods {
-            NodeStatus::Ready
-        } else {
-            NodeStatus::Cordoned
-        };
-        pool_of.insert(spec.name.clone(), spec.pool.clone());
-        let name = spec.name.clone();
-        match cluster.add_node_with_status(spec, status) {
-            Ok(id) => hold_shares(&mut cluster, id, &u.shares),
-            Err(e) => out.bad_nodes.push((name, e.to_string())),
-        }
-    }
+    let scheduler_name = snap.scheduler_name;
 
     // Pending pods, oldest first, grouped into units.
     let mut pending: Vec<&Arc<Pod>> =
@@ -276,6 +229,13 @@ pub fn plan(
     let mut mix_tasks: Vec<xpu_sched::TaskSpec> = Vec::new();
     for p in &pending {
         let Some(key) = PodKey::of(p) else { continue };
+        if let Some(node) = reserved.get(&key.uid) {
+            let msg = format!(
+                "waiting on node {node}, nominated for it, for the lower-priority pods it preempted there to end"
+            );
+            say(&mut out, key, msg, explain);
+            continue;
+        }
         let mut ask = match convert::pod(p) {
             Ok(a) => a,
             Err(u) => {
@@ -478,7 +438,169 @@ pub fn plan(
             out.waiting.push((k.clone(), msg.clone()));
         }
     }
+    if snap.preemption {
+        let waiting: Vec<crate::preempt::Waiting> = units
+            .iter()
+            .filter(|u| u.job.is_some())
+            .filter_map(|u| {
+                Some(crate::preempt::Waiting { job: u.spec.clone()?, pods: u.pods.clone() })
+            })
+            .collect();
+        if !waiting.is_empty() {
+            let excluded = |uid: &str| snap.excluded.contains(uid);
+            out.preemptions =
+                crate::preempt::plan(snap, config, &waiting, &out.binds, &excluded, &mix_tasks);
+        }
+    }
     out
+}
+
+/// The cluster a cycle places on, and what it learned building it.
+pub(crate) struct Built {
+    pub cluster: Cluster,
+    pub pool_of: HashMap<String, Option<String>>,
+    /// Nodes left out, with why.
+    pub bad_nodes: Vec<(String, String)>,
+    /// Per gang: members bound, and a node one of them is on.
+    pub gang_bound: HashMap<String, (u32, Option<String>)>,
+    /// The cluster offers more than one device resource: pods are kept to the one they ask.
+    pub separate: bool,
+    /// Preemptors held on their nominated node while their victims end: uid → node.
+    pub reserved: HashMap<String, String>,
+}
+
+/// Nodes in name order with what every bound (or assumed, or reserved) pod uses taken.
+pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
+    let mut bad_nodes = Vec::new();
+    // What bound pods use, per node, and which gang members are already bound where.
+    let mut used: HashMap<&str, Used> = HashMap::new();
+    let mut gang_bound: HashMap<String, (u32, Option<String>)> = HashMap::new();
+    let job_shape = |uid: &str| snap.jobs.get(uid).copied();
+    // Per node, the lowest priority among its pods being deleted (preemption victims, say).
+    let mut terminating: HashMap<&str, i32> = HashMap::new();
+    for p in snap.pods {
+        if terminal(p) {
+            continue;
+        }
+        let Some(node) = bound_node(p, snap.assumed) else { continue };
+        if snap.hold_out.is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u))) {
+            continue;
+        }
+        if p.metadata.deletion_timestamp.is_some() {
+            let prio = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+            let e = terminating.entry(node).or_insert(prio);
+            *e = (*e).min(prio);
+        }
+        // A bound pod holds what it asks for, whichever scheduler placed it and whatever xpu
+        // itself would refuse to place (two device kinds, DRA claims). Quantities are validated
+        // by the API server, so `usage` does not fail on a stored pod.
+        let r = convert::usage(p).unwrap_or_default();
+        let u = used.entry(node).or_default();
+        u.cpu += r.cpu_milli;
+        u.mem += r.memory_mib;
+        u.pods += 1;
+        for (res, n) in r.devices {
+            if res == SHARE_RESOURCE {
+                let uid = p.metadata.uid.as_deref().unwrap_or("");
+                let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| {
+                    p.metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(share::GPUS_ANNOTATION))
+                        .and_then(|g| share::parse_gpus(g))
+                });
+                u.shares.push((n, gpus));
+            } else {
+                *u.dev.entry(res).or_default() += n;
+            }
+        }
+        // A malformed gang label only matters for a pending pod, which is told about it.
+        if let Ok(Some(g)) = convert::gang(p, job_shape) {
+            let e = gang_bound.entry(g.key).or_insert((0, None));
+            e.0 += 1;
+            e.1.get_or_insert_with(|| node.to_owned());
+        }
+    }
+
+    // Nodes in name order (the tie-break order, the same on every replica and restart), with
+    // what is used subtracted.
+    let mut nodes: Vec<&Arc<Node>> = snap.nodes.iter().collect();
+    nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let mut views = Vec::with_capacity(nodes.len());
+    let mut offered: std::collections::BTreeSet<&'static str> = Default::default();
+    for n in nodes {
+        match convert::node(n) {
+            Ok(v) => {
+                for (res, _) in convert::DEVICE_RESOURCES {
+                    let prefix = format!("{res}/");
+                    if v.spec.devices.iter().any(|d| d.id.starts_with(&prefix)) {
+                        offered.insert(res);
+                    }
+                }
+                views.push(v);
+            }
+            Err(why) => bad_nodes.push((n.metadata.name.clone().unwrap_or_default(), why)),
+        }
+    }
+    // A pod that preempted others keeps its place on its nominated node while they end:
+    // counted there as if bound, so nothing else takes the space it evicted for.
+    let mut reserved: HashMap<String, String> = HashMap::new();
+    for p in snap.pods.iter().filter(|p| waits_for(p, snap.scheduler_name, snap.assumed)) {
+        let Some(node) = p.status.as_ref().and_then(|s| s.nominated_node_name.as_deref()) else {
+            continue;
+        };
+        let prio = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+        let Some((&node, _)) = terminating.get_key_value(node).filter(|(_, m)| **m < prio) else {
+            continue;
+        };
+        let r = convert::usage(p).unwrap_or_default();
+        let u = used.entry(node).or_default();
+        u.cpu += r.cpu_milli;
+        u.mem += r.memory_mib;
+        u.pods += 1;
+        for (res, n) in r.devices {
+            if res == SHARE_RESOURCE {
+                u.shares.push((n, None));
+            } else {
+                *u.dev.entry(res).or_default() += n;
+            }
+        }
+        reserved.insert(p.metadata.uid.clone().unwrap_or_default(), node.to_owned());
+    }
+    // Only a cluster that offers more than one device resource needs to keep them apart.
+    let separate = offered.len() > 1;
+    let mut cluster = Cluster::new();
+    let mut pool_of: HashMap<String, Option<String>> = HashMap::new();
+    for view in views {
+        let mut spec = view.spec;
+        if separate {
+            for res in &offered {
+                let prefix = format!("{res}/");
+                if spec.devices.iter().any(|d| d.id.starts_with(&prefix)) {
+                    spec.labels.insert(format!("{OFFERS}{res}"), "true".into());
+                }
+            }
+        }
+        let u = used.remove(spec.name.as_str()).unwrap_or_default();
+        spec.cpu_milli = spec.cpu_milli.saturating_sub(u.cpu);
+        spec.memory_mib = spec.memory_mib.saturating_sub(u.mem);
+        let status = if view.ready && u.pods < view.max_pods {
+            NodeStatus::Ready
+        } else {
+            NodeStatus::Cordoned
+        };
+        pool_of.insert(spec.name.clone(), spec.pool.clone());
+        let name = spec.name.clone();
+        match cluster.add_node_with_status(spec, status) {
+            Ok(id) => {
+                hold_whole(&mut cluster, id, &u.dev);
+                hold_shares(&mut cluster, id, &u.shares);
+            }
+            Err(e) => bad_nodes.push((name, e.to_string())),
+        }
+    }
+
+    Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved }
 }
 
 /// xpu-sched says `Insufficient gpu`; Kubernetes users read resource names.
@@ -563,6 +685,33 @@ fn share_ask(ask: &PodAsk) -> u64 {
     }
 }
 
+/// Takes the whole devices bound pods hold on node `id` (the kubelet chose which; the last
+/// free ones of each resource stand for them), so the node keeps its capacity: a pod waiting
+/// for a device in use is told `Insufficient`, not that it can never fit.
+fn hold_whole(cluster: &mut Cluster, id: xpu_sched::NodeId, used: &BTreeMap<&'static str, u64>) {
+    for (res, count) in used {
+        let Some(node) = cluster.node(id) else { return };
+        let prefix = format!("{res}/");
+        let devices: Vec<DeviceShare> = node
+            .devices
+            .iter()
+            .enumerate()
+            .rev()
+            .filter(|(_, d)| d.id.starts_with(&prefix) && d.free_milli() == 1000)
+            .take(*count as usize)
+            .map(|(i, _)| DeviceShare { index: i as u16, milli: 1000 })
+            .collect();
+        if devices.is_empty() {
+            continue;
+        }
+        let p = Placement { node: id, cpu_milli: 0, memory_mib: 0, devices, tag: 0 };
+        // The devices were free an instant ago; a failure means a bug in this loop.
+        if let Err(e) = cluster.allocate(&p) {
+            tracing::warn!(node = id, error = %e, "could not count a bound pod's devices");
+        }
+    }
+}
+
 /// Takes the GPU shares bound pods hold on node `id`: on the GPUs recorded for each, else (a
 /// pod bound without xpu's record, which xpu's device plugin will refuse) on the first GPUs
 /// with room, so that the node is never counted emptier than it may be.
@@ -612,8 +761,10 @@ fn submit(
     out: &mut Plan,
     explain: &mut dyn FnMut(&str) -> bool,
 ) {
+    let preemption = out.preemption_on;
+    let spec = preemption.then(|| job.clone());
     match sched.submit(job, now) {
-        Ok(id) => units.push(Unit { pods, gang, job: Some(id), resource, share_ask }),
+        Ok(id) => units.push(Unit { pods, gang, job: Some(id), resource, share_ask, spec }),
         Err(e) => {
             for k in pods {
                 if explain(&k.uid) {
@@ -697,15 +848,9 @@ mod tests {
         );
         let (nodes, pods) = (vec![gpu_node], vec![bound, pending]);
         let (jobs, assumed) = (HashMap::new(), HashMap::new());
-        let snap = Snapshot {
-            nodes: &nodes,
-            pods: &pods,
-            jobs: &jobs,
-            assumed: &assumed,
-            assumed_gpus: &HashMap::new(),
-            shares: true,
-        };
-        let plan = plan(&snap, "xpu", &SchedulerConfig::default(), 0, &mut |_| true);
+        let snap =
+            Snapshot { shares: true, ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed) };
+        let plan = plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
         assert!(plan.binds.is_empty(), "only 1 of 4 CPUs is free: {:?}", plan.binds);
         assert!(plan.waiting[0].1.contains("Insufficient cpu"), "{:?}", plan.waiting);
     }
@@ -723,18 +868,67 @@ mod tests {
         let pods = vec![tpu_pod("job-1-0", 0, "j"), tpu_pod("job-1-1", 1, "j")];
         let jobs = HashMap::from([("j".to_owned(), (2, 2, true))]);
         let assumed = HashMap::new();
-        let snap = Snapshot {
-            nodes: &nodes,
-            pods: &pods,
-            jobs: &jobs,
-            assumed: &assumed,
-            assumed_gpus: &HashMap::new(),
-            shares: true,
-        };
-        let plan = plan(&snap, "xpu", &SchedulerConfig::default(), 0, &mut |_| true);
+        let snap =
+            Snapshot { shares: true, ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed) };
+        let plan = plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
         assert!(plan.waiting.is_empty(), "{:?}", plan.waiting);
         let mut on: Vec<&str> = plan.binds.iter().map(|b| b.node.as_str()).collect();
         on.sort_unstable();
         assert_eq!(on, ["slice-0", "slice-1"]);
+    }
+
+    fn gpu_pod(name: &str, prio: i32, node: Option<&str>, start: Option<&str>) -> Arc<Pod> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": name, "namespace": "default", "uid": format!("u-{name}") },
+                "spec": { "schedulerName": "xpu", "priority": prio, "nodeName": node,
+                    "containers": [{ "name": "c", "resources": { "limits": { "nvidia.com/gpu": "1" } } }] },
+                "status": { "phase": if node.is_some() { "Running" } else { "Pending" }, "startTime": start }
+            }))
+            .unwrap(),
+        )
+    }
+
+    /// A high-priority pod that fits nowhere preempts the low-priority pod that has run least,
+    /// and is nominated to its node; with that pod excluded (a budget refused it), the other.
+    #[test]
+    fn preemption_takes_the_least_work_lost_and_respects_exclusions() {
+        let n: Arc<Node> = Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": "a" },
+                "status": { "allocatable": { "cpu": "8", "memory": "8Gi", "nvidia.com/gpu": "2" },
+                            "conditions": [{ "type": "Ready", "status": "True" }] }
+            }))
+            .unwrap(),
+        );
+        let nodes = vec![n];
+        let pods = vec![
+            gpu_pod("old", 100, Some("a"), Some("2026-01-01T00:00:00Z")),
+            gpu_pod("young", 100, Some("a"), Some("2026-01-01T00:50:00Z")),
+            gpu_pod("high", 1000, None, None),
+        ];
+        let (jobs, assumed) = (HashMap::new(), HashMap::new());
+        let unix_now = 1_767_229_200; // 2026-01-01T01:00:00Z
+        let snap = Snapshot {
+            preemption: true,
+            unix_now,
+            ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed)
+        };
+        let config = SchedulerConfig {
+            queue: xpu_sched::QueuePolicy::Fair,
+            lanes: true,
+            fit_per_task: true,
+            ..SchedulerConfig::default()
+        };
+        let plan = plan(&snap, &config, 100, &mut |_| true);
+        assert_eq!(plan.preemptions.len(), 1, "{plan:?}");
+        let p = &plan.preemptions[0];
+        assert_eq!(p.victims.iter().map(|v| v.name.as_str()).collect::<Vec<_>>(), ["young"]);
+        assert_eq!(p.nominate[0].0.name, "high");
+        assert_eq!(p.nominate[0].1, "a");
+        let excluded: std::collections::HashSet<String> = ["u-young".to_owned()].into();
+        let snap = Snapshot { excluded: &excluded, ..snap };
+        let plan = super::plan(&snap, &config, 100, &mut |_| true);
+        assert_eq!(plan.preemptions[0].victims[0].name, "old", "{plan:?}");
     }
 }

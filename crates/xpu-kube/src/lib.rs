@@ -4,6 +4,7 @@
 //! - [`cycle`]: one scheduling cycle, objects in and decisions out (pure, no clock).
 //! - [`scheduler`]: the driver: watch caches, binding, `PodScheduled` conditions, Events.
 //! - [`share`]: GPU shares: the scheduler's signed choice on the pod, the device plugin's lookup.
+//! - [`preempt`]: preemption planned by xpu-sched on a what-if cluster (pure).
 //! - [`leader`]: Lease leader election, as kube-scheduler does it.
 //! - [`metrics`]: Prometheus counters and `/metrics`.
 //! - [`dra`]: the DRA driver `xpu k8s dra-driver`: ResourceSlices, the kubelet DRA plugin.
@@ -16,6 +17,7 @@ pub mod cycle;
 pub mod dra;
 pub mod leader;
 pub mod metrics;
+pub mod preempt;
 pub mod scheduler;
 pub mod share;
 

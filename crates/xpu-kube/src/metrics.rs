@@ -55,6 +55,8 @@ pub struct Metrics {
     pub bind_errors: AtomicU64,
     pub status_errors: AtomicU64,
     pub nodes_skipped: AtomicU64,
+    /// Preemptions carried out (victims evicted for one waiting unit).
+    pub preemptions: AtomicU64,
     pub pending: AtomicU64,
     pub leader: AtomicBool,
     /// One planning cycle.
@@ -71,6 +73,7 @@ impl Default for Metrics {
             bind_errors: AtomicU64::new(0),
             status_errors: AtomicU64::new(0),
             nodes_skipped: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             leader: AtomicBool::new(false),
             cycle_seconds: Histogram::new(LATENCY),
@@ -112,6 +115,12 @@ impl Metrics {
             "# HELP xpu_scheduler_nodes_skipped_total Times a node was left out for a malformed field.\n\
              # TYPE xpu_scheduler_nodes_skipped_total counter\nxpu_scheduler_nodes_skipped_total {}",
             c(&self.nodes_skipped)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_preemptions_total Preemptions carried out (victims evicted for a waiting pod or gang).\n\
+             # TYPE xpu_scheduler_preemptions_total counter\nxpu_scheduler_preemptions_total {}",
+            c(&self.preemptions)
         );
         let _ = writeln!(
             s,

@@ -47,6 +47,9 @@ pub struct Options {
     pub best_effort: bool,
     /// Seeds the placement policy's tie-breaking.
     pub seed: u64,
+    /// Evict lower-priority pods (through the Eviction API, so PodDisruptionBudgets hold) for
+    /// a pod that fits no other way.
+    pub preemption: bool,
 }
 
 impl Default for Options {
@@ -60,6 +63,7 @@ impl Default for Options {
             share_key: None,
             best_effort: false,
             seed: 0,
+            preemption: true,
         }
     }
 }
@@ -199,6 +203,8 @@ pub async fn run(
     let assumed: Arc<Mutex<HashMap<String, String>>> = Arc::default();
     // GPU choices of assumed share pods, forgotten with them.
     let mut assumed_gpus: HashMap<String, Vec<u16>> = HashMap::new();
+    // Victims an eviction or a PodDisruptionBudget refused, not chosen again for a while.
+    let mut refused: HashMap<String, Instant> = HashMap::new();
     let binds = Arc::new(Semaphore::new(opts.bind_concurrency.max(1)));
     let mut said = Said::default();
     let mut warned_nodes: HashMap<String, String> = HashMap::new();
@@ -253,20 +259,22 @@ pub async fn run(
             a.clone()
         };
         assumed_gpus.retain(|uid, _| assumed_now.contains_key(uid));
+        refused.retain(|_, at| at.elapsed() < REFUSED_FOR);
+        let excluded: std::collections::HashSet<String> = refused.keys().cloned().collect();
         let snap = Snapshot {
-            nodes: &nodes,
-            pods: &pods,
-            jobs: &jobs,
-            assumed: &assumed_now,
             assumed_gpus: &assumed_gpus,
             shares: opts.share_key.is_some(),
+            preemption: opts.preemption,
+            excluded: &excluded,
+            unix_now: k8s_openapi::jiff::Timestamp::now().as_second(),
+            ..Snapshot::new(&opts.scheduler_name, &nodes, &pods, &jobs, &assumed_now)
         };
         let now = started.elapsed().as_secs();
         let t0 = Instant::now();
         let interval = opts.status_interval;
         let mut explain =
             |uid: &str| said.at.get(uid).is_none_or(|(at, _)| at.elapsed() >= interval);
-        let plan = cycle::plan(&snap, &opts.scheduler_name, &config, now, &mut explain);
+        let plan = cycle::plan(&snap, &config, now, &mut explain);
         metrics.cycle_seconds.observe(t0.elapsed().as_secs_f64());
         metrics
             .pending
@@ -337,6 +345,27 @@ pub async fn run(
             });
         }
 
+        for p in &plan.preemptions {
+            match preempt(&client, &caches, p, &opts.scheduler_name, &mut events).await {
+                Ok(()) => {
+                    metrics.preemptions.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(Refusal { victims, why }) => {
+                    warn!(reason = %why, "preemption not made");
+                    for uid in victims {
+                        refused.insert(uid, Instant::now());
+                    }
+                    for (pod, _) in &p.nominate {
+                        let msg = format!("preemption: {why}; looking for other victims");
+                        if let Err(e) = mark_unschedulable(&client, pod, &msg).await {
+                            debug!(pod = %pod, error = %e, "could not update PodScheduled");
+                        }
+                    }
+                    changed.notify_one();
+                }
+            }
+        }
+
         for (pod, msg) in plan.waiting {
             metrics.attempts_unschedulable.fetch_add(1, Ordering::Relaxed);
             let same = said.at.get(&pod.uid).is_some_and(|(_, m)| *m == msg);
@@ -369,6 +398,128 @@ pub async fn run(
             said.at.retain(|u, _| live.contains(u.as_str()));
         }
     }
+}
+
+/// How long a victim whose eviction was refused is left out of preemption.
+const REFUSED_FOR: Duration = Duration::from_secs(30);
+
+/// Why a preemption was not (fully) made, and the victims not to choose again for a while.
+struct Refusal {
+    victims: Vec<String>,
+    why: String,
+}
+
+/// Carries out one preemption: checks every victim's PodDisruptionBudget first (none is evicted
+/// unless all may be), nominates the preemptors, then evicts through `pods/eviction`.
+async fn preempt(
+    client: &Client,
+    caches: &Caches,
+    p: &crate::preempt::Preemption,
+    component: &str,
+    events: &mut EventBudget,
+) -> Result<(), Refusal> {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    let labels_of = |k: &PodKey| {
+        caches
+            .pods
+            .get(&ObjectRef::new(&k.name).within(&k.namespace))
+            .and_then(|p| p.metadata.labels.clone())
+            .unwrap_or_default()
+    };
+    let mut namespaces: Vec<&str> = p.victims.iter().map(|v| v.namespace.as_str()).collect();
+    namespaces.sort_unstable();
+    namespaces.dedup();
+    for ns in namespaces {
+        let api: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), ns);
+        let pdbs = api.list(&Default::default()).await.map_err(|e| Refusal {
+            victims: Vec::new(),
+            why: format!("cannot read the PodDisruptionBudgets of namespace {ns}: {e}"),
+        })?;
+        for pdb in pdbs.items {
+            let Some(sel) = pdb.spec.as_ref().and_then(|s| s.selector.as_ref()) else { continue };
+            let covered: Vec<&PodKey> = p
+                .victims
+                .iter()
+                .filter(|v| v.namespace == ns && selects(sel, &labels_of(v)))
+                .collect();
+            if covered.is_empty() {
+                continue;
+            }
+            let allowed = pdb.status.as_ref().and_then(|s| s.disruptions_allowed).unwrap_or(0);
+            if covered.len() as i64 > i64::from(allowed) {
+                let names: Vec<String> = covered.iter().map(|v| v.to_string()).collect();
+                return Err(Refusal {
+                    victims: covered.iter().map(|v| v.uid.clone()).collect(),
+                    why: format!(
+                        "evicting {} would break PodDisruptionBudget {ns}/{} (it allows {allowed} disruption(s) now)",
+                        names.join(", "),
+                        pdb.metadata.name.as_deref().unwrap_or("")
+                    ),
+                });
+            }
+        }
+    }
+    for (pod, node) in &p.nominate {
+        let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);
+        let patch = serde_json::json!({ "status": { "nominatedNodeName": node } });
+        if let Err(e) =
+            api.patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&patch)).await
+        {
+            warn!(pod = %pod, node = %node, error = %e, "could not nominate the preemptor");
+        }
+    }
+    let by = p.nominate.first().map(|(k, n)| format!("{k} on node {n}")).unwrap_or_default();
+    for v in &p.victims {
+        let api: Api<Pod> = Api::namespaced(client.clone(), &v.namespace);
+        match api.evict(&v.name, &kube::api::EvictParams::default()).await {
+            Ok(_) => {
+                info!(pod = %v, by = %by, "evicted for preemption");
+                if events.take() {
+                    let target = ObjectReference {
+                        api_version: Some("v1".into()),
+                        kind: Some("Pod".into()),
+                        name: Some(v.name.clone()),
+                        namespace: Some(v.namespace.clone()),
+                        uid: Some(v.uid.clone()),
+                        ..ObjectReference::default()
+                    };
+                    let msg = format!("Preempted by {by}");
+                    let ev = warning(&v.namespace, &v.name, target, "Preempted", &msg, component);
+                    let events_api: Api<Event> = Api::namespaced(client.clone(), &v.namespace);
+                    if let Err(e) = events_api.create(&PostParams::default(), &ev).await {
+                        debug!(pod = %v, error = %e, "could not record the Preempted Event");
+                    }
+                }
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => {
+                return Err(Refusal {
+                    victims: vec![v.uid.clone()],
+                    why: format!("the API server refused to evict {v}: {e}"),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether a `LabelSelector` selects `labels` (an empty selector selects everything).
+fn selects(
+    sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+    labels: &std::collections::BTreeMap<String, String>,
+) -> bool {
+    let by_labels = sel.match_labels.iter().flatten().all(|(k, v)| labels.get(k) == Some(v));
+    let by_exprs = sel.match_expressions.iter().flatten().all(|r| {
+        let values = r.values.as_deref().unwrap_or(&[]);
+        match r.operator.as_str() {
+            "In" => labels.get(&r.key).is_some_and(|v| values.contains(v)),
+            "NotIn" => labels.get(&r.key).is_none_or(|v| !values.contains(v)),
+            "Exists" => labels.contains_key(&r.key),
+            "DoesNotExist" => !labels.contains_key(&r.key),
+            _ => false,
+        }
+    });
+    by_labels && by_exprs
 }
 
 /// A token bucket for Events, so a thousand waiting pods do not flood the API server.

@@ -115,6 +115,10 @@ pub struct SchedulerArgs {
     /// Seed of the placement policy's tie-breaking (the seed `xpu sim openb` prints).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub seed: u64,
+    /// Never evict lower-priority pods to place a higher-priority one (by default xpu does,
+    /// through the Eviction API, as kube-scheduler's preemption does through deletes).
+    #[arg(long)]
+    pub no_preemption: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -270,6 +274,7 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
             share_key,
             best_effort: a.queueing == Queueing::BestEffort,
             seed: a.seed,
+            preemption: !a.no_preemption,
             ..xpu_kube::scheduler::Options::default()
         },
         leader_elect: a.leader_elect.then(|| xpu_kube::leader::LeaseConfig {

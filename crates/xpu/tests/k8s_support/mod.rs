@@ -49,6 +49,8 @@ fn resource_of(kind: &str) -> Option<(&'static str, &'static str, &'static str, 
         "DaemonSet" => ("apps", "v1", "daemonsets", true),
         "Job" => ("batch", "v1", "jobs", true),
         "DeviceClass" => ("resource.k8s.io", "v1", "deviceclasses", false),
+        "PriorityClass" => ("scheduling.k8s.io", "v1", "priorityclasses", false),
+        "PodDisruptionBudget" => ("policy", "v1", "poddisruptionbudgets", true),
         "ResourceClaim" => ("resource.k8s.io", "v1", "resourceclaims", true),
         "ValidatingAdmissionPolicy" => {
             ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies", false)
