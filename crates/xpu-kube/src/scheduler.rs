@@ -383,7 +383,7 @@ pub async fn run(
                 if let Err(e) = api
                     .create(
                         &PostParams::default(),
-                        &event_for_pod(&pod, &msg, &opts.scheduler_name),
+                        &event_for_pod(&pod, "FailedScheduling", &msg, &opts.scheduler_name),
                     )
                     .await
                 {
@@ -475,16 +475,8 @@ async fn preempt(
             Ok(_) => {
                 info!(pod = %v, by = %by, "evicted for preemption");
                 if events.take() {
-                    let target = ObjectReference {
-                        api_version: Some("v1".into()),
-                        kind: Some("Pod".into()),
-                        name: Some(v.name.clone()),
-                        namespace: Some(v.namespace.clone()),
-                        uid: Some(v.uid.clone()),
-                        ..ObjectReference::default()
-                    };
                     let msg = format!("Preempted by {by}");
-                    let ev = warning(&v.namespace, &v.name, target, "Preempted", &msg, component);
+                    let ev = event_for_pod(v, "Preempted", &msg, component);
                     let events_api: Api<Event> = Api::namespaced(client.clone(), &v.namespace);
                     if let Err(e) = events_api.create(&PostParams::default(), &ev).await {
                         debug!(pod = %v, error = %e, "could not record the Preempted Event");
@@ -594,7 +586,7 @@ async fn mark_unschedulable(client: &Client, pod: &PodKey, msg: &str) -> Result<
     Ok(())
 }
 
-fn event_for_pod(pod: &PodKey, msg: &str, component: &str) -> Event {
+fn event_for_pod(pod: &PodKey, reason: &str, msg: &str, component: &str) -> Event {
     let target = ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Pod".into()),
@@ -603,7 +595,7 @@ fn event_for_pod(pod: &PodKey, msg: &str, component: &str) -> Event {
         uid: Some(pod.uid.clone()),
         ..ObjectReference::default()
     };
-    warning(&pod.namespace, &pod.name, target, "FailedScheduling", msg, component)
+    warning(&pod.namespace, &pod.name, target, reason, msg, component)
 }
 
 fn event_for_node(node: &str, why: &str, component: &str) -> Event {
