@@ -931,4 +931,63 @@ mod tests {
         let plan = super::plan(&snap, &config, 100, &mut |_| true);
         assert_eq!(plan.preemptions[0].victims[0].name, "old", "{plan:?}");
     }
+
+    fn share_node(name: &str, res: &str, n: &str) -> Arc<Node> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": name },
+                "status": { "allocatable": { "cpu": "64", "memory": "64Gi", res: n },
+                            "conditions": [{ "type": "Ready", "status": "True" }] }
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn share_pod(name: &str, milli: u64, node: Option<&str>, gpus: Option<&str>) -> Arc<Pod> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": name, "namespace": "default", "uid": format!("u-{name}"),
+                              "annotations": gpus.map(|g| json!({ share::GPUS_ANNOTATION: g })) },
+                "spec": { "schedulerName": "xpu", "nodeName": node,
+                    "containers": [{ "name": "c", "resources": { "limits": { SHARE_RESOURCE: milli.to_string() } } }] },
+                "status": { "phase": if node.is_some() { "Running" } else { "Pending" } }
+            }))
+            .unwrap(),
+        )
+    }
+
+    /// Per-GPU use comes from the bound pods' recorded choices and the scheduler's own assumed
+    /// ones; a share pod never lands on a node that offers its GPUs whole.
+    #[test]
+    fn shares_follow_recorded_and_assumed_gpus_and_stay_off_whole_gpu_nodes() {
+        let nodes = vec![
+            share_node("a-whole", "nvidia.com/gpu", "4"),
+            share_node("b-share", SHARE_RESOURCE, "2000"),
+        ];
+        let pods = vec![
+            // GPU 0 holds 500 recorded on the pod and 300 only assumed so far.
+            share_pod("bound", 500, Some("b-share"), Some("0")),
+            share_pod("assumed", 300, None, None),
+            share_pod("new", 600, None, None),
+        ];
+        let jobs = HashMap::new();
+        let assumed = HashMap::from([("u-assumed".to_owned(), "b-share".to_owned())]);
+        let assumed_gpus = HashMap::from([("u-assumed".to_owned(), vec![0u16])]);
+        let snap = Snapshot {
+            shares: true,
+            assumed_gpus: &assumed_gpus,
+            ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed)
+        };
+        let plan = plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
+        assert!(plan.waiting.is_empty(), "{:?}", plan.waiting);
+        let b = &plan.binds[0];
+        assert_eq!((b.pod.name.as_str(), b.node.as_str()), ("new", "b-share"));
+        assert_eq!(b.share, Some((vec![1], 600)), "GPU 0 has 200 left, so GPU 1");
+
+        // Without the key, share pods wait and are told why.
+        let snap = Snapshot { shares: false, ..snap };
+        let plan = super::plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
+        assert!(plan.binds.is_empty());
+        assert!(plan.waiting[0].1.contains("--share-key"), "{:?}", plan.waiting);
+    }
 }
