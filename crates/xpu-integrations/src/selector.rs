@@ -45,6 +45,15 @@ pub struct SelectorError {
 }
 
 impl Resource {
+    /// [`Resource::defaults`] with GPUs offered as shares ([`crate::deviceplugin::SHARE_RESOURCE`],
+    /// every GPU whatever its vendor) instead of whole (`nvidia.com/gpu`, `amd.com/gpu`).
+    pub fn share_defaults() -> Vec<Resource> {
+        let mut r = Self::defaults();
+        r.retain(|r| !r.name.ends_with("/gpu"));
+        r.extend(format!("{}=kind:gpu", crate::deviceplugin::SHARE_RESOURCE).parse().ok());
+        r
+    }
+
     pub fn matches(&self, d: &PciDevice) -> bool {
         self.terms.iter().all(|t| match t {
             Term::Vendor(v) => d.vendor_id == Some(*v),
@@ -149,6 +158,9 @@ mod tests {
         assert_eq!(r.to_string(), "nvidia.com/gpu=vendor:10de,kind:gpu,driver:nvidia");
         assert_eq!(r.socket_name(), "xpu-nvidia.com-gpu.sock");
         assert_eq!(Resource::defaults().len(), 3);
+        let shared: Vec<String> =
+            Resource::share_defaults().iter().map(|r| r.name.clone()).collect();
+        assert_eq!(shared, ["google.com/tpu", "xpu.dev/gpu-milli"]);
     }
 
     #[test]

@@ -27,9 +27,9 @@ pub const DEVICE_RESOURCES: [(&str, DeviceKind); 4] = [
 /// one), or for whole GPUs in multiples of 1000 (`2000` is two). A node offers
 /// `1000 × GPUs` of it (xpu's device plugin with `--share`); its GPUs are numbered 0.. in PCI
 /// address order, which is how the scheduler names the one it chose (see [`crate::share`]).
-pub const SHARE_RESOURCE: &str = "xpu.dev/gpu-milli";
-/// Units of [`SHARE_RESOURCE`] in one GPU.
-pub const MILLI_PER_GPU: u64 = 1000;
+pub use xpu_integrations::deviceplugin::SHARE_RESOURCE;
+/// Units of [`SHARE_RESOURCE`] in one GPU (the device plugin's units per GPU).
+pub const MILLI_PER_GPU: u64 = xpu_integrations::deviceplugin::SHARE_UNITS as u64;
 
 /// Label (or annotation) naming a gang of pods that start together or not at all.
 pub const GANG_LABEL: &str = "xpu.dev/gang";

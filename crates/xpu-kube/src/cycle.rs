@@ -164,6 +164,31 @@ struct Used {
     shares: Vec<(u64, Option<Vec<u16>>)>,
 }
 
+impl Used {
+    /// Adds what `p` holds (a GPU share on `gpus`, when recorded). Quantities are validated by
+    /// the API server, so `usage` does not fail on a stored pod.
+    fn add(&mut self, p: &Pod, gpus: Option<Vec<u16>>) {
+        let r = convert::usage(p).unwrap_or_default();
+        self.cpu += r.cpu_milli;
+        self.mem += r.memory_mib;
+        self.pods += 1;
+        for (res, n) in r.devices {
+            if res == SHARE_RESOURCE {
+                self.shares.push((n, gpus.clone()));
+            } else {
+                *self.dev.entry(res).or_default() += n;
+            }
+        }
+    }
+}
+
+/// Keeps a pod to nodes offering the device resource it asks for (see [`OFFERS`]).
+fn keep_to_offer(ask: &mut PodAsk) {
+    if let Some(res) = ask.resources.device_resource {
+        ask.task.node_selector.insert(format!("{OFFERS}{res}"), "true".into());
+    }
+}
+
 /// Pending members of one gang: (completion index, pod, ask).
 type Members = Vec<(u32, PodKey, PodAsk)>;
 
@@ -250,8 +275,8 @@ pub fn plan(
             say(&mut out, key, msg, explain);
             continue;
         }
-        if separate && let Some(res) = ask.resources.device_resource {
-            ask.task.node_selector.insert(format!("{OFFERS}{res}"), "true".into());
+        if separate {
+            keep_to_offer(&mut ask);
         }
         if config.policy.needs_mix() {
             mix_tasks.push(ask.task.clone());
@@ -375,8 +400,8 @@ pub fn plan(
                 && bound_node(p, snap.assumed).is_some()
                 && let Ok(mut ask) = convert::pod(p)
             {
-                if separate && let Some(res) = ask.resources.device_resource {
-                    ask.task.node_selector.insert(format!("{OFFERS}{res}"), "true".into());
+                if separate {
+                    keep_to_offer(&mut ask);
                 }
                 mix_tasks.push(ask.task);
             }
@@ -494,26 +519,15 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         // A bound pod holds what it asks for, whichever scheduler placed it and whatever xpu
         // itself would refuse to place (two device kinds, DRA claims). Quantities are validated
         // by the API server, so `usage` does not fail on a stored pod.
-        let r = convert::usage(p).unwrap_or_default();
-        let u = used.entry(node).or_default();
-        u.cpu += r.cpu_milli;
-        u.mem += r.memory_mib;
-        u.pods += 1;
-        for (res, n) in r.devices {
-            if res == SHARE_RESOURCE {
-                let uid = p.metadata.uid.as_deref().unwrap_or("");
-                let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| {
-                    p.metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(share::GPUS_ANNOTATION))
-                        .and_then(|g| share::parse_gpus(g))
-                });
-                u.shares.push((n, gpus));
-            } else {
-                *u.dev.entry(res).or_default() += n;
-            }
-        }
+        let uid = p.metadata.uid.as_deref().unwrap_or("");
+        let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| {
+            p.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(share::GPUS_ANNOTATION))
+                .and_then(|g| share::parse_gpus(g))
+        });
+        used.entry(node).or_default().add(p, gpus);
         // A malformed gang label only matters for a pending pod, which is told about it.
         if let Ok(Some(g)) = convert::gang(p, job_shape) {
             let e = gang_bound.entry(g.key).or_insert((0, None));
@@ -553,18 +567,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         let Some((&node, _)) = terminating.get_key_value(node).filter(|(_, m)| **m < prio) else {
             continue;
         };
-        let r = convert::usage(p).unwrap_or_default();
-        let u = used.entry(node).or_default();
-        u.cpu += r.cpu_milli;
-        u.mem += r.memory_mib;
-        u.pods += 1;
-        for (res, n) in r.devices {
-            if res == SHARE_RESOURCE {
-                u.shares.push((n, None));
-            } else {
-                *u.dev.entry(res).or_default() += n;
-            }
-        }
+        used.entry(node).or_default().add(p, None);
         reserved.insert(p.metadata.uid.clone().unwrap_or_default(), node.to_owned());
     }
     // Only a cluster that offers more than one device resource needs to keep them apart.

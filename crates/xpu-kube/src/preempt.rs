@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use k8s_openapi::api::core::v1::Pod;
+use tracing::{debug, warn};
 use xpu_core::DeviceKind;
 use xpu_sched::TaskRef;
 use xpu_sched::policy::TaskMix;
@@ -190,7 +191,13 @@ pub fn plan(
     };
     let cluster = crate::cycle::cluster_of(&what_if).cluster;
     let cfg = SchedulerConfig { preemption: true, best_effort: true, ..config.clone() };
-    let Ok(mut sched) = Scheduler::new(cluster, cfg) else { return Vec::new() };
+    let mut sched = match Scheduler::new(cluster, cfg) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "no preemption this cycle: the what-if scheduler cannot be built");
+            return Vec::new();
+        }
+    };
 
     // Candidates as running jobs: a gang's members together.
     let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -201,8 +208,7 @@ pub fn plan(
     let mut victims_of: HashMap<u32, Vec<PodKey>> = HashMap::new();
     let mut taken: HashSet<(u32, u16)> = HashSet::new();
     for (name, members) in &groups {
-        let mut job = Job::single(name.clone(), TaskGroup::new(1, TaskSpec::cpu(0, 0)));
-        job.groups.clear();
+        let mut groups = Vec::with_capacity(members.len());
         let mut running = Vec::new();
         let mut ok = true;
         for (gi, &i) in members.iter().enumerate() {
@@ -215,7 +221,7 @@ pub fn plan(
                 ok = false;
                 break;
             };
-            job.groups.push(TaskGroup::new(1, task));
+            groups.push(TaskGroup::new(1, task));
             running.push((TaskRef { group: gi as u32, index: 0 }, node, devices));
         }
         if !ok {
@@ -223,10 +229,20 @@ pub fn plan(
         }
         let prio = members.iter().map(|&i| held[i].priority).max().unwrap_or(0);
         let age = members.iter().map(|&i| held[i].age).max().unwrap_or(0);
-        job = job.priority(prio);
+        let job = Job {
+            name: name.clone(),
+            queue: String::new(),
+            priority: prio,
+            groups,
+            max_run_duration: None,
+            duration_hint: None,
+        };
         // Adopted as started `age` seconds ago, so that lost work counts its run time.
-        if let Ok(id) = sched.adopt(job, &running, now.saturating_sub(age)) {
-            victims_of.insert(id, members.iter().map(|&i| held[i].key.clone()).collect());
+        match sched.adopt(job, &running, now.saturating_sub(age)) {
+            Ok(id) => {
+                victims_of.insert(id, members.iter().map(|&i| held[i].key.clone()).collect());
+            }
+            Err(e) => debug!(victim = %name, error = %e, "not a preemption candidate"),
         }
     }
     if !mix.is_empty() && config.policy.needs_mix() {
@@ -240,8 +256,11 @@ pub fn plan(
     order.sort_by_key(|w| std::cmp::Reverse(w.job.priority));
     let mut unit_of: HashMap<u32, &Waiting> = HashMap::new();
     for w in order {
-        if let Ok(id) = sched.submit(w.job.clone(), now) {
-            unit_of.insert(id, w);
+        match sched.submit(w.job.clone(), now) {
+            Ok(id) => {
+                unit_of.insert(id, w);
+            }
+            Err(e) => debug!(job = %w.job.name, error = %e, "cannot preempt for it"),
         }
     }
     let mut victims: HashMap<u32, Vec<PodKey>> = HashMap::new();

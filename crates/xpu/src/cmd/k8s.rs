@@ -301,16 +301,7 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
     crate::output::init_tracing_with(&args.log);
     let root = root_arg(args.root)?;
     let resources = if args.resources.is_empty() {
-        let mut r = Resource::defaults();
-        if args.share {
-            r.retain(|r| !r.name.ends_with("/gpu"));
-            r.push(
-                format!("{}=kind:gpu", deviceplugin::SHARE_RESOURCE)
-                    .parse()
-                    .map_err(CliError::input)?,
-            );
-        }
-        r
+        if args.share { Resource::share_defaults() } else { Resource::defaults() }
     } else {
         args.resources
             .iter()
