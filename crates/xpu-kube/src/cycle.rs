@@ -18,6 +18,7 @@ use xpu_sched::request::{GKE_TPU_ACCELERATOR, GKE_TPU_TOPOLOGY};
 use xpu_sched::{Cluster, Decision, Job, NodeStatus, Scheduler, SchedulerConfig, TaskGroup};
 
 use crate::convert::{self, GangRef, PodAsk, SHARE_RESOURCE};
+use crate::flex::{self, ProvisioningRequest};
 use crate::share;
 
 /// Internal node label (never a real one: `~` is not allowed in label keys) saying which device
@@ -73,6 +74,8 @@ pub struct Plan {
     pub pending: usize,
     /// Lower-priority pods to evict, and where the pods they make room for go.
     pub preemptions: Vec<crate::preempt::Preemption>,
+    /// Flex-start capacity to ask for: one ProvisioningRequest per gang that does not fit.
+    pub provisions: Vec<flex::Provision>,
     /// Units keep what they submitted (set while planning when preemption is on).
     preemption_on: bool,
 }
@@ -100,6 +103,11 @@ pub struct Snapshot<'a> {
     pub unix_now: i64,
     /// Bound pods to leave out of what nodes hold (preemption's what-if), by uid.
     pub hold_out: Option<&'a std::collections::HashSet<&'a str>>,
+    /// The cluster's ProvisioningRequests; `None` when it does not serve the API (flex-start
+    /// pods are then placed on the nodes there are, and told no capacity is asked for).
+    pub provisioning: Option<&'a [Arc<ProvisioningRequest>]>,
+    /// Seconds before asking again after a request ended: first wait, and the most.
+    pub provisioning_backoff: (u64, u64),
 }
 
 impl<'a> Snapshot<'a> {
@@ -127,6 +135,8 @@ impl<'a> Snapshot<'a> {
             excluded: &NONE,
             unix_now: 0,
             hold_out: None,
+            provisioning: None,
+            provisioning_backoff: (30, 900),
         }
     }
 }
@@ -203,6 +213,151 @@ struct Unit {
     share_ask: u64,
     /// What was submitted, for preemption's what-if (only when preemption is on).
     spec: Option<Job>,
+    /// Flex-start: the request to make if it does not start, and what to add to its message.
+    flex: Option<flex::Provision>,
+    note: String,
+}
+
+/// What flex-start says about a unit before it is submitted.
+enum FlexGate {
+    /// Place it; if it does not start, ask for capacity (`Some`) and add the note to its reason.
+    Place(Option<flex::Provision>, String),
+    /// It holds nothing this cycle (its request is not provisioned): the reason for its pods,
+    /// and a request to make (a first one again, or the next attempt). The reason is given
+    /// every cycle, not rate-limited: it is cheap, it changes only with the request (the driver
+    /// writes only a changed reason), and a Failed request is news to report at once.
+    Hold(String, Option<flex::Provision>),
+}
+
+/// The flex-start gate for a unit whose pods (`members`, first is the template) ask like
+/// `ask`; `base` names its requests and `count` is how many pods they are for.
+fn flex_gate(
+    snap: &Snapshot<'_>,
+    ask: &PodAsk,
+    members: &[&Pod],
+    base: &str,
+    count: u32,
+) -> FlexGate {
+    let none = FlexGate::Place(None, String::new());
+    let Some(&first) = members.first() else { return none };
+    if !flex::aimed(&ask.task.node_selector) {
+        return none;
+    }
+    let Some(requests) = snap.provisioning else {
+        return FlexGate::Place(
+            None,
+            "; no flex-start capacity is asked for: the cluster does not serve ProvisioningRequests (autoscaling.x-k8s.io/v1); install the cluster autoscaler with them enabled, or `xpu k8s crd | kubectl apply -f -` for another provisioner".into(),
+        );
+    };
+    let ns = first.metadata.namespace.as_deref().unwrap_or("default");
+    let note = |k: &str| first.metadata.annotations.as_ref().and_then(|a| a.get(k));
+    let Some(name) = note(flex::CONSUME) else {
+        let p = flex::provision(first, members, flex::request_name(base, 1), count, 1, None);
+        return FlexGate::Place(Some(p), String::new());
+    };
+    let attempt = note(flex::ATTEMPT).and_then(|a| a.parse::<u32>().ok()).filter(|a| *a > 0);
+    let found = requests.iter().find(|r| {
+        r.metadata.name.as_deref() == Some(name.as_str())
+            && r.metadata.namespace.as_deref().unwrap_or("default") == ns
+    });
+    let Some(r) = found else {
+        return match attempt {
+            // Ours: just made (the watch has not shown it yet) or deleted since; made again.
+            Some(a) => FlexGate::Hold(
+                format!(
+                    "waiting for ProvisioningRequest {ns}/{name} ({}) to be Provisioned",
+                    flex::CLASS
+                ),
+                Some(flex::provision(first, members, name.clone(), count, a, None)),
+            ),
+            None => FlexGate::Hold(
+                format!(
+                    "waiting for ProvisioningRequest {ns}/{name}, named by the pods' {} annotation; it does not exist",
+                    flex::CONSUME
+                ),
+                None,
+            ),
+        };
+    };
+    match flex::state(r) {
+        flex::State::Provisioned => FlexGate::Place(
+            None,
+            format!(
+                "; its ProvisioningRequest {ns}/{name} is Provisioned: waiting for the new nodes"
+            ),
+        ),
+        flex::State::Waiting(c) => FlexGate::Hold(
+            format!(
+                "waiting for ProvisioningRequest {ns}/{name} ({}) to be Provisioned{}",
+                r.spec.provisioning_class_name,
+                c.map(|c| format!("; now {}", flex::describe(c))).unwrap_or_default()
+            ),
+            None,
+        ),
+        flex::State::Ended(c) => {
+            let Some(a) = attempt else {
+                return FlexGate::Hold(
+                    format!(
+                        "ProvisioningRequest {ns}/{name} ended, {}; it is not xpu's (the pods have no {}), so point {} at a new one",
+                        flex::describe(c),
+                        flex::ATTEMPT,
+                        flex::CONSUME
+                    ),
+                    None,
+                );
+            };
+            let (first_wait, most) = snap.provisioning_backoff;
+            let at = c.last_transition_time.0.as_second()
+                + i64::try_from(flex::backoff(a, first_wait, most)).unwrap_or(i64::MAX);
+            if snap.unix_now < at {
+                return FlexGate::Hold(
+                    format!(
+                        "ProvisioningRequest {ns}/{name} ended, {}; asking again at {} (attempt {})",
+                        flex::describe(c),
+                        k8s_openapi::jiff::Timestamp::from_second(at)
+                            .map_or_else(|_| format!("{at} s"), |t| t.to_string()),
+                        a + 1
+                    ),
+                    None,
+                );
+            }
+            let next = flex::request_name(base, a + 1);
+            FlexGate::Hold(
+                format!(
+                    "ProvisioningRequest {ns}/{name} ended, {}; asked again as {ns}/{next}",
+                    flex::describe(c)
+                ),
+                Some(flex::provision(first, members, next, count, a + 1, Some(name.clone()))),
+            )
+        }
+    }
+}
+
+/// For a unit that did not start: what to add to its reason, after moving the flex-start
+/// request it would need into the plan.
+fn unplaced(unit: &mut Unit, out: &mut Plan) -> String {
+    let mut note = std::mem::take(&mut unit.note);
+    if let Some(p) = unit.flex.take() {
+        note.push_str(&format!(
+            "; asked for flex-start capacity: ProvisioningRequest {}/{} ({}) for {} pods",
+            p.namespace,
+            p.name(),
+            flex::CLASS,
+            p.request.spec.pod_sets.first().map_or(0, |s| s.count)
+        ));
+        out.provisions.push(p);
+    }
+    note
+}
+
+/// The name a unit's requests start from: its Job's, its gang's, or the pod's.
+fn flex_base(p: &Pod, gang: Option<&str>) -> String {
+    let job = p.metadata.owner_references.iter().flatten().find(|o| o.kind == "Job");
+    match (job, gang) {
+        (Some(j), _) => j.name.clone(),
+        (None, Some(g)) => g.rsplit('/').next().unwrap_or(g).to_owned(),
+        (None, None) => p.metadata.name.clone().unwrap_or_default(),
+    }
 }
 
 /// Runs one cycle. `explain(uid)` says whether a waiting pod's reason is wanted this time (the
@@ -230,6 +385,8 @@ pub fn plan(
         ka.partial_cmp(&kb).unwrap_or(std::cmp::Ordering::Equal)
     });
     out.pending = pending.len();
+    let pod_of: HashMap<&str, &Pod> =
+        pending.iter().filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref()))).collect();
 
     let mut sched = match Scheduler::new(cluster, config.clone()) {
         Ok(s) => s,
@@ -306,7 +463,19 @@ pub fn plan(
                     say(&mut out, key, msg, explain);
                     continue;
                 }
-                submit_pod(&mut sched, &mut units, key, &ask, now, &mut out, explain);
+                match flex_gate(snap, &ask, &[p.as_ref()], &flex_base(p, None), 1) {
+                    FlexGate::Hold(msg, provision) => {
+                        out.provisions.extend(provision);
+                        out.waiting.push((key, msg));
+                    }
+                    FlexGate::Place(provision, note) => {
+                        let n = units.len();
+                        submit_pod(&mut sched, &mut units, key, &ask, now, &mut out, explain);
+                        if let Some(u) = units.get_mut(n) {
+                            (u.flex, u.note) = (provision, note);
+                        }
+                    }
+                }
             }
         }
     }
@@ -370,11 +539,30 @@ pub fn plan(
             },
             None => TaskGroup::new(need as u32, first.task.clone()).gang(),
         };
+        // Flex-start capacity is asked for a whole gang, before any of it runs.
+        let (provision, note) = if bound == 0 {
+            let pods: Vec<&Pod> =
+                members.iter().filter_map(|(k, _)| pod_of.get(k.uid.as_str()).copied()).collect();
+            let base = pods.first().map(|p| flex_base(p, Some(&gkey))).unwrap_or_default();
+            match flex_gate(snap, &first, &pods, &base, g.size) {
+                FlexGate::Place(p, note) => (p, note),
+                FlexGate::Hold(msg, provision) => {
+                    out.provisions.extend(provision);
+                    for (key, _) in members {
+                        out.waiting.push((key, msg.clone()));
+                    }
+                    continue;
+                }
+            }
+        } else {
+            (None, String::new())
+        };
         let job =
             Job::single(gkey.clone(), group).priority(first.priority).queue(first.queue.clone());
         let keys = members.into_iter().map(|(k, _)| k).collect();
         let resource = first.resources.device_resource;
         let ask = share_ask(&first);
+        let n = units.len();
         submit(
             &mut sched,
             &mut units,
@@ -387,6 +575,9 @@ pub fn plan(
             &mut out,
             explain,
         );
+        if let Some(u) = units.get_mut(n) {
+            (u.flex, u.note) = (provision, note);
+        }
     }
 
     // FGD and xpu measure fragmentation against the tasks the cluster runs: those waiting and
@@ -439,7 +630,7 @@ pub fn plan(
             }
             Decision::Fail { job, error } => {
                 let Some(unit) = by_job.get(&job).map(|&i| &mut units[i]) else { continue };
-                let msg = kube_words(&error.to_string(), unit.resource);
+                let msg = kube_words(&error.to_string(), unit.resource) + &unplaced(unit, &mut out);
                 for k in &unit.pods {
                     if explain(&k.uid) {
                         out.waiting.push((k.clone(), msg.clone()));
@@ -450,15 +641,16 @@ pub fn plan(
             _ => {}
         }
     }
-    for unit in &units {
+    for unit in &mut units {
         let Some(job) = unit.job else { continue };
+        let note = unplaced(unit, &mut out);
         if !unit.pods.iter().any(|k| explain(&k.uid)) {
             continue;
         }
         let msg = match sched.explain(job) {
             Some(u) => kube_words(&u.to_string(), unit.resource),
             None => "waiting behind earlier pods of its queue (xpu schedules each queue in order, by priority)".into(),
-        };
+        } + &note;
         for k in &unit.pods {
             out.waiting.push((k.clone(), msg.clone()));
         }
@@ -767,7 +959,16 @@ fn submit(
     let preemption = out.preemption_on;
     let spec = preemption.then(|| job.clone());
     match sched.submit(job, now) {
-        Ok(id) => units.push(Unit { pods, gang, job: Some(id), resource, share_ask, spec }),
+        Ok(id) => units.push(Unit {
+            pods,
+            gang,
+            job: Some(id),
+            resource,
+            share_ask,
+            spec,
+            flex: None,
+            note: String::new(),
+        }),
         Err(e) => {
             for k in pods {
                 if explain(&k.uid) {
@@ -878,6 +1079,127 @@ mod tests {
         let mut on: Vec<&str> = plan.binds.iter().map(|b| b.node.as_str()).collect();
         on.sort_unstable();
         assert_eq!(on, ["slice-0", "slice-1"]);
+    }
+
+    /// A TPU gang pod aimed at flex-start, pointed at request `req` (attempt `attempt`).
+    fn flex_pod(name: &str, index: u32, req: Option<(&str, u32)>) -> Arc<Pod> {
+        let mut p = Arc::unwrap_or_clone(tpu_pod(name, index, "j"));
+        if let Some((r, a)) = req {
+            let notes = p.metadata.annotations.get_or_insert_default();
+            notes.insert(flex::CONSUME.into(), r.into());
+            notes.insert(flex::ATTEMPT.into(), a.to_string());
+        }
+        Arc::new(p)
+    }
+
+    fn request(name: &str, conds: &[(&str, i64)]) -> Arc<ProvisioningRequest> {
+        let mut r: ProvisioningRequest = serde_json::from_value(json!({
+            "apiVersion": "autoscaling.x-k8s.io/v1", "kind": "ProvisioningRequest",
+            "metadata": { "name": name, "namespace": "default" },
+            "spec": { "provisioningClassName": flex::CLASS,
+                      "podSets": [{ "podTemplateRef": { "name": name }, "count": 2 }] }
+        }))
+        .unwrap();
+        let conditions = conds
+            .iter()
+            .map(|(t, at)| {
+                serde_json::from_value(json!({ "type": t, "status": "True", "reason": "R",
+                    "message": format!("{t} said"), "lastTransitionTime":
+                    k8s_openapi::jiff::Timestamp::from_second(*at).unwrap().to_string() }))
+                .unwrap()
+            })
+            .collect();
+        r.status = Some(flex::ProvisioningRequestStatus { conditions, ..Default::default() });
+        Arc::new(r)
+    }
+
+    /// The flex-start lifecycle of one gang, cycle by cycle: no nodes → one request for both
+    /// pods; request pending → the pods hold nothing and say why; provisioned and the nodes
+    /// there → both bind; failed → told, asked again after the backoff under a new name.
+    #[test]
+    fn a_flex_start_gang_asks_once_waits_binds_whole_and_retries_with_backoff() {
+        let jobs = HashMap::from([("j".to_owned(), (2, 2, true))]);
+        let assumed = HashMap::new();
+        let cfg = SchedulerConfig::default();
+        let run =
+            |nodes: &[Arc<Node>], pods: &[Arc<Pod>], reqs: &[Arc<ProvisioningRequest>], now| {
+                let snap = Snapshot {
+                    provisioning: Some(reqs),
+                    provisioning_backoff: (30, 900),
+                    unix_now: now,
+                    ..Snapshot::new("xpu", nodes, pods, &jobs, &assumed)
+                };
+                plan(&snap, &cfg, 0, &mut |_| true)
+            };
+        // Nothing fits: one request, for the whole gang.
+        let fresh = vec![flex_pod("job-1-0", 0, None), flex_pod("job-1-1", 1, None)];
+        let p = run(&[], &fresh, &[], 1000);
+        assert_eq!(p.provisions.len(), 1, "{:?}", p.waiting);
+        let pr = &p.provisions[0];
+        assert_eq!((pr.name(), pr.attempt, pr.pods.len()), ("job-1-flex-1", 1, 2));
+        assert_eq!(pr.request.spec.pod_sets[0].count, 2);
+        assert!(
+            p.waiting[0].1.contains(
+                "asked for flex-start capacity: ProvisioningRequest default/job-1-flex-1"
+            ),
+            "{:?}",
+            p.waiting
+        );
+
+        // Annotated, the request not yet provisioned: nothing submitted, nothing asked again.
+        let asked = vec![
+            flex_pod("job-1-0", 0, Some(("job-1-flex-1", 1))),
+            flex_pod("job-1-1", 1, Some(("job-1-flex-1", 1))),
+        ];
+        let slice = vec![node("s-0", "s", "2x2x2", true), node("s-1", "s", "2x2x2", true)];
+        let p = run(&slice, &asked, &[request("job-1-flex-1", &[("Accepted", 900)])], 1000);
+        assert!(p.binds.is_empty() && p.provisions.is_empty(), "{p:?}");
+        assert!(
+            p.waiting[0].1.contains("to be Provisioned; now Accepted (R): Accepted said"),
+            "{:?}",
+            p.waiting
+        );
+        // The watch has not shown the request yet: made again (the driver takes "exists").
+        let p = run(&[], &asked, &[], 1000);
+        assert_eq!(p.provisions.iter().map(|p| p.name()).collect::<Vec<_>>(), ["job-1-flex-1"]);
+
+        // Provisioned, nodes there: both bind, to the one slice.
+        let p = run(&slice, &asked, &[request("job-1-flex-1", &[("Provisioned", 900)])], 1000);
+        assert_eq!(p.binds.len(), 2, "{:?}", p.waiting);
+        // Provisioned, nodes not there yet: waits, says so, asks nothing.
+        let p = run(&[], &asked, &[request("job-1-flex-1", &[("Provisioned", 900)])], 1000);
+        assert!(p.provisions.is_empty());
+        assert!(
+            p.waiting[0].1.contains("is Provisioned: waiting for the new nodes"),
+            "{:?}",
+            p.waiting
+        );
+
+        // Failed at 900: held, told when; after 30 s, attempt 2 replaces it.
+        let failed = [request("job-1-flex-1", &[("Failed", 900)])];
+        let p = run(&slice, &asked, &failed, 910);
+        assert!(p.binds.is_empty() && p.provisions.is_empty(), "a failed request holds nothing");
+        assert!(
+            p.waiting[0].1.contains(
+                "ended, Failed (R): Failed said; asking again at 1970-01-01T00:15:30Z (attempt 2)"
+            ),
+            "{:?}",
+            p.waiting
+        );
+        let p = run(&[], &asked, &failed, 930);
+        let pr = &p.provisions[0];
+        assert_eq!(
+            (pr.name(), pr.attempt, pr.retire.as_deref()),
+            ("job-1-flex-2", 2, Some("job-1-flex-1"))
+        );
+        // Attempt 2 expired at 2000 waits 60 s.
+        let later = vec![
+            flex_pod("job-1-0", 0, Some(("job-1-flex-2", 2))),
+            flex_pod("job-1-1", 1, Some(("job-1-flex-2", 2))),
+        ];
+        let expired = [request("job-1-flex-2", &[("Provisioned", 1500), ("BookingExpired", 2000)])];
+        assert!(run(&[], &later, &expired, 2059).provisions.is_empty());
+        assert_eq!(run(&[], &later, &expired, 2060).provisions[0].name(), "job-1-flex-3");
     }
 
     fn gpu_pod(name: &str, prio: i32, node: Option<&str>, start: Option<&str>) -> Arc<Pod> {

@@ -15,6 +15,7 @@
 pub mod convert;
 pub mod cycle;
 pub mod dra;
+pub mod flex;
 pub mod leader;
 pub mod metrics;
 pub mod preempt;

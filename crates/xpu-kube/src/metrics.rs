@@ -57,6 +57,8 @@ pub struct Metrics {
     pub nodes_skipped: AtomicU64,
     /// Preemptions carried out (victims evicted for one waiting unit).
     pub preemptions: AtomicU64,
+    /// Flex-start ProvisioningRequests made (first ones and retries).
+    pub provisioning_requests: AtomicU64,
     pub pending: AtomicU64,
     pub leader: AtomicBool,
     /// One planning cycle.
@@ -74,6 +76,7 @@ impl Default for Metrics {
             status_errors: AtomicU64::new(0),
             nodes_skipped: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
+            provisioning_requests: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             leader: AtomicBool::new(false),
             cycle_seconds: Histogram::new(LATENCY),
@@ -121,6 +124,12 @@ impl Metrics {
             "# HELP xpu_scheduler_preemptions_total Preemptions carried out (victims evicted for a waiting pod or gang).\n\
              # TYPE xpu_scheduler_preemptions_total counter\nxpu_scheduler_preemptions_total {}",
             c(&self.preemptions)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_provisioning_requests_total Flex-start ProvisioningRequests made, retries included.\n\
+             # TYPE xpu_scheduler_provisioning_requests_total counter\nxpu_scheduler_provisioning_requests_total {}",
+            c(&self.provisioning_requests)
         );
         let _ = writeln!(
             s,

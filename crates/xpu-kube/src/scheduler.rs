@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use k8s_openapi::api::batch::v1::Job as KubeJob;
-use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod, PodTemplate};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
 use kube::Client;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Mutex, Notify, Semaphore};
@@ -26,6 +26,7 @@ use tracing::{debug, info, warn};
 use xpu_sched::{QueuePolicy, SchedulerConfig};
 
 use crate::cycle::{self, Bind, PodKey, Snapshot};
+use crate::flex::{self, ProvisioningRequest};
 use crate::metrics::Metrics;
 
 /// How the scheduler runs.
@@ -50,7 +51,13 @@ pub struct Options {
     /// Evict lower-priority pods (through the Eviction API, so PodDisruptionBudgets hold) for
     /// a pod that fits no other way.
     pub preemption: bool,
+    /// Flex-start: the wait before asking again after a ProvisioningRequest ended, doubled per
+    /// attempt up to [`PROVISIONING_BACKOFF_MAX`].
+    pub provisioning_backoff: Duration,
 }
+
+/// The longest wait between two ProvisioningRequests for one gang.
+pub const PROVISIONING_BACKOFF_MAX: Duration = Duration::from_secs(900);
 
 impl Default for Options {
     fn default() -> Self {
@@ -64,6 +71,7 @@ impl Default for Options {
             best_effort: false,
             seed: 0,
             preemption: true,
+            provisioning_backoff: Duration::from_secs(30),
         }
     }
 }
@@ -74,6 +82,8 @@ pub struct Caches {
     pub nodes: Store<Node>,
     pub pods: Store<Pod>,
     pub jobs: Store<KubeJob>,
+    /// ProvisioningRequests, once the API server is found to serve them (probed until it does).
+    pub provisioning: Arc<std::sync::OnceLock<Store<ProvisioningRequest>>>,
 }
 
 /// Starts the watches; `changed` is notified on every event. Returns once every cache has its
@@ -108,8 +118,48 @@ pub async fn watch(client: &Client, changed: Arc<Notify>) -> Caches {
     let caches = Caches {
         nodes: spawn(Api::<Node>::all(client.clone()), changed.clone(), trim_node),
         pods: spawn(Api::<Pod>::all(client.clone()), changed.clone(), trim_pod),
-        jobs: spawn(Api::<KubeJob>::all(client.clone()), changed, trim_job),
+        jobs: spawn(Api::<KubeJob>::all(client.clone()), changed.clone(), trim_job),
+        provisioning: Arc::default(),
     };
+    // The ProvisioningRequest API is a CRD the cluster autoscaler brings; look for it now and
+    // every half minute until it is there, then watch it like the rest.
+    let (api, slot) =
+        (Api::<ProvisioningRequest>::all(client.clone()), caches.provisioning.clone());
+    let probed = Arc::new(Notify::new());
+    let first_probe = probed.clone();
+    tokio::spawn(async move {
+        let mut said = String::new();
+        loop {
+            match api.list(&ListParams::default().limit(1)).await {
+                Ok(_) => {
+                    let store = spawn(api, changed.clone(), trim_request);
+                    if store.wait_until_ready().await.is_ok() {
+                        info!(
+                            "watching ProvisioningRequests (autoscaling.x-k8s.io/v1) for flex-start"
+                        );
+                        // Only this task sets it.
+                        let _ = slot.set(store);
+                    }
+                    first_probe.notify_one();
+                    changed.notify_one();
+                    return;
+                }
+                Err(e) => {
+                    let why = match &e {
+                        kube::Error::Api(s) if s.code == 404 => "not served".to_owned(),
+                        other => other.to_string(),
+                    };
+                    if why != said {
+                        info!(reason = %why, "no ProvisioningRequest API: flex-start pods are placed on the nodes there are, and no capacity is asked for");
+                        said = why;
+                    }
+                }
+            }
+            first_probe.notify_one();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        }
+    });
+    probed.notified().await;
     for (what, r) in [
         ("nodes", caches.nodes.wait_until_ready().await),
         ("pods", caches.pods.wait_until_ready().await),
@@ -144,6 +194,8 @@ fn trim_pod(p: &mut Pod) {
                 || k == crate::convert::GANG_LABEL
                 || k == crate::convert::GANG_SIZE
                 || k == crate::share::GPUS_ANNOTATION
+                || k == flex::CONSUME
+                || k == flex::ATTEMPT
         });
     }
     if let Some(s) = p.status.as_mut() {
@@ -165,6 +217,11 @@ fn trim_pod(p: &mut Pod) {
         }
         s.volumes = None;
     }
+}
+
+fn trim_request(r: &mut ProvisioningRequest) {
+    r.metadata.managed_fields = None;
+    r.metadata.annotations = None;
 }
 
 fn trim_job(j: &mut KubeJob) {
@@ -205,6 +262,9 @@ pub async fn run(
     let mut assumed_gpus: HashMap<String, Vec<u16>> = HashMap::new();
     // Victims an eviction or a PodDisruptionBudget refused, not chosen again for a while.
     let mut refused: HashMap<String, Instant> = HashMap::new();
+    // ProvisioningRequests made lately, by namespace/name: not made again while the watch
+    // catches up with them.
+    let mut asked: HashMap<String, Instant> = HashMap::new();
     let binds = Arc::new(Semaphore::new(opts.bind_concurrency.max(1)));
     let mut said = Said::default();
     let mut warned_nodes: HashMap<String, String> = HashMap::new();
@@ -261,7 +321,14 @@ pub async fn run(
         assumed_gpus.retain(|uid, _| assumed_now.contains_key(uid));
         refused.retain(|_, at| at.elapsed() < REFUSED_FOR);
         let excluded: std::collections::HashSet<String> = refused.keys().cloned().collect();
+        let requests = caches.provisioning.get().map(Store::state);
+        asked.retain(|_, at| at.elapsed() < ASKED_FOR);
         let snap = Snapshot {
+            provisioning: requests.as_deref(),
+            provisioning_backoff: (
+                opts.provisioning_backoff.as_secs(),
+                PROVISIONING_BACKOFF_MAX.as_secs().max(opts.provisioning_backoff.as_secs()),
+            ),
             assumed_gpus: &assumed_gpus,
             shares: opts.share_key.is_some(),
             preemption: opts.preemption,
@@ -366,6 +433,24 @@ pub async fn run(
             }
         }
 
+        for p in &plan.provisions {
+            let key = format!("{}/{}", p.namespace, p.name());
+            if asked.contains_key(&key) {
+                continue;
+            }
+            asked.insert(key.clone(), Instant::now());
+            match provision(&client, p).await {
+                Ok(()) => {
+                    metrics.provisioning_requests.fetch_add(1, Ordering::Relaxed);
+                    info!(request = %key, attempt = p.attempt, pods = p.pods.len(), replaces = p.retire.as_deref().unwrap_or(""), "asked for flex-start capacity");
+                }
+                Err(e) => {
+                    warn!(request = %key, error = %e, "could not ask for flex-start capacity; trying again next cycle");
+                    asked.remove(&key);
+                }
+            }
+        }
+
         for (pod, msg) in plan.waiting {
             metrics.attempts_unschedulable.fetch_add(1, Ordering::Relaxed);
             let same = said.at.get(&pod.uid).is_some_and(|(_, m)| *m == msg);
@@ -397,6 +482,62 @@ pub async fn run(
                 pods.iter().filter_map(|p| p.metadata.uid.as_deref()).collect();
             said.at.retain(|u, _| live.contains(u.as_str()));
         }
+    }
+}
+
+/// How long a ProvisioningRequest just made is not made again (the watch shows it sooner).
+const ASKED_FOR: Duration = Duration::from_secs(10);
+
+/// Makes one flex-start request: retires the one it replaces, writes the PodTemplate (from the
+/// pod as stored, not the trimmed cached copy) and the request, then points the pods at it.
+/// Each step takes "already exists" or "already gone" as done, so it can be repeated.
+async fn provision(client: &Client, p: &flex::Provision) -> Result<(), kube::Error> {
+    let ns = p.namespace.as_str();
+    let requests: Api<ProvisioningRequest> = Api::namespaced(client.clone(), ns);
+    let templates: Api<PodTemplate> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    if let Some(old) = &p.retire {
+        for r in [
+            requests.delete(old, &DeleteParams::background()).await.map(|_| ()),
+            templates.delete(old, &DeleteParams::background()).await.map(|_| ()),
+        ] {
+            gone_or_done(r)?;
+        }
+    }
+    let mut template = p.template.clone();
+    if let Some(first) = p.pods.first()
+        && let Some(mut spec) = pods.get_opt(&first.name).await?.and_then(|p| p.spec)
+        && let Some(t) = template.template.as_mut()
+    {
+        spec.node_name = None;
+        t.spec = Some(spec);
+    }
+    exists_or_done(templates.create(&PostParams::default(), &template).await.map(|_| ()))?;
+    exists_or_done(requests.create(&PostParams::default(), &p.request).await.map(|_| ()))?;
+    let patch = serde_json::json!({ "metadata": { "annotations": {
+        flex::CONSUME: p.name(),
+        flex::CLASS_ANNOTATION: flex::CLASS,
+        flex::ATTEMPT: p.attempt.to_string(),
+    }}});
+    for pod in &p.pods {
+        gone_or_done(
+            pods.patch(&pod.name, &PatchParams::default(), &Patch::Merge(&patch)).await.map(|_| ()),
+        )?;
+    }
+    Ok(())
+}
+
+fn gone_or_done(r: Result<(), kube::Error>) -> Result<(), kube::Error> {
+    match r {
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        other => other,
+    }
+}
+
+fn exists_or_done(r: Result<(), kube::Error>) -> Result<(), kube::Error> {
+    match r {
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        other => other,
     }
 }
 

@@ -30,6 +30,7 @@ use ::kube::config::{KubeConfigOptions, Kubeconfig, KubeconfigError};
 use ::kube::{Client, Config};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose,
@@ -157,6 +158,9 @@ pub struct ControlPlaneOptions {
     pub controller_manager_flags: Vec<String>,
     /// How long each process may take to become ready.
     pub ready_timeout: Duration,
+    /// CustomResourceDefinitions to install once the API server is up; `start` returns when
+    /// each is `Established` (served).
+    pub crds: Vec<CustomResourceDefinition>,
 }
 
 impl Default for ControlPlaneOptions {
@@ -169,6 +173,7 @@ impl Default for ControlPlaneOptions {
             scheduler_flags: Vec::new(),
             controller_manager_flags: Vec::new(),
             ready_timeout: Duration::from_secs(90),
+            crds: Vec::new(),
         }
     }
 }
@@ -205,6 +210,12 @@ impl ControlPlaneOptions {
     /// Append one flag to kube-scheduler's command line.
     pub fn scheduler_flag(mut self, flag: impl Into<String>) -> Self {
         self.scheduler_flags.push(flag.into());
+        self
+    }
+
+    /// Install `crd` (as a cluster's add-on would) before `start` returns.
+    pub fn with_crd(mut self, crd: CustomResourceDefinition) -> Self {
+        self.crds.push(crd);
         self
     }
 
@@ -753,6 +764,44 @@ fn named<K: ::kube::Resource>(mut object: K, name: &str) -> K {
 }
 
 /// Creates `object`; one that already exists is fine.
+/// Creates each CRD and waits until the API server says it is `Established`.
+async fn install_crds(
+    client: &Client,
+    crds: &[CustomResourceDefinition],
+    dir: &Path,
+    deadline: Instant,
+    started: Instant,
+) -> Result<(), HarnessError> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in crds {
+        create_if_missing(&api, crd.clone(), dir).await?;
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        loop {
+            let got = api.get(&name).await.map_err(|source| HarnessError::Api {
+                action: format!("reading CustomResourceDefinition {name}"),
+                dir: dir.to_path_buf(),
+                source,
+            })?;
+            let conditions = got.status.and_then(|s| s.conditions).unwrap_or_default();
+            if conditions.iter().any(|c| c.type_ == "Established" && c.status == "True") {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(HarnessError::NotReady {
+                    process: "kube-apiserver",
+                    waited: started.elapsed(),
+                    last: format!(
+                        "CustomResourceDefinition {name} not Established: {conditions:?}"
+                    ),
+                    log: dir.join("kube-apiserver.log"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
+}
+
 async fn create_if_missing<K>(api: &Api<K>, object: K, dir: &Path) -> Result<(), HarnessError>
 where
     K: ::kube::Resource<DynamicType = ()>
@@ -920,6 +969,7 @@ async fn start_in(
     create_if_missing(&namespaces, named(Namespace::default(), "default"), &dir).await?;
     let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
     create_if_missing(&accounts, named(ServiceAccount::default(), "default"), &dir).await?;
+    install_crds(&client, &options.crds, &dir, deadline, started).await?;
 
     for (process, port) in components {
         let health = health_client(port)?;

@@ -34,6 +34,10 @@ pub enum K8sCommand {
     /// resource.k8s.io/v1 ResourceSlices, register with the kubelet and prepare allocated claims
     /// as CDI specs. Runs until SIGINT or SIGTERM.
     DraDriver(DraDriverArgs),
+    /// Print, as YAML, the CustomResourceDefinitions xpu's Kubernetes commands use and a
+    /// cluster may lack: ProvisioningRequest (autoscaling.x-k8s.io/v1), which flex-start needs
+    /// and the cluster autoscaler normally installs. `xpu k8s crd | kubectl apply -f -`.
+    Crd,
 }
 
 #[derive(Debug, clap::Args)]
@@ -119,6 +123,11 @@ pub struct SchedulerArgs {
     /// through the Eviction API, as kube-scheduler's preemption does through deletes).
     #[arg(long)]
     pub no_preemption: bool,
+    /// Flex-start: seconds to wait after a gang's ProvisioningRequest ends (Failed,
+    /// BookingExpired, CapacityRevoked) before asking again; doubled per attempt, at most 900.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=900))]
+    pub provisioning_backoff: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -190,6 +199,12 @@ pub fn run(args: Args) -> CmdResult {
         K8sCommand::NfdFeatures(a) => nfd_features(a),
         K8sCommand::Scheduler(a) => scheduler(a),
         K8sCommand::DraDriver(a) => dra_driver(a),
+        K8sCommand::Crd => {
+            let crd = xpu_kube::flex::crd();
+            let text = serde_norway::to_string(&crd).map_err(CliError::failed)?;
+            print!("{text}");
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -275,6 +290,7 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
             best_effort: a.queueing == Queueing::BestEffort,
             seed: a.seed,
             preemption: !a.no_preemption,
+            provisioning_backoff: Duration::from_secs(a.provisioning_backoff),
             ..xpu_kube::scheduler::Options::default()
         },
         leader_elect: a.leader_elect.then(|| xpu_kube::leader::LeaseConfig {
