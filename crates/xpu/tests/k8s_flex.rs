@@ -197,3 +197,16 @@ async fn a_flex_start_job_is_provisioned_whole_and_a_failed_request_is_reported_
     assert!(templates.get_opt("job-2-flex-1").await.unwrap().is_none(), "its template goes too");
     assert!(sched.log_text().contains("asked for flex-start capacity"));
 }
+
+/// `xpu k8s crd` prints the CRD the harness installs, as YAML `kubectl apply` takes.
+#[test]
+fn xpu_k8s_crd_prints_the_provisioning_request_crd() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_xpu"))
+        .args(["k8s", "crd"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed: serde_json::Value = serde_norway::from_slice(&out.stdout).unwrap();
+    assert_eq!(printed, serde_json::to_value(flex::crd()).unwrap());
+    assert_eq!(printed["metadata"]["name"], "provisioningrequests.autoscaling.x-k8s.io");
+}
