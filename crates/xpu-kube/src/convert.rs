@@ -418,6 +418,17 @@ fn label_or_annotation<'a>(p: &'a Pod, key: &str) -> Option<&'a String> {
         .or_else(|| p.metadata.annotations.as_ref().and_then(|a| a.get(key)))
 }
 
+/// The `batch/v1` Job that controls a pod, if one does.
+pub fn job_owner(
+    p: &Pod,
+) -> Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference> {
+    p.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true) && o.kind == "Job" && o.api_version == "batch/v1")
+}
+
 /// The gang a pod belongs to: `xpu.dev/gang` + `xpu.dev/gang-size`, or an Indexed Job whose
 /// `parallelism` equals its `completions` (`jobs`: Job uid → (completions, parallelism,
 /// indexed)). `Err` for a malformed gang label.
@@ -443,13 +454,7 @@ pub fn gang(
             })?;
         return Ok(Some(GangRef { key: format!("{ns}/{name}"), size, index }));
     }
-    let owner = p
-        .metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|o| o.controller == Some(true) && o.kind == "Job" && o.api_version == "batch/v1");
-    if let Some(o) = owner
+    if let Some(o) = job_owner(p)
         && let Some((completions, parallelism, indexed)) = job_shape(&o.uid)
         && indexed
         && completions == parallelism

@@ -352,8 +352,7 @@ fn unplaced(unit: &mut Unit, out: &mut Plan) -> String {
 
 /// The name a unit's requests start from: its Job's, its gang's, or the pod's.
 fn flex_base(p: &Pod, gang: Option<&str>) -> String {
-    let job = p.metadata.owner_references.iter().flatten().find(|o| o.kind == "Job");
-    match (job, gang) {
+    match (convert::job_owner(p), gang) {
         (Some(j), _) => j.name.clone(),
         (None, Some(g)) => g.rsplit('/').next().unwrap_or(g).to_owned(),
         (None, None) => p.metadata.name.clone().unwrap_or_default(),

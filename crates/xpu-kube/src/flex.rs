@@ -181,13 +181,7 @@ pub fn provision(
     retire: Option<String>,
 ) -> Provision {
     let namespace = pod.metadata.namespace.clone().unwrap_or_else(|| "default".into());
-    let job = pod
-        .metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|o| o.controller == Some(true) && o.kind == "Job" && o.api_version == "batch/v1");
-    let owners: Vec<OwnerReference> = match job {
+    let owners: Vec<OwnerReference> = match crate::convert::job_owner(pod) {
         Some(j) => {
             vec![OwnerReference { controller: None, block_owner_deletion: None, ..j.clone() }]
         }
