@@ -76,6 +76,8 @@ pub struct Plan {
     pub preemptions: Vec<crate::preempt::Preemption>,
     /// Flex-start capacity to ask for: one ProvisioningRequest per gang that does not fit.
     pub provisions: Vec<flex::Provision>,
+    /// An invariant of xpu-sched broke while planning (a bug): the last one, to log.
+    pub broken_invariant: Option<String>,
     /// Units keep what they submitted (set while planning when preemption is on).
     preemption_on: bool,
 }
@@ -654,6 +656,7 @@ pub fn plan(
             out.waiting.push((k.clone(), msg.clone()));
         }
     }
+    out.broken_invariant = sched.broken_invariants().1.map(str::to_owned);
     if snap.preemption {
         let waiting: Vec<crate::preempt::Waiting> = units
             .iter()

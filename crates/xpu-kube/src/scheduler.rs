@@ -22,7 +22,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Mutex, Notify, Semaphore};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 use xpu_sched::{QueuePolicy, SchedulerConfig};
 
 use crate::cycle::{self, Bind, PodKey, Snapshot};
@@ -353,6 +353,9 @@ pub async fn run(
             "cycle"
         );
 
+        if let Some(last) = &plan.broken_invariant {
+            error!(last = %last, "scheduler: an invariant broke while planning (a bug: please report it with this log)");
+        }
         for (node, why) in &plan.bad_nodes {
             if warned_nodes.get(node) != Some(why) {
                 warn!(node = %node, reason = %why, "node skipped");

@@ -100,7 +100,7 @@ fn bench(c: &mut Criterion) {
             b.iter_custom(|iters| {
                 let mut t = Duration::ZERO;
                 for _ in 0..iters {
-                    let mut cl = base.clone();
+                    let mut cl = base.fork();
                     let mut placer = Placer::new(PolicyKind::Xpu.build(&mix), 42);
                     placer.set_explain(false);
                     t += place_all(&mut cl, &mut placer, &stream);
@@ -127,7 +127,7 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let mut t = Duration::ZERO;
             for _ in 0..iters {
-                let mut cl = big.clone();
+                let mut cl = big.fork();
                 let mut placer = Placer::new(PolicyKind::Xpu.build(&mix), 7);
                 // Decisions only: the reasons for a misfit are computed on demand elsewhere.
                 placer.set_explain(false);

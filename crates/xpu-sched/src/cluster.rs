@@ -9,13 +9,14 @@
 //! here allocates on the placement path.
 //!
 //! This module owns bookkeeping and its invariants only (no over-commit, ever); choosing where a
-//! task goes is [`crate::placement`]'s job.
+//! task goes is [`crate::placement`]'s job; what it decided is an [`crate::assignment`].
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use xpu_core::DeviceKind;
 
+use crate::assignment::Placement;
 use crate::constraints::{Requirement, Taint, Toleration};
 use crate::hash::FxHashMap;
 
@@ -371,19 +372,20 @@ impl Totals {
     }
 }
 
-/// A per-value identity: cloning makes a new one.
+/// The identity of one cluster value, unique in the process. Deliberately not `Clone`: a copy
+/// of a cluster is another cluster ([`Cluster::fork`] gives it a fresh identity).
 #[derive(Debug)]
 pub(crate) struct Uid(pub u64);
 
-impl Clone for Uid {
-    fn clone(&self) -> Self {
+impl Uid {
+    fn fresh() -> Self {
         Uid(next_uid())
     }
 }
 
 impl Default for Uid {
     fn default() -> Self {
-        Uid(next_uid())
+        Self::fresh()
     }
 }
 
@@ -402,8 +404,9 @@ pub(crate) fn kind_index(kind: DeviceKind) -> usize {
     }
 }
 
-/// The whole cluster.
-#[derive(Debug, Clone, Default)]
+/// The whole cluster. Not `Clone`: copies are made with [`Cluster::fork`], which says that
+/// the copy is a separate cluster (its own identity, so score memos never mix the two).
+#[derive(Debug, Default)]
 pub struct Cluster {
     nodes: Vec<Node>,
     by_name: FxHashMap<String, NodeId>,
@@ -442,10 +445,48 @@ impl Cluster {
         c
     }
 
-    /// A copy for what-if planning (preemption, backfill reservations): same state, separate
-    /// identity (every clone gets its own, so score memos never mix two clusters).
+    /// Releases what `placements` hold, last first: the undo of allocating them in order. Every
+    /// one is released even when one fails; the first error is returned (a placement that does
+    /// not hold what it says is a broken invariant for the caller to report).
+    pub fn undo<'a>(
+        &mut self,
+        placements: impl IntoIterator<Item = &'a Placement>,
+    ) -> Result<(), ClusterError> {
+        let all: Vec<&Placement> = placements.into_iter().collect();
+        let mut first = Ok(());
+        for p in all.into_iter().rev() {
+            if let Err(e) = self.release(p)
+                && first.is_ok()
+            {
+                first = Err(e);
+            }
+        }
+        first
+    }
+
+    /// A copy for what-if planning (preemption, backfill reservations, never-fits checks):
+    /// the same state under a new identity, so score memos never mix the two.
     pub fn fork(&self) -> Self {
-        self.clone()
+        Self {
+            nodes: self.nodes.clone(),
+            by_name: self.by_name.clone(),
+            models: self.models.clone(),
+            model_ids: self.model_ids.clone(),
+            pools: self.pools.clone(),
+            shapes: self.shapes.clone(),
+            shape_ids: self.shape_ids.clone(),
+            selectors: self.selectors.clone(),
+            selector_ids: self.selector_ids.clone(),
+            classes: self.classes.clone(),
+            class_ids: self.class_ids.clone(),
+            active: self.active.clone(),
+            active_keys: self.active_keys.clone(),
+            class_epoch: self.class_epoch,
+            capacity: self.capacity,
+            used: self.used,
+            uid: Uid::fresh(),
+            ranks: self.ranks.clone(),
+        }
     }
 
     /// Builds a cluster from node specs.
@@ -735,7 +776,7 @@ impl Cluster {
 
     /// Takes the resources of a placement. Fails, changing nothing, if anything would go
     /// negative.
-    pub fn allocate(&mut self, p: &crate::placement::Placement) -> Result<(), ClusterError> {
+    pub fn allocate(&mut self, p: &Placement) -> Result<(), ClusterError> {
         let n = self.nodes.get_mut(p.node as usize).ok_or(ClusterError::NoSuchNode(p.node))?;
         let over = |what: String| ClusterError::Overcommit { node: n.name.clone(), what };
         if n.cpu_free < p.cpu_milli {
@@ -773,7 +814,7 @@ impl Cluster {
     }
 
     /// Gives back the resources of a placement made earlier.
-    pub fn release(&mut self, p: &crate::placement::Placement) -> Result<(), ClusterError> {
+    pub fn release(&mut self, p: &Placement) -> Result<(), ClusterError> {
         let n = self.nodes.get_mut(p.node as usize).ok_or(ClusterError::NoSuchNode(p.node))?;
         let over = |what: String| ClusterError::OverRelease { node: n.name.clone(), what };
         if n.cpu_free + p.cpu_milli > n.cpu_milli {
@@ -912,7 +953,7 @@ impl Cluster {
     /// over-commits.
     pub fn audit<'a>(
         &self,
-        placements: impl IntoIterator<Item = &'a crate::placement::Placement>,
+        placements: impl IntoIterator<Item = &'a Placement>,
     ) -> Result<(), String> {
         let mut cpu: Vec<u64> = vec![0; self.nodes.len()];
         let mut mem: Vec<u64> = vec![0; self.nodes.len()];
@@ -946,7 +987,7 @@ impl Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::placement::{DeviceShare, Placement};
+    use crate::assignment::{DeviceShare, Placement};
 
     fn gpu_node(name: &str) -> NodeSpec {
         NodeSpec::new(name, 64_000, 262_144).devices(8, DeviceKind::Gpu, "A100")

@@ -61,6 +61,7 @@
 //! submissions and completions, and again at [`scheduler::Scheduler::next_wakeup`] (flex-start
 //! nodes coming up or due for release, jobs reaching their maximum run time).
 
+pub mod assignment;
 pub mod cluster;
 pub mod constraints;
 mod hash;

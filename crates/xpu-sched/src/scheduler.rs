@@ -278,6 +278,86 @@ struct Entry {
     lane: u8,
 }
 
+/// Invariants found broken: a cluster mutation that cannot fail did (releasing what a
+/// placement holds, undoing a trial, setting a known node's status). Debug builds stop there;
+/// release builds count them, keep the last, and go on: the caller reports them
+/// ([`Scheduler::broken_invariants`]).
+#[derive(Debug, Default)]
+struct Invariants {
+    broken: u64,
+    last: Option<String>,
+}
+
+impl Invariants {
+    /// Whether `r` is `Ok`; an `Err` is recorded as a broken invariant while doing `what`.
+    fn check<E: std::fmt::Display>(&mut self, r: Result<(), E>, what: &str) -> bool {
+        match r {
+            Ok(()) => true,
+            Err(e) => {
+                debug_assert!(false, "broken invariant while {what}: {e}");
+                self.broken += 1;
+                self.last = Some(format!("{what}: {e}"));
+                false
+            }
+        }
+    }
+}
+
+/// The jobs a scheduler knows, by id. Ids count up from 0 and are never reused; a job
+/// [`Scheduler::forget`] dropped is gone, so memory follows the jobs not yet forgotten.
+#[derive(Default)]
+struct Jobs {
+    live: crate::hash::FxHashMap<JobId, Entry>,
+    next: JobId,
+}
+
+impl Jobs {
+    fn get(&self, id: usize) -> Option<&Entry> {
+        self.live.get(&JobId::try_from(id).ok()?)
+    }
+
+    /// Ids handed out so far (forgotten ones included).
+    fn len(&self) -> usize {
+        self.next as usize
+    }
+
+    fn push(&mut self, e: Entry) {
+        self.live.insert(self.next, e);
+        self.next += 1;
+    }
+
+    /// The live jobs, in no particular order.
+    fn iter(&self) -> impl Iterator<Item = &Entry> {
+        self.live.values()
+    }
+
+    fn remove(&mut self, id: JobId) -> Option<Entry> {
+        let e = self.live.remove(&id);
+        // Keep the table sized to the live jobs after a burst has ended.
+        if self.live.capacity() > 64 && self.live.len() < self.live.capacity() / 4 {
+            self.live.shrink_to(self.live.len() * 2);
+        }
+        e
+    }
+}
+
+/// Indexing is for ids known to be live (a caller checked with `get` first): a missing one is
+/// a bug in this module, as an out-of-range index was when jobs were a `Vec`.
+impl std::ops::Index<usize> for Jobs {
+    type Output = Entry;
+    fn index(&self, id: usize) -> &Entry {
+        #[allow(clippy::expect_used)]
+        self.get(id).expect("a live job id")
+    }
+}
+
+impl std::ops::IndexMut<usize> for Jobs {
+    fn index_mut(&mut self, id: usize) -> &mut Entry {
+        #[allow(clippy::expect_used)]
+        JobId::try_from(id).ok().and_then(|id| self.live.get_mut(&id)).expect("a live job id")
+    }
+}
+
 /// The lane of jobs that ask for no device.
 const CPU_LANE: u8 = 1 << 5;
 
@@ -320,7 +400,8 @@ pub struct Scheduler {
     /// best fit, so the real placer's score memo stays with the real cluster.
     planner: Placer,
     config: SchedulerConfig,
-    jobs: Vec<Entry>,
+    jobs: Jobs,
+    invariants: Invariants,
     queue: BTreeSet<QKey>,
     by_queue: Vec<BTreeSet<QKey>>,
     /// Per queue, per lane: the queued jobs (kept only with [`SchedulerConfig::lanes`]).
@@ -389,7 +470,8 @@ impl Scheduler {
             placer,
             planner,
             config,
-            jobs: Vec::new(),
+            jobs: Jobs::default(),
+            invariants: Invariants::default(),
             queue: BTreeSet::new(),
             by_queue: Vec::new(),
             by_lane: Vec::new(),
@@ -464,8 +546,41 @@ impl Scheduler {
         })
     }
 
+    /// Jobs submitted so far, forgotten ones included.
     pub fn jobs(&self) -> usize {
         self.jobs.len()
+    }
+
+    /// How many invariants were found broken (0 unless there is a bug), and the last one.
+    /// A daemon should report a rise: placements may no longer add up.
+    pub fn broken_invariants(&self) -> (u64, Option<&str>) {
+        (self.invariants.broken, self.invariants.last.as_deref())
+    }
+
+    /// Jobs held in memory: submitted and not forgotten.
+    pub fn live_jobs(&self) -> usize {
+        self.jobs.live.len()
+    }
+
+    /// Drops an ended job (finished, failed, cancelled or stopped). Its id is never reused;
+    /// calls naming it afterwards answer [`SchedError::NoSuchJob`]. A long-running caller
+    /// forgets each job once it has acted on its end, so memory is bounded by the live jobs.
+    pub fn forget(&mut self, id: JobId) -> Result<(), SchedError> {
+        let e = self.jobs.get(id as usize).ok_or(SchedError::NoSuchJob(id))?;
+        if !e.status.is_done() {
+            return Err(SchedError::WrongState { job: id, status: e.status, action: "forgotten" });
+        }
+        if let Some(d) = e.deadline {
+            self.deadlines.remove(&(d, id));
+        }
+        self.doomed.remove(&id);
+        self.provisioning.remove(&id);
+        self.running.remove(&id);
+        if self.reservation.is_some_and(|(j, _)| j == id) {
+            self.reservation = None;
+        }
+        self.jobs.remove(id);
+        Ok(())
     }
 
     /// Queued jobs in queue order.
@@ -610,11 +725,18 @@ impl Scheduler {
         self.planner.set_explain(true);
         let mut result = None;
         for tasks in &trials {
-            match place_tasks(&mut self.planner, empty, &groups, tasks, &ctx, true) {
+            match place_tasks(
+                &mut self.invariants,
+                &mut self.planner,
+                empty,
+                &groups,
+                tasks,
+                &ctx,
+                true,
+            ) {
                 Ok(ps) => {
-                    for (_, p) in ps.iter().rev() {
-                        let _ = empty.release(p);
-                    }
+                    self.invariants
+                        .check(empty.undo(ps.iter().map(|(_, p)| p)), "undoing a never-fits trial");
                 }
                 Err(u) => {
                     result = Some(u);
@@ -760,10 +882,10 @@ impl Scheduler {
             }
         }
         if let Some(e) = failure {
-            for (_, p) in placed.iter().rev() {
-                let _ = self.cluster.release(p);
-            }
-            let _ = self.cancel(id, now);
+            let undone = self.cluster.undo(placed.iter().map(|(_, p)| p));
+            self.invariants.check(undone, "undoing an adoption");
+            let cancelled = self.cancel(id, now);
+            self.invariants.check(cancelled, "cancelling a job whose adoption failed");
             return Err(e);
         }
         if !placed.is_empty() {
@@ -896,15 +1018,20 @@ impl Scheduler {
         }
         let ctx = PlaceCtx { token: Entry::token(id), ..PlaceCtx::default() };
         self.planner.set_explain(true);
-        let placed =
-            place_tasks(&mut self.planner, &mut self.cluster, &e.groups, &e.tasks, &ctx, false);
+        let placed = place_tasks(
+            &mut self.invariants,
+            &mut self.planner,
+            &mut self.cluster,
+            &e.groups,
+            &e.tasks,
+            &ctx,
+            false,
+        );
         self.planner.set_explain(false);
         match placed {
             Ok(ps) => {
-                for (_, p) in ps.iter().rev() {
-                    // Cannot fail: these placements were just made.
-                    let _ = self.cluster.release(p);
-                }
+                let undone = self.cluster.undo(ps.iter().map(|(_, p)| p));
+                self.invariants.check(undone, "undoing an explain trial");
                 None
             }
             Err(u) => Some(u),
@@ -1064,6 +1191,7 @@ impl Scheduler {
             }
             if may_fit(&self.cluster, e)
                 && let Ok(ps) = place_tasks(
+                    &mut self.invariants,
                     &mut self.planner,
                     &mut self.cluster,
                     &e.groups,
@@ -1073,17 +1201,19 @@ impl Scheduler {
                 )
             {
                 let mut mask = vec![false; self.cluster.len()];
-                for (_, p) in ps.iter().rev() {
+                for (_, p) in &ps {
                     mask[p.node as usize] = true;
-                    let _ = self.cluster.release(p);
                 }
+                let undone = self.cluster.undo(ps.iter().map(|(_, p)| p));
+                self.invariants.check(undone, "undoing a backfill shadow trial");
                 result = Some((t, mask));
                 break;
             }
         }
         for p in &released {
-            // Cannot fail: these placements held exactly these resources a moment ago.
-            let _ = self.cluster.allocate(p);
+            // These placements held exactly these resources a moment ago.
+            let again = self.cluster.allocate(p);
+            self.invariants.check(again, "restoring after a backfill shadow");
         }
         result
     }
@@ -1178,6 +1308,7 @@ impl Scheduler {
         }
         let ctx = PlaceCtx { token: Entry::token(id), exclude, ..PlaceCtx::default() };
         let placed = match place_tasks(
+            &mut self.invariants,
             &mut self.placer,
             &mut self.cluster,
             &e.groups,
@@ -1245,7 +1376,8 @@ impl Scheduler {
     }
 
     fn release_placement(&mut self, id: JobId, p: &Placement, now: Time) {
-        let _ = self.cluster.release(p);
+        let released = self.cluster.release(p);
+        self.invariants.check(released, "releasing a task's placement");
         let q = self.jobs[id as usize].queue;
         let u = &mut self.queue_usage[q];
         u[0] = u[0].saturating_sub(p.cpu_milli);
@@ -1334,15 +1466,20 @@ impl Scheduler {
                 any_status: true,
                 ..PlaceCtx::default()
             };
-            let Ok(ps) =
-                place_tasks(&mut self.placer, &mut self.cluster, &e.groups, &e.tasks, &ctx, true)
-            else {
+            let Ok(ps) = place_tasks(
+                &mut self.invariants,
+                &mut self.placer,
+                &mut self.cluster,
+                &e.groups,
+                &e.tasks,
+                &ctx,
+                true,
+            ) else {
                 continue;
             };
             let mut nodes: Vec<NodeId> = ps.iter().map(|(_, p)| p.node).collect();
-            for (_, p) in ps.iter().rev() {
-                let _ = self.cluster.release(p);
-            }
+            let undone = self.cluster.undo(ps.iter().map(|(_, p)| p));
+            self.invariants.check(undone, "undoing a flex-start trial");
             nodes.sort_unstable();
             nodes.dedup();
             let delay = self.config.pools[pi].provisioning_delay;
@@ -1350,7 +1487,8 @@ impl Scheduler {
             let mut new_nodes = Vec::new();
             for &n in &nodes {
                 if self.cluster.node(n).is_some_and(|x| x.status() == NodeStatus::Off) {
-                    let _ = self.cluster.set_status(n, NodeStatus::Provisioning);
+                    let set = self.cluster.set_status(n, NodeStatus::Provisioning);
+                    self.invariants.check(set, "marking a flex node provisioning");
                     if let Some(Some((p, si))) = self.flex_slot.get(n as usize).copied() {
                         self.pools[p].slots[si].ready_at = Some(ready_at);
                     }
@@ -1395,7 +1533,8 @@ impl Scheduler {
                     s.ready_at = None;
                     s.up_since = Some(r);
                     s.idle_since = Some(r);
-                    let _ = self.cluster.set_status(node, NodeStatus::Ready);
+                    let set = self.cluster.set_status(node, NodeStatus::Ready);
+                    self.invariants.check(set, "marking a flex node ready");
                 }
             }
         }
@@ -1458,7 +1597,8 @@ impl Scheduler {
                     pool.up_seconds += at.saturating_sub(u);
                 }
                 pool.slots[si].idle_since = None;
-                let _ = self.cluster.set_status(node, NodeStatus::Off);
+                let set = self.cluster.set_status(node, NodeStatus::Off);
+                self.invariants.check(set, "turning a flex node off");
                 out.push(Decision::Release { pool: self.config.pools[pi].name.clone(), node });
             }
         }
@@ -1522,24 +1662,26 @@ impl Scheduler {
         let mut scratch = self.cluster.fork();
         let ctx = PlaceCtx { token: Entry::token(id), ..PlaceCtx::default() };
         let release = |c: &mut Cluster, e: &Entry| {
-            for t in e.running_tasks() {
-                if let Some(p) = &t.placement {
-                    let _ = c.release(p);
-                }
-            }
+            c.undo(e.running_tasks().filter_map(|t| t.placement.as_ref()))
         };
         let mut victims: Vec<JobId> = Vec::new();
         let mut fits = false;
         for &(_, _, v) in &cands {
-            release(&mut scratch, &self.jobs[v as usize]);
+            let released = release(&mut scratch, &self.jobs[v as usize]);
+            self.invariants.check(released, "releasing a preemption candidate");
             victims.push(v);
             let e = &self.jobs[id as usize];
-            if let Ok(ps) =
-                place_tasks(&mut self.planner, &mut scratch, &e.groups, &e.tasks, &ctx, true)
-            {
-                for (_, p) in ps.iter().rev() {
-                    let _ = scratch.release(p);
-                }
+            if let Ok(ps) = place_tasks(
+                &mut self.invariants,
+                &mut self.planner,
+                &mut scratch,
+                &e.groups,
+                &e.tasks,
+                &ctx,
+                true,
+            ) {
+                let undone = scratch.undo(ps.iter().map(|(_, p)| p));
+                self.invariants.check(undone, "undoing a preemption trial");
                 fits = true;
                 break;
             }
@@ -1562,6 +1704,7 @@ impl Scheduler {
             let e = &self.jobs[id as usize];
             let still = restored
                 && match place_tasks(
+                    &mut self.invariants,
                     &mut self.planner,
                     &mut scratch,
                     &e.groups,
@@ -1570,9 +1713,8 @@ impl Scheduler {
                     true,
                 ) {
                     Ok(ps) => {
-                        for (_, p) in ps.iter().rev() {
-                            let _ = scratch.release(p);
-                        }
+                        let undone = scratch.undo(ps.iter().map(|(_, p)| p));
+                        self.invariants.check(undone, "undoing a preemption trial");
                         true
                     }
                     Err(_) => false,
@@ -1580,7 +1722,8 @@ impl Scheduler {
             if still {
                 victims.remove(i);
             } else {
-                release(&mut scratch, &self.jobs[v as usize]);
+                let released = release(&mut scratch, &self.jobs[v as usize]);
+                self.invariants.check(released, "releasing a needed victim again");
             }
         }
         for &v in &victims {
@@ -1644,6 +1787,7 @@ fn unplaced_need(groups: &[ExpandedGroup], tasks: &[TaskSlot], per_task: bool) -
 /// all at once, other tasks one by one. With `all`, every task must be placed or nothing is.
 /// Rolls back everything on failure.
 fn place_tasks(
+    inv: &mut Invariants,
     placer: &mut Placer,
     cluster: &mut Cluster,
     groups: &[ExpandedGroup],
@@ -1652,11 +1796,6 @@ fn place_tasks(
     all: bool,
 ) -> Result<Vec<(usize, Placement)>, Unschedulable> {
     let mut done: Vec<(usize, Placement)> = Vec::new();
-    let rollback = |cluster: &mut Cluster, done: &[(usize, Placement)]| {
-        for (_, p) in done.iter().rev() {
-            let _ = cluster.release(p);
-        }
-    };
     let mut first_err: Option<Unschedulable> = None;
     for (gi, g) in groups.iter().enumerate() {
         let idx: Vec<usize> = tasks
@@ -1673,7 +1812,7 @@ fn place_tasks(
             match placer.place_gang(cluster, &demands, g.colocate, ctx) {
                 Ok(ps) => done.extend(idx.into_iter().zip(ps)),
                 Err(e) => {
-                    rollback(cluster, &done);
+                    inv.check(cluster.undo(done.iter().map(|(_, p)| p)), "rolling back a gang");
                     return Err(e);
                 }
             }
@@ -1681,9 +1820,12 @@ fn place_tasks(
             for i in idx {
                 match placer.place(cluster, &g.demand, ctx) {
                     Ok(p) => {
-                        if cluster.allocate(&p).is_ok() {
-                            done.push((i, p));
+                        // The placer chose from what is free: a refusal is a broken invariant,
+                        // and the task stays unplaced (it waits) rather than being lost.
+                        if !inv.check(cluster.allocate(&p), "allocating a placement") {
+                            break;
                         }
+                        done.push((i, p));
                     }
                     Err(report) => {
                         first_err.get_or_insert(Unschedulable { task: 0, of: 1, report });

@@ -206,3 +206,74 @@ proptest! {
         }
     }
 }
+
+/// Every node's free CPU, memory and per-device share, and the totals: what planning must leave
+/// exactly as it found.
+type Digest = (Vec<(u64, u64, Vec<u16>)>, u64, u64, u64);
+
+fn digest(c: &Cluster) -> Digest {
+    let nodes = c
+        .nodes()
+        .iter()
+        .map(|n| {
+            (n.cpu_free(), n.memory_free(), n.devices.iter().map(|d| d.free_milli()).collect())
+        })
+        .collect();
+    let u = c.used();
+    (nodes, u.cpu_milli, u.memory_mib, u.device(DeviceKind::Gpu))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// The undo log planning relies on: placements made one after another (a gang's, a trial's)
+    /// and undone with `Cluster::undo` leave the cluster exactly as before, whatever was
+    /// already held; a fork is the same state and planning on it leaves the original alone.
+    #[test]
+    fn undoing_a_trial_restores_the_cluster_exactly(
+        shapes in prop::collection::vec(node_shape(), 1..10),
+        held_ops in prop::collection::vec(op(), 0..60),
+        trial_ops in prop::collection::vec(op(), 1..40),
+        kind in policy(),
+        seed in any::<u64>(),
+    ) {
+        let mut c = build(&shapes);
+        c.shuffle_ranks(seed);
+        let demand = |o: &Op| match o {
+            Op::Place { cpu, mem, count, milli, .. } => Some(match (count, milli) {
+                (0, _) => Demand::cpu(*cpu, *mem),
+                (1, m) if *m < MILLI => Demand::share(*cpu, *mem, DeviceKind::Gpu, *m),
+                (n, _) => Demand::whole(*cpu, *mem, DeviceKind::Gpu, *n),
+            }),
+            Op::Release(_) => None,
+        };
+        let demands: Vec<Demand> = held_ops.iter().chain(&trial_ops).filter_map(demand).collect();
+        let mut placer = Placer::new(kind.build(&TaskMix::from_demands(&demands, 0.95)), seed);
+        let mut held = Vec::new();
+        for d in held_ops.iter().filter_map(demand) {
+            if let Ok(p) = placer.place(&c, &d, &PlaceCtx::default()) {
+                c.allocate(&p).unwrap();
+                held.push(p);
+            }
+        }
+        let before = digest(&c);
+        let fork = c.fork();
+        prop_assert_eq!(digest(&fork), before.clone());
+
+        let mut trial = Vec::new();
+        for d in trial_ops.iter().filter_map(demand) {
+            if let Ok(p) = placer.place(&c, &d, &PlaceCtx::default()) {
+                c.allocate(&p).unwrap();
+                trial.push(p);
+            }
+        }
+        prop_assert_eq!(digest(&fork), before.clone(), "the fork is its own cluster");
+        c.undo(&trial).unwrap();
+        prop_assert_eq!(digest(&c), before);
+        assert_books(&c, &held);
+        // Undoing everything held empties the cluster.
+        c.undo(&held).unwrap();
+        prop_assert_eq!(c.used().cpu_milli, 0);
+        prop_assert_eq!(c.used().device(DeviceKind::Gpu), 0);
+    }
+}

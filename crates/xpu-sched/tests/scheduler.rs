@@ -410,3 +410,28 @@ fn priority_order_ages_waiting_jobs() {
         assert!(st[0] == old || st[0] == new);
     }
 }
+
+/// A long-running caller forgets jobs as they end: memory follows the live jobs, ids are never
+/// reused, and only an ended job can be forgotten.
+#[test]
+fn ended_jobs_are_forgotten_and_ids_never_come_back() {
+    let mut s = Scheduler::new(gpu_nodes(1, 8), cfg(QueuePolicy::Fair)).unwrap();
+    let mut last = None;
+    for round in 0..1000u64 {
+        let a = s.submit(gpus("a", 4), round).unwrap();
+        let b = s.submit(gpus("b", 8), round).unwrap();
+        assert!(last.is_none_or(|l| a > l), "ids keep counting up");
+        assert_eq!(started(&s.schedule(round)), vec![a]);
+        assert!(matches!(s.forget(a), Err(xpu_sched::scheduler::SchedError::WrongState { .. })));
+        s.finish(a, round).unwrap();
+        s.forget(a).unwrap();
+        assert!(s.job(a).is_none());
+        assert!(matches!(s.finish(a, round), Err(xpu_sched::scheduler::SchedError::NoSuchJob(_))));
+        s.cancel(b, round).unwrap();
+        s.forget(b).unwrap();
+        s.audit().unwrap();
+        last = Some(b);
+    }
+    assert_eq!((s.jobs(), s.live_jobs()), (2000, 0));
+    assert_eq!(s.cluster().used().device(DeviceKind::Gpu), 0);
+}

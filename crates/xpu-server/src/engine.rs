@@ -291,10 +291,8 @@ pub struct Engine {
     health_holds: BTreeMap<u32, JobId>,
     /// Unhealthy devices whose hold the scheduler refused, said once each.
     hold_refused: std::collections::BTreeSet<u32>,
-    /// Jobs the scheduler still remembers that ended since it was last rebuilt, and how many
-    /// make it rebuild ([`REBUILD_AFTER`]).
-    retired: usize,
-    rebuild_after: usize,
+    /// Broken scheduler invariants already logged.
+    broken_reported: u64,
     t0: Instant,
     history: VecDeque<(i64, u32)>,
     leader: bool,
@@ -307,9 +305,6 @@ const TICK: Duration = Duration::from_millis(250);
 const EXPLAINED: usize = 50;
 /// Queued jobs the view lists; a queue of 30,000 would make every dashboard refresh megabytes.
 pub const QUEUE_VIEW: usize = 1000;
-/// The scheduler keeps every job it was given; it is rebuilt from the active ones once this
-/// many have ended (and more than are active), so a long-lived daemon does not grow.
-const REBUILD_AFTER: usize = 20_000;
 
 /// The placeholder job that holds one unhealthy device of `kind`, in a queue of its own.
 fn health_hold(kind: DeviceKind) -> xpu_sched::Job {
@@ -371,8 +366,7 @@ impl Engine {
             sched_idx,
             health_holds: BTreeMap::new(),
             hold_refused: std::collections::BTreeSet::new(),
-            retired: 0,
-            rebuild_after: REBUILD_AFTER,
+            broken_reported: 0,
             t0: Instant::now(),
             history: VecDeque::new(),
             leader: false,
@@ -393,7 +387,7 @@ impl Engine {
         self.by_sched.clear();
         // The placeholders went with the old scheduler; the next pass holds the devices again.
         self.health_holds.clear();
-        self.retired = 0;
+        self.broken_reported = 0;
     }
 
     pub async fn run(mut self) {
@@ -516,7 +510,7 @@ impl Engine {
                     self.health_holds.remove(&dev.id);
                     self.hold_refused.remove(&dev.id);
                     match self.sched.finish(jid, now) {
-                        Ok(()) => self.retired += 1,
+                        Ok(()) => self.forget(jid),
                         Err(e) => self.event(
                             None,
                             "device-healthy",
@@ -913,12 +907,28 @@ impl Engine {
             && job.ending.is_some()
             && job.tasks.is_empty()
         {
-            if let Some(sid) = job.sched {
-                self.by_sched.remove(&sid);
-            }
+            let sid = job.sched;
             self.jobs.remove(&id);
-            self.retired += 1;
+            if let Some(sid) = sid {
+                self.by_sched.remove(&sid);
+                self.forget(sid);
+            }
         }
+    }
+
+    /// The scheduler drops a job the engine is done with (cancelled first if it still holds
+    /// or waits for anything), so its memory follows the live jobs and it never needs rebuilding.
+    fn forget(&mut self, sid: JobId) {
+        let now = self.now_s();
+        if self.sched.job(sid).is_some_and(|j| !j.status.is_done())
+            && let Err(e) = self.sched.cancel(sid, now)
+        {
+            tracing::warn!(sched_job = sid, error = %e, "scheduler: cancelling a reaped job failed");
+        }
+        if let Err(e) = self.sched.forget(sid) {
+            tracing::warn!(sched_job = sid, error = %e, "scheduler: forgetting an ended job failed");
+        }
+        self.shared.metrics.scheduler_jobs.store(self.sched.live_jobs() as u64, Ordering::Relaxed);
     }
 
     /// A slot whose task ended: queued again when the job has an index waiting for it (the
@@ -1152,9 +1162,6 @@ impl Engine {
             return;
         }
         let t0 = Instant::now();
-        if self.retired > self.rebuild_after && self.retired > self.jobs.len() {
-            self.rebuild();
-        }
         // Restarts in place first: they already hold their devices. Those still in their
         // back-off wait; the tick brings the loop back here.
         let due_at = Instant::now();
@@ -1207,6 +1214,17 @@ impl Engine {
             }
         }
         self.shared.metrics.sched_pass.observe(t0.elapsed().as_secs_f64());
+        self.shared.metrics.scheduler_jobs.store(self.sched.live_jobs() as u64, Ordering::Relaxed);
+        if let (n, Some(last)) = self.sched.broken_invariants()
+            && n > self.broken_reported
+        {
+            tracing::error!(
+                count = n,
+                last,
+                "scheduler: an invariant broke; placements may not add up (a bug: please report it with this log)"
+            );
+            self.broken_reported = n;
+        }
     }
 
     /// A slot the scheduler placed: it runs the job's lowest pending index.
@@ -1224,18 +1242,6 @@ impl Engine {
             None => {
                 let _ = self.sched.finish_task(sid, task, now);
             }
-        }
-    }
-
-    /// A new scheduler holding only the active jobs (see [`REBUILD_AFTER`]).
-    fn rebuild(&mut self) {
-        self.fresh_scheduler();
-        let ids: Vec<i64> = self.jobs.keys().copied().collect();
-        for id in ids {
-            if let Some(j) = self.jobs.get_mut(&id) {
-                j.sched = None;
-            }
-            self.register(id);
         }
     }
 
@@ -1833,12 +1839,11 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn rebuilding_the_scheduler_keeps_running_tasks_on_their_devices() {
+    async fn ended_jobs_are_forgotten_and_running_tasks_keep_their_devices() {
         let tmp = tempfile::tempdir().unwrap();
         let (tx, rx) = mpsc::unbounded_channel();
         let s = shared(tmp.path(), tx.clone()).await;
-        let mut engine = Engine::new(s.clone(), rx, tx).unwrap();
-        engine.rebuild_after = 3;
+        let engine = Engine::new(s.clone(), rx, tx).unwrap();
         tokio::spawn(engine.run());
         let gate = tmp.path().join("gate");
         let hold = format!(
@@ -1850,7 +1855,7 @@ mod tests {
             (state(&s, holder).await == JobState::Running).then_some(())
         })
         .await;
-        // Enough quick jobs end that the scheduler is rebuilt (more than 3 retired).
+        // Quick jobs come and go; the scheduler forgets each as it ends.
         let mut quick = Vec::new();
         for _ in 0..8 {
             quick.push(submit(&s, "command: [\"true\"]\n").await);
@@ -1861,7 +1866,15 @@ mod tests {
             })
             .await;
         }
-        // Two GPU jobs: one GPU is still the holder's after the rebuild, so one of them waits.
+        assert_eq!(
+            until("the scheduler to hold only the holder", async || {
+                let n = s.metrics.scheduler_jobs.load(Ordering::Relaxed);
+                (n == 1).then_some(n)
+            })
+            .await,
+            1
+        );
+        // Two GPU jobs: one GPU is still the holder's, so one of them waits.
         let a = submit(&s, &hold).await;
         let b = submit(&s, &hold).await;
         until("one of them to run", async || {
@@ -1883,6 +1896,10 @@ mod tests {
             })
             .await;
         }
+        until("the scheduler to hold nothing", async || {
+            (s.metrics.scheduler_jobs.load(Ordering::Relaxed) == 0).then_some(())
+        })
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -64,6 +64,8 @@ pub struct Metrics {
     pub submitted: AtomicU64,
     pub tasks_started: AtomicU64,
     pub tasks_failed: AtomicU64,
+    /// Jobs the scheduler holds (live ones: ended jobs are forgotten).
+    pub scheduler_jobs: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -74,6 +76,7 @@ impl Default for Metrics {
             submitted: AtomicU64::new(0),
             tasks_started: AtomicU64::new(0),
             tasks_failed: AtomicU64::new(0),
+            scheduler_jobs: AtomicU64::new(0),
         }
     }
 }
@@ -151,6 +154,11 @@ impl Metrics {
                 v.load(Ordering::Relaxed)
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP xpu_scheduler_jobs Jobs the scheduler holds (ended jobs are forgotten).\n# TYPE xpu_scheduler_jobs gauge\nxpu_scheduler_jobs {}",
+            self.scheduler_jobs.load(Ordering::Relaxed)
+        );
         let _ = writeln!(
             out,
             "# HELP xpu_leader Whether this daemon is the scheduling leader.\n# TYPE xpu_leader gauge\nxpu_leader {}",
