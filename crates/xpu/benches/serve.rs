@@ -6,7 +6,9 @@
 //!   request was sent), p50 and p99;
 //! - idle daemon RSS, fresh and after the throughput run;
 //! - `xpu jobs` (one page) with 100,000 finished jobs in the store, wall time of the CLI
-//!   process, p50 and p99.
+//!   process, p50 and p99;
+//! - with `-- rss` only: RSS over 200,000 jobs submitted and finished through one daemon
+//!   (`XPU_BENCH_RSS_JOBS` to change the count).
 
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
 
@@ -247,12 +249,81 @@ fn jobs_with_100k(tmp: &Path) {
     println!("daemon RSS with 100,000 jobs in the store: {} KiB", d.rss_kib());
 }
 
+/// A gauge or counter from `/metrics`.
+fn metric(d: &Daemon, name: &str) -> u64 {
+    let r = d.client().request("GET", "/metrics", None, &[]).unwrap();
+    let text = String::from_utf8_lossy(&r.body).into_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+}
+
+/// `XPU_BENCH_RSS_JOBS` (200,000 by default) jobs submitted and run to the end through one
+/// daemon, 1,000 at a time: RSS after the first 10,000 and at the end, and what the scheduler
+/// still holds (it forgets each job it ends, so it never grows and is never rebuilt).
+fn rss_over_many_jobs(tmp: &Path) {
+    let total: u64 =
+        std::env::var("XPU_BENCH_RSS_JOBS").ok().and_then(|n| n.parse().ok()).unwrap_or(200_000);
+    let data = tmp.join("rss");
+    let d = Daemon::start(&data, &["--devices", "nvidia-a100:8"]);
+    let batch = 1000;
+    let t0 = Instant::now();
+    let mut after_10k = None;
+    let mut done = 0;
+    while done < total {
+        let n = batch.min(total - done);
+        let threads: Vec<_> = (0..4)
+            .map(|c| {
+                let port = d.port;
+                std::thread::spawn(move || {
+                    let mut client = Client::new(Target::Tcp(format!("127.0.0.1:{port}")), None);
+                    for i in (c..n).step_by(4) {
+                        let body = format!("name: rss-{}\ncommand: [\"true\"]\n", done + i);
+                        let r =
+                            client.request("POST", "/v1/jobs", Some(body.as_bytes()), &[]).unwrap();
+                        assert_eq!(r.status, 201);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        // Wait for the batch to end: the scheduler holds nothing once every job is reaped.
+        let wait = Instant::now();
+        while metric(&d, "xpu_scheduler_jobs") > 0 {
+            assert!(wait.elapsed() < Duration::from_secs(600), "a batch did not end");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        done += n;
+        if done >= 10_000 && after_10k.is_none() {
+            after_10k = Some(d.rss_kib());
+            println!("RSS after the first {done} jobs: {} KiB", after_10k.unwrap_or(0));
+        }
+    }
+    let end = d.rss_kib();
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "{done} jobs submitted and finished through one daemon in {secs:.0} s ({:.0} jobs/s); RSS at the end {end} KiB; after 10,000 {} KiB; growth {:+} KiB; scheduler jobs held at the end: {}; tasks started: {}",
+        done as f64 / secs,
+        after_10k.unwrap_or(0),
+        end as i64 - after_10k.unwrap_or(end) as i64,
+        metric(&d, "xpu_scheduler_jobs"),
+        metric(&d, "xpu_tasks_started_total"),
+    );
+}
+
 fn main() {
     // `cargo test --benches` runs this with `--bench` absent; only measure when benchmarking.
     if !std::env::args().any(|a| a == "--bench") {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // `cargo bench -p xpu --bench serve -- rss`: only the long memory run.
+    if std::env::args().any(|a| a == "rss") {
+        rss_over_many_jobs(tmp.path());
+        return;
+    }
     throughput(tmp.path());
     start_latency(tmp.path());
     jobs_with_100k(tmp.path());
