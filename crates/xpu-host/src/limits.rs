@@ -106,12 +106,11 @@ pub fn effective(root: &Root, item: Item) -> Option<SoftHard> {
 
 /// A configuration file that exists but cannot be read.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot read {path}: {source}; make it a readable text file or remove it")]
+#[error("cannot read {path}: {error}; make it a readable text file or remove it")]
 pub struct LimitsError {
     /// Host path (`/etc/security/limits.conf`).
     pub path: String,
-    #[source]
-    pub source: std::io::Error,
+    pub error: std::io::Error,
 }
 
 /// Who the limits are evaluated for.
@@ -150,10 +149,10 @@ fn read_text(host_path: &str, real: &Path) -> Result<Option<String>, LimitsError
     match std::fs::read(real) {
         Ok(bytes) => String::from_utf8(bytes).map(Some).map_err(|e| LimitsError {
             path: host_path.to_owned(),
-            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
+            error: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
         }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(LimitsError { path: host_path.to_owned(), source }),
+        Err(source) => Err(LimitsError { path: host_path.to_owned(), error: source }),
     }
 }
 
@@ -178,7 +177,7 @@ impl LimitsConfig {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(LimitsError { path: LIMITS_D.to_owned(), source }),
+            Err(source) => return Err(LimitsError { path: LIMITS_D.to_owned(), error: source }),
         }
         for (host, real) in paths {
             if let Some(text) = read_text(&host, &real)? {

@@ -19,12 +19,8 @@ use serde_norway::Value;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetadataEnvError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("cannot read {path}: {error}")]
+    Read { path: String, error: std::io::Error },
     #[error("{path} is not valid YAML: {reason}; expected a flat map like `KEY: value`")]
     Yaml { path: String, reason: String },
     #[error("{path} is a YAML {found}, not a map; expected a flat map like `KEY: value`")]
@@ -144,10 +140,10 @@ pub fn convert(yaml: &str, path: &str) -> Result<String, MetadataEnvError> {
 pub fn run(input: &Path, output: &Path) -> Result<usize, MetadataEnvError> {
     let shown_in = input.display().to_string();
     let bytes = std::fs::read(input)
-        .map_err(|source| MetadataEnvError::Read { path: shown_in.clone(), source })?;
+        .map_err(|source| MetadataEnvError::Read { path: shown_in.clone(), error: source })?;
     let text = String::from_utf8(bytes).map_err(|e| MetadataEnvError::Read {
         path: shown_in.clone(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
+        error: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
     })?;
     let env = convert(&text, &shown_in)?;
     let shown_out = output.display().to_string();

@@ -191,13 +191,8 @@ pub enum ProvisionError {
     Grub(#[from] GrubError),
     #[error(transparent)]
     Path(#[from] PathError),
-    #[error("{action} {path}: {source}")]
-    Io {
-        action: &'static str,
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{action} {path}: {error}")]
+    Io { action: &'static str, path: String, error: std::io::Error },
 }
 
 fn header(profile: Profile, why: &str) -> String {
@@ -576,7 +571,7 @@ pub fn write_tree(r: &Rendered, dir: &Path) -> Result<(), ProvisionError> {
     let root = Root::new(dir).map_err(|e| ProvisionError::Io {
         action: "use output directory",
         path: dir.display().to_string(),
-        source: std::io::Error::new(std::io::ErrorKind::NotFound, e.to_string()),
+        error: std::io::Error::new(std::io::ErrorKind::NotFound, e.to_string()),
     })?;
     for f in &r.files {
         root.write_file(&f.path, f.content.as_bytes(), f.mode)?;
@@ -755,7 +750,7 @@ fn read_existing(root: &Root, path: &str) -> Result<Option<(String, u32)>, Provi
     let text = String::from_utf8(f.bytes).map_err(|e| ProvisionError::Io {
         action: "read",
         path: path.to_owned(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
+        error: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
     })?;
     Ok(Some((text, f.mode)))
 }

@@ -36,8 +36,8 @@ pub struct Config {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExporterError {
-    #[error("cannot listen on {addr}: {source}; pick a free address with --listen")]
-    Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot listen on {addr}: {error}; pick a free address with --listen")]
+    Listen { addr: SocketAddr, error: std::io::Error },
 }
 
 /// The production sources: [`xpu_telemetry::default_sources`] (NVML, amdgpu sysfs) and the
@@ -64,7 +64,7 @@ pub async fn run(
         Collector::start(cfg.root.clone(), cfg.interval, default_sources(&cfg.root, cfg.interval));
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
-        .map_err(|source| ExporterError::Listen { addr: cfg.listen, source })?;
+        .map_err(|source| ExporterError::Listen { addr: cfg.listen, error: source })?;
     tokio::spawn(podresources::poll(cfg.pod_resources.clone(), collector.clone()));
     serve(listener, collector, shutdown).await;
     Ok(())

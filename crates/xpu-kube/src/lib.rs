@@ -47,20 +47,43 @@ pub enum StartError {
     Kubeconfig {
         path: String,
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: SaidOnce,
     },
     #[error(
         "no kubeconfig (--kubeconfig, $KUBECONFIG, ~/.kube/config) and not in a cluster; pass --kubeconfig FILE"
     )]
-    Infer(#[source] Box<dyn std::error::Error + Send + Sync>),
+    Infer(#[source] SaidOnce),
     #[error("connecting to the API server")]
-    Client(#[source] kube::Error),
+    Client(#[source] SaidOnce),
     #[error("metrics address {addr} cannot be bound; choose another --metrics-addr")]
     Metrics {
         addr: std::net::SocketAddr,
         #[source]
         source: std::io::Error,
     },
+}
+
+/// A third-party error's chain as one cause, each link said once. kube's errors put their
+/// source in their own text and also return it as `source()`, so a CLI printing the chain would
+/// say it twice; this keeps a link only when the text so far does not already hold it.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct SaidOnce(String);
+
+impl SaidOnce {
+    pub fn of(e: &dyn std::error::Error) -> Self {
+        let mut text = e.to_string();
+        let mut next = e.source();
+        while let Some(link) = next {
+            let t = link.to_string();
+            if !text.contains(&t) {
+                text.push_str(": ");
+                text.push_str(&t);
+            }
+            next = link.source();
+        }
+        Self(text)
+    }
 }
 
 /// A client from `--kubeconfig`, else `$KUBECONFIG`/`~/.kube/config`, else in-cluster.
@@ -71,19 +94,21 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, Star
     let _ = rustls::crypto::ring::default_provider().install_default();
     let config = match kubeconfig {
         Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| {
-                StartError::Kubeconfig { path: path.display().to_string(), source: Box::new(e) }
-            })?;
+            let kc =
+                kube::config::Kubeconfig::read_from(path).map_err(|e| StartError::Kubeconfig {
+                    path: path.display().to_string(),
+                    source: SaidOnce::of(&e),
+                })?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
                 .await
                 .map_err(|e| StartError::Kubeconfig {
                     path: path.display().to_string(),
-                    source: Box::new(e),
+                    source: SaidOnce::of(&e),
                 })?
         }
-        None => kube::Config::infer().await.map_err(|e| StartError::Infer(Box::new(e)))?,
+        None => kube::Config::infer().await.map_err(|e| StartError::Infer(SaidOnce::of(&e)))?,
     };
-    Client::try_from(config).map_err(StartError::Client)
+    Client::try_from(config).map_err(|e| StartError::Client(SaidOnce::of(&e)))
 }
 
 /// Runs the scheduler until SIGTERM/SIGINT (or, with leader election, until the lease is lost:

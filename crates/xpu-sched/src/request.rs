@@ -234,12 +234,8 @@ pub enum RequestError {
     BadFraction(u16),
     #[error("a task may ask for at most {max} devices (got {0})", max = crate::cluster::MAX_DEVICES)]
     TooManyDevices(u16),
-    #[error("task group {group:?}: {source}")]
-    Tpu {
-        group: String,
-        #[source]
-        source: TpuError,
-    },
+    #[error("task group {group:?}: {error}")]
+    Tpu { group: String, error: TpuError },
     #[error("task group {group:?} asks for {count} tasks; at most 100000 are supported")]
     TooManyTasks { group: String, count: u32 },
     #[error(transparent)]
@@ -273,7 +269,7 @@ pub fn expand(job: &Job, cluster: &mut Cluster) -> Result<Vec<ExpandedGroup>, Re
         let gname = if g.name.is_empty() { format!("{}#{i}", job.name) } else { g.name.clone() };
         if let Some(t) = &g.tpu {
             let shape = tpu::slice(&t.accelerator, &t.topology)
-                .map_err(|source| RequestError::Tpu { group: gname.clone(), source })?;
+                .map_err(|source| RequestError::Tpu { group: gname.clone(), error: source })?;
             let mut spec = g.task.clone();
             spec.devices = DeviceAsk::Whole(shape.chips_per_host as u16);
             spec.device_kind = Some(DeviceKind::Tpu);

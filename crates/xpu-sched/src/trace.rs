@@ -16,12 +16,8 @@ pub const MAX_TIME: u64 = 1_000_000_000_000_000;
 /// A malformed or unreadable trace.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("cannot read trace {file}: {source}")]
-    Io {
-        file: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("cannot read trace {file}: {error}")]
+    Io { file: String, error: std::io::Error },
     #[error("{file}:{line}: column {column:?}: {message}")]
     Value { file: String, line: usize, column: String, message: String },
     #[error("{file}:{line}: {message}")]
@@ -120,7 +116,7 @@ impl<'a> Csv<'a> {
 fn read(path: &Path) -> Result<(String, String), TraceError> {
     let file = path.display().to_string();
     let text = std::fs::read_to_string(path)
-        .map_err(|source| TraceError::Io { file: file.clone(), source })?;
+        .map_err(|source| TraceError::Io { file: file.clone(), error: source })?;
     Ok((file, text))
 }
 

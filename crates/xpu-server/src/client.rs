@@ -12,10 +12,10 @@ use std::path::PathBuf;
 pub enum ClientError {
     #[error("server {0:?} is not understood; use unix:///path/to/xpu.sock or http://host:port")]
     BadUrl(String),
-    #[error("connecting to {target}: {source}; is xpu serve running? (pass --server or start it)")]
-    Connect { target: String, source: std::io::Error },
-    #[error("talking to {target}: {source}")]
-    Io { target: String, source: std::io::Error },
+    #[error("connecting to {target}: {error}; is xpu serve running? (pass --server or start it)")]
+    Connect { target: String, error: std::io::Error },
+    #[error("talking to {target}: {error}")]
+    Io { target: String, error: std::io::Error },
     #[error("{target} sent a malformed HTTP response: {what}")]
     Protocol { target: String, what: String },
 }
@@ -96,7 +96,7 @@ impl Client {
     }
 
     fn connect(&self) -> Result<BufReader<Box<dyn Stream>>, ClientError> {
-        let err = |source| ClientError::Connect { target: self.target.to_string(), source };
+        let err = |source| ClientError::Connect { target: self.target.to_string(), error: source };
         let stream: Box<dyn Stream> = match &self.target {
             Target::Unix(p) => Box::new(UnixStream::connect(p).map_err(err)?),
             Target::Tcp(h) => {
@@ -109,7 +109,7 @@ impl Client {
     }
 
     fn io(&self, source: std::io::Error) -> ClientError {
-        ClientError::Io { target: self.target.to_string(), source }
+        ClientError::Io { target: self.target.to_string(), error: source }
     }
 
     fn proto(&self, what: impl Into<String>) -> ClientError {

@@ -61,14 +61,14 @@ pub enum BundleError {
     NoRootfs { job: i64, path: String },
     #[error("job {job}: {problem}")]
     BadRoot { job: i64, problem: String },
-    #[error("job {job}: bundle {path} has no readable config.json ({source}); fix xpu.dev/bundle")]
-    NoBundle { job: i64, path: String, source: std::io::Error },
+    #[error("job {job}: bundle {path} has no readable config.json ({error}); fix xpu.dev/bundle")]
+    NoBundle { job: i64, path: String, error: std::io::Error },
     #[error("job {job}: {path} is not valid OCI config JSON: {message}")]
     BadConfig { job: i64, path: String, message: String },
     #[error("job {job}: bundle {path} has no process.args and the manifest gives no command")]
     NoCommand { job: i64, path: String },
-    #[error("writing {path}: {source}")]
-    Write { path: String, source: std::io::Error },
+    #[error("writing {path}: {error}")]
+    Write { path: String, error: std::io::Error },
 }
 
 /// Why runc would refuse `path` as a container's root filesystem, or `None` when it takes it: an
@@ -208,7 +208,7 @@ pub fn config(c: &ContainerLaunch, p: &Process<'_>) -> Result<Value, BundleError
             let text = std::fs::read(&path).map_err(|source| BundleError::NoBundle {
                 job: p.job,
                 path: dir.display().to_string(),
-                source,
+                error: source,
             })?;
             let bad = |message: String| BundleError::BadConfig {
                 job: p.job,
@@ -313,7 +313,8 @@ pub fn write_bundle(dir: &Path, c: &ContainerLaunch, p: &Process<'_>) -> Result<
             .open(&path)?;
         std::io::Write::write_all(&mut f, bytes)
     };
-    write(&bytes).map_err(|source| BundleError::Write { path: path.display().to_string(), source })
+    write(&bytes)
+        .map_err(|source| BundleError::Write { path: path.display().to_string(), error: source })
 }
 
 /// The supervisor's program for the attempt: `xpu runtime --root STATE run --bundle DIR ID`.

@@ -64,10 +64,10 @@ const SUPERVISOR_NAME: &str = "xpu-task";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
-    #[error("creating task directory {path}: {source}")]
-    Dir { path: String, source: std::io::Error },
-    #[error("starting {program:?} for job {job} task {idx}: {source}")]
-    Spawn { program: String, job: i64, idx: u32, source: std::io::Error },
+    #[error("creating task directory {path}: {error}")]
+    Dir { path: String, error: std::io::Error },
+    #[error("starting {program:?} for job {job} task {idx}: {error}")]
+    Spawn { program: String, job: i64, idx: u32, error: std::io::Error },
     #[error(
         "job {job} task {idx}: its command line and environment ({bytes} bytes) are too large to start ({error}); Linux takes at most 128 KiB in one argument or variable and 2 MiB in all under the default stack limit; pass large inputs in a file"
     )]
@@ -157,13 +157,13 @@ const RUNTIME_ENV: [&str; 1] = ["XPU_RUNTIME_CONFIG"];
 pub fn fresh_dir(dir: &Path) -> Result<Option<PathBuf>, ExecError> {
     let io = |path: &Path| {
         let path = path.display().to_string();
-        move |source| ExecError::Dir { path, source }
+        move |source| ExecError::Dir { path, error: source }
     };
     if let Some(parent) = dir.parent() {
         // Private (the log and the bundle hold the job's output and environment): see
         // [`crate::datadir`].
         crate::datadir::create_dir(parent, crate::datadir::DIR_MODE).map_err(
-            |(path, source)| ExecError::Dir { path: path.display().to_string(), source },
+            |(path, source)| ExecError::Dir { path: path.display().to_string(), error: source },
         )?;
     }
     let mkdir = || std::fs::DirBuilder::new().mode(crate::datadir::DIR_MODE).create(dir);
@@ -225,8 +225,10 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
         }
         Some(w) => {
             let p = l.dir.join(w);
-            std::fs::create_dir_all(&p)
-                .map_err(|source| ExecError::Dir { path: p.display().to_string(), source })?;
+            std::fs::create_dir_all(&p).map_err(|source| ExecError::Dir {
+                path: p.display().to_string(),
+                error: source,
+            })?;
             p
         }
         None => l.dir.clone(),
@@ -258,7 +260,7 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
     let moved_aside = fresh_dir(&l.dir)?;
     let io = |path: &Path| {
         let path = path.display().to_string();
-        move |source| ExecError::Dir { path, source }
+        move |source| ExecError::Dir { path, error: source }
     };
     let mkdir = |p: &Path| {
         std::fs::DirBuilder::new().recursive(true).mode(crate::datadir::DIR_MODE).create(p)
@@ -483,7 +485,7 @@ fn quote<S: AsRef<std::ffi::OsStr>>(p: S) -> String {
 /// The attempt's `output.log`, new, twice: the supervisor's stdout and stderr.
 fn open_log(dir: &Path) -> Result<(std::fs::File, std::fs::File), ExecError> {
     let path = dir.join("output.log");
-    let err = |source| ExecError::Dir { path: path.display().to_string(), source };
+    let err = |source| ExecError::Dir { path: path.display().to_string(), error: source };
     let log = OpenOptions::new()
         .create_new(true)
         .append(true)
@@ -532,7 +534,7 @@ fn finish_spawn(
                 + l.env.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>();
             return ExecError::TooLarge { job: l.job_id, idx: l.idx, bytes, error: source };
         }
-        ExecError::Spawn { program: program.to_owned(), job: l.job_id, idx: l.idx, source }
+        ExecError::Spawn { program: program.to_owned(), job: l.job_id, idx: l.idx, error: source }
     })?;
     let pid = child.id().map_or(0, |p| p as i32);
     Ok(Spawned { pid, child, moved_aside })

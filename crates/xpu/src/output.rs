@@ -22,10 +22,17 @@ impl CliError {
         Self { code: 1, error: e.into() }
     }
 
-    /// Prints `error: outer: inner: root cause` and returns the exit code.
+    /// Prints `error: outer: inner: root cause` and returns the exit code. With
+    /// `XPU_ERROR_CHAIN=lines` (for tests), each link of the chain follows on a line of its
+    /// own, `  cause: ...`, so a test can check that no message repeats its source.
     pub fn report(&self) -> ExitCode {
         let chain: Vec<String> = self.error.chain().map(ToString::to_string).collect();
         eprintln!("error: {}", chain.join(": "));
+        if std::env::var_os("XPU_ERROR_CHAIN").is_some_and(|v| v == "lines") {
+            for link in &chain {
+                eprintln!("  cause: {link}");
+            }
+        }
         ExitCode::from(self.code)
     }
 }

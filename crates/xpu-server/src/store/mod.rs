@@ -34,8 +34,8 @@ pub enum StoreError {
         "database url {0:?} is not understood; use sqlite:///path/xpu.db or postgres://user@host:port/db"
     )]
     BadUrl(String),
-    #[error("opening {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    #[error("opening {path}: {error}")]
+    Io { path: String, error: std::io::Error },
     #[error("the store's writer has stopped; restart the daemon")]
     WriterGone,
     #[error("{0}")]

@@ -44,7 +44,7 @@ fn create_private(path: &str) -> Result<()> {
     match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(source) => Err(StoreError::Io { path: path.to_owned(), source }),
+        Err(source) => Err(StoreError::Io { path: path.to_owned(), error: source }),
     }
 }
 
@@ -77,7 +77,7 @@ fn check_existing(path: &str) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return if created { Err(restore("is missing")) } else { Ok(()) };
         }
-        Err(source) => return Err(StoreError::Io { path: path.to_owned(), source }),
+        Err(source) => return Err(StoreError::Io { path: path.to_owned(), error: source }),
     }
     let damaged = |why: String| {
         StoreError::Corrupt(format!(
@@ -125,7 +125,7 @@ fn mark_created(path: &str) -> Result<()> {
             std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&marker)?;
         std::io::Write::write_all(&mut f, text.as_bytes())
     };
-    write().map_err(|source| StoreError::Io { path: marker.display().to_string(), source })
+    write().map_err(|source| StoreError::Io { path: marker.display().to_string(), error: source })
 }
 
 impl Sqlite {
@@ -133,8 +133,10 @@ impl Sqlite {
         if let Some(dir) = std::path::Path::new(path).parent()
             && !dir.as_os_str().is_empty()
         {
-            std::fs::create_dir_all(dir)
-                .map_err(|source| StoreError::Io { path: dir.display().to_string(), source })?;
+            std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
+                path: dir.display().to_string(),
+                error: source,
+            })?;
         }
         check_existing(path)?;
         create_private(path)?;
@@ -144,7 +146,7 @@ impl Sqlite {
         std::thread::Builder::new()
             .name("xpu-store-writer".to_owned())
             .spawn(move || writer(conn, rx))
-            .map_err(|source| StoreError::Io { path: path.to_owned(), source })?;
+            .map_err(|source| StoreError::Io { path: path.to_owned(), error: source })?;
         Ok(Sqlite { path: path.to_owned(), readers: Arc::new(Mutex::new(Vec::new())) })
     }
 
