@@ -1671,17 +1671,7 @@ impl Scheduler {
             self.invariants.check(released, "releasing a preemption candidate");
             victims.push(v);
             let e = &self.jobs[id as usize];
-            if let Ok(ps) = place_tasks(
-                &mut self.invariants,
-                &mut self.planner,
-                &mut scratch,
-                &e.groups,
-                &e.tasks,
-                &ctx,
-                true,
-            ) {
-                let undone = scratch.undo(ps.iter().map(|(_, p)| p));
-                self.invariants.check(undone, "undoing a preemption trial");
+            if trial_fits(&mut self.invariants, &mut self.planner, &mut scratch, e, &ctx) {
                 fits = true;
                 break;
             }
@@ -1703,22 +1693,7 @@ impl Scheduler {
             }
             let e = &self.jobs[id as usize];
             let still = restored
-                && match place_tasks(
-                    &mut self.invariants,
-                    &mut self.planner,
-                    &mut scratch,
-                    &e.groups,
-                    &e.tasks,
-                    &ctx,
-                    true,
-                ) {
-                    Ok(ps) => {
-                        let undone = scratch.undo(ps.iter().map(|(_, p)| p));
-                        self.invariants.check(undone, "undoing a preemption trial");
-                        true
-                    }
-                    Err(_) => false,
-                };
+                && trial_fits(&mut self.invariants, &mut self.planner, &mut scratch, e, &ctx);
             if still {
                 victims.remove(i);
             } else {
@@ -1786,6 +1761,24 @@ fn unplaced_need(groups: &[ExpandedGroup], tasks: &[TaskSlot], per_task: bool) -
 /// Places the unplaced tasks of a job on `cluster` (allocating them): gang and colocated groups
 /// all at once, other tasks one by one. With `all`, every task must be placed or nothing is.
 /// Rolls back everything on failure.
+/// Whether all of `e`'s unplaced tasks fit `cluster` now; the trial is undone either way.
+fn trial_fits(
+    inv: &mut Invariants,
+    placer: &mut Placer,
+    cluster: &mut Cluster,
+    e: &Entry,
+    ctx: &PlaceCtx<'_>,
+) -> bool {
+    match place_tasks(inv, placer, cluster, &e.groups, &e.tasks, ctx, true) {
+        Ok(ps) => {
+            let undone = cluster.undo(ps.iter().map(|(_, p)| p));
+            inv.check(undone, "undoing a what-if trial");
+            true
+        }
+        Err(_) => false,
+    }
+}
+
 fn place_tasks(
     inv: &mut Invariants,
     placer: &mut Placer,
