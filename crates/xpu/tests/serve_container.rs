@@ -82,11 +82,11 @@ struct Setup {
 
 impl Setup {
     fn new() -> Setup {
-        Setup::with_runtime(None)
+        Setup::with_runtime(None, &[])
     }
 
-    /// With `runtime` in place of runc in the shim's settings.
-    fn with_runtime(runtime: Option<&Path>) -> Setup {
+    /// With `runtime` in place of runc in the shim's settings, and `extra` daemon flags.
+    fn with_runtime(runtime: Option<&Path>, extra: &[&str]) -> Setup {
         let host = TestHost::new(&hosts::a100_8x());
         if let Some(r) = runtime {
             let text = std::fs::read_to_string(&host.config).unwrap();
@@ -98,12 +98,9 @@ impl Setup {
         let data = tmp.path().join("data");
         let cleanup = Cleanup { data: data.clone() };
         let cfg = host.config.to_str().unwrap().to_owned();
-        let d = Daemon::start_with_env(
-            &data,
-            None,
-            &["--root", host.fixture.root().to_str().unwrap()],
-            &[("XPU_RUNTIME_CONFIG", &cfg)],
-        );
+        let mut args = vec!["--root", host.fixture.root().to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let d = Daemon::start_with_env(&data, None, &args, &[("XPU_RUNTIME_CONFIG", &cfg)]);
         Setup { host, tmp, image, rootfs, data, _cleanup: cleanup, d }
     }
 }
@@ -336,7 +333,7 @@ fn a_failing_runtime_call_is_logged_with_its_stderr_needs_root_and_runc() {
     std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .unwrap();
     let Setup { host: _host, tmp: _tmp, image: _image, rootfs, data: _data, _cleanup, d } =
-        Setup::with_runtime(Some(&wrapper));
+        Setup::with_runtime(Some(&wrapper), &["--log-level", "debug"]);
     let id = d.submit(&job("echo hi", &rootfs, ""));
     let j = d.wait_state(id, &["succeeded", "failed"]);
     assert_eq!(j["state"], "succeeded", "{j}");
@@ -345,6 +342,14 @@ fn a_failing_runtime_call_is_logged_with_its_stderr_needs_root_and_runc() {
         (log.contains("runtime call failed") && log.contains("delete refused by the test wrapper"))
             .then_some(())
     });
+    // At debug, every runtime command is logged with its arguments.
+    let log = d.log();
+    let calls: Vec<&str> =
+        log.lines().filter(|l| l.contains("runtime call") && !l.contains("failed")).collect();
+    assert!(
+        calls.iter().any(|l| l.contains(" runtime --root ") && l.contains(" delete -f xpu-")),
+        "no debug line for the delete with its arguments: {calls:?}"
+    );
 }
 
 /// A subPath that an earlier container turned into a symlink out of the volume is refused
