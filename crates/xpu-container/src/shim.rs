@@ -74,18 +74,6 @@ pub enum ShimError {
     Exec { path: PathBuf, source: std::io::Error },
 }
 
-/// `outer: inner: root cause`, as the CLI prints errors, for logs.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
-}
-
 /// What the container gets, computed but not yet applied.
 #[derive(Debug)]
 pub struct Prepared {

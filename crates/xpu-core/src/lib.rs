@@ -16,6 +16,7 @@
 
 pub mod accel;
 pub mod driver;
+pub mod error;
 pub mod expand;
 pub mod inventory;
 pub mod job;

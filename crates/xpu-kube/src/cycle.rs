@@ -235,6 +235,7 @@ enum FlexGate {
 /// `ask`; `base` names its requests and `count` is how many pods they are for.
 fn flex_gate(
     snap: &Snapshot<'_>,
+    requests: &Requests<'_>,
     ask: &PodAsk,
     members: &[&Pod],
     base: &str,
@@ -245,7 +246,7 @@ fn flex_gate(
     if !flex::aimed(&ask.task.node_selector) {
         return none;
     }
-    let Some(requests) = snap.provisioning else {
+    if snap.provisioning.is_none() {
         return FlexGate::Place(
             None,
             "; no flex-start capacity is asked for: the cluster does not serve ProvisioningRequests (autoscaling.x-k8s.io/v1); install the cluster autoscaler with them enabled, or `xpu k8s crd | kubectl apply -f -` for another provisioner".into(),
@@ -257,12 +258,12 @@ fn flex_gate(
         let p = flex::provision(first, members, flex::request_name(base, 1), count, 1, None);
         return FlexGate::Place(Some(p), String::new());
     };
-    let attempt = note(flex::ATTEMPT).and_then(|a| a.parse::<u32>().ok()).filter(|a| *a > 0);
-    let found = requests.iter().find(|r| {
-        r.metadata.name.as_deref() == Some(name.as_str())
-            && r.metadata.namespace.as_deref().unwrap_or("default") == ns
-    });
-    let Some(r) = found else {
+    // xpu remakes or replaces only a request it would have named itself for this unit's
+    // attempt: a pod's annotations cannot steer it to create or delete anything else.
+    let attempt = note(flex::ATTEMPT)
+        .and_then(|a| a.parse::<u32>().ok())
+        .filter(|a| *a > 0 && *name == flex::request_name(base, *a));
+    let Some(&r) = requests.get(&(ns, name.as_str())) else {
         return match attempt {
             // Ours: just made (the watch has not shown it yet) or deleted since; made again.
             Some(a) => FlexGate::Hold(
@@ -300,7 +301,7 @@ fn flex_gate(
             let Some(a) = attempt else {
                 return FlexGate::Hold(
                     format!(
-                        "ProvisioningRequest {ns}/{name} ended, {}; it is not xpu's (the pods have no {}), so point {} at a new one",
+                        "ProvisioningRequest {ns}/{name} ended, {}; it is not one xpu made for these pods (by {}), so point {} at a new one",
                         flex::describe(c),
                         flex::ATTEMPT,
                         flex::CONSUME
@@ -318,18 +319,25 @@ fn flex_gate(
                         flex::describe(c),
                         k8s_openapi::jiff::Timestamp::from_second(at)
                             .map_or_else(|_| format!("{at} s"), |t| t.to_string()),
-                        a + 1
+                        a.saturating_add(1)
                     ),
                     None,
                 );
             }
-            let next = flex::request_name(base, a + 1);
+            let next = flex::request_name(base, a.saturating_add(1));
             FlexGate::Hold(
                 format!(
                     "ProvisioningRequest {ns}/{name} ended, {}; asked again as {ns}/{next}",
                     flex::describe(c)
                 ),
-                Some(flex::provision(first, members, next, count, a + 1, Some(name.clone()))),
+                Some(flex::provision(
+                    first,
+                    members,
+                    next,
+                    count,
+                    a.saturating_add(1),
+                    Some(name.clone()),
+                )),
             )
         }
     }
@@ -351,6 +359,9 @@ fn unplaced(unit: &mut Unit, out: &mut Plan) -> String {
     }
     note
 }
+
+/// The cluster's ProvisioningRequests by (namespace, name), indexed once per cycle.
+type Requests<'a> = HashMap<(&'a str, &'a str), &'a ProvisioningRequest>;
 
 /// The name a unit's requests start from: its Job's, its gang's, or the pod's.
 fn flex_base(p: &Pod, gang: Option<&str>) -> String {
@@ -386,6 +397,15 @@ pub fn plan(
         ka.partial_cmp(&kb).unwrap_or(std::cmp::Ordering::Equal)
     });
     out.pending = pending.len();
+    let requests: Requests<'_> = snap
+        .provisioning
+        .into_iter()
+        .flatten()
+        .filter_map(|r| {
+            let ns = r.metadata.namespace.as_deref().unwrap_or("default");
+            Some(((ns, r.metadata.name.as_deref()?), r.as_ref()))
+        })
+        .collect();
     let pod_of: HashMap<&str, &Pod> =
         pending.iter().filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref()))).collect();
 
@@ -464,7 +484,7 @@ pub fn plan(
                     say(&mut out, key, msg, explain);
                     continue;
                 }
-                match flex_gate(snap, &ask, &[p.as_ref()], &flex_base(p, None), 1) {
+                match flex_gate(snap, &requests, &ask, &[p.as_ref()], &flex_base(p, None), 1) {
                     FlexGate::Hold(msg, provision) => {
                         out.provisions.extend(provision);
                         out.waiting.push((key, msg));
@@ -545,7 +565,7 @@ pub fn plan(
             let pods: Vec<&Pod> =
                 members.iter().filter_map(|(k, _)| pod_of.get(k.uid.as_str()).copied()).collect();
             let base = pods.first().map(|p| flex_base(p, Some(&gkey))).unwrap_or_default();
-            match flex_gate(snap, &first, &pods, &base, g.size) {
+            match flex_gate(snap, &requests, &first, &pods, &base, g.size) {
                 FlexGate::Place(p, note) => (p, note),
                 FlexGate::Hold(msg, provision) => {
                     out.provisions.extend(provision);
@@ -1202,6 +1222,28 @@ mod tests {
         let expired = [request("job-1-flex-2", &[("Provisioned", 1500), ("BookingExpired", 2000)])];
         assert!(run(&[], &later, &expired, 2059).provisions.is_empty());
         assert_eq!(run(&[], &later, &expired, 2060).provisions[0].name(), "job-1-flex-3");
+    }
+
+    /// A pod's annotations cannot make xpu create or delete an object it would not have named
+    /// itself: a request named otherwise is only waited on and reported.
+    #[test]
+    fn pod_annotations_cannot_steer_what_xpu_creates_or_deletes() {
+        let jobs = HashMap::from([("j".to_owned(), (2, 2, true))]);
+        let assumed = HashMap::new();
+        let steered = vec![
+            flex_pod("job-1-0", 0, Some(("someone-elses", 1))),
+            flex_pod("job-1-1", 1, Some(("someone-elses", 1))),
+        ];
+        for reqs in [vec![], vec![request("someone-elses", &[("Failed", 0)])]] {
+            let snap = Snapshot {
+                provisioning: Some(&reqs),
+                unix_now: 100_000,
+                ..Snapshot::new("xpu", &[], &steered, &jobs, &assumed)
+            };
+            let p = plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
+            assert!(p.provisions.is_empty(), "{:?}", p.provisions);
+            assert!(p.binds.is_empty());
+        }
     }
 
     fn gpu_pod(name: &str, prio: i32, node: Option<&str>, start: Option<&str>) -> Arc<Pod> {

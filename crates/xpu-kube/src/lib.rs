@@ -72,17 +72,7 @@ pub struct SaidOnce(String);
 
 impl SaidOnce {
     pub fn of(e: &dyn std::error::Error) -> Self {
-        let mut text = e.to_string();
-        let mut next = e.source();
-        while let Some(link) = next {
-            let t = link.to_string();
-            if !text.contains(&t) {
-                text.push_str(": ");
-                text.push_str(&t);
-            }
-            next = link.source();
-        }
-        Self(text)
+        Self(xpu_core::error::chain_once(e))
     }
 }
 

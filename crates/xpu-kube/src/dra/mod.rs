@@ -25,18 +25,6 @@ use xpu_host::Root;
 /// The driver name in ResourceSlices, allocation results and registration.
 pub const DRIVER: &str = "xpu.dev";
 
-/// The error and its sources, `: `-joined, for log fields.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 /// What `xpu k8s dra-driver` was asked to do.
 #[derive(Debug, Clone)]
 pub struct DriverArgs {

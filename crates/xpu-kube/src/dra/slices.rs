@@ -310,10 +310,12 @@ pub async fn run(
                         info!(elapsed_ms = started.elapsed().as_millis() as u64, "slices updated")
                     }
                     Ok(false) => {}
-                    Err(e) => warn!(error = %crate::dra::chain(&e), "publishing ResourceSlices"),
+                    Err(e) => {
+                        warn!(error = %xpu_core::error::chain_once(&e), "publishing ResourceSlices")
+                    }
                 }
             }
-            Err(e) => warn!(error = %crate::dra::chain(&e), "re-discovering the host"),
+            Err(e) => warn!(error = %xpu_core::error::chain_once(&e), "re-discovering the host"),
         }
         tokio::time::sleep(interval).await;
     }

@@ -30,11 +30,7 @@ pub fn run(args: Args) -> CmdResult {
         Ok(Some(summary)) => cfg.log(&format!("{stage} {}: {summary}", state.id)),
         Ok(None) => {}
         Err(e) => {
-            cfg.log(&format!(
-                "{stage} {} refused: {}",
-                state.id,
-                xpu_container::shim::error_chain(&e)
-            ));
+            cfg.log(&format!("{stage} {} refused: {}", state.id, xpu_core::error::chain_once(&e)));
             return Err(CliError::failed(e));
         }
     }

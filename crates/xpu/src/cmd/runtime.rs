@@ -140,11 +140,15 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
                 cfg.log(&format!("{summary}{from}"));
             }
             let e = shim::exec(&runtime, &args);
-            cfg.log(&shim::error_chain(&e));
+            cfg.log(&xpu_core::error::chain_once(&e));
             fail(ME, e)
         }
         Err(e) => {
-            cfg.log(&format!("refused {}: {}", display_args(&args), shim::error_chain(&e)));
+            cfg.log(&format!(
+                "refused {}: {}",
+                display_args(&args),
+                xpu_core::error::chain_once(&e)
+            ));
             fail(ME, e)
         }
     }

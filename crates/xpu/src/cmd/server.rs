@@ -138,26 +138,8 @@ pub fn serve(args: ServeArgs) -> CmdResult {
         xpu_server::Notice::Serving => eprintln!("{banner}"),
     });
     xpu_server::serve_blocking(opts)
-        .map_err(|e| CliError::failed(anyhow::Error::msg(chain_once(&e))))?;
+        .map_err(|e| CliError::failed(anyhow::Error::msg(xpu_core::error::chain_once(&e))))?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// `outer: inner: root cause` on one line, leaving out a cause whose text the message above it
-/// already shows (the store's and the OS's errors embed their source).
-fn chain_once(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut above = out.clone();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let text = c.to_string();
-        if !above.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        above = text;
-        cause = c.source();
-    }
-    out
 }
 
 /// How a client command reaches the daemon.
@@ -606,7 +588,10 @@ mod tests {
             "opening the store",
             Some(Box::new(E("sqlite: file is not a database", Some(Box::new(os))))),
         );
-        assert_eq!(chain_once(&e), "opening the store: sqlite: file is not a database");
+        assert_eq!(
+            xpu_core::error::chain_once(&e),
+            "opening the store: sqlite: file is not a database"
+        );
     }
 
     #[test]
