@@ -34,6 +34,7 @@ use xpu_sched::scheduler::{Decision, JobId, QueuePolicy, SchedError, Scheduler, 
 use xpu_sched::{Cluster, NodeSpec, TaskRef};
 
 use crate::Shared;
+pub use crate::view::{Holder, QUEUE_VIEW, QueuedView, RunningView, TaskView, View};
 use crate::container::{self, ContainerLaunch};
 use crate::executor::{self, Launch, Sig};
 use crate::store::{JobRow, JobState, TaskRow, TaskState, Write, now_ms};
@@ -68,57 +69,6 @@ pub enum Msg {
         attempt: u32,
         error: String,
     },
-}
-
-/// What the API shows of the loop's state, replaced after every pass.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct View {
-    /// Per device: the tasks holding it (several when they share it).
-    pub holders: Vec<Vec<Holder>>,
-    /// Queued jobs in queue order, the first [`QUEUE_VIEW`] of them.
-    pub queued: Vec<QueuedView>,
-    /// Queued jobs in all.
-    pub queued_total: usize,
-    pub running: Vec<RunningView>,
-    /// (time ms, devices allocated), one sample per change and at most one per second.
-    pub history: VecDeque<(i64, u32)>,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Holder {
-    pub job: i64,
-    pub name: String,
-    pub task: u32,
-    /// Thousandths of the device held: 1000 for a whole device.
-    pub milli: u16,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct QueuedView {
-    pub id: i64,
-    pub name: String,
-    pub queue: String,
-    pub priority: i64,
-    pub submitted_at_ms: i64,
-    pub position: usize,
-    pub reason: String,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct RunningView {
-    pub id: i64,
-    pub name: String,
-    pub queue: String,
-    pub started_at_ms: i64,
-    pub tasks: Vec<TaskView>,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct TaskView {
-    pub index: u32,
-    pub attempt: u32,
-    pub pid: Option<i32>,
-    pub devices: Vec<u32>,
 }
 
 /// Where one completion index is.
@@ -303,8 +253,6 @@ pub struct Engine {
 const TICK: Duration = Duration::from_millis(250);
 /// Queued jobs whose reason to wait is worked out on each pass (the dashboard shows the head).
 const EXPLAINED: usize = 50;
-/// Queued jobs the view lists; a queue of 30,000 would make every dashboard refresh megabytes.
-pub const QUEUE_VIEW: usize = 1000;
 
 /// The placeholder job that holds one unhealthy device of `kind`, in a queue of its own.
 fn health_hold(kind: DeviceKind) -> xpu_sched::Job {

@@ -15,6 +15,7 @@
 //!   serving them on a listener, with a connection cap and timeouts.
 //! - [`client`]: the small HTTP/1.1 client the CLI uses (Unix socket or TCP).
 //! - [`node`]: the node's devices, labels and device environment.
+//! - [`view`]: what the API shows of the loop's state.
 
 pub mod api;
 pub mod client;
@@ -26,6 +27,7 @@ pub mod listen;
 pub mod metrics;
 pub mod node;
 pub mod store;
+pub mod view;
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
