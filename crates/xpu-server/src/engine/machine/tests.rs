@@ -721,3 +721,95 @@ fn no_work_is_placed_on_an_unhealthy_device_until_it_recovers() {
     assert_eq!(s.events(None).last().unwrap().0, "device-healthy");
     assert_eq!(s.tasks(b)[0].3, [0]);
 }
+
+#[test]
+fn a_task_is_told_its_index_its_pod_and_only_the_devices_it_was_given() {
+    let mut s = Sim::new(&["tpu-v6e:8"]);
+    let job = r#"apiVersion: batch/v1
+kind: Job
+metadata: {name: rank}
+spec:
+  completions: 2
+  parallelism: 2
+  completionMode: Indexed
+  template:
+    metadata: {labels: {team: ml}}
+    spec:
+      restartPolicy: Never
+      volumes:
+      - name: info
+        downwardAPI:
+          items:
+          - {path: labels, fieldRef: {fieldPath: metadata.labels}}
+      initContainers:
+      - name: setup
+        image: busybox
+        command: [sh, -c, "echo $(RANK)"]
+        env:
+        - {name: RANK, valueFrom: {fieldRef: {fieldPath: "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+      containers:
+      - name: main
+        image: busybox
+        command: [sh, -c, "echo $(POD) $(RANK)"]
+        env:
+        - {name: TPU_VISIBLE_CHIPS, value: "0,1,2,3,4,5,6,7"}
+        - {name: POD, valueFrom: {fieldRef: {fieldPath: metadata.name}}}
+        - {name: RANK, value: "rank-$(JOB_COMPLETION_INDEX)"}
+        resources: {limits: {google.com/tpu: 4}}
+"#;
+    let id = s.submit(job);
+    let spawns = s.spawns(id);
+    assert_eq!(spawns.len(), 2, "a gang: both start together");
+    let host = s.m.config.node.hostname.clone();
+    let mut chips = Vec::new();
+    for (i, (_, launch)) in spawns.iter().enumerate() {
+        let l = launch.as_ref().unwrap();
+        let env = |k: &str| l.env.iter().rev().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(env("JOB_COMPLETION_INDEX"), Some(i.to_string()));
+        assert_eq!(env("TPU_WORKER_ID"), Some(i.to_string()));
+        assert_eq!(env("TPU_WORKER_HOSTNAMES"), Some(format!("{host},{host}")));
+        assert_eq!(env("POD"), Some(format!("rank-{id}-{i}")));
+        // The manifest's own device list is dropped: only the daemon says which chips.
+        let visible = env("TPU_VISIBLE_CHIPS").unwrap();
+        assert_eq!(l.env.iter().filter(|(n, _)| n == "TPU_VISIBLE_CHIPS").count(), 1);
+        chips.extend(visible.split(',').map(|c| c.parse::<u32>().unwrap()));
+        // `$(VAR)` in the command, by Kubernetes' rules: a variable defined after the one
+        // that names it (the Job controller appends JOB_COMPLETION_INDEX) stays as written.
+        let main = format!("echo rank-{id}-{i} rank-$(JOB_COMPLETION_INDEX)");
+        assert_eq!(l.argv, ["sh", "-c", &main]);
+        assert_eq!(l.init[0].argv, ["sh", "-c", &format!("echo {i}")]);
+        let labels = &l.files[0].content;
+        assert!(labels.contains(&format!("batch.kubernetes.io/job-completion-index=\"{i}\"\n")));
+        assert!(labels.contains("team=\"ml\"\n"), "{labels}");
+    }
+    chips.sort_unstable();
+    assert_eq!(chips, (0..8).collect::<Vec<u32>>(), "each index its own four chips");
+}
+
+#[test]
+fn the_machine_reads_no_clock_and_does_no_io() {
+    for (file, src) in
+        [("machine.rs", include_str!("../machine.rs")), ("env.rs", include_str!("../env.rs"))]
+    {
+        for banned in [
+            "Instant",
+            "SystemTime",
+            "now_ms",
+            "std::fs",
+            "std::net",
+            "std::process",
+            "tokio",
+            "executor::spawn(",
+            "executor::signal",
+            "executor::recorded",
+            "executor::is_",
+            "runtime_call",
+            ".store",
+        ] {
+            assert!(
+                !src.contains(banned),
+                "engine/{file} uses {banned}: that belongs in the driver"
+            );
+        }
+    }
+}
