@@ -556,7 +556,7 @@ impl Drop for Run {
 }
 
 /// The last lines of a log, for an error message.
-fn log_tail(path: &Path) -> String {
+pub(crate) fn log_tail(path: &Path) -> String {
     const BYTES: u64 = 4096;
     const LINES: usize = 20;
     let read = || -> io::Result<String> {
@@ -578,7 +578,7 @@ fn log_tail(path: &Path) -> String {
 
 /// `$CARGO_TARGET_DIR`, else `target/` of the workspace around this crate (or the running
 /// package), else the system temporary directory.
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     if let Some(dir) = env::var_os("CARGO_TARGET_DIR").filter(|v| !v.is_empty()) {
         return PathBuf::from(dir);
     }
@@ -593,7 +593,7 @@ fn target_dir() -> PathBuf {
 }
 
 /// Free ports on 127.0.0.1, all held until every one is found so they are distinct.
-fn free_ports<const N: usize>() -> Result<[u16; N], HarnessError> {
+pub(crate) fn free_ports<const N: usize>() -> Result<[u16; N], HarnessError> {
     let mut listeners = Vec::with_capacity(N);
     let mut ports = [0; N];
     for port in &mut ports {

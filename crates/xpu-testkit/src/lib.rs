@@ -20,6 +20,7 @@ pub mod driver;
 pub mod fake_kernel;
 pub mod hosts;
 pub mod kube;
+pub mod kubelet;
 pub mod lspci;
 pub mod readiness;
 pub mod sysfs;
