@@ -9,6 +9,7 @@ use xpu_container::cdi::{self, CdiKind, GenerateError, GenerateOptions, Spec};
 use xpu_host::{DiscoverOptions, Scope};
 
 use crate::cmd::discover::root_arg;
+use crate::cmd::format::Format;
 use crate::output::{CliError, CmdResult, warn_all};
 
 #[derive(Debug, clap::Args)]
@@ -31,12 +32,6 @@ pub enum Vendor {
     All,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Json,
-    Yaml,
-}
-
 #[derive(Debug, clap::Args)]
 pub struct GenerateArgs {
     /// Read the host under this directory instead of `/`; mount sources then point into it.
@@ -45,7 +40,7 @@ pub struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = Vendor::All)]
     pub vendor: Vendor,
     /// Output format; default: from the --output extension, else yaml.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = Format::only(&[Format::Json, Format::Yaml]))]
     pub format: Option<Format>,
     /// Write here (atomically) instead of stdout: a file for one spec, or a directory such as
     /// /etc/cdi for one file per kind.
@@ -69,7 +64,8 @@ pub fn run(args: Args) -> CmdResult {
 fn render(spec: &Spec, format: Format) -> String {
     match format {
         Format::Json => cdi::to_json(spec),
-        Format::Yaml => cdi::to_yaml(spec),
+        // YAML: the other format `Format::only` lets through.
+        _ => cdi::to_yaml(spec),
     }
 }
 
@@ -190,7 +186,7 @@ fn print_specs(specs: &[Spec], format: Format) {
             let s = serde_json::to_string_pretty(many).unwrap_or_default();
             println!("{s}");
         }
-        (Format::Yaml, many) => {
+        (_, many) => {
             for s in many {
                 println!("---");
                 print!("{}", cdi::to_yaml(s));

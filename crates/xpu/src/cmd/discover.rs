@@ -4,19 +4,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::ValueEnum;
 use xpu_core::{DeviceKind, Inventory};
 use xpu_host::{DiscoverOptions, Root, Scope};
 
+use crate::cmd::format::Format;
 use crate::output::{CliError, CmdResult, or_dash, print_json, table, warn_all};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
-    /// Node Feature Discovery labels (`key=value` lines).
-    Labels,
-}
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -26,7 +18,7 @@ pub struct Args {
     /// List every PCI function, not only accelerators and their IOMMU group peers.
     #[arg(long)]
     pub all: bool,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(&[Format::Table, Format::Json, Format::Labels]), default_value_t = Format::Table)]
     pub format: Format,
     /// Use this pci.ids file for names.
     #[arg(long, value_name = "FILE")]
@@ -64,7 +56,8 @@ pub fn run(args: Args) -> CmdResult {
                 println!("{k}={v}");
             }
         }
-        Format::Table => print!("{}", render_table(&inv)),
+        // The table: the formats `Format::only` lets through are all above.
+        _ => print!("{}", render_table(&inv)),
     }
     Ok(ExitCode::SUCCESS)
 }

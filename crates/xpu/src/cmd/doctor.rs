@@ -11,6 +11,7 @@ use xpu_host::profile::Profile;
 use xpu_host::{DiscoverOptions, Scope};
 
 use crate::cmd::discover::root_arg;
+use crate::cmd::format::{Format, TABLE_JSON};
 use crate::output::{CliError, CmdResult, print_json, warn_all};
 
 /// Host profiles, as clap values.
@@ -37,12 +38,6 @@ impl From<ProfileArg> for Profile {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
-}
-
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Check the host under this directory instead of `/` (a fixture or a mounted image).
@@ -50,7 +45,7 @@ pub struct Args {
     pub root: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = ProfileArg::All)]
     pub profile: ProfileArg,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
 }
 
@@ -62,7 +57,8 @@ pub fn run(args: Args) -> CmdResult {
     warn_all(&report.warnings);
     match args.format {
         Format::Json => print_json(&report)?,
-        Format::Table => print!("{}", render_table(&report)),
+        // The table: `Format::only` lets only it and JSON through.
+        _ => print!("{}", render_table(&report)),
     }
     Ok(if report.failed() { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }

@@ -12,6 +12,7 @@ use xpu_host::{DiscoverOptions, Scope, metadata_env};
 
 use crate::cmd::discover::root_arg;
 use crate::cmd::doctor::ProfileArg;
+use crate::cmd::format::{Format, TABLE_JSON};
 use crate::output::{CliError, CmdResult, print_json};
 
 #[derive(Debug, clap::Args)]
@@ -77,12 +78,6 @@ pub struct RenderArgs {
     pub hugepages: Option<u64>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
-}
-
 #[derive(Debug, clap::Args)]
 pub struct ApplyArgs {
     #[arg(long, value_enum)]
@@ -101,7 +96,7 @@ pub struct ApplyArgs {
     pub cpu_vendor: Option<VendorArg>,
     #[arg(long, value_name = "N")]
     pub hugepages: Option<u64>,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
 }
 
@@ -113,7 +108,7 @@ pub struct MetadataEnvArgs {
     /// The environment file to write (atomically).
     #[arg(long, value_name = "FILE")]
     pub output: PathBuf,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
 }
 
@@ -196,7 +191,8 @@ fn apply(a: ApplyArgs) -> CmdResult {
     })?;
     match a.format {
         Format::Json => print_json(&report)?,
-        Format::Table => print!("{}", render_apply(&report)),
+        // The table: `Format::only` lets only it and JSON through.
+        _ => print!("{}", render_apply(&report)),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -255,7 +251,7 @@ fn metadata(a: MetadataEnvArgs) -> CmdResult {
             "output": a.output.display().to_string(),
             "variables": n,
         }))?,
-        Format::Table => println!("wrote {n} variables to {}", a.output.display()),
+        _ => println!("wrote {n} variables to {}", a.output.display()),
     }
     Ok(ExitCode::SUCCESS)
 }

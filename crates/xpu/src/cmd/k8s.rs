@@ -12,6 +12,7 @@ use xpu_integrations::nfd;
 use xpu_integrations::selector::Resource;
 
 use crate::cmd::discover::root_arg;
+use crate::cmd::format::Format;
 use crate::output::{CliError, CmdResult, print_json, warn_all};
 
 #[derive(Debug, clap::Args)]
@@ -171,12 +172,6 @@ pub struct DevicePluginArgs {
     pub log: crate::output::LogArgs,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum NfdFormat {
-    Text,
-    Json,
-}
-
 #[derive(Debug, clap::Args)]
 pub struct NfdArgs {
     /// Read the host under this directory instead of `/`.
@@ -189,8 +184,8 @@ pub struct NfdArgs {
     /// Print the file that would be written, and write nothing.
     #[arg(long)]
     pub dry_run: bool,
-    #[arg(long, value_enum, default_value_t = NfdFormat::Text)]
-    pub format: NfdFormat,
+    #[arg(long, value_parser = Format::only(&[Format::Text, Format::Json]), default_value_t = Format::Text)]
+    pub format: Format,
 }
 
 pub fn run(args: Args) -> CmdResult {
@@ -469,19 +464,20 @@ fn nfd_features(args: NfdArgs) -> CmdResult {
         })?;
     }
     match args.format {
-        NfdFormat::Json => print_json(&serde_json::json!({
+        Format::Json => print_json(&serde_json::json!({
             "path": (!to_stdout).then(|| path.display().to_string()),
             "written": write,
             "bytes": content.len(),
             "labels": labels,
         }))?,
-        NfdFormat::Text if write => println!(
+        // Text: `Format::only` lets only it and JSON through.
+        _ if write => println!(
             "wrote {} labels ({} bytes) to {}",
             labels.len(),
             content.len(),
             path.display()
         ),
-        NfdFormat::Text => print!("{content}"),
+        _ => print!("{content}"),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -4,6 +4,7 @@ pub mod cdi;
 pub mod discover;
 pub mod doctor;
 pub mod exporter;
+pub mod format;
 pub mod generate;
 pub mod hook;
 pub mod host;

@@ -10,6 +10,7 @@ use xpu_host::{DiscoverOptions, Scope};
 use xpu_integrations::novaconf::{self, CheckRequest, NovaConf, Part};
 
 use crate::cmd::discover::root_arg;
+use crate::cmd::format::Format;
 use crate::output::{CliError, CmdResult, print_json, table, warn_all};
 
 #[derive(Debug, clap::Args)]
@@ -26,12 +27,6 @@ pub enum OpenstackCommand {
     /// Say whether this host satisfies a flavor's pci_passthrough:alias under a nova.conf, and
     /// why not (exit 1 when it does not).
     Check(CheckArgs),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Text,
-    Json,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -56,7 +51,7 @@ pub struct NovaConfigArgs {
     /// Print only one part.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
-    #[arg(long, value_enum, default_value_t = Format::Text)]
+    #[arg(long, value_parser = Format::only(&[Format::Text, Format::Json]), default_value_t = Format::Text)]
     pub format: Format,
 }
 
@@ -78,7 +73,7 @@ pub struct CheckArgs {
     /// Read the host under this directory instead of `/`.
     #[arg(long, value_name = "DIR")]
     pub root: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = Format::Text)]
+    #[arg(long, value_parser = Format::only(&[Format::Text, Format::Json]), default_value_t = Format::Text)]
     pub format: Format,
 }
 
@@ -106,7 +101,8 @@ fn nova_config(args: NovaConfigArgs) -> CmdResult {
     }
     match args.format {
         Format::Json => print_json(&plan)?,
-        Format::Text => {
+        // Text: `Format::only` lets only it and JSON through.
+        _ => {
             let part = match args.only {
                 None => Part::All,
                 Some(Only::Compute) => Part::Compute,
@@ -151,7 +147,8 @@ fn check(args: CheckArgs) -> CmdResult {
     let report = novaconf::check(&conf, &inv, cells, &req).map_err(CliError::input)?;
     match args.format {
         Format::Json => print_json(&report)?,
-        Format::Text => {
+        // Text: `Format::only` lets only it and JSON through.
+        _ => {
             let verdict = if report.fits { "fits" } else { "does not fit" };
             println!("flavor pci_passthrough:alias={:?} {verdict} this host", report.flavor);
             for r in &report.requests {

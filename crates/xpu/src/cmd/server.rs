@@ -10,20 +10,14 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::anyhow;
-use clap::ValueEnum;
 use serde_json::{Value, json};
 use xpu_server::client::{Client, Response, Target};
 
+use crate::cmd::format::{Format, TABLE_JSON};
 use crate::output::{CliError, CmdResult, or_dash, print_json, table};
 
 /// Where `xpu serve` keeps its database, token, socket and task directories by default.
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/xpu";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
-}
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -243,7 +237,7 @@ pub struct SubmitArgs {
     /// Idempotency key: submitting again with the same key returns the first job.
     #[arg(long)]
     pub key: Option<String>,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
     /// The program and its arguments, after `--`.
     #[arg(last = true, value_name = "CMD")]
@@ -295,7 +289,7 @@ pub fn submit(args: SubmitArgs) -> CmdResult {
     let v = json_of(&r)?;
     match args.format {
         Format::Json => print_json(&v)?,
-        Format::Table => {
+        _ => {
             if let Some(notes) = v["notes"].as_array() {
                 for n in notes.iter().filter_map(Value::as_str) {
                     eprintln!("note: {n}");
@@ -328,7 +322,7 @@ pub struct JobsArgs {
     /// Continue after this id (the `next` of the previous page).
     #[arg(long)]
     pub before: Option<i64>,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
 }
 
@@ -361,7 +355,7 @@ pub fn jobs(args: JobsArgs) -> CmdResult {
     let v = json_of(&call(&mut client, "GET", &path, None, &[])?)?;
     match args.format {
         Format::Json => print_json(&v)?,
-        Format::Table => {
+        _ => {
             let rows: Vec<Vec<String>> = v["jobs"]
                 .as_array()
                 .map(Vec::as_slice)
@@ -400,7 +394,7 @@ pub struct JobArgs {
     #[command(flatten)]
     pub conn: Conn,
     pub id: i64,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
 }
 
@@ -409,7 +403,7 @@ pub fn job(args: JobArgs) -> CmdResult {
     let v = json_of(&call(&mut client, "GET", &format!("/v1/jobs/{}", args.id), None, &[])?)?;
     match args.format {
         Format::Json => print_json(&v)?,
-        Format::Table => {
+        _ => {
             println!("id:        {}", v["id"]);
             println!("name:      {}", v["name"].as_str().unwrap_or(""));
             println!("state:     {}", v["state"].as_str().unwrap_or(""));
@@ -515,7 +509,7 @@ pub fn cancel(args: CancelArgs) -> CmdResult {
 pub struct DevicesArgs {
     #[command(flatten)]
     pub conn: Conn,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
 }
 
@@ -524,7 +518,7 @@ pub fn devices(args: DevicesArgs) -> CmdResult {
     let v = json_of(&call(&mut client, "GET", "/v1/devices", None, &[])?)?;
     match args.format {
         Format::Json => print_json(&v)?,
-        Format::Table => {
+        _ => {
             let rows: Vec<Vec<String>> = v["devices"]
                 .as_array()
                 .map(Vec::as_slice)

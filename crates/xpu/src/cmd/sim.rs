@@ -15,6 +15,7 @@ use xpu_sched::scheduler::QueuePolicy;
 use xpu_sched::sim::{openb, plot, replay, spec, variant};
 use xpu_sched::trace;
 
+use crate::cmd::format::Format;
 use crate::output::{CliError, CmdResult, print_json, table};
 
 #[derive(Debug, clap::Args)]
@@ -54,13 +55,6 @@ pub struct VariantArgs {
     pub output: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
-    Csv,
-}
-
 #[derive(Debug, clap::Args)]
 pub struct OpenbArgs {
     /// Node list (openb_node_list_gpu_node.csv).
@@ -92,7 +86,7 @@ pub struct OpenbArgs {
     /// Seeds: `42..51` (inclusive), `42` or `42,43,50`.
     #[arg(long, default_value = "42..51")]
     pub seeds: String,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(&[Format::Table, Format::Json, Format::Csv]), default_value_t = Format::Table)]
     pub format: Format,
     /// Also draw allocation against arrived workload (mean over seeds) for each policy.
     #[arg(long, value_name = "FILE.svg")]
@@ -389,8 +383,9 @@ fn run_openb(a: OpenbArgs) -> CmdResult {
                 }
             }
         }
-        Format::Table if json.len() == 1 => print_seed_table(&json[0], &seeds),
-        Format::Table => print_trace_table(&json),
+        // The table: the formats `Format::only` lets through are all above.
+        _ if json.len() == 1 => print_seed_table(&json[0], &seeds),
+        _ => print_trace_table(&json),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -5,13 +5,14 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Subcommand, ValueEnum};
+use clap::Subcommand;
 use xpu_core::PciAddress;
 use xpu_host::kernel::SysfsKernel;
 use xpu_host::vfio::{self, DeviceStatus, Outcome, Request, VfioError};
 use xpu_host::{DiscoverOptions, Root, Scope};
 
 use crate::cmd::discover::root_arg;
+use crate::cmd::format::{Format, TABLE_JSON};
 use crate::output::{CliError, CmdResult, or_dash, print_json, table};
 
 #[derive(Debug, clap::Args)]
@@ -28,12 +29,6 @@ pub enum VfioCommand {
     Unbind(ChangeArgs),
     /// Per device: driver, IOMMU group, group viability, /dev/vfio node.
     Status(StatusArgs),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
 }
 
 #[derive(Debug, clap::Args)]
@@ -55,7 +50,7 @@ pub struct ChangeArgs {
     /// Print the kernel writes and file changes without making them.
     #[arg(long)]
     pub dry_run: bool,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
 }
 
@@ -68,7 +63,7 @@ pub struct StatusArgs {
     pub all_accelerators: bool,
     #[arg(long, value_name = "DIR")]
     pub root: Option<PathBuf>,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
 }
 
@@ -114,7 +109,8 @@ fn change(a: ChangeArgs, bind: bool) -> CmdResult {
     let outcome = result.map_err(vfio_err)?;
     match a.format {
         Format::Json => print_json(&outcome)?,
-        Format::Table => print!("{}", render_outcome(&outcome)),
+        // The table: `Format::only` lets only it and JSON through.
+        _ => print!("{}", render_outcome(&outcome)),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -158,7 +154,7 @@ fn status(a: StatusArgs) -> CmdResult {
     let list = vfio::status(&root, &inv, &a.addresses, a.all_accelerators).map_err(vfio_err)?;
     match a.format {
         Format::Json => print_json(&list)?,
-        Format::Table => print!("{}", render_status(&list)),
+        _ => print!("{}", render_status(&list)),
     }
     Ok(ExitCode::SUCCESS)
 }
