@@ -1,5 +1,8 @@
-//! The HTTP API (documented in `openapi.json`, served at `/openapi.json`), the dashboard at `/`
-//! and Prometheus metrics at `/metrics`.
+//! The HTTP API, the dashboard at `/` and Prometheus metrics at `/metrics`. Handlers answer
+//! with the types of [`crate::wire`] and read their parameters into them; the OpenAPI document
+//! served at `/openapi.json` is generated from those types and from each handler's
+//! `#[utoipa::path]` ([`crate::wire::ApiDoc`]). Every refusal, from a handler or from the
+//! middleware below, is a [`Refusal`]: a status and an [`ErrorBody`].
 //!
 //! Over the Unix socket (mode 0660) and loopback TCP no token is asked; TCP bound to any other
 //! address requires `Authorization: Bearer <token>` with the token from `<data-dir>/token`.
@@ -20,28 +23,32 @@ use std::time::Duration;
 use axum::Json;
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, Extension, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, FromRequestParts, Path, Request, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::de::DeserializeOwned;
+use std::sync::OnceLock;
+use utoipa::OpenApi as _;
 
 use crate::Shared;
 use crate::engine::Msg;
 use crate::listen::ConnStats;
 use crate::metrics::DeviceSample;
-use crate::store::{JobState, ListQuery, NewJob, Outcome, TaskRow, Write, now_ms};
+use crate::store::{ListQuery, NewJob, Outcome, Write, now_ms};
+use crate::wire::{
+    self, ApiDoc, Bounded, CancelAccepted, DeviceList, DeviceTelemetry, DeviceView, ErrorBody,
+    EventList, EventParams, JobDetail, JobList, JobState, ListParams, LogParams, LoginParams,
+    ParamRefusals, Queue, Status, SubmitParams, Submitted, SubmittedJob, TaskRow,
+};
 use xpu_telemetry::collect::Holder;
 
 /// Largest accepted request body (a manifest).
 pub const MAX_BODY: usize = 1 << 20;
-/// Largest page of `GET /v1/jobs`.
-pub const MAX_PAGE: u32 = 1000;
 
 const DASHBOARD: &str = include_str!("dashboard.html");
-const OPENAPI: &str = include_str!("openapi.json");
 
 type S = State<Arc<Shared>>;
 
@@ -204,9 +211,16 @@ async fn browser_guard(State(g): State<Arc<BrowserGuard>>, req: Request, next: N
     }
 }
 
+/// How much of a body over [`MAX_BODY`] is still read, and dropped, before the 413: an HTTP/1
+/// client sends its whole body before it reads the answer, and a connection closed with a body
+/// left unread is reset, which loses the answer on the way (nginx's lingering close reads on for
+/// the same reason). Bodies declared larger than this are refused at once.
+const DRAIN: u64 = 8 * MAX_BODY as u64;
+
 /// Reads a request's body whole before its handler runs, within `limit` of the head: a client
 /// that stalls mid-body gets 408 and loses the connection instead of holding it (hyper bounds
-/// only the head's time). Bodies are at most [`MAX_BODY`] anyway.
+/// only the head's time). Bodies are at most [`MAX_BODY`] anyway; a larger one gets 413 once
+/// it has been read (up to [`DRAIN`]).
 async fn read_body(State(limit): State<Duration>, req: Request, next: Next) -> Response {
     use axum::body::HttpBody as _;
     use futures_util::StreamExt as _;
@@ -220,15 +234,19 @@ async fn read_body(State(limit): State<Duration>, req: Request, next: Next) -> R
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+    if declared.is_some_and(|n| n > DRAIN) {
         return too_big();
     }
+    let mut over = declared.is_some_and(|n| n > MAX_BODY as u64);
     let (parts, body) = req.into_parts();
     let deadline = tokio::time::Instant::now() + limit;
     let mut frames = body.into_data_stream();
     let mut buf = Vec::new();
+    let mut read = 0u64;
     loop {
         match tokio::time::timeout_at(deadline, frames.next()).await {
+            // Refused already; whatever else happens, that is the answer.
+            Err(_) | Ok(Some(Err(_))) if over => return too_big(),
             Err(_) => {
                 return error(
                     StatusCode::REQUEST_TIMEOUT,
@@ -243,22 +261,126 @@ async fn read_body(State(limit): State<Duration>, req: Request, next: Next) -> R
                 return error(StatusCode::BAD_REQUEST, format!("request body: {e}"));
             }
             Ok(Some(Ok(chunk))) => {
-                if buf.len() + chunk.len() > MAX_BODY {
+                read += chunk.len() as u64;
+                if read > DRAIN {
                     return too_big();
                 }
-                buf.extend_from_slice(&chunk);
+                if read > MAX_BODY as u64 {
+                    over = true;
+                    buf = Vec::new();
+                } else {
+                    buf.extend_from_slice(&chunk);
+                }
             }
         }
+    }
+    if over {
+        return too_big();
     }
     next.run(Request::from_parts(parts, Body::from(buf))).await
 }
 
-fn error(status: StatusCode, msg: impl Into<String>) -> Response {
-    (status, Json(json!({ "error": msg.into() }))).into_response()
+/// A refusal: its status and the [`ErrorBody`] every refusal of the API carries.
+#[derive(Debug)]
+pub(crate) struct Refusal(StatusCode, ErrorBody);
+
+impl Refusal {
+    fn new(status: StatusCode, msg: impl Into<String>) -> Self {
+        Refusal(status, ErrorBody::new(msg))
+    }
+
+    /// 400 for a bad request parameter, naming it in `field`.
+    fn param(name: &str, msg: impl std::fmt::Display) -> Self {
+        Refusal::field(StatusCode::BAD_REQUEST, name, format!("{name}: {msg}"))
+    }
+
+    fn field(status: StatusCode, field: &str, msg: impl Into<String>) -> Self {
+        Refusal(status, ErrorBody::new(msg).with_field(field))
+    }
+
+    /// 503: the store failed; the request may succeed when retried.
+    fn unavailable(e: impl std::fmt::Display) -> Self {
+        Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("store: {e}; retry, or check the database"),
+        )
+    }
+
+    fn no_job(id: i64) -> Self {
+        Refusal::new(
+            StatusCode::NOT_FOUND,
+            format!("job {id} does not exist; list jobs with xpu jobs"),
+        )
+    }
 }
 
-fn unavailable(e: impl std::fmt::Display) -> Response {
-    error(StatusCode::SERVICE_UNAVAILABLE, format!("store: {e}; retry, or check the database"))
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        (self.0, Json(self.1)).into_response()
+    }
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> Response {
+    Refusal::new(status, msg).into_response()
+}
+
+/// A handler's answer: a typed body, or a refusal.
+type Answer<T> = Result<Json<T>, Refusal>;
+
+/// Query parameters read into `T` (a [`crate::wire`] type) and checked against the bounds the
+/// document declares; a bad one is refused with 400 naming it, as JSON like every refusal.
+pub(crate) struct Params<T>(T);
+
+impl<T, St> FromRequestParts<St> for Params<T>
+where
+    T: DeserializeOwned + Bounded,
+    St: Send + Sync,
+{
+    type Rejection = Refusal;
+
+    async fn from_request_parts(parts: &mut Parts, _: &St) -> Result<Self, Refusal> {
+        let p: T = parse_query(parts.uri.query().unwrap_or_default())?;
+        p.check().map_err(|(name, msg)| Refusal::param(name, msg))?;
+        Ok(Params(p))
+    }
+}
+
+/// `query` as `T`. serde_urlencoded's errors do not say which parameter they are about, so on
+/// an error each parameter is read alone to find the first that fails.
+fn parse_query<T: DeserializeOwned>(query: &str) -> Result<T, Refusal> {
+    serde_urlencoded::from_str(query).map_err(|e| {
+        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query).unwrap_or_default();
+        let culprit = pairs.iter().find(|pair| {
+            serde_urlencoded::to_string([pair])
+                .is_ok_and(|alone| serde_urlencoded::from_str::<T>(&alone).is_err())
+        });
+        match culprit {
+            Some((name, value)) => {
+                Refusal::field(StatusCode::BAD_REQUEST, name, format!("{name} {value:?}: {e}"))
+            }
+            None => Refusal::new(StatusCode::BAD_REQUEST, format!("query string: {e}")),
+        }
+    })
+}
+
+/// The `{id}` of a job's routes: a positive integer, else 400 naming it.
+pub(crate) struct JobId(i64);
+
+impl<St: Send + Sync> FromRequestParts<St> for JobId {
+    type Rejection = Refusal;
+
+    async fn from_request_parts(parts: &mut Parts, state: &St) -> Result<Self, Refusal> {
+        let Path(raw) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| Refusal::param("id", e.body_text()))?;
+        raw.parse::<i64>().ok().filter(|n| *n > 0).map(JobId).ok_or_else(|| {
+            Refusal::field(
+                StatusCode::BAD_REQUEST,
+                "id",
+                format!("job id {raw:?}: must be a positive integer"),
+            )
+        })
+    }
 }
 
 /// The cookie a browser holds after `/login?token=...`: `fetch` and page loads send it on
@@ -294,53 +416,95 @@ async fn auth(State(s): S, req: Request, next: Next) -> Response {
     }
 }
 
-#[derive(Deserialize)]
-struct LoginQuery {
-    token: Option<String>,
-}
-
-/// `GET /login?token=T`: with the daemon's token, sets the dashboard's cookie (HttpOnly,
-/// SameSite=Strict, so other sites cannot ride on it) and redirects to `/`.
-async fn login(State(s): S, Query(q): Query<LoginQuery>) -> Response {
+/// Sets the dashboard's cookie and redirects to it.
+///
+/// For browsers when the daemon listens off loopback: with the daemon's token
+/// (`<data-dir>/token`) sets an HttpOnly, SameSite=Strict cookie (so other sites cannot ride on
+/// it) that stands in for the bearer token, and redirects to `/`.
+#[utoipa::path(
+    get,
+    path = "/login",
+    params(LoginParams),
+    responses(
+        (status = 303, description = "cookie set; see /", headers(("Location" = String), ("Set-Cookie" = String))),
+        (status = 400, description = "a parameter is malformed, or the token is not a valid header value", body = ErrorBody),
+        (status = 401, description = "missing or wrong token", body = ErrorBody),
+    ),
+)]
+pub(crate) async fn login(
+    State(s): S,
+    Params(q): Params<LoginParams>,
+) -> Result<Response, Refusal> {
     let Some(token) = q.token.filter(|t| constant_time_eq(t.trim().as_bytes(), s.token.as_bytes()))
     else {
-        return error(
+        return Err(Refusal::new(
             StatusCode::UNAUTHORIZED,
             "missing or wrong token; open /login?token=<contents of <data-dir>/token>",
-        );
+        ));
     };
     let cookie = format!("{COOKIE}={}; Path=/; HttpOnly; SameSite=Strict", token.trim());
-    match HeaderValue::from_str(&cookie) {
-        Ok(v) => (
-            StatusCode::SEE_OTHER,
-            [(header::SET_COOKIE, v), (header::LOCATION, HeaderValue::from_static("/"))],
-        )
-            .into_response(),
-        Err(_) => error(StatusCode::BAD_REQUEST, "token: not a valid header value"),
-    }
+    let v = HeaderValue::from_str(&cookie)
+        .map_err(|_| Refusal::param("token", "not a valid header value"))?;
+    Ok((
+        StatusCode::SEE_OTHER,
+        [(header::SET_COOKIE, v), (header::LOCATION, HeaderValue::from_static("/"))],
+    )
+        .into_response())
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn not_found() -> Response {
-    error(StatusCode::NOT_FOUND, "no such route; see /openapi.json")
+async fn not_found() -> Refusal {
+    Refusal::new(StatusCode::NOT_FOUND, "no such route; see /openapi.json")
 }
 
-async fn dashboard() -> Response {
+/// The dashboard.
+///
+/// Devices and their holders, the queue with each job's reason to wait, running and recent
+/// jobs, allocation over time; it reads the API below.
+#[utoipa::path(get, path = "/", responses((status = 200, description = "HTML page", body = String, content_type = "text/html")))]
+pub(crate) async fn dashboard() -> Response {
     ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], DASHBOARD).into_response()
 }
 
-async fn openapi() -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", responses((status = 200, description = "OpenAPI document", body = Object)))]
+pub(crate) async fn openapi() -> Result<Response, Refusal> {
+    static DOC: OnceLock<Result<Bytes, String>> = OnceLock::new();
+    let doc = DOC
+        .get_or_init(|| ApiDoc::openapi().to_json().map(Bytes::from).map_err(|e| e.to_string()))
+        .clone()
+        .map_err(|e| {
+            Refusal::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("encoding the OpenAPI document: {e}"),
+            )
+        })?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], doc).into_response())
 }
 
-async fn metrics(State(s): S, Extension(conns): Extension<Arc<ConnStats>>) -> Response {
-    let counts = match s.store.counts().await {
-        Ok(c) => c,
-        Err(e) => return unavailable(e),
-    };
+/// Prometheus metrics.
+///
+/// Text format 0.0.4: `xpu_jobs{state}`, `xpu_queue_wait_seconds`,
+/// `xpu_scheduling_latency_seconds`, `xpu_device_allocated`; per listener (unix, tcp)
+/// `xpu_http_connections` (open), `xpu_http_connections_accepted_total`,
+/// `xpu_http_connections_timed_out_total`; and the exporter's per-device series labelled with
+/// the job and task holding each device.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    responses(
+        (status = 200, description = "metrics", body = String, content_type = "text/plain"),
+        (status = 503, description = "the store failed; retry", body = ErrorBody),
+    ),
+)]
+pub(crate) async fn metrics(
+    State(s): S,
+    Extension(conns): Extension<Arc<ConnStats>>,
+) -> Result<Response, Refusal> {
+    let counts = s.store.counts().await.map_err(Refusal::unavailable)?;
     let jobs: Vec<(&str, i64)> = JobState::ALL
         .iter()
         .map(|st| (st.as_str(), counts.iter().find(|(c, _)| c == st).map_or(0, |(_, n)| *n)))
@@ -375,7 +539,7 @@ async fn metrics(State(s): S, Extension(conns): Extension<Arc<ConnStats>>) -> Re
         t.set_holders(task_holders(&s));
         text.push_str(&xpu_telemetry::render::render_collector_families(t));
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
 /// The first task holding each device, by PCI address, for the telemetry labels.
@@ -392,90 +556,119 @@ fn task_holders(s: &Shared) -> std::collections::BTreeMap<xpu_core::PciAddress, 
         .collect()
 }
 
-async fn status(State(s): S) -> Response {
-    Json(json!({
-        "node": s.node.name,
-        "hostname": s.node.hostname,
-        "leader": s.leader.load(Ordering::Relaxed),
-        "store": s.store.url(),
-        "version": env!("CARGO_PKG_VERSION"),
-        "started_at_ms": s.started_ms,
-        "devices": s.node.devices.len(),
-        "labels": s.node.labels,
-    }))
-    .into_response()
+/// The daemon: node, leadership, store.
+#[utoipa::path(get, path = "/v1/status", responses((status = 200, description = "status", body = Status)))]
+pub(crate) async fn status(State(s): S) -> Json<Status> {
+    Json(Status {
+        node: s.node.name.clone(),
+        hostname: s.node.hostname.clone(),
+        leader: s.leader.load(Ordering::Relaxed),
+        store: s.store.url().to_owned(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_at_ms: s.started_ms,
+        devices: s.node.devices.len(),
+        labels: s.node.labels.clone(),
+    })
 }
 
-#[derive(Debug, Deserialize)]
-struct SubmitQuery {
-    key: Option<String>,
-}
-
-async fn submit(
+/// Submits jobs.
+///
+/// A Kubernetes `batch/v1` Job or `v1` Pod in YAML or JSON (several in one file, as `kubectl
+/// apply -f` takes them: all or none), or xpu's short form (`command`, `gpus`, `gpuMilli`,
+/// `name`, `queue`, `priority`, `rootfs`, `bundle`, `env`...). Annotations: `xpu.dev/queue`,
+/// `xpu.dev/priority`, `xpu.dev/gpu-milli` (a share of one GPU), `xpu.dev/rootfs` or
+/// `xpu.dev/bundle` (run as a runc container through `xpu runtime`).
+#[utoipa::path(
+    post,
+    path = "/v1/jobs",
+    params(
+        SubmitParams,
+        ("Idempotency-Key" = Option<String>, Header, description = "The idempotency key (see `key`); wins over the query's"),
+    ),
+    request_body(
+        description = "The manifest, at most 1 MiB",
+        content(
+            (String = "application/yaml", example = "command: [\"true\"]\n"),
+            (Object = "application/json", example = json!({"command": ["true"], "gpus": 0})),
+        ),
+    ),
+    responses(
+        (status = 201, description = "accepted and durable", body = Submitted,
+            headers(("Location" = String, description = "the job (one job only)")),
+            links(
+                ("job" = (operation_id = "job", parameters(("id" = "$response.body#/id")))),
+                ("logs" = (operation_id = "logs", parameters(("id" = "$response.body#/id")))),
+                ("cancel" = (operation_id = "cancel", parameters(("id" = "$response.body#/id")))),
+            ),
+        ),
+        (status = 200, description = "the idempotency key was seen before with the same jobs: the existing jobs", body = Submitted),
+        (status = 400, description = "bad manifest: `error` names the field and `field` is its path; `field` is `manifest` for YAML whose aliases expand it past 4 times its size (at least 64 KiB), flow collections nested more than 64 deep, or a spec over 1.5 MiB as JSON", body = ErrorBody),
+        (status = 422, description = "the idempotency key was used before for a different job (IETF Idempotency-Key draft, section 2.7); `field` is `Idempotency-Key` and `id` the first job, which is kept", body = ErrorBody),
+        (status = 503, description = "the store failed; retry (with the idempotency key, safely)", body = ErrorBody),
+    ),
+)]
+pub(crate) async fn submit(
     State(s): S,
     headers: HeaderMap,
-    Query(q): Query<SubmitQuery>,
+    Params(q): Params<SubmitParams>,
     body: Bytes,
-) -> Response {
+) -> Result<Response, Refusal> {
     // Bodies past this size are parsed on the blocking pool: parsing costs time in the body's
     // size (up to MAX_BODY and its bounded YAML expansion), and an async worker spending it
     // would hold up every other request it serves, `/v1/status` included.
     const PARSE_INLINE: usize = 16 * 1024;
     let Ok(text) = std::str::from_utf8(&body) else {
-        return error(StatusCode::BAD_REQUEST, "manifest: not UTF-8 text; send YAML or JSON");
+        return Err(Refusal::field(
+            StatusCode::BAD_REQUEST,
+            "manifest",
+            "manifest: not UTF-8 text; send YAML or JSON",
+        ));
     };
     let parsed = if text.len() <= PARSE_INLINE {
         xpu_core::job::parse_all(text)
     } else {
         let text = text.to_owned();
-        match tokio::task::spawn_blocking(move || xpu_core::job::parse_all(&text)).await {
-            Ok(r) => r,
-            Err(e) => {
-                return error(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("parsing the manifest: {e}"),
-                );
-            }
-        }
+        tokio::task::spawn_blocking(move || xpu_core::job::parse_all(&text)).await.map_err(|e| {
+            Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, format!("parsing the manifest: {e}"))
+        })?
     };
-    let parsed = match parsed {
-        Ok(p) => p,
-        Err(e) => {
-            return (
-                StatusCode::BAD_REQUEST,
-                Json(json!({ "error": e.to_string(), "field": e.path })),
-            )
-                .into_response();
-        }
-    };
+    let parsed =
+        parsed.map_err(|e| Refusal::field(StatusCode::BAD_REQUEST, &e.path, e.to_string()))?;
     // All or nothing: one job the node cannot run refuses the whole file.
     let multi = parsed.jobs.len() > 1;
     for (i, spec) in parsed.jobs.iter().enumerate() {
         if let Err((field, message)) = check_runnable(&s, spec) {
             let field = if multi { format!("job[{i}] ({}).{field}", spec.name) } else { field };
-            return (
+            return Err(Refusal::field(
                 StatusCode::BAD_REQUEST,
-                Json(json!({ "error": format!("{field}: {message}"), "field": field })),
-            )
-                .into_response();
+                &field,
+                format!("{field}: {message}"),
+            ));
         }
     }
-    let key =
-        headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned).or(q.key);
-    if let Some(k) = &key
-        && (k.is_empty() || k.len() > 200)
-    {
-        return error(StatusCode::BAD_REQUEST, "idempotency key: must be 1 to 200 characters");
-    }
+    let key = match headers.get("idempotency-key") {
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| {
+                    Refusal::field(
+                        StatusCode::BAD_REQUEST,
+                        "Idempotency-Key",
+                        "Idempotency-Key: not visible ASCII text",
+                    )
+                })?
+                .to_owned(),
+        ),
+        None => q.key,
+    };
+    wire::check_key(key.as_deref()).map_err(|e| {
+        Refusal::field(StatusCode::BAD_REQUEST, "Idempotency-Key", format!("idempotency key: {e}"))
+    })?;
     let at_ms = now_ms();
     let mut news = Vec::with_capacity(parsed.jobs.len());
     for (i, spec) in parsed.jobs.iter().enumerate() {
-        let spec_json = match serde_json::to_string(spec) {
-            Ok(j) => j,
-            Err(e) => {
-                return error(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding spec: {e}"));
-            }
-        };
+        let spec_json = serde_json::to_string(spec).map_err(|e| {
+            Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding spec: {e}"))
+        })?;
         news.push(NewJob {
             // The file's key names its first job; the others get `<key>#<n>`, so a retry of
             // the file finds every one of them.
@@ -487,49 +680,47 @@ async fn submit(
             at_ms,
         });
     }
-    let write = if multi { Write::SubmitAll(news.clone()) } else { Write::Submit(news[0].clone()) };
-    let ids = match s.store.write(write).await {
-        Ok(Outcome::Submitted { id, created }) => vec![(id, created)],
-        Ok(Outcome::SubmittedAll(ids)) if ids.len() == news.len() => ids,
-        Ok(_) => return error(StatusCode::INTERNAL_SERVER_ERROR, "store answered a submit oddly"),
-        Err(e) => return unavailable(e),
+    let write = match news.as_slice() {
+        [one] => Write::Submit(one.clone()),
+        _ => Write::SubmitAll(news.clone()),
     };
-    let mut answers = Vec::with_capacity(ids.len());
-    for ((spec, new), (id, created)) in parsed.jobs.into_iter().zip(news).zip(ids) {
-        match submitted(&s, spec, new, id, created).await {
-            Ok(a) => answers.push(a),
-            Err(resp) => return resp,
+    let ids = match s.store.write(write).await.map_err(Refusal::unavailable)? {
+        Outcome::Submitted { id, created } => vec![(id, created)],
+        Outcome::SubmittedAll(ids) if ids.len() == news.len() => ids,
+        _ => {
+            return Err(Refusal::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "store answered a submit oddly",
+            ));
         }
+    };
+    let mut jobs = Vec::with_capacity(ids.len());
+    for ((spec, new), (id, created)) in parsed.jobs.into_iter().zip(news).zip(ids) {
+        jobs.push(submitted(&s, spec, new, id, created).await?);
     }
-    let any_created = answers.iter().any(|a| a["created"] == true);
-    let code = if any_created { StatusCode::CREATED } else { StatusCode::OK };
-    let first = answers[0].clone();
-    let mut body = json!({
-        "id": first["id"],
-        "name": first["name"],
-        "state": first["state"],
-        "created": first["created"],
-        "notes": parsed.notes,
-    });
-    body["jobs"] = Value::Array(answers);
-    let mut resp = (code, Json(body)).into_response();
-    if !multi && let Ok(v) = HeaderValue::from_str(&format!("/v1/jobs/{}", first["id"])) {
+    let Some(first) = jobs.first().cloned() else {
+        return Err(Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, "store submitted no job"));
+    };
+    let code = if jobs.iter().any(|j| j.created) { StatusCode::CREATED } else { StatusCode::OK };
+    let location = (!multi).then(|| HeaderValue::from_str(&format!("/v1/jobs/{}", first.id)));
+    let mut resp = (code, Json(Submitted { first, notes: parsed.notes, jobs })).into_response();
+    if let Some(Ok(v)) = location {
         resp.headers_mut().insert(header::LOCATION, v);
     }
-    resp
+    Ok(resp)
 }
 
 /// One job the store took: a new one goes to the engine; one whose idempotency key was seen
 /// before must be the same job (however the manifest is written), or the request is refused
 /// with 422 as the IETF Idempotency-Key draft says (section 2.7) and the first job stays as it
-/// was. The job's line of the answer: id, name, state, created.
+/// was.
 async fn submitted(
     s: &Shared,
     spec: xpu_core::job::JobSpec,
     new: NewJob,
     id: i64,
     created: bool,
-) -> Result<Value, Response> {
+) -> Result<SubmittedJob, Refusal> {
     if created {
         s.metrics.submitted.fetch_add(1, Ordering::Relaxed);
         let name = new.name.clone();
@@ -552,15 +743,14 @@ async fn submitted(
         // The engine is gone only while the daemon stops; the job is stored and the next
         // start picks it up.
         let _ = s.engine.send(Msg::Submitted { row, spec: Box::new(spec) });
-        return Ok(json!({ "id": id, "name": name, "state": JobState::Queued, "created": true }));
+        return Ok(SubmittedJob { id, name, state: JobState::Queued, created: true });
     }
-    let row = match s.store.job(id).await {
-        Ok(Some(row)) => row,
-        Ok(None) => {
+    let row = match s.store.job(id).await.map_err(Refusal::unavailable)? {
+        Some(row) => row,
+        None => {
             let msg = format!("store: job {id}, which holds the idempotency key, is missing");
-            return Err(error(StatusCode::INTERNAL_SERVER_ERROR, msg));
+            return Err(Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, msg));
         }
-        Err(e) => return Err(unavailable(e)),
     };
     // Compared as specs, so a spec stored by an older version (a field it lacked takes its
     // default) still matches; as text when it no longer reads as one.
@@ -578,19 +768,14 @@ async fn submitted(
     };
     if !same {
         let key = new.key.unwrap_or_default();
-        return Err((
-            StatusCode::UNPROCESSABLE_ENTITY,
-            Json(json!({
-                "error": format!(
-                    "idempotency key {key:?}: already used for job {id} with a different manifest; resend that manifest to get job {id}, or use a new key for a new job"
-                ),
-                "field": "Idempotency-Key",
-                "id": id,
-            })),
-        )
-            .into_response());
+        let mut body = ErrorBody::new(format!(
+            "idempotency key {key:?}: already used for job {id} with a different manifest; resend that manifest to get job {id}, or use a new key for a new job"
+        ))
+        .with_field("Idempotency-Key");
+        body.id = Some(id);
+        return Err(Refusal(StatusCode::UNPROCESSABLE_ENTITY, body));
     }
-    Ok(json!({ "id": id, "name": row.name, "state": row.state, "created": false }))
+    Ok(SubmittedJob { id, name: row.name, state: row.state, created: false })
 }
 
 /// What the parser cannot know: whether the scheduler can take the task's request, and
@@ -627,106 +812,87 @@ fn check_runnable(s: &Shared, spec: &xpu_core::job::JobSpec) -> Result<(), (Stri
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct ListParams {
-    state: Option<String>,
-    before: Option<i64>,
-    limit: Option<u32>,
+/// Lists jobs, newest first, a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs",
+    params(ListParams),
+    responses(
+        (status = 200, description = "a page", body = JobList),
+        ParamRefusals,
+    ),
+)]
+pub(crate) async fn list(State(s): S, Params(p): Params<ListParams>) -> Answer<JobList> {
+    let limit = p.limit.unwrap_or(wire::DEFAULT_PAGE);
+    let rows = s
+        .store
+        .list(ListQuery { state: p.state, before: p.before, limit })
+        .await
+        .map_err(Refusal::unavailable)?;
+    let next = if rows.len() == limit as usize { rows.last().map(|r| r.id) } else { None };
+    Ok(Json(JobList { jobs: rows, next }))
 }
 
-async fn list(State(s): S, Query(p): Query<ListParams>) -> Response {
-    let state = match p.state.as_deref().map(str::parse::<JobState>).transpose() {
-        Ok(st) => st,
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("state: {e}")),
-    };
-    let limit = p.limit.unwrap_or(100).clamp(1, MAX_PAGE);
-    match s.store.list(ListQuery { state, before: p.before, limit }).await {
-        Ok(rows) => {
-            let next = if rows.len() == limit as usize { rows.last().map(|r| r.id) } else { None };
-            Json(json!({ "jobs": rows, "next": next })).into_response()
-        }
-        Err(e) => unavailable(e),
-    }
+/// One job with its spec and task attempts.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs/{id}",
+    operation_id = "job",
+    params(("id" = i64, Path, minimum = 1, description = "The job's id")),
+    responses(
+        (status = 200, description = "the job", body = JobDetail),
+        (status = 400, description = "the id is not a positive integer", body = ErrorBody),
+        (status = 404, description = "no such job", body = ErrorBody),
+        (status = 503, description = "the store failed; retry", body = ErrorBody),
+    ),
+)]
+pub(crate) async fn job(State(s): S, JobId(id): JobId) -> Answer<JobDetail> {
+    let row = s.store.job(id).await.map_err(Refusal::unavailable)?.ok_or(Refusal::no_job(id))?;
+    let tasks = s.store.tasks(id).await.map_err(Refusal::unavailable)?;
+    let spec = serde_json::from_str(&row.spec).ok();
+    let (queue_position, reason) = s
+        .view
+        .read()
+        .ok()
+        .and_then(|v| v.queued.iter().find(|q| q.id == id).map(|q| (q.position, q.reason.clone())))
+        .unzip();
+    Ok(Json(JobDetail { job: row, spec, tasks, queue_position, reason }))
 }
 
-fn parse_id(id: &str) -> Result<i64, Box<Response>> {
-    id.parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
-        Box::new(error(
-            StatusCode::BAD_REQUEST,
-            format!("job id {id:?}: must be a positive integer"),
-        ))
-    })
-}
-
-async fn job(State(s): S, Path(id): Path<String>) -> Response {
-    let id = match parse_id(&id) {
-        Ok(i) => i,
-        Err(r) => return *r,
-    };
-    let row = match s.store.job(id).await {
-        Ok(Some(r)) => r,
-        Ok(None) => {
-            return error(
-                StatusCode::NOT_FOUND,
-                format!("job {id} does not exist; list jobs with xpu jobs"),
-            );
-        }
-        Err(e) => return unavailable(e),
-    };
-    let tasks = match s.store.tasks(id).await {
-        Ok(t) => t,
-        Err(e) => return unavailable(e),
-    };
-    let spec: Value = serde_json::from_str(&row.spec).unwrap_or(Value::Null);
-    let reason =
-        s.view.read().ok().and_then(|v| {
-            v.queued.iter().find(|q| q.id == id).map(|q| (q.position, q.reason.clone()))
-        });
-    let mut v = serde_json::to_value(&row).unwrap_or(Value::Null);
-    if let Value::Object(m) = &mut v {
-        m.insert("spec".into(), spec);
-        m.insert("tasks".into(), serde_json::to_value(&tasks).unwrap_or(Value::Null));
-        if let Some((pos, why)) = reason {
-            m.insert("queue_position".into(), json!(pos));
-            m.insert("reason".into(), json!(why));
-        }
-    }
-    Json(v).into_response()
-}
-
-async fn cancel(State(s): S, Path(id): Path<String>) -> Response {
-    let id = match parse_id(&id) {
-        Ok(i) => i,
-        Err(r) => return *r,
-    };
-    match s.store.write(Write::RequestCancel { id }).await {
-        Ok(Outcome::CancelRequested(None)) => error(
-            StatusCode::NOT_FOUND,
-            format!("job {id} does not exist; list jobs with xpu jobs"),
-        ),
-        Ok(Outcome::CancelRequested(Some(state))) if state.is_terminal() => {
-            error(StatusCode::CONFLICT, format!("job {id} already {state}; nothing to cancel"))
-        }
-        Ok(Outcome::CancelRequested(Some(_))) => {
+/// Cancels a job.
+///
+/// Queued jobs never start; running tasks get SIGTERM, then SIGKILL after the grace period.
+/// The request has no body; its Content-Type is still required (application/json).
+#[utoipa::path(
+    post,
+    path = "/v1/jobs/{id}/cancel",
+    operation_id = "cancel",
+    params(("id" = i64, Path, minimum = 1, description = "The job's id")),
+    request_body(description = "None; send Content-Type: application/json", content(("application/json"))),
+    responses(
+        (status = 202, description = "cancellation recorded", body = CancelAccepted),
+        (status = 400, description = "the id is not a positive integer", body = ErrorBody),
+        (status = 404, description = "no such job", body = ErrorBody),
+        (status = 409, description = "the job already ended", body = ErrorBody),
+        (status = 503, description = "the store failed; retry", body = ErrorBody),
+    ),
+)]
+pub(crate) async fn cancel(State(s): S, JobId(id): JobId) -> Result<Response, Refusal> {
+    match s.store.write(Write::RequestCancel { id }).await.map_err(Refusal::unavailable)? {
+        Outcome::CancelRequested(None) => Err(Refusal::no_job(id)),
+        Outcome::CancelRequested(Some(state)) if state.is_terminal() => Err(Refusal::new(
+            StatusCode::CONFLICT,
+            format!("job {id} already {state}; nothing to cancel"),
+        )),
+        Outcome::CancelRequested(Some(_)) => {
+            // The engine is gone only while the daemon stops; the request is stored and the
+            // next start carries it out.
             let _ = s.engine.send(Msg::Cancel(id));
-            (StatusCode::ACCEPTED, Json(json!({ "id": id, "state": "cancelled" }))).into_response()
+            let body = CancelAccepted { id, state: JobState::Cancelled };
+            Ok((StatusCode::ACCEPTED, Json(body)).into_response())
         }
-        Ok(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "store answered a cancel oddly"),
-        Err(e) => unavailable(e),
+        _ => Err(Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, "store answered a cancel oddly")),
     }
-}
-
-#[derive(Debug, Deserialize)]
-struct LogParams {
-    task: Option<i64>,
-    attempt: Option<i64>,
-    follow: Option<bool>,
-    /// The last N lines only (`kubectl logs --tail`; `tailLines` in the Kubernetes API).
-    #[serde(alias = "tailLines")]
-    tail: Option<u64>,
-    /// At most N bytes, from where the output starts (`kubectl logs --limit-bytes`).
-    #[serde(rename = "limitBytes")]
-    limit_bytes: Option<u64>,
 }
 
 /// Which part of a log to send.
@@ -744,37 +910,47 @@ fn text_plain(body: Body) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], body).into_response()
 }
 
-async fn logs(State(s): S, Path(id): Path<String>, Query(p): Query<LogParams>) -> Response {
-    let id = match parse_id(&id) {
-        Ok(i) => i,
-        Err(r) => return *r,
-    };
-    if p.limit_bytes == Some(0) {
-        return error(StatusCode::BAD_REQUEST, "limitBytes: must be at least 1");
-    }
+/// A task's output.
+///
+/// Its stdout and stderr, streamed from its file (chunked), as `kubectl logs` gives it.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs/{id}/logs",
+    operation_id = "logs",
+    params(("id" = i64, Path, minimum = 1, description = "The job's id"), LogParams),
+    responses(
+        (status = 200, description = "log text", body = String, content_type = "text/plain"),
+        (status = 404, description = "no such job, or the task has not started (without follow)", body = ErrorBody),
+        (status = 500, description = "the log file cannot be read", body = ErrorBody),
+        (status = 504, description = "with follow: the task did not start within a minute", body = ErrorBody),
+        ParamRefusals,
+    ),
+)]
+pub(crate) async fn logs(
+    State(s): S,
+    JobId(id): JobId,
+    Params(p): Params<LogParams>,
+) -> Result<Response, Refusal> {
     let window = LogWindow { tail: p.tail, limit: p.limit_bytes.unwrap_or(u64::MAX) };
-    let tasks = match s.store.tasks(id).await {
-        Ok(t) => t,
-        Err(e) => return unavailable(e),
-    };
+    let tasks = s.store.tasks(id).await.map_err(Refusal::unavailable)?;
     let idx = p.task.unwrap_or(0);
     let pick: Option<&TaskRow> = tasks
         .iter()
         .filter(|t| t.idx == idx && p.attempt.is_none_or(|a| a == t.attempt))
         .max_by_key(|t| t.attempt);
+    let follow = p.follow.unwrap_or(false);
     let Some(task) = pick.cloned() else {
-        return match s.store.job(id).await {
-            Ok(Some(_)) if p.follow.unwrap_or(false) => follow_pending(s, id, idx, window).await,
-            Ok(Some(_)) => error(
-                StatusCode::NOT_FOUND,
-                format!("job {id} task {idx} has not started yet; use -f to wait for it"),
-            ),
-            Ok(None) => error(StatusCode::NOT_FOUND, format!("job {id} does not exist")),
-            Err(e) => unavailable(e),
-        };
+        s.store.job(id).await.map_err(Refusal::unavailable)?.ok_or(Refusal::no_job(id))?;
+        if follow {
+            return Ok(follow_pending(s, id, idx, window).await);
+        }
+        return Err(Refusal::new(
+            StatusCode::NOT_FOUND,
+            format!("job {id} task {idx} has not started yet; use -f to wait for it"),
+        ));
     };
-    if p.follow.unwrap_or(false) {
-        return follow_response(s, task, window).await;
+    if follow {
+        return Ok(follow_response(s, task, window).await);
     }
     let path = std::path::Path::new(&task.dir).join("output.log");
     let read = async {
@@ -784,11 +960,12 @@ async fn logs(State(s): S, Path(id): Path<String>, Query(p): Query<LogParams>) -
         Ok::<_, std::io::Error>(f)
     };
     match read.await {
-        Ok(f) => text_plain(stream_file(f, window.limit)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => text_plain(Body::empty()),
-        Err(e) => {
-            error(StatusCode::INTERNAL_SERVER_ERROR, format!("reading {}: {e}", path.display()))
-        }
+        Ok(f) => Ok(text_plain(stream_file(f, window.limit))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(text_plain(Body::empty())),
+        Err(e) => Err(Refusal::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading {}: {e}", path.display()),
+        )),
     }
 }
 
@@ -938,7 +1115,12 @@ async fn read_from(path: &std::path::Path, offset: u64, max: u64) -> Vec<u8> {
     }
 }
 
-async fn devices(State(s): S) -> Response {
+/// The node's devices and the tasks holding each.
+///
+/// `holder` is the first task, `holders` every one (several when a GPU is shared, each with
+/// `milli`, the thousandths it holds), `allocated_milli` their sum.
+#[utoipa::path(get, path = "/v1/devices", responses((status = 200, description = "devices", body = DeviceList)))]
+pub(crate) async fn devices(State(s): S) -> Json<DeviceList> {
     let holders = s.view.read().map(|v| v.holders.clone()).unwrap_or_default();
     let telemetry = s.telemetry.as_ref().map(|t| t.snapshot().devices).unwrap_or_default();
     let unhealthy: std::collections::BTreeMap<String, String> = s
@@ -946,82 +1128,82 @@ async fn devices(State(s): S) -> Response {
         .as_ref()
         .map(|t| t.unhealthy().into_iter().map(|(a, r)| (a.to_string(), r)).collect())
         .unwrap_or_default();
-    let devs: Vec<Value> = s
+    let devices = s
         .node
         .devices
         .iter()
         .map(|d| {
-            let mut v = serde_json::to_value(d).unwrap_or(Value::Null);
             let held = holders.get(d.id as usize).cloned().unwrap_or_default();
-            if let Value::Object(m) = &mut v {
-                // `holder`: the first task holding it (the only one unless it is shared).
-                m.insert(
-                    "holder".into(),
-                    serde_json::to_value(held.first()).unwrap_or(Value::Null),
-                );
-                m.insert(
-                    "allocated_milli".into(),
-                    json!(held.iter().map(|h| u32::from(h.milli)).sum::<u32>()),
-                );
-                m.insert("holders".into(), serde_json::to_value(&held).unwrap_or(Value::Null));
-                if let Some(t) = telemetry.iter().find(|t| t.address.to_string() == d.address) {
+            let telemetry =
+                telemetry.iter().find(|t| t.address.to_string() == d.address).map(|t| {
                     let r = &t.reading;
-                    m.insert(
-                        "telemetry".into(),
-                        json!({
-                            "utilization_percent": r.utilization_percent,
-                            "memory_used_bytes": r.memory_used_bytes,
-                            "memory_total_bytes": r.memory_total_bytes,
-                            "power_watts": r.power_watts,
-                            "temperature_celsius": r.temperature_celsius,
-                        }),
-                    );
-                }
-                m.insert("unhealthy".into(), json!(unhealthy.get(&d.address)));
+                    DeviceTelemetry {
+                        utilization_percent: r.utilization_percent,
+                        memory_used_bytes: r.memory_used_bytes,
+                        memory_total_bytes: r.memory_total_bytes,
+                        power_watts: r.power_watts,
+                        temperature_celsius: r.temperature_celsius,
+                    }
+                });
+            DeviceView {
+                device: d.clone(),
+                holder: held.first().cloned(),
+                allocated_milli: held.iter().map(|h| u32::from(h.milli)).sum(),
+                holders: held,
+                telemetry,
+                unhealthy: unhealthy.get(&d.address).cloned(),
             }
-            v
         })
         .collect();
-    Json(
-        json!({ "node": s.node.name, "leader": s.leader.load(Ordering::Relaxed), "devices": devs }),
-    )
-    .into_response()
+    Json(DeviceList {
+        node: s.node.name.clone(),
+        leader: s.leader.load(Ordering::Relaxed),
+        devices,
+    })
 }
 
-async fn queue(State(s): S) -> Response {
-    let v = s
-        .view
-        .read()
-        .map(|v| (v.queued.clone(), v.queued_total, v.running.clone(), v.history.clone()));
-    match v {
-        Ok((queued, queued_total, running, history)) => Json(json!({
-            "leader": s.leader.load(Ordering::Relaxed),
-            "queued": queued,
-            "queued_total": queued_total,
-            "running": running,
-            "allocation_history": history.iter().map(|(t, n)| json!([t, n])).collect::<Vec<_>>(),
-            "devices": s.node.devices.len(),
-        }))
-        .into_response(),
-        Err(_) => {
-            error(StatusCode::INTERNAL_SERVER_ERROR, "view lock poisoned; restart the daemon")
-        }
-    }
+/// The queue, running jobs and allocation over time.
+///
+/// Queued jobs in queue order (the first 1,000; `queued_total` counts them all) with the reason
+/// each waits (the scheduler's count of why the node cannot take it now, e.g. `0/1 nodes are
+/// available: 1 Insufficient gpu`), running jobs, and allocation over time.
+#[utoipa::path(
+    get,
+    path = "/v1/queue",
+    responses(
+        (status = 200, description = "queue", body = Queue),
+        (status = 500, description = "the scheduling loop's view is unreadable; restart the daemon", body = ErrorBody),
+    ),
+)]
+pub(crate) async fn queue(State(s): S) -> Answer<Queue> {
+    let v = s.view.read().map_err(|_| {
+        Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, "view lock poisoned; restart the daemon")
+    })?;
+    Ok(Json(Queue {
+        leader: s.leader.load(Ordering::Relaxed),
+        queued: v.queued.clone(),
+        queued_total: v.queued_total,
+        running: v.running.clone(),
+        allocation_history: v.history.iter().copied().collect(),
+        devices: s.node.devices.len(),
+    }))
 }
 
-#[derive(Debug, Deserialize)]
-struct EventParams {
-    after: Option<i64>,
-    job: Option<i64>,
-    limit: Option<u32>,
-}
-
-async fn events(State(s): S, Query(p): Query<EventParams>) -> Response {
-    let limit = p.limit.unwrap_or(100).clamp(1, MAX_PAGE);
-    match s.store.events(p.after.unwrap_or(0), p.job, limit).await {
-        Ok(ev) => Json(json!({ "events": ev })).into_response(),
-        Err(e) => unavailable(e),
-    }
+/// The event log, oldest first.
+#[utoipa::path(
+    get,
+    path = "/v1/events",
+    params(EventParams),
+    responses(
+        (status = 200, description = "events", body = EventList),
+        ParamRefusals,
+    ),
+)]
+pub(crate) async fn events(State(s): S, Params(p): Params<EventParams>) -> Answer<EventList> {
+    let limit = p.limit.unwrap_or(wire::DEFAULT_PAGE);
+    let events =
+        s.store.events(p.after.unwrap_or(0), p.job, limit).await.map_err(Refusal::unavailable)?;
+    Ok(Json(EventList { events }))
 }
 
 #[cfg(test)]

@@ -11,9 +11,10 @@
 //! - [`engine`]: the scheduling loop around `xpu-sched`.
 //! - [`executor`]: process groups, supervisor, re-adoption after a crash; [`container`]: the
 //!   OCI bundle and runtime command line of a containerised task.
-//! - [`api`]: the HTTP routes, OpenAPI document, dashboard and metrics endpoints; [`listen`]:
-//!   serving them on a listener, with a connection cap and timeouts.
-//! - [`client`]: the small HTTP/1.1 client the CLI uses (Unix socket or TCP).
+//! - [`api`]: the HTTP routes, dashboard and metrics endpoints; [`wire`]: their request and
+//!   response types and the OpenAPI document generated from them; [`listen`]: serving them on a
+//!   listener, with a connection cap and timeouts.
+//! - [`client`]: the CLI's client (hyper, over the Unix socket or TCP), reading [`wire`]'s types.
 //! - [`node`]: the node's devices, labels and device environment.
 //! - [`view`]: what the API shows of the loop's state.
 
@@ -28,6 +29,7 @@ pub mod metrics;
 pub mod node;
 pub mod store;
 pub mod view;
+pub mod wire;
 
 use std::ffi::OsString;
 use std::net::SocketAddr;

@@ -51,9 +51,11 @@ pub fn selects_devices(name: &str) -> bool {
 }
 
 /// One schedulable device. `id` is its index in [`Node::devices`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct Device {
     pub id: u32,
+    /// `gpu`, `tpu`, `npu`, `nvswitch` or `other`.
+    #[schema(value_type = String)]
     pub kind: DeviceKind,
     /// `nvidia`, `amd`, `google`, `intel`, or the vendor id in hex when unknown.
     pub vendor: String,

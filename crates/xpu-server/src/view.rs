@@ -1,5 +1,7 @@
 //! What the API and the dashboard show of the scheduling loop's state: the engine replaces it
-//! after every pass ([`crate::engine`]), the handlers read it ([`crate::api`]).
+//! after every pass ([`crate::engine`]), the handlers read it ([`crate::api`]). The parts the
+//! API sends are also its wire types ([`crate::wire`]): the client reads them back and the
+//! OpenAPI document describes them.
 
 use std::collections::VecDeque;
 
@@ -20,7 +22,7 @@ pub struct View {
     pub history: VecDeque<(i64, u32)>,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct Holder {
     pub job: i64,
     pub name: String,
@@ -29,7 +31,7 @@ pub struct Holder {
     pub milli: u16,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct QueuedView {
     pub id: i64,
     pub name: String,
@@ -40,7 +42,7 @@ pub struct QueuedView {
     pub reason: String,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct RunningView {
     pub id: i64,
     pub name: String,
@@ -49,11 +51,10 @@ pub struct RunningView {
     pub tasks: Vec<TaskView>,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct TaskView {
     pub index: u32,
     pub attempt: u32,
     pub pid: Option<i32>,
     pub devices: Vec<u32>,
 }
-

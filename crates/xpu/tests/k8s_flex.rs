@@ -34,7 +34,7 @@ async fn condition(
     reason: &str,
     msg: &str,
 ) {
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let now = jiff::Timestamp::now().to_string();
     let mut conds = vec![json!({ "type": "Accepted", "status": "True", "reason": "Accepted",
         "message": "accepted by the test's autoscaler", "lastTransitionTime": now })];
     conds.push(json!({ "type": type_, "status": "True", "reason": reason, "message": msg,

@@ -41,7 +41,7 @@ fn play_kubelet(admin: kube::Client) -> tokio::task::JoinHandle<()> {
                 }
                 let running = p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
                 if node_of(&p).is_some() && !running {
-                    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+                    let now = jiff::Timestamp::now().to_string();
                     let status = json!({ "status": { "phase": "Running", "startTime": now,
                         "conditions": [{ "type": "Ready", "status": "True", "lastTransitionTime": now }] } });
                     // A pod deleted meanwhile is skipped; the loop looks again.

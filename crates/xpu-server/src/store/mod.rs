@@ -20,6 +20,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
+use utoipa::ToSchema;
 
 pub use postgres::PgLeader;
 
@@ -45,7 +46,9 @@ pub enum StoreError {
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 /// A job's state. Terminal states never change again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
     Queued,
@@ -97,7 +100,7 @@ impl FromStr for JobState {
 }
 
 /// A task attempt's state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum TaskState {
     /// Recorded before the process is spawned, so a crash in between is noticed at restart.
@@ -141,7 +144,7 @@ impl FromStr for TaskState {
 }
 
 /// One job row. `spec` is the JSON of [`xpu_core::job::JobSpec`]; list queries leave it empty.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct JobRow {
     pub id: i64,
     pub key: Option<String>,
@@ -160,7 +163,7 @@ pub struct JobRow {
 }
 
 /// One task attempt.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct TaskRow {
     pub job_id: i64,
     pub idx: i64,
@@ -178,7 +181,7 @@ pub struct TaskRow {
     pub dir: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct EventRow {
     pub id: i64,
     pub at_ms: i64,

@@ -10,8 +10,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::anyhow;
-use serde_json::{Value, json};
-use xpu_server::client::{Client, Response, Target};
+use serde_json::json;
+use xpu_server::client::{Client, ClientError, Target};
+use xpu_server::wire::{self, DeviceList, JobDetail, JobList, JobState, ListParams, LogParams};
 
 use crate::cmd::format::{Format, TABLE_JSON};
 use crate::output::{CliError, CmdResult, or_dash, print_json, table};
@@ -191,27 +192,37 @@ fn wait_for(client: &mut Client, seconds: f64) -> Result<(), CliError> {
         .map_err(|e| CliError::failed(anyhow!("{e} (waited {seconds} s)")))
 }
 
-/// Sends a request; 4xx become input errors (exit 2), 5xx and transport failures exit 1.
-fn call(
-    client: &mut Client,
-    method: &str,
-    path: &str,
-    body: Option<&[u8]>,
-    headers: &[(&str, &str)],
-) -> Result<Response, CliError> {
-    let r = client.request(method, path, body, headers).map_err(CliError::failed)?;
-    if (400..500).contains(&r.status) {
-        return Err(CliError::input(anyhow!("{}", r.error_message())));
+/// Prints `value` as the API sent it with `--format json`, else as `human` shows it.
+fn show<T: serde::Serialize>(format: Format, value: &T, human: impl FnOnce(&T)) -> CmdResult {
+    match format {
+        Format::Json => print_json(value)?,
+        // Table: `Format::only(TABLE_JSON)` lets only it and JSON through.
+        _ => human(value),
     }
-    if r.status >= 500 {
-        return Err(CliError::failed(anyhow!("server error {}: {}", r.status, r.error_message())));
-    }
-    Ok(r)
+    Ok(ExitCode::SUCCESS)
 }
 
-fn json_of(r: &Response) -> Result<Value, CliError> {
-    r.json()
-        .ok_or_else(|| CliError::failed(anyhow!("the daemon answered something that is not JSON")))
+/// A client error as the CLI reports it: what the daemon refused (4xx) is the user's input
+/// (exit 2); the rest, its failures and the transport's, exit 1.
+fn cli_error(e: ClientError) -> CliError {
+    if e.is_refusal() { CliError::input(e) } else { CliError::failed(e) }
+}
+
+/// The short form's manifest for `xpu submit -- CMD` (`xpu_core::job`'s short form).
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ShortForm<'a> {
+    command: &'a [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpus: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu_milli: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    queue: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    priority: Option<i32>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -262,51 +273,28 @@ pub fn submit(args: SubmitArgs) -> CmdResult {
             buf
         }
         (None, _) => {
-            let mut m = serde_json::Map::new();
-            m.insert("command".into(), json!(args.command));
-            match args.gpu_milli {
-                Some(milli) => m.insert("gpuMilli".into(), json!(milli)),
-                None => m.insert("gpus".into(), json!(args.gpus.unwrap_or(0))),
+            let short = ShortForm {
+                command: &args.command,
+                gpus: args.gpu_milli.is_none().then_some(args.gpus.unwrap_or(0)),
+                gpu_milli: args.gpu_milli,
+                name: args.name.as_deref(),
+                queue: args.queue.as_deref(),
+                priority: args.priority,
             };
-            if let Some(n) = &args.name {
-                m.insert("name".into(), json!(n));
-            }
-            if let Some(q) = &args.queue {
-                m.insert("queue".into(), json!(q));
-            }
-            if let Some(p) = args.priority {
-                m.insert("priority".into(), json!(p));
-            }
-            Value::Object(m).to_string().into_bytes()
+            serde_json::to_vec(&short).map_err(CliError::failed)?
         }
     };
     let mut client = args.conn.client()?;
-    let mut headers = vec![("Content-Type", "application/yaml")];
-    if let Some(k) = &args.key {
-        headers.push(("Idempotency-Key", k.as_str()));
-    }
-    let r = call(&mut client, "POST", "/v1/jobs", Some(&body), &headers)?;
-    let v = json_of(&r)?;
-    match args.format {
-        Format::Json => print_json(&v)?,
-        _ => {
-            if let Some(notes) = v["notes"].as_array() {
-                for n in notes.iter().filter_map(Value::as_str) {
-                    eprintln!("note: {n}");
-                }
-            }
-            // One id per line: a file of several Jobs and Pods submits each.
-            match v["jobs"].as_array() {
-                Some(jobs) if !jobs.is_empty() => {
-                    for j in jobs {
-                        println!("{}", j["id"]);
-                    }
-                }
-                _ => println!("{}", v["id"]),
-            }
+    let answer = client.submit(&body, args.key.as_deref()).map_err(cli_error)?;
+    show(args.format, &answer, |answer| {
+        for n in &answer.notes {
+            eprintln!("note: {n}");
         }
-    }
-    Ok(ExitCode::SUCCESS)
+        // One id per line: a file of several Jobs and Pods submits each.
+        for j in &answer.jobs {
+            println!("{}", j.id);
+        }
+    })
 }
 
 #[derive(Debug, clap::Args)]
@@ -314,10 +302,10 @@ pub struct JobsArgs {
     #[command(flatten)]
     pub conn: Conn,
     /// Only jobs in this state: queued, running, succeeded, failed, cancelled.
-    #[arg(long)]
-    pub state: Option<String>,
+    #[arg(long, value_parser = |s: &str| s.parse::<JobState>())]
+    pub state: Option<JobState>,
     /// Page size (newest first).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=i64::from(wire::MAX_PAGE)))]
     pub limit: u32,
     /// Continue after this id (the `next` of the previous page).
     #[arg(long)]
@@ -326,67 +314,41 @@ pub struct JobsArgs {
     pub format: Format,
 }
 
+/// A time in ms since the epoch as a UTC calendar date and time, `-` for none.
 fn ms_to_time(ms: Option<i64>) -> String {
-    let Some(ms) = ms else { return "-".to_owned() };
-    let secs = ms.div_euclid(1000);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since the epoch (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+    ms.and_then(|ms| jiff::Timestamp::from_millisecond(ms).ok())
+        .map_or_else(|| "-".to_owned(), |t| t.strftime("%Y-%m-%d %H:%M:%S").to_string())
 }
 
 pub fn jobs(args: JobsArgs) -> CmdResult {
     let mut client = args.conn.client()?;
-    let mut path = format!("/v1/jobs?limit={}", args.limit);
-    if let Some(s) = &args.state {
-        path.push_str(&format!("&state={s}"));
+    let params = ListParams { state: args.state, before: args.before, limit: Some(args.limit) };
+    let page = client.jobs(&params).map_err(cli_error)?;
+    show(args.format, &page, print_jobs)
+}
+
+fn print_jobs(page: &JobList) {
+    let rows: Vec<Vec<String>> = page
+        .jobs
+        .iter()
+        .map(|j| {
+            vec![
+                j.id.to_string(),
+                j.name.clone(),
+                j.state.to_string(),
+                j.queue.clone(),
+                j.priority.to_string(),
+                ms_to_time(Some(j.submitted_at_ms)),
+                ms_to_time(j.finished_at_ms),
+                or_dash(j.message.as_deref()),
+            ]
+        })
+        .collect();
+    let head = ["ID", "NAME", "STATE", "QUEUE", "PRIO", "SUBMITTED", "FINISHED", "MESSAGE"];
+    print!("{}", table(&head, &rows));
+    if let Some(n) = page.next {
+        println!("more: xpu jobs --before {n}");
     }
-    if let Some(b) = args.before {
-        path.push_str(&format!("&before={b}"));
-    }
-    let v = json_of(&call(&mut client, "GET", &path, None, &[])?)?;
-    match args.format {
-        Format::Json => print_json(&v)?,
-        _ => {
-            let rows: Vec<Vec<String>> = v["jobs"]
-                .as_array()
-                .map(Vec::as_slice)
-                .unwrap_or_default()
-                .iter()
-                .map(|j| {
-                    vec![
-                        j["id"].to_string(),
-                        j["name"].as_str().unwrap_or("").to_owned(),
-                        j["state"].as_str().unwrap_or("").to_owned(),
-                        j["queue"].as_str().unwrap_or("").to_owned(),
-                        j["priority"].to_string(),
-                        ms_to_time(j["submitted_at_ms"].as_i64()),
-                        ms_to_time(j["finished_at_ms"].as_i64()),
-                        or_dash(j["message"].as_str()),
-                    ]
-                })
-                .collect();
-            print!(
-                "{}",
-                table(
-                    &["ID", "NAME", "STATE", "QUEUE", "PRIO", "SUBMITTED", "FINISHED", "MESSAGE"],
-                    &rows
-                )
-            );
-            if let Some(n) = v["next"].as_i64() {
-                println!("more: xpu jobs --before {n}");
-            }
-        }
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Debug, clap::Args)]
@@ -400,56 +362,46 @@ pub struct JobArgs {
 
 pub fn job(args: JobArgs) -> CmdResult {
     let mut client = args.conn.client()?;
-    let v = json_of(&call(&mut client, "GET", &format!("/v1/jobs/{}", args.id), None, &[])?)?;
-    match args.format {
-        Format::Json => print_json(&v)?,
-        _ => {
-            println!("id:        {}", v["id"]);
-            println!("name:      {}", v["name"].as_str().unwrap_or(""));
-            println!("state:     {}", v["state"].as_str().unwrap_or(""));
-            println!(
-                "queue:     {} (priority {})",
-                v["queue"].as_str().unwrap_or(""),
-                v["priority"]
-            );
-            println!("submitted: {}", ms_to_time(v["submitted_at_ms"].as_i64()));
-            println!("started:   {}", ms_to_time(v["started_at_ms"].as_i64()));
-            println!("finished:  {}", ms_to_time(v["finished_at_ms"].as_i64()));
-            println!("failures:  {}", v["failures"]);
-            if let Some(m) = v["message"].as_str() {
-                println!("message:   {m}");
-            }
-            if let Some(r) = v["reason"].as_str().filter(|r| !r.is_empty()) {
-                println!("waiting:   position {} — {r}", v["queue_position"]);
-            }
-            let argv: Vec<&str> = v["spec"]["container"]["argv"]
-                .as_array()
-                .map(|a| a.iter().filter_map(Value::as_str).collect())
-                .unwrap_or_default();
-            println!("command:   {}", argv.join(" "));
-            let rows: Vec<Vec<String>> = v["tasks"]
-                .as_array()
-                .map(Vec::as_slice)
-                .unwrap_or_default()
-                .iter()
-                .map(|t| {
-                    vec![
-                        t["idx"].to_string(),
-                        t["attempt"].to_string(),
-                        t["state"].as_str().unwrap_or("").to_owned(),
-                        or_dash(t["pid"].as_i64()),
-                        or_dash(t["exit_code"].as_i64()),
-                        t["devices"].to_string(),
-                    ]
-                })
-                .collect();
-            if !rows.is_empty() {
-                println!();
-                print!("{}", table(&["TASK", "ATTEMPT", "STATE", "PID", "EXIT", "DEVICES"], &rows));
-            }
-        }
+    let v = client.job(args.id).map_err(cli_error)?;
+    show(args.format, &v, print_job)
+}
+
+fn print_job(v: &JobDetail) {
+    let j = &v.job;
+    println!("id:        {}", j.id);
+    println!("name:      {}", j.name);
+    println!("state:     {}", j.state);
+    println!("queue:     {} (priority {})", j.queue, j.priority);
+    println!("submitted: {}", ms_to_time(Some(j.submitted_at_ms)));
+    println!("started:   {}", ms_to_time(j.started_at_ms));
+    println!("finished:  {}", ms_to_time(j.finished_at_ms));
+    println!("failures:  {}", j.failures);
+    if let Some(m) = &j.message {
+        println!("message:   {m}");
     }
-    Ok(ExitCode::SUCCESS)
+    if let Some(r) = v.reason.as_deref().filter(|r| !r.is_empty()) {
+        println!("waiting:   position {} — {r}", or_dash(v.queue_position));
+    }
+    let argv = v.spec.as_ref().map(|s| s.container.argv.join(" ")).unwrap_or_default();
+    println!("command:   {argv}");
+    let rows: Vec<Vec<String>> = v
+        .tasks
+        .iter()
+        .map(|t| {
+            vec![
+                t.idx.to_string(),
+                t.attempt.to_string(),
+                t.state.as_str().to_owned(),
+                or_dash(t.pid),
+                or_dash(t.exit_code),
+                format!("{:?}", t.devices),
+            ]
+        })
+        .collect();
+    if !rows.is_empty() {
+        println!();
+        print!("{}", table(&["TASK", "ATTEMPT", "STATE", "PID", "EXIT", "DEVICES"], &rows));
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -467,28 +419,27 @@ pub struct LogsArgs {
 
 pub fn logs(args: LogsArgs) -> CmdResult {
     let mut client = args.conn.client()?;
-    let path = format!("/v1/jobs/{}/logs?task={}&follow={}", args.id, args.task, args.follow);
+    let params = LogParams {
+        task: Some(i64::from(args.task)),
+        follow: Some(args.follow),
+        ..LogParams::default()
+    };
     let mut out = std::io::stdout().lock();
-    let mut err_body = Vec::new();
-    let status = client
-        .request_streaming("GET", &path, None, &[], &mut |status, chunk| {
-            if status < 400 {
-                let _ = out.write_all(chunk);
-                let _ = out.flush();
-            } else {
-                err_body.extend_from_slice(chunk);
+    let mut written = Ok(());
+    client
+        .logs(args.id, &params, &mut |chunk| {
+            if written.is_ok() {
+                written = out.write_all(chunk).and_then(|()| out.flush());
             }
         })
-        .map_err(CliError::failed)?;
-    if status >= 400 {
-        let r = Response { status, body: err_body };
-        return Err(if status < 500 {
-            CliError::input(anyhow!("{}", r.error_message()))
-        } else {
-            CliError::failed(anyhow!("{}", r.error_message()))
-        });
+        .map_err(cli_error)?;
+    // A reader that went away (`xpu logs 1 | head`) has what it wanted.
+    match written {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(CliError::failed(anyhow!("writing the log to stdout: {e}")))
+        }
+        _ => Ok(ExitCode::SUCCESS),
     }
-    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(Debug, clap::Args)]
@@ -500,7 +451,7 @@ pub struct CancelArgs {
 
 pub fn cancel(args: CancelArgs) -> CmdResult {
     let mut client = args.conn.client()?;
-    call(&mut client, "POST", &format!("/v1/jobs/{}/cancel", args.id), None, &[])?;
+    client.cancel(args.id).map_err(cli_error)?;
     println!("job {} cancelled", args.id);
     Ok(ExitCode::SUCCESS)
 }
@@ -515,48 +466,36 @@ pub struct DevicesArgs {
 
 pub fn devices(args: DevicesArgs) -> CmdResult {
     let mut client = args.conn.client()?;
-    let v = json_of(&call(&mut client, "GET", "/v1/devices", None, &[])?)?;
-    match args.format {
-        Format::Json => print_json(&v)?,
-        _ => {
-            let rows: Vec<Vec<String>> = v["devices"]
-                .as_array()
-                .map(Vec::as_slice)
-                .unwrap_or_default()
+    let v = client.devices().map_err(cli_error)?;
+    show(args.format, &v, print_devices)
+}
+
+fn print_devices(v: &DeviceList) {
+    let rows: Vec<Vec<String>> = v
+        .devices
+        .iter()
+        .map(|d| {
+            let held: Vec<String> = d
+                .holders
                 .iter()
-                .map(|d| {
-                    let held: Vec<String> = d["holders"]
-                        .as_array()
-                        .map(Vec::as_slice)
-                        .unwrap_or_default()
-                        .iter()
-                        .map(|h| {
-                            let share = match h["milli"].as_u64() {
-                                Some(m) if m < 1000 => format!(" {m}m"),
-                                _ => String::new(),
-                            };
-                            format!(
-                                "job {} ({}) task {}{share}",
-                                h["job"],
-                                h["name"].as_str().unwrap_or(""),
-                                h["task"]
-                            )
-                        })
-                        .collect();
-                    let holder = if held.is_empty() { "free".to_owned() } else { held.join(", ") };
-                    vec![
-                        d["id"].to_string(),
-                        d["kind"].as_str().unwrap_or("").to_owned(),
-                        d["product"].as_str().unwrap_or("").to_owned(),
-                        d["address"].as_str().unwrap_or("").to_owned(),
-                        holder,
-                    ]
+                .map(|h| {
+                    let share =
+                        if h.milli < 1000 { format!(" {}m", h.milli) } else { String::new() };
+                    format!("job {} ({}) task {}{share}", h.job, h.name, h.task)
                 })
                 .collect();
-            print!("{}", table(&["ID", "KIND", "PRODUCT", "ADDRESS", "HOLDER"], &rows));
-        }
-    }
-    Ok(ExitCode::SUCCESS)
+            let holder = if held.is_empty() { "free".to_owned() } else { held.join(", ") };
+            let dev = &d.device;
+            vec![
+                dev.id.to_string(),
+                dev.kind.as_str().to_owned(),
+                dev.product.clone(),
+                dev.address.clone(),
+                holder,
+            ]
+        })
+        .collect();
+    print!("{}", table(&["ID", "KIND", "PRODUCT", "ADDRESS", "HOLDER"], &rows));
 }
 
 #[cfg(test)]
