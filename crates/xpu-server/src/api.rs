@@ -7,11 +7,12 @@
 //! Over the Unix socket (mode 0660) and loopback TCP no token is asked; TCP bound to any other
 //! address requires `Authorization: Bearer <token>` with the token from `<data-dir>/token`.
 //! Because loopback TCP trusts whoever connects, and a browser on the host connects for any web
-//! page it shows, every request first passes [`browser_guard`]: on loopback TCP its `Host` must
-//! be the daemon's own address (a DNS-rebound name is refused), and a request that changes
-//! something must not come from another origin and must carry a JSON or YAML content type,
-//! which a page can only send to another origin after a CORS preflight the daemon never
-//! grants (<https://fetch.spec.whatwg.org/#cors-safelisted-request-header>).
+//! page it shows, every request first passes [`host_guard`]: on loopback TCP its `Host` must be
+//! the daemon's own address (a DNS-rebound name is refused); and every route that changes
+//! something is made with [`change`], so its requests pass [`refuse_cross_site`]: they must not
+//! come from another origin and must carry a JSON or YAML content type, which a page can only
+//! send to another origin after a CORS preflight the daemon never grants
+//! (<https://fetch.spec.whatwg.org/#cors-safelisted-request-header>).
 //! Request bodies are limited to [`MAX_BODY`]; manifests are validated by
 //! [`xpu_core::job::parse`] and a bad one gets 400 with the field path in `error` and `field`.
 
@@ -24,11 +25,12 @@ use axum::Json;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Extension, FromRequestParts, Path, Request, State};
+use axum::handler::Handler;
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use serde::de::DeserializeOwned;
 use std::sync::OnceLock;
 use utoipa::OpenApi as _;
@@ -78,9 +80,9 @@ pub fn router(shared: Arc<Shared>, opts: &ApiOptions) -> Router {
         .route("/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
-        .route("/v1/jobs", post(submit).get(list))
+        .route("/v1/jobs", change(submit).get(list))
         .route("/v1/jobs/{id}", get(job))
-        .route("/v1/jobs/{id}/cancel", post(cancel))
+        .route("/v1/jobs/{id}/cancel", change(cancel))
         .route("/v1/jobs/{id}/logs", get(logs))
         .route("/v1/devices", get(devices))
         .route("/v1/queue", get(queue))
@@ -93,14 +95,25 @@ pub fn router(shared: Arc<Shared>, opts: &ApiOptions) -> Router {
     if opts.require_token() {
         r = r.layer(middleware::from_fn_with_state(shared.clone(), auth));
     }
-    // Outermost: a browser's cross-site request is refused before anything else looks at it.
-    let guard = Arc::new(BrowserGuard::new(opts));
-    r.layer(middleware::from_fn_with_state(guard, browser_guard)).with_state(shared)
+    // Outermost: a request for another host name is refused before anything else looks at it.
+    let guard = Arc::new(HostGuard::new(opts));
+    r.layer(middleware::from_fn_with_state(guard, host_guard)).with_state(shared)
 }
 
-/// The checks of [`browser_guard`] for one listener.
+/// `POST` to `handler`, behind [`refuse_cross_site`]: every route that changes something is
+/// made with this. It wraps the handler alone, so that another method on the route still gets
+/// the router's 405.
+fn change<H, T>(handler: H) -> MethodRouter<Arc<Shared>>
+where
+    H: Handler<T, Arc<Shared>>,
+    T: 'static,
+{
+    post(handler).route_layer(middleware::from_fn(refuse_cross_site))
+}
+
+/// The `Host` check of [`host_guard`] for one listener.
 #[derive(Debug)]
-struct BrowserGuard {
+struct HostGuard {
     /// The `Host` values accepted; `None`: any (the Unix socket, which no browser reaches, and
     /// TCP off loopback, where the token is the defence: a rebound page cannot send it).
     hosts: Option<Vec<String>>,
@@ -111,7 +124,7 @@ struct BrowserGuard {
 const BODY_TYPES: [&str; 4] =
     ["application/json", "application/yaml", "application/x-yaml", "text/yaml"];
 
-impl BrowserGuard {
+impl HostGuard {
     fn new(opts: &ApiOptions) -> Self {
         let hosts = opts.tcp.filter(|_| !opts.require_token()).map(|addr| {
             let ip = match addr.ip() {
@@ -130,82 +143,89 @@ impl BrowserGuard {
         Self { hosts }
     }
 
-    /// `Err((status, message))` for a request a browser may have been made to send.
-    fn check(
-        &self,
-        method: &Method,
-        uri: &Uri,
-        headers: &HeaderMap,
-    ) -> Result<(), (StatusCode, String)> {
+    /// `Err((status, message))` for a request under another name than the daemon's (a
+    /// DNS-rebinding page's).
+    fn check(&self, uri: &Uri, headers: &HeaderMap) -> Result<(), (StatusCode, String)> {
+        let Some(allowed) = &self.hosts else { return Ok(()) };
         let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
-        if let Some(allowed) = &self.hosts {
-            // An absolute-form target names the host in place of Host (RFC 9112 section 3.2.2).
-            let named = uri.authority().map(|a| a.as_str()).or(host);
-            if !named.is_some_and(|h| allowed.iter().any(|a| a.eq_ignore_ascii_case(h))) {
-                return Err((
-                    StatusCode::FORBIDDEN,
-                    format!(
-                        "Host {:?} is not this daemon's address; use http://{}/ (a request for another name may be a DNS-rebinding page)",
-                        named.unwrap_or_default(),
-                        allowed.first().map_or("", String::as_str),
-                    ),
-                ));
-            }
-        }
-        if method.is_safe() {
+        // An absolute-form target names the host in place of Host (RFC 9112 section 3.2.2).
+        let named = uri.authority().map(|a| a.as_str()).or(host);
+        if named.is_some_and(|h| allowed.iter().any(|a| a.eq_ignore_ascii_case(h))) {
             return Ok(());
         }
-        // Fetch metadata (https://w3c.github.io/webappsec-fetch-metadata/): `none` is the user
-        // acting directly, `same-origin` the dashboard itself.
-        if let Some(site) = headers.get("sec-fetch-site")
-            && !matches!(site.as_bytes(), b"same-origin" | b"none")
-        {
-            return Err((
-                StatusCode::FORBIDDEN,
-                format!(
-                    "Sec-Fetch-Site {:?}: requests from other sites may not change anything",
-                    String::from_utf8_lossy(site.as_bytes())
-                ),
-            ));
-        }
-        if let Some(origin) = headers.get(header::ORIGIN) {
-            let origin = origin.to_str().unwrap_or_default();
-            let same = host.is_some_and(|h| {
-                ["http", "https"]
-                    .iter()
-                    .any(|scheme| origin.eq_ignore_ascii_case(&format!("{scheme}://{h}")))
-            });
-            if !same {
-                return Err((
-                    StatusCode::FORBIDDEN,
-                    format!(
-                        "Origin {origin:?} is not this daemon's: requests from other sites may not change anything"
-                    ),
-                ));
-            }
-        }
-        let media = headers.get(header::CONTENT_TYPE).map(|v| {
-            let v = String::from_utf8_lossy(v.as_bytes());
-            v.split(';').next().unwrap_or_default().trim().to_ascii_lowercase()
-        });
-        match media {
-            Some(m) if BODY_TYPES.contains(&m.as_str()) => Ok(()),
-            other => Err((
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                format!(
-                    "Content-Type {}: send application/json or application/yaml, also with an empty body (form and text/plain posts are refused: any web page can send those)",
-                    other.map_or_else(|| "missing".to_owned(), |m| format!("{m:?}")),
-                ),
-            )),
-        }
+        Err((
+            StatusCode::FORBIDDEN,
+            format!(
+                "Host {:?} is not this daemon's address; use http://{}/ (a request for another name may be a DNS-rebinding page)",
+                named.unwrap_or_default(),
+                allowed.first().map_or("", String::as_str),
+            ),
+        ))
     }
 }
 
-/// Refuses what a web page open in a browser on the host could otherwise do with loopback's
-/// tokenless access: read the API under a rebound name, or post a job (which runs as the
-/// daemon's user) from another origin.
-async fn browser_guard(State(g): State<Arc<BrowserGuard>>, req: Request, next: Next) -> Response {
-    match g.check(req.method(), req.uri(), req.headers()) {
+/// `Err((status, message))` for a request that changes something and that a browser may have
+/// been made to send by another site.
+fn check_change(headers: &HeaderMap) -> Result<(), (StatusCode, String)> {
+    // Fetch metadata (https://w3c.github.io/webappsec-fetch-metadata/): `none` is the user
+    // acting directly, `same-origin` the dashboard itself.
+    if let Some(site) = headers.get("sec-fetch-site")
+        && !matches!(site.as_bytes(), b"same-origin" | b"none")
+    {
+        return Err((
+            StatusCode::FORBIDDEN,
+            format!(
+                "Sec-Fetch-Site {:?}: requests from other sites may not change anything",
+                String::from_utf8_lossy(site.as_bytes())
+            ),
+        ));
+    }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let origin = origin.to_str().unwrap_or_default();
+        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+        let same = host.is_some_and(|h| {
+            ["http", "https"]
+                .iter()
+                .any(|scheme| origin.eq_ignore_ascii_case(&format!("{scheme}://{h}")))
+        });
+        if !same {
+            return Err((
+                StatusCode::FORBIDDEN,
+                format!(
+                    "Origin {origin:?} is not this daemon's: requests from other sites may not change anything"
+                ),
+            ));
+        }
+    }
+    let media = headers.get(header::CONTENT_TYPE).map(|v| {
+        let v = String::from_utf8_lossy(v.as_bytes());
+        v.split(';').next().unwrap_or_default().trim().to_ascii_lowercase()
+    });
+    match media {
+        Some(m) if BODY_TYPES.contains(&m.as_str()) => Ok(()),
+        other => Err((
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!(
+                "Content-Type {}: send application/json or application/yaml, also with an empty body (form and text/plain posts are refused: any web page can send those)",
+                other.map_or_else(|| "missing".to_owned(), |m| format!("{m:?}")),
+            ),
+        )),
+    }
+}
+
+/// Refuses a read of the API under a rebound name: loopback needs no token, so a page a
+/// browser on the host shows could otherwise read it.
+async fn host_guard(State(g): State<Arc<HostGuard>>, req: Request, next: Next) -> Response {
+    match g.check(req.uri(), req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err((status, message)) => error(status, message),
+    }
+}
+
+/// Refuses a change (a job posted, which runs as the daemon's user) that another site may
+/// have made a browser on the host send with loopback's tokenless access.
+async fn refuse_cross_site(req: Request, next: Next) -> Response {
+    match check_change(req.headers()) {
         Ok(()) => next.run(req).await,
         Err((status, message)) => error(status, message),
     }
@@ -838,7 +858,7 @@ pub(crate) async fn list(State(s): S, Params(p): Params<ListParams>) -> Answer<J
     get,
     path = "/v1/jobs/{id}",
     operation_id = "job",
-    params(("id" = i64, Path, minimum = 1, description = "The job's id")),
+    params(("id" = i64, Path, minimum = 1, example = 1, description = "The job's id")),
     responses(
         (status = 200, description = "the job", body = JobDetail),
         (status = 400, description = "the id is not a positive integer", body = ErrorBody),
@@ -867,7 +887,7 @@ pub(crate) async fn job(State(s): S, JobId(id): JobId) -> Answer<JobDetail> {
     post,
     path = "/v1/jobs/{id}/cancel",
     operation_id = "cancel",
-    params(("id" = i64, Path, minimum = 1, description = "The job's id")),
+    params(("id" = i64, Path, minimum = 1, example = 1, description = "The job's id")),
     request_body(description = "None; send Content-Type: application/json", content(("application/json"))),
     responses(
         (status = 202, description = "cancellation recorded", body = CancelAccepted),
@@ -917,7 +937,7 @@ fn text_plain(body: Body) -> Response {
     get,
     path = "/v1/jobs/{id}/logs",
     operation_id = "logs",
-    params(("id" = i64, Path, minimum = 1, description = "The job's id"), LogParams),
+    params(("id" = i64, Path, minimum = 1, example = 1, description = "The job's id"), LogParams),
     responses(
         (status = 200, description = "log text", body = String, content_type = "text/plain"),
         (status = 404, description = "no such job, or the task has not started (without follow)", body = ErrorBody),
@@ -931,7 +951,11 @@ pub(crate) async fn logs(
     JobId(id): JobId,
     Params(p): Params<LogParams>,
 ) -> Result<Response, Refusal> {
-    let window = LogWindow { tail: p.tail, limit: p.limit_bytes.unwrap_or(u64::MAX) };
+    // Both are checked not negative ([`LogParams`]'s bounds).
+    let window = LogWindow {
+        tail: p.tail.map(|t| t.unsigned_abs()),
+        limit: p.limit_bytes.map_or(u64::MAX, i64::unsigned_abs),
+    };
     let tasks = s.store.tasks(id).await.map_err(Refusal::unavailable)?;
     let idx = p.task.unwrap_or(0);
     let pick: Option<&TaskRow> = tasks
@@ -1209,9 +1233,12 @@ pub(crate) async fn events(State(s): S, Params(p): Params<EventParams>) -> Answe
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::Method;
 
+    /// What the guards answer a request to `/v1/jobs` on a listener at `tcp`: the host check,
+    /// then, for a POST (what [`change`] routes), the checks of a change.
     fn check(tcp: &str, method: Method, headers: &[(&str, &str)]) -> Option<StatusCode> {
-        let g = BrowserGuard::new(&ApiOptions {
+        let g = HostGuard::new(&ApiOptions {
             tcp: Some(tcp.parse().expect("an address")),
             body_timeout: Duration::from_secs(1),
             conn_stats: Arc::default(),
@@ -1223,7 +1250,8 @@ mod tests {
                 HeaderValue::from_str(v).expect("a header value"),
             );
         }
-        g.check(&method, &Uri::from_static("/v1/jobs"), &h).err().map(|(s, _)| s)
+        let change = || if method == Method::POST { check_change(&h) } else { Ok(()) };
+        g.check(&Uri::from_static("/v1/jobs"), &h).and_then(|()| change()).err().map(|(s, _)| s)
     }
 
     #[test]
@@ -1242,6 +1270,21 @@ mod tests {
     }
 
     #[test]
+    fn every_change_is_a_post() {
+        let doc = ApiDoc::openapi();
+        for (path, item) in &doc.paths.paths {
+            for (method, op) in
+                [("PUT", &item.put), ("DELETE", &item.delete), ("PATCH", &item.patch)]
+            {
+                assert!(
+                    op.is_none(),
+                    "{path} takes {method}: route it with a change() that refuses it cross-site"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn changes_need_same_origin_and_a_manifest_type() {
         let host = ("host", "127.0.0.1:8470");
         let yaml = ("content-type", "application/yaml; charset=utf-8");
@@ -1255,7 +1298,7 @@ mod tests {
         );
         let site = ("sec-fetch-site", "same-site");
         assert_eq!(
-            check("127.0.0.1:8470", Method::DELETE, &[host, yaml, site]),
+            check("127.0.0.1:8470", Method::POST, &[host, yaml, site]),
             Some(StatusCode::FORBIDDEN)
         );
         let form = ("content-type", "multipart/form-data; boundary=x");

@@ -178,22 +178,21 @@ pub struct LogParams {
     /// Only the last N lines (as they are when the request arrives, with follow); a final newline
     /// ends the last line. Also accepted as `tailLines`, the Kubernetes name.
     #[serde(default, alias = "tailLines", skip_serializing_if = "Option::is_none")]
-    pub tail: Option<u64>,
+    #[param(minimum = 0)]
+    pub tail: Option<i64>,
     /// At most N bytes, counted from where the output starts (after tail); the last line may be
     /// cut.
     #[serde(default, rename = "limitBytes", skip_serializing_if = "Option::is_none")]
     #[param(minimum = 1)]
-    pub limit_bytes: Option<u64>,
+    pub limit_bytes: Option<i64>,
 }
 
 impl Bounded for LogParams {
     fn check(&self) -> Result<(), (&'static str, String)> {
         at_least("task", self.task, 0)?;
         at_least("attempt", self.attempt, 0)?;
-        if self.limit_bytes == Some(0) {
-            return Err(("limitBytes", "must be at least 1".to_owned()));
-        }
-        Ok(())
+        at_least("tail", self.tail, 0)?;
+        at_least("limitBytes", self.limit_bytes, 1)
     }
 }
 
