@@ -68,7 +68,29 @@ enum Command {
     Man(cmd::generate::ManArgs),
 }
 
+/// `xpu jobs | head`: when whoever reads stdout goes away, stop quietly with the status a
+/// process killed by SIGPIPE has, as Unix tools do. Rust ignores SIGPIPE, so a `println!` to a
+/// closed pipe panics instead, and this crate forbids the unsafe call that would restore the
+/// signal; the hook turns exactly that panic into the quiet exit and leaves every other panic
+/// to the default hook.
+fn quiet_on_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(128 + 13);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> ExitCode {
+    quiet_on_broken_pipe();
     // The runtime shim takes runc's command line verbatim: clap never sees it.
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let invoked_as = argv.first().map(std::path::Path::new).and_then(|p| p.file_name());

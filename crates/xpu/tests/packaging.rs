@@ -508,3 +508,23 @@ fn deb_package_installs_into_a_throwaway_root() {
     dpkg(&["-P", "xpu"]);
     assert!(!conffile.exists(), "dpkg -P left the conffile");
 }
+
+#[test]
+fn output_piped_into_a_reader_that_stops_ends_quietly() {
+    use std::process::Stdio;
+    // `xpu discover --all --format json | head -0`: the reader is gone before the first write.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_xpu"))
+        .args(["discover", "--all", "--format", "json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+    // As a process killed by SIGPIPE reports itself to a shell (128 + 13), or 0 when the whole
+    // output fit in the pipe before it closed.
+    assert!(matches!(out.status.code(), Some(141 | 0)), "{:?}", out.status);
+}
