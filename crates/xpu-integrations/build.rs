@@ -1,11 +1,11 @@
 //! Compiles the kubelet gRPC APIs into Rust with protox, a pure-Rust protobuf compiler, so
 //! building needs no system `protoc`:
 //! - the device plugin API (`proto/deviceplugin/v1beta1`, package `v1beta1`) into `OUT_DIR`;
-//! - the DRA plugin service (`proto/dra/v1`, `proto/dra/v1beta1`) and plugin registration
-//!   (`proto/pluginregistration/v1`), each into its own directory under `OUT_DIR`: the DRA
-//!   v1beta1 package shares the device plugin's package name (and a `Device` message), so the
-//!   two cannot live in one descriptor set or one generated file;
-//! - the kubelet's PodResources API (`proto/podresources/v1`, package `v1` like DRA's) into its own
+//! - the DRA plugin service (`proto/dra/v1`, `proto/dra/v1beta1`, packages
+//!   `k8s.io.kubelet.pkg.apis.dra.v1` and `...v1beta1` as upstream) and plugin registration
+//!   (`proto/pluginregistration/v1`), each into its own directory under `OUT_DIR`, one
+//!   descriptor set and one generated file each;
+//! - the kubelet's PodResources API (`proto/podresources/v1`, package `v1`) into its own
 //!   directory too;
 //! - the TPU runtime's metrics service (`proto/tpuruntime`, package `tpu.monitoring.runtime`).
 

@@ -43,7 +43,8 @@ pub mod pb {
 
 /// Code generated from the kubelet's DRA and plugin registration protos.
 pub mod drapb {
-    /// `proto/dra/v1/api.proto` (package `v1`, service `v1.DRAPlugin`).
+    /// `proto/dra/v1/api.proto` (package `k8s.io.kubelet.pkg.apis.dra.v1`, registered as
+    /// `v1.DRAPlugin`).
     #[allow(
         clippy::all,
         clippy::pedantic,
@@ -52,9 +53,10 @@ pub mod drapb {
         clippy::unwrap_used
     )]
     pub mod v1 {
-        include!(concat!(env!("OUT_DIR"), "/dra_v1/v1.rs"));
+        include!(concat!(env!("OUT_DIR"), "/dra_v1/k8s.io.kubelet.pkg.apis.dra.v1.rs"));
     }
-    /// `proto/dra/v1beta1/api.proto` (package `v1beta1`, service `v1beta1.DRAPlugin`).
+    /// `proto/dra/v1beta1/api.proto` (package `k8s.io.kubelet.pkg.apis.dra.v1beta1`, registered
+    /// as `v1beta1.DRAPlugin`).
     #[allow(
         clippy::all,
         clippy::pedantic,
@@ -63,7 +65,7 @@ pub mod drapb {
         clippy::unwrap_used
     )]
     pub mod v1beta1 {
-        include!(concat!(env!("OUT_DIR"), "/dra_v1beta1/v1beta1.rs"));
+        include!(concat!(env!("OUT_DIR"), "/dra_v1beta1/k8s.io.kubelet.pkg.apis.dra.v1beta1.rs"));
     }
     /// `proto/pluginregistration/v1/api.proto` (package `pluginregistration`).
     #[allow(
