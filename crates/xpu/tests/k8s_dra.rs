@@ -30,22 +30,6 @@ use k8s_support::*;
 
 const NODE: &str = "gpu-node";
 
-/// Namespace, then the DRA manifest as an admin applies it (the DaemonSet: dry run).
-async fn install_dra(admin: &Client) {
-    let dir = repo().join("deploy/kubernetes");
-    for f in ["namespace.yaml", "dra.yaml"] {
-        for doc in documents(&dir.join(f)) {
-            let workload = doc["kind"] == "DaemonSet";
-            create(admin, &doc, true)
-                .await
-                .unwrap_or_else(|e| panic!("{f}: {} fails dry run: {e}", doc["kind"]));
-            if !workload {
-                create(admin, &doc, false).await.unwrap();
-            }
-        }
-    }
-}
-
 /// `xpu k8s dra-driver` for the fixture host, as a process.
 fn start_driver(cp: &ControlPlane, root: &Path, dirs: &Path, n: u32) -> XpuProcess {
     let args: Vec<std::ffi::OsString> = vec![

@@ -20,7 +20,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node as NodeObject, Pod};
-use kube::api::{Api, LogParams, PostParams};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use serde_json::{Value, json};
 use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
 use xpu_testkit::kube::ControlPlaneOptions;
@@ -92,6 +93,110 @@ async fn wait_for_quantity(
     ok.then(|| start.elapsed())
 }
 
+/// The `/dev` nodes a container given GPUs `minors` of the fixture holds: those and the
+/// control nodes.
+fn gpu_nodes(minors: &[u32]) -> BTreeMap<String, (char, u32, u32)> {
+    let mut want: BTreeMap<String, (char, u32, u32)> =
+        minors.iter().map(|&m| (format!("/dev/nvidia{m}"), ('c', MAJOR_NVIDIA, m))).collect();
+    for (path, major, minor) in [
+        ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
+        ("/dev/nvidia-modeset", MAJOR_NVIDIA, 254),
+        ("/dev/nvidia-uvm", MAJOR_NVIDIA_UVM, 0),
+        ("/dev/nvidia-uvm-tools", MAJOR_NVIDIA_UVM, 1),
+    ] {
+        want.insert(path.to_owned(), ('c', major, minor));
+    }
+    want
+}
+
+/// `/dev`: exactly GPUs `minors` and the control nodes in `gpu`, none in `plain`; the device
+/// cgroup: what `gpu` may open beyond `plain` (same pod, same runtime defaults) is exactly those.
+fn assert_only_these_gpus(gpu: &ContainerView, plain: &ContainerView, minors: &[u32]) {
+    let want = gpu_nodes(minors);
+    assert_eq!(gpu.accel_nodes(), want, "the GPU container's /dev");
+    assert_eq!(plain.accel_nodes(), BTreeMap::new(), "the plain container's /dev");
+    if !Path::new("/sys/fs/cgroup/devices").is_dir() {
+        eprintln!("cgroup v2 host: the device cgroup is an eBPF program, not compared here");
+        return;
+    }
+    let g = device_rules(&gpu.extra);
+    let q = device_rules(&plain.extra);
+    assert!(!q.is_empty(), "the plain container's devices.list: {}", plain.extra);
+    let extra: BTreeSet<String> = g
+        .iter()
+        .filter(|(k, _)| !q.contains_key(*k))
+        .map(|((kind, major, minor), access)| {
+            assert!(access.contains("rw"), "{kind} {major}:{minor} {access}");
+            format!("{kind} {major}:{minor}")
+        })
+        .collect();
+    let expected: BTreeSet<String> =
+        want.values().map(|(k, ma, mi)| format!("{k} {ma}:{mi}")).collect();
+    assert_eq!(extra, expected, "devices.list beyond the plain container's");
+    assert!(q.keys().all(|k| g.contains_key(k)), "the GPU container lost a default device");
+}
+
+/// Runs pod `name` of two busybox containers printing their `/dev`, environment and
+/// `devices.list`: `gpu` with `resources` (and the pod spec merged with `spec`), `plain`
+/// without. Waits until it succeeded, bound to the node by kube-scheduler; returns it and what
+/// each container printed. `diag` adds the logs worth reading to a failure.
+async fn run_probe_pod(
+    pods: &Api<Pod>,
+    name: &str,
+    spec: Value,
+    resources: Value,
+    diag: impl Fn() -> String,
+) -> (Pod, ContainerView, ContainerView) {
+    let probe = probe_script("cat /sys/fs/cgroup/devices/devices.list");
+    let container = |name: &str, resources: Value| {
+        json!({
+            "name": name, "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+            "command": ["sh", "-c", probe], "resources": resources,
+        })
+    };
+    let mut pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name },
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [container("gpu", resources), container("plain", json!({}))],
+        },
+    });
+    for (k, v) in spec.as_object().unwrap() {
+        pod["spec"][k] = v.clone();
+    }
+    let pod: Pod = serde_json::from_value(pod).unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let done = wait_until(Duration::from_secs(120), || async {
+        let p = pods.get(name).await.unwrap();
+        matches!(p.status.and_then(|s| s.phase).as_deref(), Some("Succeeded" | "Failed"))
+    })
+    .await;
+    let p = pods.get(name).await.unwrap();
+    let status = serde_json::to_string_pretty(&p.status).unwrap();
+    assert!(done, "pod {name} finished\n{status}\n{}", diag());
+    assert_eq!(node_of(&p), Some(NODE_NAME), "bound by kube-scheduler: {status}");
+    let conditions = p.status.as_ref().unwrap().conditions.as_ref().unwrap();
+    assert!(conditions.iter().any(|c| c.type_ == "PodScheduled" && c.status == "True"), "{status}");
+    assert_eq!(p.spec.as_ref().unwrap().scheduler_name.as_deref(), Some("default-scheduler"));
+    let phase = p.status.as_ref().unwrap().phase.as_deref();
+    assert_eq!(phase, Some("Succeeded"), "{status}\n{}", diag());
+
+    let mut views = Vec::new();
+    for c in ["gpu", "plain"] {
+        let lp = LogParams { container: Some(c.to_owned()), ..LogParams::default() };
+        let out = pods.logs(name, &lp).await.unwrap();
+        eprintln!("--- {name}: container {c}\n{out}");
+        views.push(ContainerView::parse(&out));
+    }
+    let plain = views.pop().unwrap();
+    let gpu = views.pop().unwrap();
+    (p, gpu, plain)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_gpus_needs_root_and_runc()
  {
@@ -156,58 +261,10 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
     );
 
     // A pod of two containers, one with 2 GPUs, one without, for kube-scheduler.
-    let probe = probe_script("cat /sys/fs/cgroup/devices/devices.list");
-    let container = |name: &str, limits: Value| {
-        json!({
-            "name": name, "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-            "command": ["sh", "-c", probe], "resources": { "limits": limits },
-        })
-    };
-    let pod: Pod = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": { "name": "two-gpus" },
-        "spec": {
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": false,
-            "enableServiceLinks": false,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [container("gpu", json!({ GPU: "2" })), container("plain", json!({}))],
-        },
-    }))
-    .unwrap();
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
-    pods.create(&PostParams::default(), &pod).await.unwrap();
-    let done = wait_until(Duration::from_secs(120), || async {
-        let p = pods.get("two-gpus").await.unwrap();
-        matches!(p.status.and_then(|s| s.phase).as_deref(), Some("Succeeded" | "Failed"))
-    })
-    .await;
-    let p = pods.get("two-gpus").await.unwrap();
-    let status = serde_json::to_string_pretty(&p.status).unwrap();
-    assert!(done, "pod finished\n{status}\n{}\n{}", plugin.log(), node.log_tails());
-    assert_eq!(node_of(&p), Some(NODE_NAME), "bound by kube-scheduler: {status}");
-    let scheduled = p.status.as_ref().unwrap().conditions.as_ref().unwrap();
-    assert!(scheduled.iter().any(|c| c.type_ == "PodScheduled" && c.status == "True"), "{status}");
-    assert_eq!(p.spec.as_ref().unwrap().scheduler_name.as_deref(), Some("default-scheduler"));
-    assert_eq!(
-        p.status.as_ref().unwrap().phase.as_deref(),
-        Some("Succeeded"),
-        "{status}\n{}",
-        node.log_tails()
-    );
-
-    let logs = |c: &'static str| {
-        let pods = pods.clone();
-        async move {
-            let lp = LogParams { container: Some(c.to_owned()), ..LogParams::default() };
-            pods.logs("two-gpus", &lp).await.unwrap()
-        }
-    };
-    let gpu_out = logs("gpu").await;
-    let plain_out = logs("plain").await;
-    eprintln!("--- container gpu\n{gpu_out}--- container plain\n{plain_out}");
-    let gpu = ContainerView::parse(&gpu_out);
-    let plain = ContainerView::parse(&plain_out);
+    let diag = || format!("{}\n{}", plugin.log(), node.log_tails());
+    let (p, gpu, plain) =
+        run_probe_pod(&pods, "two-gpus", json!({}), json!({ "limits": { GPU: "2" } }), diag).await;
 
     // Allocate's answer reached the container: the two devices the kubelet chose.
     let ids: Vec<&str> = gpu.env["XPU_VISIBLE_DEVICES"].split(',').collect();
@@ -248,43 +305,7 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
     assert_eq!(checkpointed, sorted);
     assert!(!entry["AllocResp"].as_str().unwrap_or("").is_empty(), "{entry}");
 
-    // /dev: exactly the two GPUs and the control nodes; nothing of them in the other container.
-    let mut want: BTreeMap<String, (char, u32, u32)> =
-        minors.iter().map(|&m| (format!("/dev/nvidia{m}"), ('c', MAJOR_NVIDIA, m))).collect();
-    for (path, major, minor) in [
-        ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
-        ("/dev/nvidia-modeset", MAJOR_NVIDIA, 254),
-        ("/dev/nvidia-uvm", MAJOR_NVIDIA_UVM, 0),
-        ("/dev/nvidia-uvm-tools", MAJOR_NVIDIA_UVM, 1),
-    ] {
-        want.insert(path.to_owned(), ('c', major, minor));
-    }
-    let ptys = |v: &ContainerView| {
-        v.accel_nodes().into_iter().filter(|(p, _)| p != "/dev/ptmx").collect::<BTreeMap<_, _>>()
-    };
-    assert_eq!(ptys(&gpu), want, "the GPU container's /dev");
-    assert_eq!(ptys(&plain), BTreeMap::new(), "the plain container's /dev");
-
-    // The device cgroup: what the GPU container may open beyond its neighbour is exactly those.
-    if Path::new("/sys/fs/cgroup/devices").is_dir() {
-        let g = device_rules(&gpu.extra);
-        let q = device_rules(&plain.extra);
-        assert!(!q.is_empty(), "the plain container's devices.list: {}", plain.extra);
-        let extra: BTreeSet<String> = g
-            .iter()
-            .filter(|(k, _)| !q.contains_key(*k))
-            .map(|((kind, major, minor), access)| {
-                assert!(access.contains("rw"), "{kind} {major}:{minor} {access}");
-                format!("{kind} {major}:{minor}")
-            })
-            .collect();
-        let expected: BTreeSet<String> =
-            want.values().map(|(k, ma, mi)| format!("{k} {ma}:{mi}")).collect();
-        assert_eq!(extra, expected, "devices.list beyond the plain container's");
-        assert!(q.keys().all(|k| g.contains_key(k)), "the GPU container lost a default device");
-    } else {
-        eprintln!("cgroup v2 host: the device cgroup is an eBPF program, not compared here");
-    }
+    assert_only_these_gpus(&gpu, &plain, &minors);
 
     // A GPU unplugged from the fixture: unhealthy, so allocatable drops to 3 (capacity stays 4).
     let gone = spec.devices.iter().find(|d| d.nvidia_minor == Some(3)).unwrap().address;
@@ -302,5 +323,117 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
         plugin.log()
     );
     drop(plugin);
+    drop(node);
+}
+
+/// The DRA driver on the same kind of node: its ResourceSlices name the node, kube-scheduler
+/// allocates a 2-GPU claim from them, the kubelet calls `NodePrepareResources` and hands the
+/// claim's CDI device to containerd, which finds the driver's per-claim spec: the container
+/// sees exactly the claim's GPUs; deleting the pod makes the kubelet unprepare the claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_driver_on_a_real_kubelet_gives_a_claim_its_devices_through_cdi_needs_root_and_runc() {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let admin = cp.admin_client();
+    install_dra(&admin).await;
+    let spec = four_gpu_host();
+    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+
+    let args: Vec<std::ffi::OsString> = vec![
+        "k8s".into(),
+        "dra-driver".into(),
+        "--node-name".into(),
+        NODE_NAME.into(),
+        "--interval-ms".into(),
+        "200".into(),
+        "--root".into(),
+        fx.root().into(),
+        "--kubeconfig".into(),
+        cp.admin_kubeconfig().into(),
+        "--plugin-dir".into(),
+        node.plugins_dir().into(),
+        "--registry-dir".into(),
+        node.plugins_registry_dir().into(),
+        "--cdi-dir".into(),
+        node.cdi_dir().into(),
+    ];
+    let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
+    let diag = || format!("{}\n{}", driver.log_text(), node.log_tails());
+    let registered = wait_until(Duration::from_secs(30), || async {
+        driver.log_text().contains("registered with the kubelet")
+    })
+    .await;
+    assert!(registered, "the kubelet took the driver's registration\n{}", diag());
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let lp =
+        ListParams::default().fields(&format!("spec.nodeName={NODE_NAME},spec.driver=xpu.dev"));
+    let published = wait_until(Duration::from_secs(30), || async {
+        let s = slices.list(&lp).await.unwrap().items;
+        s.iter().flat_map(|s| s.spec.devices.iter().flatten()).count() == 4
+    })
+    .await;
+    assert!(published, "4 GPUs in the node's slices\n{}", diag());
+    let published = slices.list(&lp).await.unwrap().items;
+
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": { "name": "pair" },
+        "spec": { "devices": { "requests": [
+            { "name": "gpus", "exactly": { "deviceClassName": "gpu.xpu.dev", "count": 2 } },
+        ] } },
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let (_, gpu, plain) = run_probe_pod(
+        &pods,
+        "claimed",
+        json!({ "resourceClaims": [{ "name": "gpus", "resourceClaimName": "pair" }] }),
+        json!({ "claims": [{ "name": "gpus" }] }),
+        diag,
+    )
+    .await;
+
+    // The claim's devices, by the UUIDs the slices give them.
+    let claim = claims.get("pair").await.unwrap();
+    let results = claim.status.unwrap().allocation.unwrap().devices.unwrap().results.unwrap();
+    assert_eq!(results.len(), 2);
+    let minors: Vec<u32> = results
+        .iter()
+        .map(|r| {
+            assert_eq!((r.driver.as_str(), r.pool.as_str()), ("xpu.dev", NODE_NAME));
+            let d = published
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .find(|d| d.name == r.device)
+                .unwrap();
+            let uuid = d.attributes.as_ref().unwrap()["uuid"].string.clone().unwrap();
+            (0..8u32).find(|&i| hosts::gpu_uuid(i as usize) == uuid).unwrap()
+        })
+        .collect();
+    assert!(driver.log_text().contains("claim prepared"), "{}", diag());
+    assert_only_these_gpus(&gpu, &plain, &minors);
+
+    // The pod gone, the kubelet unprepares the claim and the driver removes its CDI spec.
+    pods.delete("claimed", &DeleteParams::default()).await.unwrap();
+    let unprepared = wait_until(Duration::from_secs(60), || async {
+        driver.log_text().contains("claim unprepared")
+    })
+    .await;
+    assert!(unprepared, "NodeUnprepareResources after the pod's deletion\n{}", diag());
+    let left: Vec<_> = std::fs::read_dir(node.cdi_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.contains(claim.metadata.uid.as_deref().unwrap()))
+        .collect();
+    assert_eq!(left, Vec::<String>::new(), "the claim's CDI spec removed");
+    drop(driver);
     drop(node);
 }

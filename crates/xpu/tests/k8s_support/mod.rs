@@ -117,6 +117,22 @@ pub async fn install_scheduler_rbac(cp: &ControlPlane) -> PathBuf {
     cp.service_account_kubeconfig("xpu-system", "xpu-scheduler").await.unwrap()
 }
 
+/// Namespace, then the DRA manifest as an admin applies it (the DaemonSet: dry run).
+pub async fn install_dra(admin: &Client) {
+    let dir = repo().join("deploy/kubernetes");
+    for f in ["namespace.yaml", "dra.yaml"] {
+        for doc in documents(&dir.join(f)) {
+            let workload = doc["kind"] == "DaemonSet";
+            create(admin, &doc, true)
+                .await
+                .unwrap_or_else(|e| panic!("{f}: {} fails dry run: {e}", doc["kind"]));
+            if !workload {
+                create(admin, &doc, false).await.unwrap();
+            }
+        }
+    }
+}
+
 /// A Node object with its status as a kubelet would report it.
 pub struct NodeDef {
     pub name: String,
