@@ -90,6 +90,12 @@ pub enum NodeError {
         source: io::Error,
     },
 
+    #[error(
+        "the node's socket directory {} is {len} bytes long, too long for the sockets in it (a Unix socket path has at most 107); set CARGO_TARGET_DIR to a shorter directory",
+        dir.display()
+    )]
+    PathTooLong { dir: PathBuf, len: usize },
+
     #[error("cannot run unshare for the node's namespaces; it comes with util-linux")]
     Spawn(#[source] io::Error),
 
@@ -341,7 +347,15 @@ impl Node {
         let script = dir.join("node.sh");
         write(&script, NODE_SCRIPT)?;
 
-        node.cgroups = make_cgroup_root(&cgroup_root)?;
+        // Sockets go in there (`kubelet.sock`, `xpu-nvidia.com-gpu.sock`, a DRA driver's
+        // `xpu.dev-reg.sock`); 40 bytes left for their names.
+        for socket_dir in [node.device_plugin_dir(), node.plugins_registry_dir()] {
+            let len = socket_dir.as_os_str().len();
+            if len > 107 - 40 {
+                return Err(NodeError::PathTooLong { dir: socket_dir, len });
+            }
+        }
+        make_cgroup_root(&cgroup_root, &mut node.cgroups)?;
         Ok(node)
     }
 
@@ -539,8 +553,9 @@ fn char_devices(root: &Path) -> Result<BTreeMap<String, (u32, u32, u32)>, NodeEr
 
 /// `/sys/fs/cgroup/<hierarchy>/<name>` in every mounted hierarchy (cgroup v1 controllers, the
 /// named `systemd` one, and the `unified` v2 mount of a hybrid host; on a v2-only host the one
-/// tree), made for the kubelet's `cgroupRoot`.
-fn make_cgroup_root(name: &str) -> Result<Vec<PathBuf>, NodeError> {
+/// tree), made for the kubelet's `cgroupRoot`; each one made is added to `made` at once, so a
+/// failure half way leaves nothing the node's drop does not remove.
+fn make_cgroup_root(name: &str, made: &mut Vec<PathBuf>) -> Result<(), NodeError> {
     let base = Path::new("/sys/fs/cgroup");
     let mut hierarchies = Vec::new();
     if base.join("cgroup.procs").exists() {
@@ -555,7 +570,6 @@ fn make_cgroup_root(name: &str) -> Result<Vec<PathBuf>, NodeError> {
             }
         }
     }
-    let mut made = Vec::new();
     for h in hierarchies {
         let dir = h.join(name);
         fs::create_dir(&dir).map_err(io_err("create the cgroup", &dir))?;
@@ -569,7 +583,7 @@ fn make_cgroup_root(name: &str) -> Result<Vec<PathBuf>, NodeError> {
             }
         }
     }
-    Ok(made)
+    Ok(())
 }
 
 /// Removes a cgroup and everything under it, deepest first; fails while a process is left.
