@@ -29,6 +29,11 @@ struct Daemon {
 
 impl Daemon {
     fn start(data: &Path, extra: &[&str]) -> Daemon {
+        Daemon::start_logging(data, extra, Stdio::null())
+    }
+
+    /// With its log (stderr) going to `log`.
+    fn start_logging(data: &Path, extra: &[&str], log: Stdio) -> Daemon {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let child = Command::new(XPU)
             .args(["serve", "--data-dir"])
@@ -36,7 +41,7 @@ impl Daemon {
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(extra)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .unwrap();
         let d = Daemon { child, port };
@@ -143,6 +148,87 @@ fn throughput(tmp: &Path) {
     println!("daemon RSS after the run with {} queued jobs: {} KiB", l.len(), d.rss_kib());
     drop(d);
     kill_tasks(&data);
+}
+
+/// `--log-format json` under load: jobs submitted by 8 clients and run to the end; every line
+/// of the log must parse as JSON, and every job must have one event per state change
+/// (queued, running, succeeded; its task starting, running, succeeded) carrying its id.
+fn json_logs(tmp: &Path) {
+    let data = tmp.join("json");
+    std::fs::create_dir_all(&data).unwrap();
+    let log_path = data.join("serve.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let d = Daemon::start_logging(&data, &["--log-format", "json"], Stdio::from(log));
+    let (clients, per_client) = (8, 250);
+    let t0 = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|c| {
+            let port = d.port;
+            std::thread::spawn(move || {
+                let mut client = Client::new(Target::Tcp(format!("127.0.0.1:{port}")), None);
+                (0..per_client)
+                    .map(|i| {
+                        let body = format!("name: json-{c}-{i}\ncommand: [\"true\"]\n");
+                        let r =
+                            client.request("POST", "/v1/jobs", Some(body.as_bytes()), &[]).unwrap();
+                        assert_eq!(r.status, 201);
+                        r.json().unwrap()["id"].as_i64().unwrap()
+                    })
+                    .collect::<Vec<i64>>()
+            })
+        })
+        .collect();
+    let ids: Vec<i64> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let submit_rate = ids.len() as f64 / t0.elapsed().as_secs_f64();
+    // Until every job's last event is in the log.
+    let parsed = loop {
+        let text = std::fs::read_to_string(&log_path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        let events: Vec<serde_json::Value> =
+            lines.iter().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        let done = events
+            .iter()
+            .filter(|e| {
+                e["fields"]["message"] == "job state" && e["fields"]["state"] == "succeeded"
+            })
+            .count();
+        if done >= ids.len() {
+            break (lines.len(), events);
+        }
+        assert!(t0.elapsed() < Duration::from_secs(600), "jobs did not finish: {done}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let elapsed = t0.elapsed().as_secs_f64();
+    let (lines, events) = parsed;
+    let mut per_job: std::collections::HashMap<i64, (Vec<String>, Vec<String>)> =
+        std::collections::HashMap::new();
+    for e in &events {
+        let Some(id) = e["fields"]["job_id"].as_i64() else { continue };
+        let state = e["fields"]["state"].as_str().unwrap_or_default().to_owned();
+        let entry = per_job.entry(id).or_default();
+        match e["fields"]["message"].as_str() {
+            Some("job state") => entry.0.push(state),
+            Some("task state") => entry.1.push(state),
+            _ => {}
+        }
+    }
+    let whole = ids
+        .iter()
+        .filter(|id| {
+            per_job.get(id).is_some_and(|(job, task)| {
+                job == &["queued", "running", "succeeded"]
+                    && task == &["starting", "running", "succeeded"]
+            })
+        })
+        .count();
+    println!(
+        "--log-format json: {} of {lines} log lines parse as JSON; {whole} of {} jobs have exactly one event per state change with their job id (job queued/running/succeeded, task starting/running/succeeded); {:.0} submissions/s while logging, all run in {elapsed:.1} s",
+        events.len(),
+        ids.len(),
+        submit_rate
+    );
+    assert_eq!(events.len(), lines, "a log line is not JSON");
+    assert_eq!(whole, ids.len(), "a job's state changes are not one event each");
 }
 
 fn start_latency(tmp: &Path) {
@@ -326,6 +412,7 @@ fn main() {
     }
     throughput(tmp.path());
     start_latency(tmp.path());
+    json_logs(tmp.path());
     jobs_with_100k(tmp.path());
     kill_tasks(&tmp.path().join("start"));
 }
