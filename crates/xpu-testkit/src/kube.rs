@@ -232,6 +232,8 @@ pub struct ControlPlane {
     server_url: String,
     admin_kubeconfig: PathBuf,
     ca_cert: PathBuf,
+    /// The CA's key (PEM), to sign the client certificates of nodes.
+    ca_key: String,
     startup: Duration,
     // Last: the processes die after the client that talks to them is gone.
     run: Run,
@@ -352,6 +354,46 @@ impl ControlPlane {
         let path = dir.join(format!("sa-{namespace}-{name}.kubeconfig"));
         let user = format!("system:serviceaccount:{namespace}:{name}");
         write_kubeconfig(&path, &self.server_url, &self.ca_cert, &user, &token)?;
+        Ok(path)
+    }
+}
+
+impl ControlPlane {
+    /// Write a kubeconfig for the kubelet of Node `node`: a client certificate for
+    /// `system:node:<node>` in group `system:nodes` signed by the run's CA, the identity the
+    /// `Node` authorizer and the NodeRestriction admission plugin limit to that Node's objects
+    /// (https://kubernetes.io/docs/reference/access-authn-authz/node/). `node` must be usable in
+    /// a file name.
+    pub fn node_kubeconfig(&self, node: &str) -> Result<PathBuf, HarnessError> {
+        let issuer = Issuer::new(ca_params()?, KeyPair::from_pem(&self.ca_key)?);
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.distinguished_name.push(DnType::CommonName, format!("system:node:{node}"));
+        params.distinguished_name.push(DnType::OrganizationName, "system:nodes");
+        params.key_usages =
+            vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params.signed_by(&key, &issuer)?;
+        let cert_path = self.run.write(&format!("node-{node}.crt"), &cert.pem())?;
+        let key_path = self.run.write(&format!("node-{node}.key"), &key.serialize_pem())?;
+        let user = format!("system:node:{node}");
+        let config = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{
+                "name": "xpu-test",
+                "cluster": { "server": self.server_url, "certificate-authority": self.ca_cert },
+            }],
+            "users": [{
+                "name": user,
+                "user": { "client-certificate": cert_path, "client-key": key_path },
+            }],
+            "contexts": [{ "name": "xpu-test", "context": { "cluster": "xpu-test", "user": user } }],
+            "current-context": "xpu-test",
+        });
+        let text = serde_json::to_string_pretty(&config)
+            .expect("a JSON value built from strings always serializes");
+        let path = self.run.write(&format!("node-{node}.kubeconfig"), &text)?;
         Ok(path)
     }
 }
@@ -604,9 +646,23 @@ pub(crate) fn free_ports<const N: usize>() -> Result<[u16; N], HarnessError> {
     Ok(ports)
 }
 
+/// The run CA's subject and uses; the same every run, so a signer can be rebuilt from the key.
+fn ca_params() -> Result<CertificateParams, rcgen::Error> {
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.distinguished_name.push(DnType::CommonName, "xpu-testkit CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    Ok(ca)
+}
+
 /// The certificates and keys of a run, PEM-encoded.
 struct Pki {
     ca_cert: String,
+    ca_key: String,
     serving_cert: String,
     serving_key: String,
     sa_key: String,
@@ -617,15 +673,9 @@ struct Pki {
 impl Pki {
     fn generate() -> Result<Pki, rcgen::Error> {
         let ca_key = KeyPair::generate()?;
-        let mut ca = CertificateParams::new(Vec::<String>::new())?;
-        ca.distinguished_name.push(DnType::CommonName, "xpu-testkit CA");
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
+        let ca = ca_params()?;
         let ca_cert = ca.self_signed(&ca_key)?;
+        let ca_key_pem = ca_key.serialize_pem();
         let issuer = Issuer::new(ca, ca_key);
 
         let serving_key = KeyPair::generate()?;
@@ -664,6 +714,7 @@ impl Pki {
 
         Ok(Pki {
             ca_cert: ca_cert.pem(),
+            ca_key: ca_key_pem,
             serving_cert: serving_cert.pem(),
             serving_key: serving_key.serialize_pem(),
             sa_public_key: sa_key.public_key_pem(),
@@ -848,8 +899,8 @@ async fn start_once(
     match result {
         Ok(parts) => {
             run.keep = false;
-            let (client, server_url, admin_kubeconfig, ca_cert, startup) = parts;
-            Ok(ControlPlane { client, server_url, admin_kubeconfig, ca_cert, startup, run })
+            let (client, server_url, admin_kubeconfig, ca_cert, ca_key, startup) = parts;
+            Ok(ControlPlane { client, server_url, admin_kubeconfig, ca_cert, ca_key, startup, run })
         }
         Err(e) => {
             // A retried attempt leaves nothing behind; a final failure keeps the logs (Run::drop).
@@ -861,7 +912,7 @@ async fn start_once(
     }
 }
 
-type Started = (Client, String, PathBuf, PathBuf, Duration);
+type Started = (Client, String, PathBuf, PathBuf, String, Duration);
 
 // Test-only crate: the start-up time is the number to watch on a loaded machine, and the test
 // harness shows stderr with the test's output.
@@ -922,6 +973,8 @@ async fn start_in(
     apiserver_args.extend([
         flag("tls-cert-file", &serving_cert),
         flag("tls-private-key-file", &serving_key),
+        // Client certificates signed by the run's CA authenticate too: a node's kubelet uses one.
+        flag("client-ca-file", &ca_cert),
         flag("cert-dir", &run.path("apiserver-certs")),
         flag("token-auth-file", &tokens),
         flag("service-account-key-file", &sa_pub),
@@ -981,7 +1034,7 @@ async fn start_in(
         "xpu-testkit: control plane ready in {startup:.2?} (kube-apiserver ready after {apiserver_ready:.2?}) at {server_url}, run directory {}",
         run.dir.display()
     );
-    Ok((client, server_url, admin_kubeconfig, ca_cert, startup))
+    Ok((client, server_url, admin_kubeconfig, ca_cert, pki.ca_key, startup))
 }
 
 /// Flags shared by kube-scheduler and kube-controller-manager: serving (for `/healthz`) on

@@ -25,9 +25,12 @@
 //! lines creates no interface and reports a `127.0.x.y` address, which is all containerd needs to
 //! call the pod network ready. Images come from `node-images.tar` (`scripts/install-node`):
 //! `xpu.test/busybox:1` for test containers and `xpu.test/pause:1` (busybox `sleep`) as the
-//! sandbox image, imported with `ctr`, never pulled. The kubelet authenticates with the control
-//! plane's admin token, serves its API to anyone on 127.0.0.1 (anonymous, `AlwaysAllow`: the
-//! API server fetches logs through it), and runs with `failCgroupV1: false` for cgroup v1 hosts.
+//! sandbox image, imported with `ctr`, never pulled. The kubelet authenticates as
+//! `system:node:127.0.0.1` with a client certificate from the control plane's CA
+//! ([`ControlPlane::node_kubeconfig`]), so the `Node` authorizer and NodeRestriction hold it to
+//! its own Node as in a cluster; it serves its API to anyone on 127.0.0.1 (anonymous,
+//! `AlwaysAllow`: the API server fetches logs through it), and runs with `failCgroupV1: false`
+//! for cgroup v1 hosts.
 //! Once the Node is Ready the fixture removes the `node.kubernetes.io/not-ready` taint that the
 //! node lifecycle controller would remove in a cluster.
 //!
@@ -382,7 +385,7 @@ impl Node {
             .env("XPU_NODE_RUN", &self.dir)
             .env("XPU_NODE_BIN", &bins.dir)
             .env("XPU_NODE_IMAGES", &bins.images)
-            .env("XPU_NODE_KUBECONFIG", cp.admin_kubeconfig())
+            .env("XPU_NODE_KUBECONFIG", cp.node_kubeconfig(NODE_NAME)?)
             .env("XPU_NODE_KUBELET_FLAGS", options.kubelet_flags.join(" "))
             .stdin(Stdio::null())
             .stdout(log)
