@@ -122,6 +122,16 @@ pub struct LogArgs {
     pub log_format: Option<LogFormat>,
 }
 
+impl LogArgs {
+    /// Whether the log is JSON: then everything the command writes to stderr is an event.
+    pub fn json(&self) -> bool {
+        match self.log_format {
+            Some(f) => f == LogFormat::Json,
+            None => std::env::var("XPU_LOG_FORMAT").is_ok_and(|v| v == "json"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -137,10 +147,7 @@ pub fn init_tracing_with(args: &LogArgs) {
             .and_then(|v| v.trim().parse::<LevelFilter>().ok())
             .unwrap_or(LevelFilter::INFO)
     });
-    let json = match args.log_format {
-        Some(f) => f == LogFormat::Json,
-        None => std::env::var("XPU_LOG_FORMAT").is_ok_and(|v| v == "json"),
-    };
+    let json = args.json();
     let b = tracing_subscriber::fmt()
         .with_max_level(level)
         .with_writer(std::io::stderr)

@@ -783,7 +783,7 @@ fn json_logs_have_one_event_per_state_change_with_the_job_id() {
         let events: Vec<Value> = d
             .log()
             .lines()
-            .filter(|l| l.starts_with('{'))
+            // Every line, the banner and warnings included, is an event.
             .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("{e}: {l}")))
             .collect();
         let done = events

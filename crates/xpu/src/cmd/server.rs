@@ -128,8 +128,12 @@ pub fn serve(args: ServeArgs) -> CmdResult {
         opts.listen.map(|a| format!(", dashboard http://{a}/")).unwrap_or_default(),
         opts.db_url()
     );
+    // With a JSON log, the banner and warnings are events too, so every stderr line parses.
+    let json = args.log.json();
     opts.notify = xpu_server::Notify::new(move |n| match n {
+        xpu_server::Notice::Warning(w) if json => tracing::warn!("{w}"),
         xpu_server::Notice::Warning(w) => crate::output::warn_all(&[w.to_owned()]),
+        xpu_server::Notice::Serving if json => tracing::info!(kind = "serving", "{banner}"),
         xpu_server::Notice::Serving => eprintln!("{banner}"),
     });
     xpu_server::serve_blocking(opts)
