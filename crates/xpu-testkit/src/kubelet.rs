@@ -12,8 +12,9 @@
 //!   kubelet at its fixed path;
 //! - `/run` is a fresh tmpfs, `/dev` an overlay of the host's `/dev` on a tmpfs, with the
 //!   character devices of a fixture host ([`NodeOptions::devices_of`]) made there by `mknod`:
-//!   runc only stats the node it is told to give a container, so fixture majors and minors
-//!   (195:N for `/dev/nvidiaN`) need no hardware;
+//!   containerd stats the node it is told to give a container and runc makes one with the same
+//!   numbers inside it, neither opens it, so fixture majors and minors (195:N for `/dev/nvidiaN`)
+//!   need no hardware;
 //! - pods get their cgroups under a per-run `cgroupRoot` (`/xpu-node-<pid>-<n>` in every
 //!   hierarchy) that the fixture makes and removes.
 //!
@@ -34,9 +35,9 @@
 //! Once the Node is Ready the fixture removes the `node.kubernetes.io/not-ready` taint that the
 //! node lifecycle controller would remove in a cluster.
 //!
-//! Needs root. The binaries come from `scripts/install-node` (kubelet, containerd) and
-//! `scripts/install-k8s`, in the same cache ([`crate::kube::bin_dir`]); a missing one fails with
-//! the install command.
+//! Needs root. The kubelet comes from `scripts/install-k8s`, containerd, its shim, `ctr` and the
+//! images from `scripts/install-node`, all in one cache ([`crate::kube::bin_dir`]); a missing one
+//! fails with the command that makes it.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -74,10 +75,10 @@ static RUN_COUNTER: AtomicUsize = AtomicUsize::new(0);
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
     #[error(
-        "{binary} not found in {}; run scripts/install-node to build the kubelet, containerd and the node's images (and scripts/install-k8s for the control plane), or set XPU_K8S_BIN",
+        "{binary} not found in {}; run {script} to build it, or set XPU_K8S_BIN to a directory that holds it",
         dir.display()
     )]
-    MissingBinary { binary: &'static str, dir: PathBuf },
+    MissingBinary { binary: &'static str, dir: PathBuf, script: &'static str },
 
     #[error(transparent)]
     Harness(#[from] crate::kube::HarnessError),
@@ -172,20 +173,24 @@ struct NodeBinaries {
 impl NodeBinaries {
     fn find() -> Result<NodeBinaries, NodeError> {
         let dir = bin_dir()?;
-        for binary in ["kubelet", "containerd", "containerd-shim-runc-v2", "ctr"] {
-            if !dir.join(binary).is_file() {
-                return Err(NodeError::MissingBinary { binary, dir });
-            }
-        }
         let images = dir.parent().unwrap_or(&dir).join("node-images.tar");
-        if !images.is_file() {
-            return Err(NodeError::MissingBinary { binary: "node-images.tar", dir });
-        }
-        if !Path::new(RUNC).is_file() {
-            return Err(NodeError::MissingBinary {
-                binary: "runc (scripts/install-test-deps installs it)",
-                dir: PathBuf::from("/usr/sbin"),
-            });
+        let needed = [
+            ("kubelet", dir.join("kubelet"), "scripts/install-k8s"),
+            ("containerd", dir.join("containerd"), "scripts/install-node"),
+            (
+                "containerd-shim-runc-v2",
+                dir.join("containerd-shim-runc-v2"),
+                "scripts/install-node",
+            ),
+            ("ctr", dir.join("ctr"), "scripts/install-node"),
+            ("node-images.tar", images.clone(), "scripts/install-node"),
+            ("runc", PathBuf::from(RUNC), "scripts/install-test-deps"),
+        ];
+        for (binary, path, script) in needed {
+            if !path.is_file() {
+                let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+                return Err(NodeError::MissingBinary { binary, dir, script });
+            }
         }
         Ok(NodeBinaries { dir, images })
     }
@@ -804,7 +809,14 @@ mod tests {
 
     #[test]
     fn a_missing_binary_names_the_install_script() {
-        let err = NodeError::MissingBinary { binary: "kubelet", dir: PathBuf::from("/c/bin") };
-        assert!(err.to_string().contains("scripts/install-node"), "{err}");
+        let err = NodeError::MissingBinary {
+            binary: "containerd",
+            dir: PathBuf::from("/c/bin"),
+            script: "scripts/install-node",
+        };
+        assert_eq!(
+            err.to_string(),
+            "containerd not found in /c/bin; run scripts/install-node to build it, or set XPU_K8S_BIN to a directory that holds it"
+        );
     }
 }

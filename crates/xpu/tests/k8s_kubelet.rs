@@ -24,8 +24,8 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use serde_json::{Value, json};
 use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
-use xpu_testkit::kube::ControlPlaneOptions;
-use xpu_testkit::kubelet::{BUSYBOX_IMAGE, NODE_NAME, Node, NodeOptions};
+use xpu_testkit::kube::{ControlPlaneOptions, K8S_VERSION};
+use xpu_testkit::kubelet::{BUSYBOX_IMAGE, CONTAINERD_VERSION, NODE_NAME, Node, NodeOptions};
 use xpu_testkit::sysfs::{MAJOR_NVIDIA, MAJOR_NVIDIA_UVM};
 use xpu_testkit::{BuildOptions, HostSpec, hosts};
 
@@ -217,6 +217,11 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
     eprintln!(
         "node {NODE_NAME}: kubelet {}, runtime {}, kernel {}",
         info.kubelet_version, info.container_runtime_version, info.kernel_version
+    );
+    assert_eq!(info.kubelet_version, K8S_VERSION);
+    assert_eq!(
+        info.container_runtime_version,
+        format!("containerd://{}", CONTAINERD_VERSION.trim_start_matches('v'))
     );
     assert_eq!(quantity(&before, "allocatable", GPU), None, "no GPUs before the plugin");
 
