@@ -95,7 +95,7 @@ pub enum NodeError {
     },
 
     #[error(
-        "the node's socket directory {} is {len} bytes long, too long for the sockets in it (a Unix socket path has at most 107); set CARGO_TARGET_DIR to a shorter directory",
+        "the node's socket directory {} is {len} bytes long, too long for the sockets in it (a Unix socket path has at most 107); set TMPDIR to a shorter directory",
         dir.display()
     )]
     PathTooLong { dir: PathBuf, len: usize },
@@ -293,7 +293,7 @@ impl Node {
 
     /// The run directory, configuration files, cgroups: everything before a process starts.
     fn prepare(options: &NodeOptions) -> Result<Node, NodeError> {
-        let base = target_dir().join("tmp");
+        let base = run_base();
         fs::create_dir_all(&base).map_err(io_err("create", &base))?;
         let pid = std::process::id();
         let (dir, n) = loop {
@@ -359,7 +359,7 @@ impl Node {
         // `xpu.dev-reg.sock`); 40 bytes left for their names.
         for socket_dir in [node.device_plugin_dir(), node.plugins_registry_dir()] {
             let len = socket_dir.as_os_str().len();
-            if len > 107 - 40 {
+            if len > MAX_SOCKET_DIR {
                 return Err(NodeError::PathTooLong { dir: socket_dir, len });
             }
         }
@@ -783,6 +783,23 @@ status=$?
 say "a node process exited with status $status"
 exit 1
 "#;
+
+/// Longest socket directory the node accepts: a Unix socket path has at most 107 bytes, and the
+/// sockets plugins and the kubelet make in it have names of up to 40.
+const MAX_SOCKET_DIR: usize = 107 - 40;
+
+/// Where node run directories go: beside the control plane's under the target directory when
+/// the sockets fit there, else under the temporary directory (a checkout in a long path, as CI's
+/// may be, would otherwise make every socket path too long).
+fn run_base() -> PathBuf {
+    let beside = target_dir().join("tmp");
+    let longest = beside.join("node-4294967295-99999/var/lib/kubelet/plugins_registry");
+    if longest.as_os_str().len() <= MAX_SOCKET_DIR {
+        beside
+    } else {
+        std::env::temp_dir().join("xpu-node")
+    }
+}
 
 #[cfg(test)]
 mod tests {
