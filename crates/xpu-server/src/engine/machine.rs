@@ -461,18 +461,6 @@ impl Machine {
         self.sched.next_wakeup().map(|t| Duration::from_secs(t.saturating_sub(now.secs())))
     }
 
-    /// The earliest monotonic time a kill or an in-place restart is due (the driver's
-    /// [`Input::Tick`] then carries it out).
-    pub fn next_due(&self) -> Option<Duration> {
-        // A kill waits for the task's pid (a start still in flight is signalled when it reports).
-        let kills = self
-            .jobs
-            .values()
-            .flat_map(|j| j.tasks.iter().filter(|t| t.pid.is_some()).filter_map(|t| t.kill_at));
-        let restarts = self.jobs.values().flat_map(|j| j.restarts.iter().map(|r| r.not_before));
-        kills.chain(restarts).min()
-    }
-
     fn event(&mut self, now: Now, job: Option<i64>, kind: &str, message: String) {
         self.out.push(Effect::Write(Write::Event {
             at_ms: now.wall_ms,
