@@ -41,10 +41,11 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use crate::engine::{Engine, Msg, View};
+use crate::engine::{Engine, Msg};
 use crate::metrics::Metrics;
 use crate::node::{FakeDevices, Node};
 use crate::store::{PgLeader, Store};
+use crate::view::View;
 
 /// The daemon's failures at start.
 #[derive(Debug, thiserror::Error)]

@@ -47,7 +47,6 @@ use crate::Shared;
 use crate::container;
 use crate::executor::{self, Launch};
 use crate::store::{JobRow, StoreError, TaskRow, Write, now_ms};
-pub use crate::view::{Holder, QUEUE_VIEW, QueuedView, RunningView, TaskView, View};
 use xpu_sched::scheduler::SchedError;
 
 /// Messages to the loop.
@@ -409,6 +408,7 @@ mod tests {
     use crate::metrics::Metrics;
     use crate::node::{add_fakes, node_from_inventory, parse_fake};
     use crate::store::{JobState, NewJob, Outcome, Store};
+    use crate::view::View;
     use std::sync::RwLock;
     use std::sync::atomic::AtomicBool;
 
