@@ -22,7 +22,16 @@ pub fn write_replace(path: &Path, bytes: &[u8], mode: u32, durable: bool) -> std
         _ => Path::new("."),
     };
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let mode = std::fs::metadata(path).map(|m| m.permissions().mode() & 0o7777).unwrap_or(mode);
+    // One lstat answers both questions for the usual case, a regular file: its mode, and
+    // whether it may be swapped out below.
+    let existing = std::fs::symlink_metadata(path).ok();
+    let is_file = existing.as_ref().is_some_and(std::fs::Metadata::is_file);
+    let mode = match existing {
+        Some(m) if m.is_file() => m.permissions().mode() & 0o7777,
+        // A symlink keeps the mode of what it points to.
+        Some(_) => std::fs::metadata(path).map_or(mode, |m| m.permissions().mode() & 0o7777),
+        None => mode,
+    };
     let tmp = dir.join(format!(".{name}.xpu-{}.tmp", std::process::id()));
     let result = (|| {
         let mut f = std::fs::OpenOptions::new()
@@ -40,7 +49,7 @@ pub fn write_replace(path: &Path, bytes: &[u8], mode: u32, durable: bool) -> std
         // Without fsync, swap the files (`RENAME_EXCHANGE`, as atomic as a rename) and drop the
         // old one: ext4 starts writeback of a file renamed *over* another (`auto_da_alloc`),
         // 10x the cost of the swap. Only a regular file is swapped out, never a directory.
-        if !std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file()) {
+        if !is_file {
             return std::fs::rename(&tmp, path);
         }
         match rustix::fs::renameat_with(

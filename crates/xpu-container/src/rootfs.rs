@@ -13,7 +13,7 @@
 //! descriptors this walk returns, with `O_EXCL`/`O_NOFOLLOW`, so nothing can be swapped in
 //! between the check and the write.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
@@ -227,7 +227,8 @@ impl Rootfs {
         paths: impl IntoIterator<Item = &'p str>,
     ) -> Result<(), RootfsError> {
         // Parent directory → its descriptor; `None`: it does not exist yet.
-        let mut parents: HashMap<&str, Option<OwnedFd>> = HashMap::new();
+        // A BTreeMap: a HashMap's random seed costs a getrandom call on every container start.
+        let mut parents: BTreeMap<&str, Option<OwnedFd>> = BTreeMap::new();
         for path in paths {
             let Some((parent, name)) = path.rsplit_once('/') else {
                 self.check(path)?;

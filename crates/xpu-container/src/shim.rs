@@ -272,8 +272,9 @@ pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
 pub enum Outcome {
     /// Not a create, or nothing requested: the spec is untouched.
     PassThrough,
-    /// The spec was edited; the summary is for the log.
-    Edited(String),
+    /// The spec was edited; the summary is for the log. The prepared edits come along so that
+    /// a caller about to exec can keep them alive rather than spend the time freeing them.
+    Edited(String, Box<Prepared>),
 }
 
 /// Does the shim's work for the command line `args` (everything after the program name) and
@@ -301,7 +302,7 @@ pub fn handle(
         bundle.display(),
         prepared.summary()
     );
-    Ok((runtime, Outcome::Edited(summary)))
+    Ok((runtime, Outcome::Edited(summary, Box::new(prepared))))
 }
 
 /// Replaces this process with the real runtime, arguments verbatim. Returns only on failure.

@@ -15,6 +15,7 @@ use crate::pci::{PciAddress, hex};
 pub struct Inventory {
     /// PCI functions, sorted by address.
     pub devices: Vec<PciDevice>,
+    #[serde(default)]
     pub host: HostInfo,
     /// Problems met while reading the host; each names the file and what was wrong.
     #[serde(default)]
@@ -29,6 +30,7 @@ pub struct HostInfo {
     /// `intel` or `amd` (from `/proc/cpuinfo`), which picks the IOMMU kernel parameter.
     pub cpu_vendor: Option<String>,
     /// Number of IOMMU groups under `/sys/kernel/iommu_groups` (0: IOMMU off or absent).
+    #[serde(default)]
     pub iommu_groups: u32,
     /// From `/proc/driver/nvidia/version`.
     pub nvidia_driver_version: Option<String>,
@@ -42,20 +44,20 @@ pub struct HostInfo {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PciDevice {
     pub address: PciAddress,
-    #[serde(with = "hex::u16_4")]
+    #[serde(default, with = "hex::u16_4")]
     pub vendor_id: Option<u16>,
-    #[serde(with = "hex::u16_4")]
+    #[serde(default, with = "hex::u16_4")]
     pub device_id: Option<u16>,
-    #[serde(with = "hex::u16_4")]
+    #[serde(default, with = "hex::u16_4")]
     pub subsystem_vendor_id: Option<u16>,
-    #[serde(with = "hex::u16_4")]
+    #[serde(default, with = "hex::u16_4")]
     pub subsystem_device_id: Option<u16>,
     /// Base class and subclass, as `lspci -nn` prints it: `0302`.
-    #[serde(with = "hex::u16_4")]
+    #[serde(default, with = "hex::u16_4")]
     pub class: Option<u16>,
-    #[serde(with = "hex::u8_2")]
+    #[serde(default, with = "hex::u8_2")]
     pub prog_if: Option<u8>,
-    #[serde(with = "hex::u8_2")]
+    #[serde(default, with = "hex::u8_2")]
     pub revision: Option<u8>,
     pub class_name: Option<String>,
     pub vendor_name: Option<String>,
@@ -69,7 +71,9 @@ pub struct PciDevice {
     pub kernel_modules: Option<Vec<String>>,
     pub iommu_group: Option<u32>,
     pub numa_node: Option<u32>,
+    #[serde(default)]
     pub sriov: Sriov,
+    #[serde(default)]
     pub link: Link,
     /// NVIDIA GPU UUID (`GPU-...`) from `/proc/driver/nvidia/gpus/<bus>/information`.
     pub uuid: Option<String>,
@@ -209,7 +213,7 @@ pub struct DevNode {
     pub major: Option<u32>,
     pub minor: Option<u32>,
     /// Permission bits (`0o666`), written as an octal string `"0666"`.
-    #[serde(with = "octal")]
+    #[serde(default, with = "octal")]
     pub mode: Option<u32>,
     pub uid: Option<u32>,
     pub gid: Option<u32>,

@@ -371,6 +371,19 @@ pub fn char_nodes(list: &[(&str, u32, u32)]) -> BTreeMap<String, (char, u32, u32
     list.iter().map(|(p, ma, mi)| ((*p).to_owned(), ('c', *ma, *mi))).collect()
 }
 
+/// What a container given GPUs 1 and 3 of the 8xA100 fixture (`NVIDIA_VISIBLE_DEVICES=1,3`)
+/// finds in its `/dev`: those two and NVIDIA's control nodes, nothing else.
+pub fn a100_gpus_1_and_3_nodes() -> BTreeMap<String, (char, u32, u32)> {
+    use crate::sysfs::{MAJOR_NVIDIA, MAJOR_NVIDIA_UVM};
+    char_nodes(&[
+        ("/dev/nvidia1", MAJOR_NVIDIA, 1),
+        ("/dev/nvidia3", MAJOR_NVIDIA, 3),
+        ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
+        ("/dev/nvidia-uvm", MAJOR_NVIDIA_UVM, 0),
+        ("/dev/nvidia-uvm-tools", MAJOR_NVIDIA_UVM, 1),
+    ])
+}
+
 /// True (after saying why on stderr) when this machine cannot run the container tests.
 #[allow(clippy::print_stderr)]
 pub fn skip_container_tests() -> bool {

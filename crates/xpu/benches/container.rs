@@ -3,9 +3,9 @@
 //! - in process, on the 8×A100 fixture: the full discovery against the shim's narrow one
 //!   (`discover_nodes`), NVIDIA's driver files for every capability against the default
 //!   `utility,compute`, and CDI generation;
-//! - process start: `/bin/true`, the lean `xpu-container-runtime` binary as cargo builds it,
-//!   the same statically linked by `scripts/build-shim` (when that build is newer than its
-//!   sources), and the full `xpu` binary (called `xpu-container-runtime` through a symlink),
+//! - process start: `/bin/true`, the lean `xpu-container-runtime` binary statically linked by
+//!   `scripts/build-shim` (when that build is newer than its sources), and the full `xpu` binary
+//!   (called `xpu-container-runtime` through a symlink),
 //!   each passing a `state` command through to `runtime = "/bin/true"`; then the shim's whole
 //!   work for a request (`NVIDIA_VISIBLE_DEVICES=1,3`, `create`, then exec of `/bin/true`);
 //!   The shim reads the host snapshot `xpu cdi generate` wrote (its CDI mode) unless the line
@@ -50,8 +50,6 @@ use xpu_testkit::bundle::{self, Bundle, RUNC, TestHost};
 use xpu_testkit::hosts;
 
 const XPU: &str = env!("CARGO_BIN_EXE_xpu");
-/// The lean shim binary (`src/bin/xpu-container-runtime.rs`).
-const LEAN: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
@@ -170,9 +168,9 @@ fn main() {
         ms(median(runs))
     );
 
-    // The shim as engines install it: the lean binary (as cargo builds it, and statically
-    // linked by `scripts/build-shim` when that build is current), and the full one through a
-    // symlink.
+    // The shim as engines install it: the lean binary statically linked by `scripts/build-shim`
+    // (the xpu-shim package, `shim` profile) when that build is current, and the full `xpu`
+    // binary through a symlink.
     let full = host.dir.path().join("xpu-container-runtime");
     std::os::unix::fs::symlink(XPU, &full).unwrap();
     // The statically linked lean shim first: it is what the package installs.
@@ -181,7 +179,6 @@ fn main() {
         Ok(p) => shims.push(("lean static", p)),
         Err(why) => println!("not measuring the static shim (the packaged one): {why}"),
     }
-    shims.push(("lean", PathBuf::from(LEAN)));
     shims.push(("xpu", full));
 
     // Process start and the shim's own work, with no runtime after it: `runtime = "/bin/true"`.
@@ -363,13 +360,13 @@ fn main() {
 /// The statically linked shim `scripts/build-shim` leaves in `<target>/shim/`, when it is newer
 /// than every source file it is built from.
 fn static_shim() -> Result<PathBuf, String> {
-    let target = Path::new(LEAN).parent().and_then(Path::parent).ok_or("no target directory")?;
+    let target = Path::new(XPU).parent().and_then(Path::parent).ok_or("no target directory")?;
     let shim = target.join("shim/xpu-container-runtime");
     let built = std::fs::metadata(&shim)
         .and_then(|m| m.modified())
         .map_err(|_| format!("{} is not there; scripts/build-shim builds it", shim.display()))?;
     let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let sources = ["xpu-core/src", "xpu-host/src", "xpu-container/src", "xpu/src"];
+    let sources = ["xpu-core/src", "xpu-host/src", "xpu-container/src", "xpu-shim/src"];
     let mut newest = None;
     for dir in sources {
         newest = newest.max(newest_file(&crates.join(dir)));

@@ -10,8 +10,8 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 
-/// `xpu --version`: the package version and the git commit it was built from (`build.rs`).
-const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("XPU_GIT_COMMIT"), ")");
+/// `xpu --version`: the package version and the git commit it was built from.
+const VERSION: &str = xpu_shim::VERSION_LINE;
 
 /// Accelerators for AI work, from one host to a fleet.
 #[derive(Debug, Parser)]

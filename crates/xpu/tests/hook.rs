@@ -11,7 +11,7 @@ use xpu_testkit::bundle::{
     self, Bundle, ContainerView, RUNC, RuncState, TestHost, container_id, probe_script, snapshot,
 };
 use xpu_testkit::hosts;
-use xpu_testkit::sysfs::{MAJOR_MISC, MAJOR_NVIDIA, MAJOR_NVIDIA_UVM, MAJOR_VFIO_GROUP};
+use xpu_testkit::sysfs::{MAJOR_MISC, MAJOR_VFIO_GROUP};
 
 const XPU: &str = env!("CARGO_BIN_EXE_xpu");
 
@@ -38,16 +38,7 @@ fn hook_visible_devices_1_3_needs_root_and_runc() {
     let spec_before = b.config();
     let (out, _state) = run_hooked(&host, &b, "createRuntime", "hk13");
     let v = ContainerView::of(&out);
-    assert_eq!(
-        v.accel_nodes(),
-        bundle::char_nodes(&[
-            ("/dev/nvidia1", MAJOR_NVIDIA, 1),
-            ("/dev/nvidia3", MAJOR_NVIDIA, 3),
-            ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
-            ("/dev/nvidia-uvm", MAJOR_NVIDIA_UVM, 0),
-            ("/dev/nvidia-uvm-tools", MAJOR_NVIDIA_UVM, 1),
-        ])
-    );
+    assert_eq!(v.accel_nodes(), bundle::a100_gpus_1_and_3_nodes());
     assert_eq!(v.env["NVIDIA_VISIBLE_DEVICES"], "1,3");
     assert!(v.extra.contains("fake libcuda.so.535.104.05"), "{}", v.extra);
     assert!(v.extra.contains("NVIDIA-SMI 535.104.05 (xpu fixture)"), "{}", v.extra);

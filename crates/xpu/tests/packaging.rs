@@ -15,7 +15,23 @@ use std::process::{Command, Output};
 use xpu_container::config::RuntimeConfig;
 
 const XPU: &str = env!("CARGO_BIN_EXE_xpu");
-const SHIM: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
+
+/// The lean shim binary `xpu-container-runtime`, built into the same directory as `xpu`: it
+/// belongs to another package (xpu-shim), whose binaries cargo does not build for these tests, so
+/// this runs `cargo build` for it (quick when it is current, as after `cargo test --workspace`).
+fn shim() -> PathBuf {
+    let lean = Path::new(XPU).with_file_name("xpu-container-runtime");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut build = Command::new(cargo);
+    build.args(["build", "--locked", "-p", "xpu-shim", "--bin", "xpu-container-runtime"]);
+    if lean.parent().and_then(Path::file_name).is_some_and(|p| p == "release") {
+        build.arg("--release");
+    }
+    let o = build.current_dir(repo()).output().unwrap();
+    assert!(o.status.success(), "cargo build -p xpu-shim: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(lean.is_file(), "cargo build -p xpu-shim did not leave {}", lean.display());
+    lean
+}
 /// The script `xpu-tpu-env.service` runs; `xpu host apply --profile tpu-vm` writes it.
 const TPU_ENV_SCRIPT: &str = "/var/scripts/xpu-tpu-env.sh";
 
@@ -282,7 +298,9 @@ fn shim_version_is_its_own_then_runcs() {
         format!("commit: {commit}"),
     ];
     let config = repo().join("packaging/etc/runtime.toml");
-    for argv in [&[SHIM, "--version"][..], &[SHIM, "-v"], &[XPU, "runtime", "--version"]] {
+    let shim = shim();
+    let shim = shim.to_str().unwrap();
+    for argv in [&[shim, "--version"][..], &[shim, "-v"], &[XPU, "runtime", "--version"]] {
         let o = Command::new(argv[0])
             .args(&argv[1..])
             .env("XPU_RUNTIME_CONFIG", &config)
@@ -299,7 +317,7 @@ fn shim_version_is_its_own_then_runcs() {
     let missing = dir.path().join("runtime.toml");
     std::fs::write(&missing, "runtime = \"/nonexistent/runc\"\n").unwrap();
     let o =
-        Command::new(SHIM).arg("--version").env("XPU_RUNTIME_CONFIG", &missing).output().unwrap();
+        Command::new(shim).arg("--version").env("XPU_RUNTIME_CONFIG", &missing).output().unwrap();
     assert!(o.status.success(), "{o:?}");
     assert_eq!(stdout(&o).lines().collect::<Vec<_>>(), own);
     assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/runc"), "{o:?}");
@@ -402,7 +420,7 @@ fn deb_package_installs_into_a_throwaway_root() {
         .arg("--out")
         .arg(dir.path())
         .env("XPU_DEB_XPU_BIN", XPU)
-        .env("XPU_DEB_SHIM_BIN", SHIM)
+        .env("XPU_DEB_SHIM_BIN", shim())
         .env("XPU_DEB_COMPRESSION", "gzip")
         .output()
         .unwrap();

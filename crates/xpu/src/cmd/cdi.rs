@@ -156,13 +156,9 @@ fn generate(args: GenerateArgs) -> CmdResult {
 /// The host snapshot beside the specs: what the shim's own discovery returns (every
 /// accelerator, device nodes only) and the driver files for every capability.
 fn write_snapshot(root: &xpu_host::Root, key: String, dir: &Path, dry_run: bool) -> CmdResult {
-    use xpu_container::snapshot::{FILE_NAME, FORMAT, HostSnapshot};
-    let inventory = xpu_host::discover_nodes(root, None).map_err(CliError::input)?;
-    let version = inventory.host.nvidia_driver_version.as_deref();
-    let driver_files =
-        xpu_host::driver_files::find_for(root, version, xpu_core::driver::Capabilities::all());
-    let devices = inventory.devices.len();
-    let snap = HostSnapshot { format: FORMAT, key, inventory, driver_files };
+    use xpu_container::snapshot::FILE_NAME;
+    let snap = xpu_shim::host_snapshot(root, key).map_err(CliError::input)?;
+    let devices = snap.inventory.devices.len();
     let path = dir.join(FILE_NAME);
     if dry_run {
         println!("# would write {} ({devices} devices)", path.display());

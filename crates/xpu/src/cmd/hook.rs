@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use xpu_container::config::RuntimeConfig;
 use xpu_container::hook;
 
-use crate::cmd::runtime::{HostReader, nvml};
 use crate::output::{CliError, CmdResult};
+use xpu_shim::{HostReader, nvml};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -1,4 +1,5 @@
-//! Puts the git commit the binary is built from into `XPU_GIT_COMMIT`, for `xpu --version`.
+//! Puts the git commit the binaries are built from into `XPU_GIT_COMMIT`, for
+//! `xpu-container-runtime --version` and `xpu --version` (`VERSION_LINE`).
 //!
 //! `$XPU_GIT_COMMIT` wins when set (builds from a source tarball, a distribution's own commit id);
 //! else `git rev-parse --short HEAD` when git and a repository are there; else `unknown`. Cargo
