@@ -71,6 +71,7 @@ where
     let mut encoder = fluke_hpack::Encoder::new();
     // A header block being joined: its stream, the HEADERS flags, priority octets, fragments.
     let mut pending: Option<(u32, u8, Vec<u8>, Vec<u8>)> = None;
+    let mut told = false;
     loop {
         let mut head = [0u8; 9];
         match from.read_exact(&mut head).await {
@@ -139,20 +140,34 @@ where
             continue;
         }
         let Some((stream, flags, priority, block)) = pending.take() else { continue };
-        let headers = decode(&mut decoder, &block)?;
+        let (headers, replaced) = decode(&mut decoder, &block)?;
+        if let Some(authority) = replaced
+            && !told
+        {
+            // Once per connection: which kubelet this is shows in the plugin's log.
+            told = true;
+            tracing::info!(
+                authority = %String::from_utf8_lossy(&authority),
+                "the client sent a socket path as :authority, as kubelets before 1.26 do; served as localhost"
+            );
+        }
         let encoded = encoder.encode(headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
         write_block(&mut to, stream, flags & (END_STREAM | PRIORITY), &priority, &encoded).await?;
     }
     to.shutdown().await
 }
 
-/// One header block, with a non-authority `:authority` replaced by `localhost`; at most
-/// [`MAX_HEADER_LIST`] octets of headers are kept.
+/// A decoded header list: names and values, in order.
+type Headers = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// One header block, with a non-authority `:authority` replaced by `localhost` (and the value
+/// it replaced); at most [`MAX_HEADER_LIST`] octets of headers are kept.
 fn decode(
     decoder: &mut fluke_hpack::Decoder<'_>,
     block: &[u8],
-) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
-    let mut headers: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+) -> io::Result<(Headers, Option<Vec<u8>>)> {
+    let mut headers: Headers = Vec::new();
+    let mut replaced = None;
     let mut size = 0usize;
     let mut over = false;
     // fluke-hpack panics on some malformed size updates (an `unwrap` on a truncated
@@ -166,6 +181,7 @@ fn decode(
                 return;
             }
             let value = if name.as_ref() == b":authority" && !is_authority(&value) {
+                replaced = Some(value.into_owned());
                 b"localhost".to_vec()
             } else {
                 value.into_owned()
@@ -174,7 +190,7 @@ fn decode(
         })
     }));
     match decoded {
-        Ok(Ok(())) if !over => Ok(headers),
+        Ok(Ok(())) if !over => Ok((headers, replaced)),
         Ok(Ok(())) => Err(bad("a header list over 64 KiB")),
         Ok(Err(e)) => Err(bad(&format!("HPACK: {e:?}"))),
         Err(_) => Err(bad("HPACK: a malformed block")),

@@ -135,6 +135,8 @@ pub struct NodeOptions {
     pub devices_of: Option<PathBuf>,
     /// Flags appended to the kubelet's command line.
     pub kubelet_flags: Vec<String>,
+    /// Run this older kubelet release ([`OLD_KUBELET_VERSION`]) instead of the control plane's.
+    pub old_kubelet: bool,
     /// How long the node may take to become Ready.
     pub ready_timeout: Duration,
 }
@@ -145,6 +147,7 @@ impl Default for NodeOptions {
             node_status_update: Duration::from_secs(4),
             devices_of: None,
             kubelet_flags: Vec::new(),
+            old_kubelet: false,
             ready_timeout: Duration::from_secs(120),
         }
     }
@@ -162,20 +165,42 @@ impl NodeOptions {
         self.kubelet_flags.push(flag.into());
         self
     }
+
+    /// Run the kubelet of [`OLD_KUBELET_VERSION`] (`scripts/install-k8s` builds it beside the
+    /// current one): a release built with a grpc-go that sends a Unix socket's path as the
+    /// HTTP/2 `:authority`, as kubelets before 1.26 do. It takes the runtime endpoint as a flag
+    /// (the configuration file's field came in 1.27) and has no `failCgroupV1` (cgroup v1 was
+    /// simply supported then).
+    pub fn old_kubelet(mut self) -> Self {
+        self.old_kubelet = true;
+        self
+    }
 }
+
+/// The older kubelet release [`NodeOptions::old_kubelet`] runs: the last minor release before
+/// kubelets sent `localhost` as the `:authority` of their plugin calls.
+pub const OLD_KUBELET_VERSION: &str = "v1.25.16";
+/// Its file name in the binaries' directory (`scripts/install-k8s`).
+const OLD_KUBELET_BINARY: &str = "kubelet-v1.25.16";
 
 /// The binaries and images a node needs, checked before anything starts.
 struct NodeBinaries {
     dir: PathBuf,
     images: PathBuf,
+    kubelet: PathBuf,
 }
 
 impl NodeBinaries {
-    fn find() -> Result<NodeBinaries, NodeError> {
+    fn find(options: &NodeOptions) -> Result<NodeBinaries, NodeError> {
         let dir = bin_dir()?;
         let images = dir.parent().unwrap_or(&dir).join("node-images.tar");
+        let (kubelet, kubelet_name) = if options.old_kubelet {
+            (dir.join(OLD_KUBELET_BINARY), OLD_KUBELET_BINARY)
+        } else {
+            (dir.join("kubelet"), "kubelet")
+        };
         let needed = [
-            ("kubelet", dir.join("kubelet"), "scripts/install-k8s"),
+            (kubelet_name, kubelet.clone(), "scripts/install-k8s"),
             ("containerd", dir.join("containerd"), "scripts/install-node"),
             (
                 "containerd-shim-runc-v2",
@@ -192,7 +217,7 @@ impl NodeBinaries {
                 return Err(NodeError::MissingBinary { binary, dir, script });
             }
         }
-        Ok(NodeBinaries { dir, images })
+        Ok(NodeBinaries { dir, images, kubelet })
     }
 }
 
@@ -228,7 +253,7 @@ impl Node {
         if !uid.is_root() {
             return Err(NodeError::NotRoot(uid.as_raw()));
         }
-        let bins = NodeBinaries::find()?;
+        let bins = NodeBinaries::find(&options)?;
         let started = Instant::now();
         let mut node = Node::prepare(&options)?;
         node.spawn(cp, &bins, &options)?;
@@ -329,7 +354,13 @@ impl Node {
         write(&dir.join("containerd.toml"), &containerd_config(&dir))?;
         write(
             &dir.join("kubelet.json"),
-            &kubelet_config(kubelet_port, healthz_port, &cgroup_root, options.node_status_update),
+            &kubelet_config(
+                kubelet_port,
+                healthz_port,
+                &cgroup_root,
+                options.node_status_update,
+                options.old_kubelet,
+            ),
         )?;
         let cni = dir.join("cni/bin/xpu-loopback");
         write(&cni, CNI_PLUGIN)?;
@@ -391,7 +422,8 @@ impl Node {
             .env("XPU_NODE_BIN", &bins.dir)
             .env("XPU_NODE_IMAGES", &bins.images)
             .env("XPU_NODE_KUBECONFIG", cp.node_kubeconfig(NODE_NAME)?)
-            .env("XPU_NODE_KUBELET_FLAGS", options.kubelet_flags.join(" "))
+            .env("XPU_NODE_KUBELET", &bins.kubelet)
+            .env("XPU_NODE_KUBELET_FLAGS", kubelet_flags(options).join(" "))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
@@ -669,10 +701,32 @@ imports = []
     )
 }
 
-/// The kubelet's configuration file (`kubelet.config.k8s.io/v1beta1` KubeletConfiguration).
-fn kubelet_config(port: u16, healthz_port: u16, cgroup_root: &str, status: Duration) -> String {
+/// The runtime endpoint, as the kubelet's configuration or (older kubelets) flag names it.
+const RUNTIME_ENDPOINT: &str = "unix:///run/containerd/containerd.sock";
+
+/// The kubelet's command-line flags beyond the fixed ones: the test's, and for the older kubelet
+/// the runtime endpoint.
+fn kubelet_flags(options: &NodeOptions) -> Vec<String> {
+    let mut flags = Vec::new();
+    if options.old_kubelet {
+        flags.push("--container-runtime=remote".to_owned());
+        flags.push(format!("--container-runtime-endpoint={RUNTIME_ENDPOINT}"));
+    }
+    flags.extend(options.kubelet_flags.iter().cloned());
+    flags
+}
+
+/// The kubelet's configuration file (`kubelet.config.k8s.io/v1beta1` KubeletConfiguration);
+/// `old`: for [`OLD_KUBELET_VERSION`], without the fields it does not know.
+fn kubelet_config(
+    port: u16,
+    healthz_port: u16,
+    cgroup_root: &str,
+    status: Duration,
+    old: bool,
+) -> String {
     let status = format!("{}ms", status.as_millis());
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
         "address": "127.0.0.1",
@@ -686,7 +740,7 @@ fn kubelet_config(port: u16, healthz_port: u16, cgroup_root: &str, status: Durat
             "webhook": { "enabled": false },
         },
         "authorization": { "mode": "AlwaysAllow" },
-        "containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock",
+        "containerRuntimeEndpoint": RUNTIME_ENDPOINT,
         "cgroupDriver": "cgroupfs",
         "cgroupRoot": format!("/{cgroup_root}"),
         // These machines run cgroup v1, which kubelets since 1.35 refuse unless told.
@@ -709,6 +763,10 @@ fn kubelet_config(port: u16, healthz_port: u16, cgroup_root: &str, status: Durat
         "imageGCLowThresholdPercent": 99,
         "maxPods": 16,
     });
+    if old && let Some(fields) = config.as_object_mut() {
+        fields.remove("containerRuntimeEndpoint");
+        fields.remove("failCgroupV1");
+    }
     serde_json::to_string_pretty(&config).expect("a JSON value built in code always serializes")
 }
 
@@ -774,7 +832,7 @@ say "containerd $("$bin/ctr" --address /run/containerd/containerd.sock version |
 say "images imported: $(tr '\n' ' ' <"$run/import.log")"
 
 # shellcheck disable=SC2086 # the extra flags are words
-"$bin/kubelet" --config="$run/kubelet.json" --kubeconfig="$XPU_NODE_KUBECONFIG" \
+"$XPU_NODE_KUBELET" --config="$run/kubelet.json" --kubeconfig="$XPU_NODE_KUBECONFIG" \
   --hostname-override=127.0.0.1 --v=2 ${XPU_NODE_KUBELET_FLAGS:-} >"$run/kubelet.log" 2>&1 &
 say "kubelet started"
 set +e
@@ -812,16 +870,29 @@ mod tests {
         assert!(c.contains("restrict_oom_score_adj = true"), "{c}");
         assert!(c.contains("SystemdCgroup = false"), "{c}");
         assert!(c.contains(r#"sandbox = "xpu.test/pause:1""#), "{c}");
-        let k: serde_json::Value = serde_json::from_str(&kubelet_config(
-            10250,
-            10248,
-            "xpu-node-1-0",
-            Duration::from_secs(4),
-        ))
-        .unwrap();
+        let config = |old| {
+            let text = kubelet_config(10250, 10248, "xpu-node-1-0", Duration::from_secs(4), old);
+            serde_json::from_str::<serde_json::Value>(&text).unwrap()
+        };
+        let k = config(false);
         assert_eq!(k["failCgroupV1"], false);
+        assert_eq!(k["containerRuntimeEndpoint"], RUNTIME_ENDPOINT);
         assert_eq!(k["cgroupRoot"], "/xpu-node-1-0");
         assert_eq!(k["nodeStatusUpdateFrequency"], "4000ms");
+        // The older kubelet: the fields it does not know go, the endpoint is a flag.
+        let old = config(true);
+        assert!(old.get("failCgroupV1").is_none() && old.get("containerRuntimeEndpoint").is_none());
+        assert_eq!(old["cgroupRoot"], "/xpu-node-1-0");
+        assert!(OLD_KUBELET_BINARY.ends_with(OLD_KUBELET_VERSION));
+        let flags = kubelet_flags(&NodeOptions::default().old_kubelet().kubelet_flag("--v=3"));
+        assert_eq!(
+            flags,
+            [
+                "--container-runtime=remote",
+                &format!("--container-runtime-endpoint={RUNTIME_ENDPOINT}"),
+                "--v=3"
+            ]
+        );
     }
 
     #[test]

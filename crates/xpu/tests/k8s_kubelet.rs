@@ -24,8 +24,10 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, LogParams, PostParams};
 use serde_json::{Value, json};
 use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
-use xpu_testkit::kube::{ControlPlaneOptions, K8S_VERSION};
-use xpu_testkit::kubelet::{BUSYBOX_IMAGE, CONTAINERD_VERSION, NODE_NAME, Node, NodeOptions};
+use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions, K8S_VERSION};
+use xpu_testkit::kubelet::{
+    BUSYBOX_IMAGE, CONTAINERD_VERSION, NODE_NAME, Node, NodeOptions, OLD_KUBELET_VERSION,
+};
 use xpu_testkit::sysfs::{MAJOR_NVIDIA, MAJOR_NVIDIA_UVM};
 use xpu_testkit::{BuildOptions, HostSpec, hosts};
 
@@ -197,20 +199,33 @@ async fn run_probe_pod(
     (p, gpu, plain)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_gpus_needs_root_and_runc()
- {
-    if skip_container_tests() {
-        return;
-    }
-    let _turn = TURN.lock().await;
-    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+/// A node of `kubelet` (the control plane's release, or [`OLD_KUBELET_VERSION`] with `old`)
+/// with the device plugin serving the four-GPU fixture, after a 2-GPU pod bound by
+/// kube-scheduler ran on it and saw exactly its GPUs.
+struct PluginNode {
+    spec: HostSpec,
+    fx: xpu_testkit::Fixture,
+    node: Node,
+    plugin: Plugin,
+    nodes: Api<NodeObject>,
+    /// A node-status period and a little.
+    limit: Duration,
+    pod: Pod,
+    gpu: ContainerView,
+    /// The device ids `Allocate` gave the GPU container.
+    ids: Vec<String>,
+}
+
+async fn plugin_node(cp: &ControlPlane, old: bool) -> PluginNode {
     let admin = cp.admin_client();
     let spec = four_gpu_host();
     let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
-    let options = NodeOptions::default().devices_of(fx.root());
+    let mut options = NodeOptions::default().devices_of(fx.root());
+    if old {
+        options = options.old_kubelet();
+    }
     let status_period = options.node_status_update;
-    let node = Node::start(&cp, options).await.unwrap_or_else(|e| panic!("node: {e}"));
+    let node = Node::start(cp, options).await.unwrap_or_else(|e| panic!("node: {e}"));
     let nodes: Api<NodeObject> = Api::all(admin.clone());
     let before = nodes.get(NODE_NAME).await.unwrap();
     let info = before.status.as_ref().unwrap().node_info.as_ref().unwrap();
@@ -218,7 +233,8 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
         "node {NODE_NAME}: kubelet {}, runtime {}, kernel {}",
         info.kubelet_version, info.container_runtime_version, info.kernel_version
     );
-    assert_eq!(info.kubelet_version, K8S_VERSION);
+    let want = if old { OLD_KUBELET_VERSION } else { K8S_VERSION };
+    assert_eq!(info.kubelet_version, want);
     assert_eq!(
         info.container_runtime_version,
         format!("containerd://{}", CONTAINERD_VERSION.trim_start_matches('v'))
@@ -268,11 +284,11 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
     // A pod of two containers, one with 2 GPUs, one without, for kube-scheduler.
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
     let diag = || format!("{}\n{}", plugin.log(), node.log_tails());
-    let (p, gpu, plain) =
+    let (pod, gpu, plain) =
         run_probe_pod(&pods, "two-gpus", json!({}), json!({ "limits": { GPU: "2" } }), diag).await;
 
     // Allocate's answer reached the container: the two devices the kubelet chose.
-    let ids: Vec<&str> = gpu.env["XPU_VISIBLE_DEVICES"].split(',').collect();
+    let ids: Vec<String> = gpu.env["XPU_VISIBLE_DEVICES"].split(',').map(str::to_owned).collect();
     assert_eq!(ids.len(), 2, "{:?}", gpu.env);
     let minors: Vec<u32> = ids
         .iter()
@@ -281,11 +297,25 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
             d.nvidia_minor.unwrap()
         })
         .collect();
+    assert!(!plain.env.contains_key("XPU_VISIBLE_DEVICES"), "{:?}", plain.env);
+    assert_only_these_gpus(&gpu, &plain, &minors);
+    PluginNode { spec, fx, node, plugin, nodes, limit, pod, gpu, ids }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_gpus_needs_root_and_runc()
+ {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let PluginNode { spec, fx, node, plugin, nodes, limit, pod: p, gpu, ids } =
+        plugin_node(&cp, false).await;
     // Allocate also named the CDI devices, and containerd applied `xpu cdi generate`'s spec
     // after the plugin's environment: the spec's `void` (the devices are in already, an NVIDIA
     // hook must add none) replaced the UUIDs the plugin put there for runtimes without CDI.
     assert_eq!(gpu.env["NVIDIA_VISIBLE_DEVICES"], "void", "{:?}", gpu.env);
-    assert!(!plain.env.contains_key("XPU_VISIBLE_DEVICES"), "{:?}", plain.env);
 
     // The kubelet's checkpoint holds the allocation and the plugin's answer.
     let checkpoint = node.device_plugin_dir().join("kubelet_internal_checkpoint");
@@ -305,12 +335,10 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
         .flat_map(|v| v.as_array().unwrap().iter().map(|s| s.as_str().unwrap()))
         .collect();
     checkpointed.sort_unstable();
-    let mut sorted = ids.clone();
+    let mut sorted: Vec<&str> = ids.iter().map(String::as_str).collect();
     sorted.sort_unstable();
     assert_eq!(checkpointed, sorted);
     assert!(!entry["AllocResp"].as_str().unwrap_or("").is_empty(), "{entry}");
-
-    assert_only_these_gpus(&gpu, &plain, &minors);
 
     // A GPU unplugged from the fixture: unhealthy, so allocatable drops to 3 (capacity stays 4).
     let gone = spec.devices.iter().find(|d| d.nvidia_minor == Some(3)).unwrap().address;
@@ -327,6 +355,30 @@ async fn device_plugin_on_a_real_kubelet_gives_a_scheduled_pod_exactly_its_two_g
         "{}",
         plugin.log()
     );
+    drop(plugin);
+    drop(node);
+}
+
+/// Issue 22: a kubelet built with an older grpc-go ([`OLD_KUBELET_VERSION`], the last minor
+/// release before 1.26) sends the plugin socket's path as the HTTP/2 `:authority` of its calls,
+/// which tonic alone answers with `RST_STREAM(PROTOCOL_ERROR)`. The plugin serves it: it
+/// registers, allocatable shows the GPUs within a node-status period, and a 2-GPU pod bound by
+/// kube-scheduler gets exactly its two GPUs. The plugin's log says the path was sent, so this
+/// kubelet is one that sends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_plugin_serves_a_kubelet_that_sends_the_socket_path_as_authority_needs_root_and_runc()
+ {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let PluginNode { node, plugin, .. } = plugin_node(&cp, true).await;
+    let log = plugin.log();
+    let sent = log.lines().find(|l| l.contains("sent a socket path as :authority"));
+    let sent = sent.unwrap_or_else(|| panic!("the old kubelet sent a socket path\n{log}"));
+    assert!(sent.contains(".sock"), "{sent}");
+    eprintln!("{sent}");
     drop(plugin);
     drop(node);
 }
