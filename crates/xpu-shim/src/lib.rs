@@ -76,11 +76,10 @@ impl Host for HostReader {
             let inv = snap.inventory_for(only);
             // The nodes the edits would name must still be those recorded (a driver reload can
             // renumber them without changing the key).
-            let nodes =
+            let mut nodes =
                 inv.devices.iter().flat_map(|d| &d.dev_nodes).chain(&inv.host.control_nodes);
-            let current = nodes
-                .clone()
-                .all(|n| xpu_host::devnode::stat(&self.root, &n.path).as_ref() == Some(n));
+            let current =
+                nodes.all(|n| xpu_host::devnode::stat(&self.root, &n.path).as_ref() == Some(n));
             if current {
                 self.from_snapshot.set(true);
                 return Ok(inv);
