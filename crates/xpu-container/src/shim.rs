@@ -8,12 +8,11 @@
 //! Any error stops before the spec is written and before the real runtime runs: the engine sees
 //! a failed `create` with the message on stderr, never a half-edited spec.
 //!
-//! Argument parsing follows runc's command line (<https://github.com/opencontainers/runc>,
-//! `runc --help`): global options before the subcommand, `--bundle`/`-b` on `create`/`run`
-//! (default: the current directory), Go flag syntax (`-b X`, `--bundle X`, `--bundle=X`,
-//! `-bundle X`).
+//! Argument parsing follows runc's command line (`xpu_shim_front::args`, shared with the
+//! front binary that engines call first).
 
 use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use xpu_core::driver::{Capabilities, DriverFiles};
@@ -24,9 +23,7 @@ use crate::config::{ConfigError, RuntimeConfig};
 use crate::edits::{self, EditError, Edits};
 use crate::nvml::{Nvml, Version};
 use crate::oci::{Spec, SpecError};
-use crate::request::{
-    self, CDI_ANNOTATION_PREFIX, NVIDIA_VISIBLE_DEVICES, Request, RequestError, Wanted,
-};
+use crate::request::{self, Request, RequestError, Wanted};
 use crate::require::{self, RequireError};
 use crate::rootfs::{Rootfs, RootfsError};
 
@@ -105,14 +102,12 @@ impl Prepared {
 }
 
 /// Whether a spec's environment or annotations could ask for anything: lets a plain container
-/// skip host discovery.
+/// skip host discovery. The question is the front's ([`xpu_shim_front::request::may_request`]),
+/// so that the two binaries hand the same containers on.
 fn may_request(spec: &Spec) -> Result<bool, SpecError> {
-    let env = spec.env()?;
-    let nvidia = env.get(NVIDIA_VISIBLE_DEVICES).is_some_and(|v| !matches!(v.trim(), "" | "void"));
-    let xpu =
-        env.get(request::XPU_VISIBLE_DEVICES).is_some_and(|v| !matches!(v.trim(), "" | "void"));
-    let cdi = spec.annotations()?.keys().any(|k| k.starts_with(CDI_ANNOTATION_PREFIX));
-    Ok(nvidia || xpu || cdi)
+    let env = spec.env_entries()?;
+    let annotations = spec.annotations()?;
+    Ok(xpu_shim_front::request::may_request(env, annotations.keys().map(String::as_str)))
 }
 
 /// Reads `BUNDLE/config.json` and computes what the container gets; `None` when it asks for
@@ -163,74 +158,6 @@ pub fn prepare(
     Ok(Some(Prepared { spec, request: req, edits, rootfs }))
 }
 
-/// The subcommand and bundle of a runtime command line.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Invocation {
-    pub subcommand: Option<String>,
-    /// `--bundle`, or `None` for the current directory.
-    pub bundle: Option<PathBuf>,
-}
-
-/// Global options of runc (and crun, youki) that take a value.
-const GLOBAL_WITH_VALUE: [&str; 6] =
-    ["root", "log", "log-format", "criu", "rootless", "cgroup-manager"];
-/// `create`/`run` options that take a value, besides `bundle`.
-const CREATE_WITH_VALUE: [&str; 4] = ["console-socket", "pid-file", "preserve-fds", "criu"];
-
-/// `--name=value` / `-name=value` / `--name` / `-name` → (name, inline value).
-fn flag(arg: &OsStr) -> Option<(String, Option<OsString>)> {
-    let s = arg.to_str()?;
-    let body = s.strip_prefix("--").or_else(|| s.strip_prefix('-'))?;
-    if body.is_empty() {
-        return None;
-    }
-    Some(match body.split_once('=') {
-        Some((n, v)) => (n.to_owned(), Some(OsString::from(v))),
-        None => (body.to_owned(), None),
-    })
-}
-
-/// Finds the subcommand and, for `create`/`run`, the bundle.
-pub fn parse_args(args: &[OsString]) -> Invocation {
-    let mut i = 0;
-    let mut subcommand = None;
-    while i < args.len() {
-        match flag(&args[i]) {
-            Some((name, inline)) => {
-                if inline.is_none() && GLOBAL_WITH_VALUE.contains(&name.as_str()) {
-                    i += 1;
-                }
-            }
-            None => {
-                subcommand = args[i].to_str().map(str::to_owned);
-                break;
-            }
-        }
-        i += 1;
-    }
-    let mut bundle = None;
-    if matches!(subcommand.as_deref(), Some("create" | "run")) {
-        let mut j = i + 1;
-        while j < args.len() {
-            if let Some((name, inline)) = flag(&args[j]) {
-                if name == "bundle" || name == "b" {
-                    match inline {
-                        Some(v) => bundle = Some(PathBuf::from(v)),
-                        None => {
-                            bundle = args.get(j + 1).map(PathBuf::from);
-                            j += 1;
-                        }
-                    }
-                } else if inline.is_none() && CREATE_WITH_VALUE.contains(&name.as_str()) {
-                    j += 1;
-                }
-            }
-            j += 1;
-        }
-    }
-    Invocation { subcommand, bundle }
-}
-
 /// The real runtime's path: `runtime` from the config, looked up in `$PATH` (and the usual
 /// sbin directories, which engines' minimal `$PATH` often lacks) when it is a bare name. Never
 /// this shim itself.
@@ -245,9 +172,7 @@ pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
     } else {
         let path = std::env::var_os("PATH").unwrap_or_default();
         std::env::split_paths(&path)
-            .chain(
-                ["/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin"].map(PathBuf::from),
-            )
+            .chain(xpu_shim_front::SBIN_DIRS.map(PathBuf::from))
             .map(|d| d.join(&cfg.runtime))
             .find(|p| p.is_file())
     };
@@ -255,13 +180,17 @@ pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
         runtime: cfg.runtime.clone(),
         config: config.clone(),
     })?;
-    // The same file, by device and inode (a symlink or hard link to this binary too).
-    let id = |m: std::fs::Metadata| {
+    // The same file, by device and inode (a symlink or hard link to this binary too), or the
+    // front that handed this command over (which would hand it back): the front runs this
+    // binary with its own absolute path as `argv[0]`, a word runc never sees.
+    let id = |p: &Path| {
         use std::os::unix::fs::MetadataExt;
-        (m.dev(), m.ino())
+        std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
     };
-    let me = std::fs::metadata("/proc/self/exe").ok().map(id);
-    if me.is_some() && std::fs::metadata(&path).ok().map(id) == me {
+    let front = std::env::args_os().next().map(PathBuf::from).filter(|p| p.is_absolute());
+    let shims = [Some(PathBuf::from("/proc/self/exe")), front];
+    let runtime = id(&path);
+    if runtime.is_some() && shims.iter().flatten().any(|s| id(s) == runtime) {
         return Err(ShimError::RuntimeIsShim { path, config });
     }
     Ok(path)
@@ -286,11 +215,12 @@ pub fn handle(
     nvml: &dyn Nvml,
 ) -> Result<(PathBuf, Outcome), ShimError> {
     let runtime = real_runtime(cfg)?;
-    let inv = parse_args(args);
-    if !matches!(inv.subcommand.as_deref(), Some("create" | "run")) {
+    let words: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+    let inv = xpu_shim_front::args::parse(&words);
+    if !inv.creates() {
         return Ok((runtime, Outcome::PassThrough));
     }
-    let bundle = inv.bundle.unwrap_or_else(|| PathBuf::from("."));
+    let bundle = PathBuf::from(OsStr::from_bytes(inv.bundle.unwrap_or(b".")));
     let Some(mut prepared) = prepare(&bundle, cfg, host, nvml)? else {
         return Ok((runtime, Outcome::PassThrough));
     };
@@ -310,41 +240,4 @@ pub fn exec(runtime: &Path, args: &[OsString]) -> ShimError {
     use std::os::unix::process::CommandExt;
     let e = std::process::Command::new(runtime).args(args).exec();
     ShimError::Exec { path: runtime.to_owned(), source: e }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn args(s: &[&str]) -> Vec<OsString> {
-        s.iter().map(OsString::from).collect()
-    }
-
-    #[test]
-    fn finds_subcommand_and_bundle_like_runc() {
-        let i = parse_args(&args(&[
-            "--root",
-            "/run/x",
-            "--log",
-            "/l",
-            "--systemd-cgroup",
-            "create",
-            "--bundle",
-            "/b",
-            "--pid-file",
-            "/p",
-            "id",
-        ]));
-        assert_eq!(i.subcommand.as_deref(), Some("create"));
-        assert_eq!(i.bundle, Some(PathBuf::from("/b")));
-        let i = parse_args(&args(&["--root=/r", "run", "-b=/c", "id"]));
-        assert_eq!((i.subcommand.as_deref(), i.bundle), (Some("run"), Some(PathBuf::from("/c"))));
-        let i = parse_args(&args(&["create", "--console-socket", "-b", "-bundle", "/d", "id"]));
-        assert_eq!(i.bundle, Some(PathBuf::from("/d")));
-        let i = parse_args(&args(&["create", "id"]));
-        assert_eq!(i.bundle, None);
-        let i = parse_args(&args(&["--debug", "state", "id"]));
-        assert_eq!((i.subcommand.as_deref(), i.bundle), (Some("state"), None));
-        assert_eq!(parse_args(&args(&["--version"])).subcommand, None);
-    }
 }

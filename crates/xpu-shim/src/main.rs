@@ -1,8 +1,9 @@
-//! `xpu-container-runtime`: the OCI runtime shim on its own, for engines to call instead of runc
-//! (`xpu_shim`). It links only `xpu-container` and `xpu-host`, not the rest of `xpu` (daemon,
-//! scheduler, integrations), and `scripts/build-shim` links it statically: the shim runs on every
-//! container start, and `cargo bench -p xpu --bench container` prints what each costs. A symlink
-//! named `xpu-container-runtime` to `xpu` works too.
+//! `xpu-shim-std`: the full OCI runtime shim on its own (`xpu_shim`), which the front
+//! `xpu-container-runtime` hands requests to; engines may also call it directly in place of runc.
+//! It links only `xpu-container` and `xpu-host`, not the rest of `xpu` (daemon, scheduler,
+//! integrations), and `scripts/build-shim` links it statically: `cargo bench -p xpu --bench
+//! container` prints what it costs with and without the front. A symlink named
+//! `xpu-container-runtime` to `xpu` works too.
 
 use std::process::ExitCode;
 

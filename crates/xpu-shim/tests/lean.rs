@@ -1,5 +1,6 @@
-//! The lean `xpu-container-runtime` binary, as the package installs it, end to end: Debian's
-//! runc runs a busybox container through it on the 8xA100 fixture, from the host snapshot. The
+//! The full shim `xpu-shim-std` on its own, end to end: Debian's runc runs a busybox container
+//! through it on the 8xA100 fixture, from the host snapshot. The front engines call first, which
+//! hands such a request to this binary, has its own tests (`crates/xpu-shim-front/tests`); the
 //! shim's behaviour in every other case is tested through `xpu` (`crates/xpu/tests/runtime.rs`),
 //! which runs the same code (`xpu_shim::run`). Needs root and runc; skips, saying why, only
 //! where they are absent.
@@ -13,7 +14,7 @@ use xpu_testkit::bundle::{
 };
 use xpu_testkit::hosts;
 
-const LEAN: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
+const LEAN: &str = env!("CARGO_BIN_EXE_xpu-shim-std");
 
 #[test]
 fn lean_shim_gives_gpus_1_and_3_from_the_host_snapshot_needs_root_and_runc() {

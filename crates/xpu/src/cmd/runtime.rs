@@ -1,5 +1,6 @@
 //! `xpu runtime`, and `xpu` called `xpu-container-runtime` through a symlink: the OCI runtime
-//! shim in front of runc, the same code as the lean `xpu-container-runtime` binary (`xpu_shim`).
+//! shim in front of runc, the same code as the full shim `xpu-shim-std` (`xpu_shim`) that the
+//! packaged `xpu-container-runtime` front hands requests to.
 //! Arguments are runc's and are never parsed by clap: `main` hands them over verbatim.
 
 use std::ffi::OsString;
