@@ -247,10 +247,20 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", ")
     };
+    // With the packaged pair, the full shim's pass-through minus the front's is what glibc's
+    // start-up (its `cpuid` probing, in a VM) and std's cost on this machine.
+    let libc_start = (shims.len() == 3).then(|| {
+        let (front, full) = (median(t_pass[0].clone()), median(t_pass[1].clone()));
+        format!(
+            "; the full shim's start-up over the front's (glibc and std): {}",
+            ms(full.saturating_sub(front))
+        )
+    });
     println!(
-        "process start (a pass-through to /bin/true): /bin/true {}; {}",
+        "process start (a pass-through to /bin/true): /bin/true {}; {}{}",
         ms(t_true),
-        each(t_pass)
+        each(t_pass),
+        libc_start.unwrap_or_default()
     );
     println!(
         "shim alone (create, NVIDIA_VISIBLE_DEVICES=1,3, then exec /bin/true), host snapshot: {}; /bin/true {}",
