@@ -269,18 +269,33 @@ unsafe impl GlobalAlloc for Bump {
 
 /// A panic should not happen; if it does, say so and hand the command to the full shim (the
 /// package's, if it was not found yet) with the arguments and environment the kernel gave us,
-/// so that the container is still served.
+/// so that the container is still served. Allocates nothing (the panic may be an allocation
+/// that failed), and a panic inside it ends the process.
 #[panic_handler]
 fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
-    // SAFETY: descriptor 2 is only written to.
-    let stderr = unsafe { rustix::fd::BorrowedFd::borrow_raw(2) };
-    let msg = alloc::format!(
-        "xpu-container-runtime: internal error: {info}; handing over to the full shim\n"
+    static PANICKING: AtomicUsize = AtomicUsize::new(0);
+    if PANICKING.swap(1, Ordering::Relaxed) != 0 {
+        crate::sys::exit_group(127);
+    }
+    struct Stderr;
+    impl core::fmt::Write for Stderr {
+        fn write_str(&mut self, s: &str) -> core::fmt::Result {
+            // SAFETY: descriptor 2 is only written to; if it is closed the write fails.
+            let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(2) };
+            rustix::io::write(fd, s.as_bytes()).map(drop).map_err(|_| core::fmt::Error)
+        }
+    }
+    let _ = core::fmt::Write::write_fmt(
+        &mut Stderr,
+        format_args!(
+            "xpu-container-runtime: internal error: {info}; handing over to the full shim\n"
+        ),
     );
-    let _ = rustix::io::write(stderr, msg.as_bytes());
-    let sp = START.load(Ordering::Relaxed) as *const usize;
+    let sp = START.load(Ordering::Relaxed) as *mut usize;
     if !sp.is_null() {
-        // SAFETY: `sp` is the initial stack (see `entry`); argv[0] is replaced by the path.
+        // SAFETY: `sp` is the initial stack (see `entry`): argv is a writable, null-terminated
+        // array there, so argv[0] can be pointed at the full shim's path in place, and envp
+        // follows it.
         unsafe {
             let argv = sp.add(1).cast::<*const u8>();
             let envp = argv.add(*sp + 1);
@@ -290,11 +305,10 @@ fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
             } else {
                 CStr::from_ptr(found)
             };
-            let mut args: Vec<*const u8> = Vec::new();
-            args.push(path.as_ptr().cast());
-            args.extend((1..*sp).map(|i| *argv.add(i)));
-            args.push(core::ptr::null());
-            let _ = crate::sys::execve(path, args.as_ptr(), envp);
+            if *sp > 0 {
+                *argv = path.as_ptr().cast();
+                let _ = crate::sys::execve(path, argv, envp);
+            }
         }
     }
     crate::sys::exit_group(127)
