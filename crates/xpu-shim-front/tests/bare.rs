@@ -123,3 +123,40 @@ fn errors_are_the_full_shims_and_a_runtime_naming_a_shim_does_not_loop() {
         assert!(e.contains("is this shim itself"), "{e}");
     }
 }
+
+/// What the runtime starts with is the same through the front as through the full shim: the
+/// signal mask, ignored signals (std's exec resets SIGPIPE; the caller here ignores it) and a
+/// standard input the caller closed (std reopens it on /dev/null).
+#[test]
+fn runc_starts_in_the_same_process_state_through_either_binary() {
+    let (front, full) = built();
+    let dir = tempfile::tempdir().unwrap();
+    let probe = dir.path().join("probe");
+    std::fs::write(
+        &probe,
+        "#!/bin/sh\ngrep -E '^(SigBlk|SigIgn)' /proc/self/status\nreadlink /proc/self/fd/0 || echo closed\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&probe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let config = dir.path().join("runtime.toml");
+    std::fs::write(&config, format!("runtime = \"{}\"\n", probe.display())).unwrap();
+    let state = |shim: &Path| {
+        // SIGPIPE ignored and stdin closed by the caller, as a careless engine might leave them.
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(format!("trap '' PIPE; exec '{}' state x <&-", shim.display()))
+            .env("XPU_RUNTIME_CONFIG", &config)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            shim.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let (through_front, through_full) = (state(front), state(full));
+    assert_eq!(through_front, through_full);
+    assert!(through_front.contains("/dev/null"), "{through_front}");
+}
