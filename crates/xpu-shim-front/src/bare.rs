@@ -171,12 +171,19 @@ unsafe fn relocate() {
             let page = 4096;
             let start = (base + vaddr) & !(page - 1);
             let end = (base + vaddr + memsz) & !(page - 1);
-            if end > start {
-                let _ = rustix::mm::mprotect(
+            // As glibc, a RELRO that cannot be applied is fatal.
+            if end > start
+                && rustix::mm::mprotect(
                     start as *mut core::ffi::c_void,
                     end - start,
                     rustix::mm::MprotectFlags::READ,
+                )
+                .is_err()
+            {
+                crate::sys::write_stderr(
+                    b"xpu-container-runtime: error: cannot make the relocated data read-only\n",
                 );
+                crate::sys::exit_group(127);
             }
         }
     }
@@ -240,7 +247,8 @@ unsafe impl GlobalAlloc for Bump {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // The last block handed out goes back; others stay until the exec.
+        // The last block handed out goes back; for any other the exchange fails, on purpose:
+        // they stay until the exec.
         let _ = NEXT.compare_exchange(
             ptr as usize + layout.size(),
             ptr as usize,
@@ -280,11 +288,11 @@ fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
     struct Stderr;
     impl core::fmt::Write for Stderr {
         fn write_str(&mut self, s: &str) -> core::fmt::Result {
-            // SAFETY: descriptor 2 is only written to; if it is closed the write fails.
-            let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(2) };
-            rustix::io::write(fd, s.as_bytes()).map(drop).map_err(|_| core::fmt::Error)
+            crate::sys::write_stderr(s.as_bytes());
+            Ok(())
         }
     }
+    // `Stderr` never fails, so neither does the formatting.
     let _ = core::fmt::Write::write_fmt(
         &mut Stderr,
         format_args!(
@@ -307,6 +315,7 @@ fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
             };
             if *sp > 0 {
                 *argv = path.as_ptr().cast();
+                // Returns only on failure, which ends in the exit below.
                 let _ = crate::sys::execve(path, argv, envp);
             }
         }

@@ -84,7 +84,7 @@ pub enum Why {
 }
 
 /// The value of `name` in `env` (`NAME=value` entries; the first definition, as `getenv`).
-pub fn getenv<'a, E: AsRef<[u8]>>(env: &'a [E], name: &str) -> Option<&'a [u8]> {
+fn getenv<'a, E: AsRef<[u8]>>(env: &'a [E], name: &str) -> Option<&'a [u8]> {
     env.iter().find_map(|e| {
         let e = e.as_ref();
         e.strip_prefix(name.as_bytes())?.strip_prefix(b"=")
@@ -141,19 +141,19 @@ fn load_config<E: AsRef<[u8]>>(env: &[E]) -> Option<config::File> {
 /// it is not a file or is one of `shims` (by device and inode).
 fn real_runtime<E: AsRef<[u8]>>(cfg: &config::File, env: &[E], shims: &[&[u8]]) -> Option<CString> {
     let name = cfg.runtime().as_bytes();
-    let path = if name.contains(&b'/') {
-        Some(Vec::from(name)).filter(|p| is_file(p))
+    // One `stat` per candidate answers both questions: a regular file, and which one.
+    let found = |p: Vec<u8>| regular_file(&p).map(|id| (p, id));
+    let (path, id) = if name.contains(&b'/') {
+        found(Vec::from(name))
     } else {
         let search = getenv(env, "PATH").unwrap_or_default();
         search
             .split(|&b| b == b':')
             .chain(SBIN_DIRS.iter().map(|d| d.as_bytes()))
-            .map(|dir| join(dir, name))
-            .find(|p| is_file(p))
+            .find_map(|dir| found(join(dir, name)))
     }?;
-    let id = |p: &[u8]| rustix::fs::stat(p).ok().map(|s| (s.st_dev, s.st_ino));
-    let me = id(&path);
-    if shims.iter().any(|s| id(s) == me) {
+    let shim_id = |p: &[u8]| rustix::fs::stat(p).ok().map(|s| (s.st_dev, s.st_ino));
+    if shims.iter().any(|s| shim_id(s) == Some(id)) {
         return None;
     }
     CString::new(path).ok()
@@ -171,9 +171,11 @@ fn join(dir: &[u8], name: &[u8]) -> Vec<u8> {
     p
 }
 
-/// Whether `path` is a regular file, following symlinks (`Path::is_file`).
-fn is_file(path: &[u8]) -> bool {
-    rustix::fs::stat(path).is_ok_and(|s| FileType::from_raw_mode(s.st_mode).is_file())
+/// The device and inode of `path` when it is a regular file, following symlinks (as
+/// `Path::is_file` decides).
+fn regular_file(path: &[u8]) -> Option<(u64, u64)> {
+    let s = rustix::fs::stat(path).ok()?;
+    FileType::from_raw_mode(s.st_mode).is_file().then_some((s.st_dev, s.st_ino))
 }
 
 /// Whether the spec at `path` may ask for devices; `None` when it cannot be read, is larger
@@ -204,7 +206,7 @@ fn spec_may_request(path: &[u8]) -> Option<bool> {
 }
 
 /// The whole file at `path`; `Ok(None)` when it is larger than `max` bytes.
-pub fn read_file(path: &[u8], max: usize) -> Result<Option<Vec<u8>>, Errno> {
+fn read_file(path: &[u8], max: usize) -> Result<Option<Vec<u8>>, Errno> {
     let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
     let mut buf = Vec::with_capacity(16 << 10);
     loop {

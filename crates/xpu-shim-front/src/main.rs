@@ -112,7 +112,8 @@ fn sanitize_standard_fds() {
         if let Ok(null) =
             rustix::fs::open("/dev/null", rustix::fs::OFlags::RDWR, rustix::fs::Mode::empty())
         {
-            // Kept open for the programs exec'd after us.
+            // Kept open for the programs exec'd after us: the raw number is not needed, it is
+            // the descriptor being filled.
             let _ = rustix::fd::IntoRawFd::into_raw_fd(null);
         }
     }
@@ -120,16 +121,11 @@ fn sanitize_standard_fds() {
 
 /// The full shim could not be run: say so on stderr and exit 1, as a runtime that fails.
 fn fail(full: &CStr, errno: i32) -> ! {
-    let mut msg = Vec::new();
-    msg.extend_from_slice(b"xpu-container-runtime: error: the full shim ");
-    msg.extend_from_slice(full.to_bytes());
-    msg.extend_from_slice(b" cannot be run (");
-    msg.extend_from_slice(
-        alloc::format!("{}", rustix::io::Errno::from_raw_os_error(errno)).as_bytes(),
+    let msg = alloc::format!(
+        "xpu-container-runtime: error: the full shim {} cannot be run ({}); reinstall xpu, or put xpu-shim-std beside xpu-container-runtime\n",
+        full.to_string_lossy(),
+        rustix::io::Errno::from_raw_os_error(errno)
     );
-    msg.extend_from_slice(b"); reinstall xpu, or put xpu-shim-std beside xpu-container-runtime\n");
-    // SAFETY: descriptor 2 is only written to; if it is closed the write fails, harmlessly.
-    let stderr = unsafe { rustix::fd::BorrowedFd::borrow_raw(2) };
-    let _ = rustix::io::write(stderr, &msg);
+    sys::write_stderr(msg.as_bytes());
     sys::exit_group(1)
 }

@@ -37,6 +37,14 @@ pub unsafe fn execve(path: &CStr, argv: *const *const u8, envp: *const *const u8
     -(r as i32)
 }
 
+/// Writes `msg` to standard error. A failed write is not reported: there is nowhere left to
+/// report it, and every caller exits or execs next.
+pub fn write_stderr(msg: &[u8]) {
+    // SAFETY: descriptor 2 is only written to; if it is closed the write fails.
+    let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(2) };
+    let _ = rustix::io::write(fd, msg);
+}
+
 /// Ends the process with `code`.
 pub fn exit_group(code: i32) -> ! {
     // SAFETY: exit_group takes a plain integer and does not return.
@@ -52,7 +60,9 @@ pub fn reset_signals() {
     // The kernel's `struct sigaction` on x86-64: handler, flags, restorer, mask; SIG_DFL is 0.
     let dfl: [u64; 4] = [0; 4];
     // SAFETY: both calls read only the values above (8-byte masks, as the kernel takes them)
-    // and change only this process's signal state, just before it execs.
+    // and change only this process's signal state, just before it execs. With these constant
+    // arguments they cannot fail; if one did, the runtime would start in the state the engine
+    // gave us, as it would had the engine run it directly.
     unsafe {
         syscall4(SYS_RT_SIGPROCMASK, SIG_SETMASK, (&raw const empty) as usize, 0, 8);
         syscall4(SYS_RT_SIGACTION, SIGPIPE, dfl.as_ptr() as usize, 0, 8);
