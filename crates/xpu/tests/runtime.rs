@@ -30,7 +30,7 @@ fn run_shim(host: &TestHost, bundle: &Bundle, test: &str) -> (Output, RuncState)
     run_program(&shim_link(host.dir.path()), host, bundle, test)
 }
 
-/// Runs `bundle` through `shim` (the `xpu` symlink or the lean binary).
+/// Runs `bundle` through `shim` (the `xpu` symlink or another shim binary).
 fn run_program(shim: &Path, host: &TestHost, bundle: &Bundle, test: &str) -> (Output, RuncState) {
     let state = RuncState::new();
     let cfg = host.config.to_str().unwrap();
@@ -47,8 +47,8 @@ fn runtime_visible_devices_1_3_needs_root_and_runc() {
     let extra = "cat /usr/lib/x86_64-linux-gnu/libcuda.so.1; nvidia-smi; \
                  cat /dev/nvidia1 2>&1 | head -n1; \
                  touch /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>&1 | head -n1";
-    // Through `xpu` called xpu-container-runtime; the lean binary's own test is in the
-    // xpu-shim package (`tests/lean.rs`).
+    // Through `xpu` called xpu-container-runtime; the packaged binaries' own tests are in the
+    // xpu-shim-front (`tests/bare.rs`) and xpu-shim (`tests/lean.rs`) packages.
     let b = Bundle::busybox(&probe_script(extra));
     b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
     let (out, _state) = run_shim(&host, &b, "rt13");
