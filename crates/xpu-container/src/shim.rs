@@ -166,31 +166,30 @@ pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
         .source
         .as_ref()
         .map_or_else(|| crate::config::DEFAULT_PATH.to_owned(), |p| p.display().to_string());
+    // A regular file (after symlinks), with its device and inode: one `stat` per candidate.
+    let file = |p: PathBuf| {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(&p).ok().filter(std::fs::Metadata::is_file)?;
+        Some((p, (m.dev(), m.ino())))
+    };
     let candidate = if cfg.runtime.contains('/') {
-        let p = PathBuf::from(&cfg.runtime);
-        p.is_file().then_some(p)
+        file(PathBuf::from(&cfg.runtime))
     } else {
         let path = std::env::var_os("PATH").unwrap_or_default();
         std::env::split_paths(&path)
             .chain(xpu_shim_front::SBIN_DIRS.map(PathBuf::from))
-            .map(|d| d.join(&cfg.runtime))
-            .find(|p| p.is_file())
+            .find_map(|d| file(d.join(&cfg.runtime)))
     };
-    let path = candidate.ok_or_else(|| ShimError::RuntimeNotFound {
+    let (path, runtime) = candidate.ok_or_else(|| ShimError::RuntimeNotFound {
         runtime: cfg.runtime.clone(),
         config: config.clone(),
     })?;
     // The same file, by device and inode (a symlink or hard link to this binary too), or the
     // front that handed this command over (which would hand it back): the front runs this
     // binary with its own absolute path as `argv[0]`, a word runc never sees.
-    let id = |p: &Path| {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
-    };
     let front = std::env::args_os().next().map(PathBuf::from).filter(|p| p.is_absolute());
     let shims = [Some(PathBuf::from("/proc/self/exe")), front];
-    let runtime = id(&path);
-    if runtime.is_some() && shims.iter().flatten().any(|s| id(s) == runtime) {
+    if shims.into_iter().flatten().filter_map(file).any(|(_, id)| id == runtime) {
         return Err(ShimError::RuntimeIsShim { path, config });
     }
     Ok(path)

@@ -118,7 +118,13 @@ pub fn load(dirs: &[PathBuf]) -> Option<(PathBuf, HostSnapshot)> {
 fn read(path: &Path) -> Option<HostSnapshot> {
     use std::io::Read;
     let f = std::fs::File::open(path).ok()?;
-    let mut bytes = Vec::new();
+    // Sized from the file's length: one read of it rather than a doubling series from 32 bytes.
+    // The limit still holds if the file grows meanwhile.
+    let len = f.metadata().ok()?.len();
+    if len > MAX_BYTES {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(len as usize + 1);
     f.take(MAX_BYTES + 1).read_to_end(&mut bytes).ok()?;
     if bytes.len() as u64 > MAX_BYTES {
         return None;
