@@ -13,6 +13,8 @@ use std::process::Command;
 fn main() {
     println!("cargo::rerun-if-env-changed=XPU_GIT_COMMIT");
     println!("cargo::rerun-if-changed=build.rs");
+    // `scripts/build-shim` builds the binary with `--cfg xpu_musl` when it links musl.
+    println!("cargo::rustc-check-cfg=cfg(xpu_musl)");
     let commit = match std::env::var("XPU_GIT_COMMIT") {
         Ok(c) if !c.trim().is_empty() => c.trim().to_owned(),
         _ => {

@@ -53,6 +53,41 @@ fn the_front_links_no_libc() {
     assert!(stdout.starts_with("xpu-container-runtime version "), "{stdout}");
 }
 
+/// The full shim as `scripts/build-shim` builds it: std linked with musl, none of glibc in it;
+/// and with backtraces asked for (`RUST_BACKTRACE`, `RUST_LIB_BACKTRACE`: an error then captures
+/// one, through gcc's unwinder and the `_dl_find_object` the binary provides) an error is still
+/// reported, exit status 1, rather than the process aborting in the unwinder.
+#[test]
+fn the_full_shim_links_musl_and_reports_errors_with_backtraces_on() {
+    let (_, full) = built();
+    let image = std::fs::read(full).unwrap();
+    assert_eq!(&image[..4], b"\x7fELF");
+    for needle in [&b"/lib64/ld-linux"[..], b"GLIBC_", b"intel_check_word", b"GNU C Library"] {
+        assert!(
+            !image.windows(needle.len()).any(|w| w == needle),
+            "{} contains {:?}",
+            full.display(),
+            String::from_utf8_lossy(needle)
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("runtime.toml");
+    std::fs::write(&cfg, "runtime = \"/nonexistent/runc\"\n").unwrap();
+    for backtrace in ["0", "1", "full"] {
+        let out = Command::new(full)
+            .args(["state", "x"])
+            .env("XPU_RUNTIME_CONFIG", &cfg)
+            .env("RUST_BACKTRACE", backtrace)
+            .env("RUST_LIB_BACKTRACE", backtrace)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "RUST_BACKTRACE={backtrace}: {stderr}");
+        assert!(stderr.contains("\"/nonexistent/runc\" was not found"), "{stderr}");
+    }
+}
+
 #[test]
 fn front_runs_containers_and_hands_requests_to_the_full_shim_needs_root_and_runc() {
     if bundle::skip_container_tests() {

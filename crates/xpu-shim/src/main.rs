@@ -1,11 +1,24 @@
 //! `xpu-shim-std`: the full OCI runtime shim on its own (`xpu_shim`), which the front
 //! `xpu-container-runtime` hands requests to; engines may also call it directly in place of runc.
 //! It links only `xpu-container` and `xpu-host`, not the rest of `xpu` (daemon, scheduler,
-//! integrations), and `scripts/build-shim` links it statically: `cargo bench -p xpu --bench
-//! container` prints what it costs with and without the front. A symlink named
+//! integrations), and `scripts/build-shim` links it statically with musl: `cargo bench -p xpu
+//! --bench container` prints what it costs with and without the front. A symlink named
 //! `xpu-container-runtime` to `xpu` works too.
 
 use std::process::ExitCode;
+
+// The allocator and the glibc names std needs are this binary's alone (`xpu runtime` keeps the
+// system's); both need `unsafe`, which the rest of the package denies.
+#[allow(unsafe_code)]
+mod arena;
+#[cfg(xpu_musl)]
+#[allow(unsafe_code)]
+mod musl;
+
+// The test build keeps the system's, so that the arena's test sees only its own blocks.
+#[cfg(not(test))]
+#[global_allocator]
+static ALLOCATOR: arena::Arena = arena::Arena;
 
 fn main() -> ExitCode {
     xpu_shim::run(std::env::args_os().skip(1).collect())
