@@ -99,8 +99,7 @@ impl RuntimeConfig {
                 Capabilities::parse(s).map_err(|e| invalid(format!("default_capabilities: {e}")))?
             }
         };
-        // The checks the front makes too (`xpu_shim_front::config`), so both accept one set of
-        // files.
+        // The checks that need nothing of the host (`xpu_shim_front::config`).
         match f.problem() {
             Some(Problem::BadCudaVersion(s)) => {
                 return Err(invalid(format!("cuda_version {s:?} is not a version like \"12.2\"")));

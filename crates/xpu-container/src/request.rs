@@ -28,7 +28,7 @@ use crate::edits::Selection;
 pub const NVIDIA_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
 pub const NVIDIA_DISABLE_REQUIRE: &str = "NVIDIA_DISABLE_REQUIRE";
 pub const NVIDIA_REQUIRE_PREFIX: &str = "NVIDIA_REQUIRE_";
-// Shared with the shim's front, which asks the same first question without libc.
+// The names the shim's first question (`xpu_shim_front::request::may_request`) looks for.
 pub use xpu_shim_front::request::{
     CDI_ANNOTATION_PREFIX, NVIDIA_VISIBLE_DEVICES, XPU_VISIBLE_DEVICES,
 };

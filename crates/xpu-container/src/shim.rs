@@ -8,8 +8,7 @@
 //! Any error stops before the spec is written and before the real runtime runs: the engine sees
 //! a failed `create` with the message on stderr, never a half-edited spec.
 //!
-//! Argument parsing follows runc's command line (`xpu_shim_front::args`, shared with the
-//! front binary that engines call first).
+//! Argument parsing follows runc's command line (`xpu_shim_front::args`).
 
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
@@ -102,8 +101,7 @@ impl Prepared {
 }
 
 /// Whether a spec's environment or annotations could ask for anything: lets a plain container
-/// skip host discovery. The question is the front's ([`xpu_shim_front::request::may_request`]),
-/// so that the two binaries hand the same containers on.
+/// skip host discovery ([`xpu_shim_front::request::may_request`]).
 fn may_request(spec: &Spec) -> Result<bool, SpecError> {
     let env = spec.env_entries()?;
     let annotations = spec.annotations()?;
@@ -184,12 +182,8 @@ pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
         runtime: cfg.runtime.clone(),
         config: config.clone(),
     })?;
-    // The same file, by device and inode (a symlink or hard link to this binary too), or the
-    // front that handed this command over (which would hand it back): the front runs this
-    // binary with its own absolute path as `argv[0]`, a word runc never sees.
-    let front = std::env::args_os().next().map(PathBuf::from).filter(|p| p.is_absolute());
-    let shims = [Some(PathBuf::from("/proc/self/exe")), front];
-    if shims.into_iter().flatten().filter_map(file).any(|(_, id)| id == runtime) {
+    // The same file as this binary, by device and inode: a symlink or hard link to it too.
+    if file(PathBuf::from("/proc/self/exe")).is_some_and(|(_, id)| id == runtime) {
         return Err(ShimError::RuntimeIsShim { path, config });
     }
     Ok(path)

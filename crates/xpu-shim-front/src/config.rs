@@ -1,6 +1,5 @@
-//! The keys of `runtime.toml` and the checks that need nothing of the host: one schema for the
-//! full shim (`xpu_container::config`, which adds the messages and the typed values) and the
-//! front, so that both accept exactly the same files.
+//! The keys of `runtime.toml` and the checks that need nothing of the host; `xpu_container::config`
+//! adds the messages and the typed values.
 
 use alloc::string::String;
 use alloc::vec::Vec;

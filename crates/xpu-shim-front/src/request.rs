@@ -1,6 +1,5 @@
-//! Whether a container's spec could ask for devices at all: the test both the front and the
-//! full shim make before anything else, so that a container asking for nothing costs neither of
-//! them a look at the host.
+//! Whether a container's spec could ask for devices at all: the shim's first question, so that
+//! a container asking for nothing costs it no look at the host.
 
 /// NVIDIA's variable: GPU indices, UUIDs, `all`, `none`, or `void`.
 pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";

@@ -1,14 +1,12 @@
-//! The full OCI runtime shim in front of runc: `xpu-shim-std` (this package's binary), which the
-//! front engines call (`xpu-container-runtime`, the xpu-shim-front package, without libc) hands
-//! every container that asks for devices and every command it does not take as it is; and `xpu
-//! runtime` (the full `xpu` binary, which calls [`run`]). Arguments are runc's and are never
-//! parsed by clap: they are handed over verbatim.
+//! The OCI runtime shim in front of runc: `xpu-container-runtime` (this package's binary), which
+//! engines run in place of runc, and `xpu runtime` (the full `xpu` binary, which calls [`run`]).
+//! Arguments are runc's and are never parsed by clap: they are handed over verbatim.
 //!
 //! The shim's logic is in `xpu_container::shim`; this crate adds the host it reads (`xpu-host`,
 //! or the snapshot `xpu cdi generate` left) and the process around it. It is a package of its
 //! own so that the binary links, and a build compiles, only what a container start needs:
-//! `scripts/build-shim` builds it statically linked with the `shim` profile, and the package
-//! installs it as `/usr/libexec/xpu/xpu-shim-std`, where the front finds it.
+//! `scripts/build-shim` builds it with the `shim` profile, linked statically with musl, and the
+//! package installs it as `/usr/bin/xpu-container-runtime`.
 
 // A runtime reports on stderr (the engine shows it) and `--version` on stdout.
 #![allow(clippy::print_stderr, clippy::print_stdout)]

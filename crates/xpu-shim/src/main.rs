@@ -1,9 +1,8 @@
-//! `xpu-shim-std`: the full OCI runtime shim on its own (`xpu_shim`), which the front
-//! `xpu-container-runtime` hands requests to; engines may also call it directly in place of runc.
-//! It links only `xpu-container` and `xpu-host`, not the rest of `xpu` (daemon, scheduler,
-//! integrations), and `scripts/build-shim` links it statically with musl: `cargo bench -p xpu
-//! --bench container` prints what it costs with and without the front. A symlink named
-//! `xpu-container-runtime` to `xpu` works too.
+//! `xpu-container-runtime`: the OCI runtime shim on its own (`xpu_shim`), which engines run in
+//! place of runc. It links only `xpu-container` and `xpu-host`, not the rest of `xpu` (daemon,
+//! scheduler, integrations), and `scripts/build-shim` links it statically with musl: `cargo bench
+//! -p xpu --bench container` prints what it costs. A symlink named `xpu-container-runtime` to
+//! `xpu`, or `xpu runtime`, runs the same code.
 
 use std::process::ExitCode;
 

@@ -1,9 +1,9 @@
-//! The full shim `xpu-shim-std` on its own, end to end: Debian's runc runs a busybox container
-//! through it on the 8xA100 fixture, from the host snapshot. The front engines call first, which
-//! hands such a request to this binary, has its own tests (`crates/xpu-shim-front/tests`); the
-//! shim's behaviour in every other case is tested through `xpu` (`crates/xpu/tests/runtime.rs`),
-//! which runs the same code (`xpu_shim::run`). Needs root and runc; skips, saying why, only
-//! where they are absent.
+//! The shim binary `xpu-container-runtime` as cargo builds it (glibc, the test profile), end to
+//! end: Debian's runc runs a busybox container through it on the 8xA100 fixture, from the host
+//! snapshot. The binary as the package builds it (musl, `scripts/build-shim`) has its own tests
+//! (`tests/installed.rs`); the shim's behaviour in every other case is tested through `xpu`
+//! (`crates/xpu/tests/runtime.rs`), which runs the same code (`xpu_shim::run`). Needs root and
+//! runc; skips, saying why, only where they are absent.
 
 #![allow(clippy::unwrap_used)]
 
@@ -14,7 +14,7 @@ use xpu_testkit::bundle::{
 };
 use xpu_testkit::hosts;
 
-const LEAN: &str = env!("CARGO_BIN_EXE_xpu-shim-std");
+const LEAN: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
 
 #[test]
 fn lean_shim_gives_gpus_1_and_3_from_the_host_snapshot_needs_root_and_runc() {

@@ -3,13 +3,11 @@
 //! - in process, on the 8×A100 fixture: the full discovery against the shim's narrow one
 //!   (`discover_nodes`), NVIDIA's driver files for every capability against the default
 //!   `utility,compute`, and CDI generation;
-//! - process start: `/bin/true`, the shim as `scripts/build-shim` builds it (when that build is
-//!   newer than its sources): the front `xpu-container-runtime` without libc, which hands
-//!   requests to the full shim beside it, and that full shim `xpu-shim-std` alone (statically
-//!   linked glibc); and the full `xpu` binary (called `xpu-container-runtime` through a symlink),
-//!   each passing a `state` command through to `runtime = "/bin/true"` (the front's line against
-//!   the full shim's is what glibc's start-up costs on this machine); then the shim's whole work
-//!   for a request (`NVIDIA_VISIBLE_DEVICES=1,3`, `create`, then exec of `/bin/true`);
+//! - process start: `/bin/true`, the shim `xpu-container-runtime` as `scripts/build-shim` builds
+//!   it (linked statically with musl; when that build is newer than its sources), and the full
+//!   `xpu` binary (called `xpu-container-runtime` through a symlink; dynamically linked glibc),
+//!   each passing a `state` command through to `runtime = "/bin/true"`; then the shim's whole
+//!   work for a request (`NVIDIA_VISIBLE_DEVICES=1,3`, `create`, then exec of `/bin/true`);
 //!   The shim reads the host snapshot `xpu cdi generate` wrote (its CDI mode) unless the line
 //!   says discovery; the in-process line gives what the snapshot path costs (the host key and
 //!   reading the file);
@@ -170,19 +168,14 @@ fn main() {
         ms(median(runs))
     );
 
-    // The shim as engines install it: the front without libc that `scripts/build-shim` builds
-    // (xpu-shim-front), which hands requests to the full shim beside it, when that build is
-    // current; the full shim alone (xpu-shim-std, statically linked glibc), as engines ran it
-    // before the front; and the full `xpu` binary through a symlink.
+    // The shim as the package installs it (`scripts/build-shim`: musl, static-pie), when that
+    // build is current, and the full `xpu` binary through a symlink.
     let full = host.dir.path().join("xpu-container-runtime");
     std::os::unix::fs::symlink(XPU, &full).unwrap();
-    // The front first: it is what the package installs.
+    // The packaged binary first.
     let mut shims: Vec<(&str, PathBuf)> = Vec::new();
     match static_shim() {
-        Ok((front, std_shim)) => {
-            shims.push(("front", front));
-            shims.push(("full alone", std_shim));
-        }
+        Ok(shim) => shims.push(("packaged", shim)),
         Err(why) => println!("not measuring the packaged shim: {why}"),
     }
     shims.push(("xpu", full));
@@ -247,20 +240,10 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    // With the packaged pair, the full shim's pass-through minus the front's is what glibc's
-    // start-up (its `cpuid` probing, in a VM) and std's cost on this machine.
-    let libc_start = (shims.len() == 3).then(|| {
-        let (front, full) = (median(t_pass[0].clone()), median(t_pass[1].clone()));
-        format!(
-            "; the full shim's start-up over the front's (glibc and std): {}",
-            ms(full.saturating_sub(front))
-        )
-    });
     println!(
-        "process start (a pass-through to /bin/true): /bin/true {}; {}{}",
+        "process start (a pass-through to /bin/true): /bin/true {}; {}",
         ms(t_true),
-        each(t_pass),
-        libc_start.unwrap_or_default()
+        each(t_pass)
     );
     println!(
         "shim alone (create, NVIDIA_VISIBLE_DEVICES=1,3, then exec /bin/true), host snapshot: {}; /bin/true {}",
@@ -385,12 +368,11 @@ fn main() {
     println!("load average at the end: {}", bundle::load_average());
 }
 
-/// The front and the full shim `scripts/build-shim` leaves in `<target>/shim/`, when both are
-/// newer than every source file they are built from.
-fn static_shim() -> Result<(PathBuf, PathBuf), String> {
+/// The shim `scripts/build-shim` leaves in `<target>/shim/`, when it is newer than every source
+/// file it is built from.
+fn static_shim() -> Result<PathBuf, String> {
     let target = Path::new(XPU).parent().and_then(Path::parent).ok_or("no target directory")?;
-    let (front, full) =
-        (target.join("shim/xpu-container-runtime"), target.join("shim/xpu-shim-std"));
+    let shim = target.join("shim/xpu-container-runtime");
     let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let sources =
         ["xpu-core/src", "xpu-host/src", "xpu-container/src", "xpu-shim/src", "xpu-shim-front/src"];
@@ -398,18 +380,16 @@ fn static_shim() -> Result<(PathBuf, PathBuf), String> {
     for dir in sources {
         newest = newest.max(newest_file(&crates.join(dir)));
     }
-    for bin in [&front, &full] {
-        let built = std::fs::metadata(bin)
-            .and_then(|m| m.modified())
-            .map_err(|_| format!("{} is not there; scripts/build-shim builds it", bin.display()))?;
-        if newest.is_some_and(|t| t > built) {
-            return Err(format!(
-                "{} is older than its sources; run scripts/build-shim",
-                bin.display()
-            ));
-        }
+    let built = std::fs::metadata(&shim)
+        .and_then(|m| m.modified())
+        .map_err(|_| format!("{} is not there; scripts/build-shim builds it", shim.display()))?;
+    if newest.is_some_and(|t| t > built) {
+        return Err(format!(
+            "{} is older than its sources; run scripts/build-shim",
+            shim.display()
+        ));
     }
-    Ok((front, full))
+    Ok(shim)
 }
 
 /// The latest modification time of any file under `dir`.

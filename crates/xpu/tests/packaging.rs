@@ -16,31 +16,22 @@ use xpu_container::config::RuntimeConfig;
 
 const XPU: &str = env!("CARGO_BIN_EXE_xpu");
 
-/// The shim's binaries, built into the same directory as `xpu`: the front
-/// `xpu-container-runtime` (xpu-shim-front) and the full shim `xpu-shim-std` (xpu-shim). They
-/// belong to other packages, whose binaries cargo does not build for these tests, so this runs
-/// `cargo build` for them (quick when they are current, as after `cargo test --workspace`).
-fn shims() -> (PathBuf, PathBuf) {
-    let (front, full) = (
-        Path::new(XPU).with_file_name("xpu-container-runtime"),
-        Path::new(XPU).with_file_name("xpu-shim-std"),
-    );
+/// The shim's binary `xpu-container-runtime` (the xpu-shim package), built into the same
+/// directory as `xpu`. It belongs to another package, whose binaries cargo does not build for
+/// these tests, so this runs `cargo build` for it (quick when it is current, as after `cargo
+/// test --workspace`).
+fn shim() -> PathBuf {
+    let shim = Path::new(XPU).with_file_name("xpu-container-runtime");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut build = Command::new(cargo);
-    build.args(["build", "--locked", "-p", "xpu-shim-front", "-p", "xpu-shim"]);
-    if front.parent().and_then(Path::file_name).is_some_and(|p| p == "release") {
+    build.args(["build", "--locked", "-p", "xpu-shim", "--bin", "xpu-container-runtime"]);
+    if shim.parent().and_then(Path::file_name).is_some_and(|p| p == "release") {
         build.arg("--release");
     }
     let o = build.current_dir(repo()).output().unwrap();
-    assert!(o.status.success(), "cargo build (shims): {}", String::from_utf8_lossy(&o.stderr));
-    for bin in [&front, &full] {
-        assert!(bin.is_file(), "cargo build did not leave {}", bin.display());
-    }
-    (front, full)
-}
-
-fn shim() -> PathBuf {
-    shims().0
+    assert!(o.status.success(), "cargo build (shim): {}", String::from_utf8_lossy(&o.stderr));
+    assert!(shim.is_file(), "cargo build did not leave {}", shim.display());
+    shim
 }
 /// The script `xpu-tpu-env.service` runs; `xpu host apply --profile tpu-vm` writes it.
 const TPU_ENV_SCRIPT: &str = "/var/scripts/xpu-tpu-env.sh";
@@ -430,8 +421,7 @@ fn deb_package_installs_into_a_throwaway_root() {
         .arg("--out")
         .arg(dir.path())
         .env("XPU_DEB_XPU_BIN", XPU)
-        .env("XPU_DEB_SHIM_BIN", shims().0)
-        .env("XPU_DEB_FULL_SHIM_BIN", shims().1)
+        .env("XPU_DEB_SHIM_BIN", shim())
         .env("XPU_DEB_COMPRESSION", "gzip")
         .output()
         .unwrap();
@@ -445,7 +435,6 @@ fn deb_package_installs_into_a_throwaway_root() {
     for path in [
         "./usr/bin/xpu",
         "./usr/bin/xpu-container-runtime",
-        "./usr/libexec/xpu/xpu-shim-std",
         "./usr/lib/systemd/system/xpu-serve.service",
         "./usr/lib/systemd/system/xpu-device-plugin.service",
         "./usr/lib/systemd/system/xpu-exporter.service",

@@ -47,8 +47,8 @@ fn runtime_visible_devices_1_3_needs_root_and_runc() {
     let extra = "cat /usr/lib/x86_64-linux-gnu/libcuda.so.1; nvidia-smi; \
                  cat /dev/nvidia1 2>&1 | head -n1; \
                  touch /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>&1 | head -n1";
-    // Through `xpu` called xpu-container-runtime; the packaged binaries' own tests are in the
-    // xpu-shim-front (`tests/bare.rs`) and xpu-shim (`tests/lean.rs`) packages.
+    // Through `xpu` called xpu-container-runtime; the packaged binary's own tests are in the
+    // xpu-shim package (`tests/lean.rs`, `tests/installed.rs`).
     let b = Bundle::busybox(&probe_script(extra));
     b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
     let (out, _state) = run_shim(&host, &b, "rt13");

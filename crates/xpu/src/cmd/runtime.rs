@@ -1,6 +1,5 @@
 //! `xpu runtime`, and `xpu` called `xpu-container-runtime` through a symlink: the OCI runtime
-//! shim in front of runc, the same code as the full shim `xpu-shim-std` (`xpu_shim`) that the
-//! packaged `xpu-container-runtime` front hands requests to.
+//! shim in front of runc, the same code (`xpu_shim`) as the packaged `xpu-container-runtime`.
 //! Arguments are runc's and are never parsed by clap: `main` hands them over verbatim.
 
 use std::ffi::OsString;

@@ -1,9 +1,10 @@
-//! The front as the package installs it, end to end: `scripts/build-shim` builds it without libc
-//! (and the full shim beside it), and Debian's runc runs busybox containers through it on the
-//! 8xA100 fixture. A container that asks for nothing goes straight to runc; one that asks for
-//! GPUs 1 and 3 is handed to the full shim and gets exactly those; errors are the full shim's,
-//! and a runtime config naming the front itself ends in that error, not in a loop. Needs root
-//! and runc for the containers; skips them, saying why, only where they are absent.
+//! The shim as the package installs it, end to end: `scripts/build-shim` builds
+//! `xpu-container-runtime` linked statically with musl, and Debian's runc runs busybox containers
+//! through it on the 8xA100 fixture. A container that asks for nothing reaches runc untouched;
+//! one that asks for GPUs 1 and 3 gets exactly those, from the host snapshot; errors are
+//! reported (with backtraces asked for too), and a runtime config naming the shim itself ends in
+//! that error, not in a loop. Needs root and runc for the containers; skips them, saying why,
+//! only where they are absent.
 
 #![allow(clippy::unwrap_used)]
 
@@ -16,10 +17,9 @@ use xpu_testkit::bundle::{
 };
 use xpu_testkit::hosts;
 
-/// `scripts/build-shim`, once per test binary: the front without libc and the full shim, in
-/// `<target>/shim/`.
-fn built() -> &'static (PathBuf, PathBuf) {
-    static BUILT: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+/// `scripts/build-shim`, once per test binary: `<target>/shim/xpu-container-runtime`.
+fn built() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let out = Command::new(root.join("scripts/build-shim")).output().unwrap();
@@ -30,51 +30,37 @@ fn built() -> &'static (PathBuf, PathBuf) {
         );
         let target =
             std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-        (target.join("shim/xpu-container-runtime"), target.join("shim/xpu-shim-std"))
+        target.join("shim/xpu-container-runtime")
     })
 }
 
+/// std linked with musl, none of glibc in it (no dynamic loader, no symbol versions, none of
+/// its `cpuid` cache probing); and with backtraces asked for (`RUST_BACKTRACE`,
+/// `RUST_LIB_BACKTRACE`: an error then captures one, through gcc's unwinder and the
+/// `_dl_find_object` the binary provides) an error is still reported, exit status 1, rather than
+/// the process aborting in the unwinder.
 #[test]
-fn the_front_links_no_libc() {
-    let (front, _) = built();
-    let image = std::fs::read(front).unwrap();
-    // An ELF executable with no interpreter, and none of glibc's start-up in it.
-    assert_eq!(&image[..4], b"\x7fELF");
-    for needle in [&b"/lib64/ld-linux"[..], b"__libc_start_main", b"GLIBC_", b"intel_check_word"] {
-        assert!(
-            !image.windows(needle.len()).any(|w| w == needle),
-            "{} contains {:?}",
-            front.display(),
-            String::from_utf8_lossy(needle)
-        );
-    }
-    let out = Command::new(front).arg("--version").output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.starts_with("xpu-container-runtime version "), "{stdout}");
-}
-
-/// The full shim as `scripts/build-shim` builds it: std linked with musl, none of glibc in it;
-/// and with backtraces asked for (`RUST_BACKTRACE`, `RUST_LIB_BACKTRACE`: an error then captures
-/// one, through gcc's unwinder and the `_dl_find_object` the binary provides) an error is still
-/// reported, exit status 1, rather than the process aborting in the unwinder.
-#[test]
-fn the_full_shim_links_musl_and_reports_errors_with_backtraces_on() {
-    let (_, full) = built();
-    let image = std::fs::read(full).unwrap();
+fn the_shim_links_musl_and_reports_errors_with_backtraces_on() {
+    let shim = built();
+    let image = std::fs::read(shim).unwrap();
     assert_eq!(&image[..4], b"\x7fELF");
     for needle in [&b"/lib64/ld-linux"[..], b"GLIBC_", b"intel_check_word", b"GNU C Library"] {
         assert!(
             !image.windows(needle.len()).any(|w| w == needle),
             "{} contains {:?}",
-            full.display(),
+            shim.display(),
             String::from_utf8_lossy(needle)
         );
     }
+    let out = Command::new(shim).arg("--version").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.starts_with("xpu-container-runtime version "), "{stdout}");
+
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("runtime.toml");
     std::fs::write(&cfg, "runtime = \"/nonexistent/runc\"\n").unwrap();
     for backtrace in ["0", "1", "full"] {
-        let out = Command::new(full)
+        let out = Command::new(shim)
             .args(["state", "x"])
             .env("XPU_RUNTIME_CONFIG", &cfg)
             .env("RUST_BACKTRACE", backtrace)
@@ -89,11 +75,11 @@ fn the_full_shim_links_musl_and_reports_errors_with_backtraces_on() {
 }
 
 #[test]
-fn front_runs_containers_and_hands_requests_to_the_full_shim_needs_root_and_runc() {
+fn runs_containers_asking_for_nothing_and_for_gpus_1_and_3_needs_root_and_runc() {
     if bundle::skip_container_tests() {
         return;
     }
-    let (front, _) = built();
+    let shim = built();
     let host = TestHost::new(&hosts::a100_8x());
     let cdi = host.dir.path().join("cdi");
     std::fs::create_dir_all(&cdi).unwrap();
@@ -103,27 +89,30 @@ fn front_runs_containers_and_hands_requests_to_the_full_shim_needs_root_and_runc
     let cfg = host.config.to_str().unwrap();
     let env = [("XPU_RUNTIME_CONFIG", cfg)];
 
-    // Nothing asked for: runc runs it, and the full shim logs nothing.
+    // Nothing asked for: runc runs it, with the spec as it was, and nothing is logged.
     let plain = Bundle::busybox("echo plain-ok");
+    let before = std::fs::read(plain.config_path()).unwrap();
     let state = RuncState::new();
-    let out = state.run(front, &[], &plain, &container_id("front-plain"), &env);
+    let out = state.run(shim, &[], &plain, &container_id("inst-plain"), &env);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "plain-ok");
-    assert_eq!(host.log(), "", "a container asking for nothing never reaches the full shim");
+    assert_eq!(std::fs::read(plain.config_path()).unwrap(), before, "the spec is untouched");
+    assert_eq!(host.log(), "", "a container asking for nothing is not logged");
 
-    // GPUs 1 and 3: the full shim's work, from the snapshot.
+    // GPUs 1 and 3, from the snapshot.
     let b = Bundle::busybox(&probe_script("cat /usr/lib/x86_64-linux-gnu/libcuda.so.1"));
     b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
-    let out = state.run(front, &[], &b, &container_id("front13"), &env);
+    let out = state.run(shim, &[], &b, &container_id("inst13"), &env);
     let v = ContainerView::of(&out);
     assert_eq!(v.accel_nodes(), bundle::a100_gpus_1_and_3_nodes());
     assert_eq!(v.env["XPU_DEVICES"], "nvidia.com/gpu=1,nvidia.com/gpu=3");
+    assert!(v.extra.contains("fake libcuda.so.535.104.05"), "{}", v.extra);
     let log = host.log();
     assert!(log.contains("nvidia.com/gpu=1,nvidia.com/gpu=3: 5 nodes"), "{log}");
     assert!(log.contains("(host snapshot)"), "{log}");
 
     // runc's own answer for a command it refuses comes through unchanged.
-    let out = Command::new(front)
+    let out = Command::new(shim)
         .args(["--root"])
         .arg(state.path())
         .args(["state", "no-such-container"])
@@ -136,13 +125,13 @@ fn front_runs_containers_and_hands_requests_to_the_full_shim_needs_root_and_runc
 }
 
 #[test]
-fn errors_are_the_full_shims_and_a_runtime_naming_a_shim_does_not_loop() {
-    let (front, full) = built();
+fn config_errors_are_reported_and_a_runtime_naming_the_shim_does_not_loop() {
+    let shim = built();
     let dir = tempfile::tempdir().unwrap();
     let run = |config: &str| {
         let p = dir.path().join("runtime.toml");
         std::fs::write(&p, config).unwrap();
-        let out = Command::new(front)
+        let out = Command::new(shim)
             .args(["state", "x"])
             .env("XPU_RUNTIME_CONFIG", &p)
             .stdin(Stdio::null())
@@ -153,18 +142,22 @@ fn errors_are_the_full_shims_and_a_runtime_naming_a_shim_does_not_loop() {
     };
     let e = run("runtim = \"runc\"\n");
     assert!(e.contains("unknown field `runtim`"), "{e}");
-    for shim in [front, full] {
-        let e = run(&format!("runtime = \"{}\"\n", shim.display()));
-        assert!(e.contains("is this shim itself"), "{e}");
-    }
+    let e = run(&format!("runtime = \"{}\"\n", shim.display()));
+    assert!(e.contains("is this shim itself"), "{e}");
+    // Through a symlink too: the same file.
+    let link = dir.path().join("runc");
+    std::os::unix::fs::symlink(shim, &link).unwrap();
+    let e = run(&format!("runtime = \"{}\"\n", link.display()));
+    assert!(e.contains("is this shim itself"), "{e}");
 }
 
-/// What the runtime starts with is the same through the front as through the full shim: the
-/// signal mask, ignored signals (std's exec resets SIGPIPE; the caller here ignores it) and a
-/// standard input the caller closed (std reopens it on /dev/null).
+/// runc starts in the state std's `exec` gives, whatever the engine left: SIGPIPE back to its
+/// default, no signal blocked, and a standard input the caller closed reopened on /dev/null. The
+/// negative control runs the same probe without the shim and sees SIGPIPE ignored and stdin
+/// closed.
 #[test]
-fn runc_starts_in_the_same_process_state_through_either_binary() {
-    let (front, full) = built();
+fn runc_starts_with_sigpipe_default_and_standard_descriptors_open() {
+    let shim = built();
     let dir = tempfile::tempdir().unwrap();
     let probe = dir.path().join("probe");
     std::fs::write(
@@ -175,23 +168,34 @@ fn runc_starts_in_the_same_process_state_through_either_binary() {
     std::fs::set_permissions(&probe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let config = dir.path().join("runtime.toml");
     std::fs::write(&config, format!("runtime = \"{}\"\n", probe.display())).unwrap();
-    let state = |shim: &Path| {
-        // SIGPIPE ignored and stdin closed by the caller, as a careless engine might leave them.
+    // SIGPIPE ignored and stdin closed by the caller, as a careless engine might leave them.
+    let state = |program: &Path| {
         let out = Command::new("sh")
             .arg("-c")
-            .arg(format!("trap '' PIPE; exec '{}' state x <&-", shim.display()))
+            .arg(format!("trap '' PIPE; exec '{}' state x <&-", program.display()))
             .env("XPU_RUNTIME_CONFIG", &config)
             .output()
             .unwrap();
         assert!(
             out.status.success(),
             "{}: {}",
-            shim.display(),
+            program.display(),
             String::from_utf8_lossy(&out.stderr)
         );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let mask = |name: &str| {
+            let line = text.lines().find(|l| l.starts_with(name)).unwrap();
+            u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+        };
+        let stdin = text.lines().last().unwrap_or_default().to_owned();
+        (mask("SigBlk:"), mask("SigIgn:"), stdin)
     };
-    let (through_front, through_full) = (state(front), state(full));
-    assert_eq!(through_front, through_full);
-    assert!(through_front.contains("/dev/null"), "{through_front}");
+    const SIGPIPE: u64 = 1 << (13 - 1);
+    let (blocked, ignored, stdin) = state(shim);
+    assert_eq!(blocked, 0);
+    assert_eq!(ignored & SIGPIPE, 0, "SIGPIPE is back to its default");
+    assert_eq!(stdin, "/dev/null");
+    let (_, ignored, stdin) = state(&probe);
+    assert_ne!(ignored & SIGPIPE, 0, "the negative control: SIGPIPE ignored");
+    assert_eq!(stdin, "closed");
 }
