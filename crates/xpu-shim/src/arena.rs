@@ -31,7 +31,7 @@ static MEMORY: Memory = Memory(UnsafeCell::new([0; SIZE]));
 /// The offset of the first byte not handed out.
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
-/// The global allocator of `xpu-shim-std` (the binary only: `xpu runtime` keeps the system's).
+/// The global allocator of `xpu-container-runtime` (the binary only: `xpu runtime` keeps the system's).
 pub struct Arena;
 
 fn base() -> usize {
