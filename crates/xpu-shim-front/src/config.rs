@@ -35,7 +35,7 @@ impl File {
         toml::from_str(text)
     }
 
-    /// The first value that cannot be used, in the order the full shim reports them
+    /// The first value that cannot be used, in the order the shim reports them
     /// (`default_capabilities`, which needs the capability names, is checked there).
     pub fn problem(&self) -> Option<Problem<'_>> {
         if let Some(v) = self.cuda_version.as_deref()

@@ -1,4 +1,4 @@
-//! The full shim's allocator: a bump pointer through a static arena, then the system allocator.
+//! The shim's allocator: a bump pointer through a static arena, then the system allocator.
 //!
 //! The shim lives for a fraction of a millisecond and then execs the real runtime, so freeing is
 //! mostly wasted work. A general-purpose `malloc` also costs system calls here: musl's
