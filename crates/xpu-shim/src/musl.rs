@@ -68,16 +68,14 @@ struct Search {
 }
 
 unsafe extern "C" fn visit(info: *mut DlPhdrInfo, _size: usize, data: *mut c_void) -> c_int {
-    // SAFETY: `dl_iterate_phdr` passes a valid `info` whose `phdr` holds `phnum` headers, and
-    // `data` is the `Search` `_dl_find_object` passed it, borrowed by nothing else meanwhile.
-    let (info, search, phdrs) = unsafe {
-        let info = &*info;
-        (
-            info,
-            &mut *data.cast::<Search>(),
-            std::slice::from_raw_parts(info.phdr, info.phnum.into()),
-        )
-    };
+    // SAFETY: `dl_iterate_phdr` passes a valid `info`, and `data` is the `Search`
+    // `_dl_find_object` passed it, borrowed by nothing else meanwhile.
+    let (info, search) = unsafe { (&*info, &mut *data.cast::<Search>()) };
+    if info.phdr.is_null() {
+        return 0;
+    }
+    // SAFETY: a non-null `phdr` holds `phnum` program headers.
+    let phdrs = unsafe { std::slice::from_raw_parts(info.phdr, info.phnum.into()) };
     let (mut start, mut end, mut eh_frame) = (usize::MAX, 0, 0);
     for p in phdrs {
         let at = info.addr.wrapping_add(p.p_vaddr as usize);
