@@ -16,13 +16,13 @@
 
 use std::path::{Path, PathBuf};
 
+use serde::Deserialize;
 use xpu_core::driver::Capabilities;
-use xpu_shim_front::config::{File, Problem};
 
 use crate::nvml::Version;
 
-pub const DEFAULT_PATH: &str = xpu_shim_front::CONFIG_PATH;
-pub const ENV_VAR: &str = xpu_shim_front::CONFIG_ENV;
+pub const DEFAULT_PATH: &str = "/etc/xpu/runtime.toml";
+pub const ENV_VAR: &str = "XPU_RUNTIME_CONFIG";
 
 /// The settings, with defaults filled in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +51,17 @@ impl Default for RuntimeConfig {
             source: None,
         }
     }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    root: Option<PathBuf>,
+    runtime: Option<String>,
+    log_file: Option<PathBuf>,
+    default_capabilities: Option<String>,
+    cuda_version: Option<String>,
+    cdi_dirs: Option<Vec<PathBuf>>,
 }
 
 /// Why the settings cannot be read.
@@ -91,33 +102,32 @@ impl RuntimeConfig {
 
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
-        let f = File::parse(text).map_err(|e| invalid(e.to_string().trim().to_owned()))?;
+        let f: File = toml::from_str(text).map_err(|e| invalid(e.to_string().trim().to_owned()))?;
         let d = Self::default();
-        let default_capabilities = match &f.default_capabilities {
+        let default_capabilities = match f.default_capabilities {
             None => d.default_capabilities,
-            Some(s) => {
-                Capabilities::parse(s).map_err(|e| invalid(format!("default_capabilities: {e}")))?
-            }
+            Some(s) => Capabilities::parse(&s)
+                .map_err(|e| invalid(format!("default_capabilities: {e}")))?,
         };
-        // The checks that need nothing of the host (`xpu_shim_front::config`).
-        match f.problem() {
-            Some(Problem::BadCudaVersion(s)) => {
-                return Err(invalid(format!("cuda_version {s:?} is not a version like \"12.2\"")));
-            }
-            Some(Problem::RelativeRoot(r)) => {
-                return Err(invalid(format!("root {r} must be an absolute path")));
-            }
-            Some(Problem::RelativeCdiDir(dir)) => {
-                return Err(invalid(format!("cdi_dirs: {dir} must be an absolute path")));
-            }
-            None => {}
+        let cuda_version = match f.cuda_version {
+            None => None,
+            Some(s) => Some(Version::parse(&s).ok_or_else(|| {
+                invalid(format!("cuda_version {s:?} is not a version like \"12.2\""))
+            })?),
+        };
+        if let Some(r) = &f.root
+            && !r.is_absolute()
+        {
+            return Err(invalid(format!("root {} must be an absolute path", r.display())));
         }
-        let cuda_version = f.cuda_version.as_deref().and_then(Version::parse);
+        if let Some(dir) = f.cdi_dirs.iter().flatten().find(|d| !d.is_absolute()) {
+            return Err(invalid(format!("cdi_dirs: {} must be an absolute path", dir.display())));
+        }
         Ok(Self {
-            runtime: f.runtime().to_owned(),
-            cdi_dirs: f.cdi_dirs.map_or(d.cdi_dirs, |v| v.into_iter().map(PathBuf::from).collect()),
-            root: f.root.map_or(d.root, PathBuf::from),
-            log_file: f.log_file.map(PathBuf::from),
+            cdi_dirs: f.cdi_dirs.unwrap_or(d.cdi_dirs),
+            root: f.root.unwrap_or(d.root),
+            runtime: f.runtime.filter(|r| !r.is_empty()).unwrap_or(d.runtime),
+            log_file: f.log_file,
             default_capabilities,
             cuda_version,
             source: Some(path.to_owned()),
@@ -158,6 +168,20 @@ mod tests {
         let d = RuntimeConfig::parse("", Path::new("t.toml")).unwrap();
         assert_eq!(d.runtime, "runc");
         assert_eq!(d.default_capabilities.to_string(), "compute,utility");
+    }
+
+    /// With several bad values, the first reported is `cuda_version`, then `root`, then
+    /// `cdi_dirs`; an empty `runtime` means runc.
+    #[test]
+    fn problems_are_reported_in_order() {
+        let p = Path::new("/etc/xpu/runtime.toml");
+        let message = |text: &str| RuntimeConfig::parse(text, p).unwrap_err().to_string();
+        assert!(message("root = \"rel\"\ncuda_version = \"x\"\n").contains("cuda_version \"x\""));
+        assert!(message("root = \"rel\"\ncdi_dirs = [\"cdi\"]\n").contains("root rel must be"));
+        assert!(message("cdi_dirs = [\"/etc/cdi\", \"cdi\"]\n").contains("cdi_dirs: cdi must be"));
+        assert_eq!(RuntimeConfig::parse("runtime = \"\"", p).unwrap().runtime, "runc");
+        assert_eq!(Version::parse(" 12.2 "), Some(Version(vec![12, 2])));
+        assert_eq!(Version::parse("12."), None);
     }
 
     #[test]

@@ -23,7 +23,8 @@ pub struct Version(pub Vec<u64>);
 
 impl Version {
     pub fn parse(s: &str) -> Option<Version> {
-        xpu_shim_front::config::version_parts(s).map(Version)
+        let parts: Option<Vec<u64>> = s.trim().split('.').map(|p| p.parse().ok()).collect();
+        parts.filter(|p| !p.is_empty()).map(Version)
     }
 
     pub fn cmp_padded(&self, other: &Version) -> std::cmp::Ordering {

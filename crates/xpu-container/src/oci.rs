@@ -70,21 +70,20 @@ impl Spec {
         SpecError::Shape { path: self.path.clone(), field, problem: problem.into() }
     }
 
-    /// `process.env`, the last definition of a name winning.
+    /// `process.env`.
     pub fn env(&self) -> Result<Env, SpecError> {
-        Ok(Env::from_entries(self.env_entries()?))
-    }
-
-    /// `process.env` as written (`NAME=value` entries, in order).
-    pub fn env_entries(&self) -> Result<Vec<&str>, SpecError> {
         match self.value.pointer("/process/env") {
-            None | Some(Value::Null) => Ok(Vec::new()),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| {
-                    v.as_str().ok_or_else(|| self.shape("process.env", "has a non-string entry"))
-                })
-                .collect(),
+            None | Some(Value::Null) => Ok(Env::default()),
+            Some(Value::Array(a)) => {
+                let mut entries = Vec::with_capacity(a.len());
+                for v in a {
+                    entries.push(
+                        v.as_str()
+                            .ok_or_else(|| self.shape("process.env", "has a non-string entry"))?,
+                    );
+                }
+                Ok(Env::from_entries(entries))
+            }
             Some(_) => Err(self.shape("process.env", "is not an array of strings")),
         }
     }

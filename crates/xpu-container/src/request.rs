@@ -25,13 +25,12 @@ use xpu_core::{DeviceKind, Inventory, PciAddress};
 use crate::cdi::{self, CdiKind, QualifiedName};
 use crate::edits::Selection;
 
+pub const NVIDIA_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 pub const NVIDIA_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
 pub const NVIDIA_DISABLE_REQUIRE: &str = "NVIDIA_DISABLE_REQUIRE";
 pub const NVIDIA_REQUIRE_PREFIX: &str = "NVIDIA_REQUIRE_";
-// The names the shim's first question (`xpu_shim_front::request::may_request`) looks for.
-pub use xpu_shim_front::request::{
-    CDI_ANNOTATION_PREFIX, NVIDIA_VISIBLE_DEVICES, XPU_VISIBLE_DEVICES,
-};
+pub const XPU_VISIBLE_DEVICES: &str = "XPU_VISIBLE_DEVICES";
+pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
 
 /// A bad request value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

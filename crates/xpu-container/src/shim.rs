@@ -8,10 +8,12 @@
 //! Any error stops before the spec is written and before the real runtime runs: the engine sees
 //! a failed `create` with the message on stderr, never a half-edited spec.
 //!
-//! Argument parsing follows runc's command line (`xpu_shim_front::args`).
+//! Argument parsing follows runc's command line (<https://github.com/opencontainers/runc>,
+//! `runc --help`): global options before the subcommand, `--bundle`/`-b` on `create`/`run`
+//! (default: the current directory), Go flag syntax (`-b X`, `--bundle X`, `--bundle=X`,
+//! `-bundle X`).
 
 use std::ffi::{OsStr, OsString};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use xpu_core::driver::{Capabilities, DriverFiles};
@@ -22,7 +24,9 @@ use crate::config::{ConfigError, RuntimeConfig};
 use crate::edits::{self, EditError, Edits};
 use crate::nvml::{Nvml, Version};
 use crate::oci::{Spec, SpecError};
-use crate::request::{self, Request, RequestError, Wanted};
+use crate::request::{
+    self, CDI_ANNOTATION_PREFIX, NVIDIA_VISIBLE_DEVICES, Request, RequestError, Wanted,
+};
 use crate::require::{self, RequireError};
 use crate::rootfs::{Rootfs, RootfsError};
 
@@ -101,11 +105,14 @@ impl Prepared {
 }
 
 /// Whether a spec's environment or annotations could ask for anything: lets a plain container
-/// skip host discovery ([`xpu_shim_front::request::may_request`]).
+/// skip host discovery.
 fn may_request(spec: &Spec) -> Result<bool, SpecError> {
-    let env = spec.env_entries()?;
-    let annotations = spec.annotations()?;
-    Ok(xpu_shim_front::request::may_request(env, annotations.keys().map(String::as_str)))
+    let env = spec.env()?;
+    let nvidia = env.get(NVIDIA_VISIBLE_DEVICES).is_some_and(|v| !matches!(v.trim(), "" | "void"));
+    let xpu =
+        env.get(request::XPU_VISIBLE_DEVICES).is_some_and(|v| !matches!(v.trim(), "" | "void"));
+    let cdi = spec.annotations()?.keys().any(|k| k.starts_with(CDI_ANNOTATION_PREFIX));
+    Ok(nvidia || xpu || cdi)
 }
 
 /// Reads `BUNDLE/config.json` and computes what the container gets; `None` when it asks for
@@ -156,6 +163,74 @@ pub fn prepare(
     Ok(Some(Prepared { spec, request: req, edits, rootfs }))
 }
 
+/// The subcommand and bundle of a runtime command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invocation {
+    pub subcommand: Option<String>,
+    /// `--bundle`, or `None` for the current directory.
+    pub bundle: Option<PathBuf>,
+}
+
+/// Global options of runc (and crun, youki) that take a value.
+const GLOBAL_WITH_VALUE: [&str; 6] =
+    ["root", "log", "log-format", "criu", "rootless", "cgroup-manager"];
+/// `create`/`run` options that take a value, besides `bundle`.
+const CREATE_WITH_VALUE: [&str; 4] = ["console-socket", "pid-file", "preserve-fds", "criu"];
+
+/// `--name=value` / `-name=value` / `--name` / `-name` → (name, inline value).
+fn flag(arg: &OsStr) -> Option<(String, Option<OsString>)> {
+    let s = arg.to_str()?;
+    let body = s.strip_prefix("--").or_else(|| s.strip_prefix('-'))?;
+    if body.is_empty() {
+        return None;
+    }
+    Some(match body.split_once('=') {
+        Some((n, v)) => (n.to_owned(), Some(OsString::from(v))),
+        None => (body.to_owned(), None),
+    })
+}
+
+/// Finds the subcommand and, for `create`/`run`, the bundle.
+pub fn parse_args(args: &[OsString]) -> Invocation {
+    let mut i = 0;
+    let mut subcommand = None;
+    while i < args.len() {
+        match flag(&args[i]) {
+            Some((name, inline)) => {
+                if inline.is_none() && GLOBAL_WITH_VALUE.contains(&name.as_str()) {
+                    i += 1;
+                }
+            }
+            None => {
+                subcommand = args[i].to_str().map(str::to_owned);
+                break;
+            }
+        }
+        i += 1;
+    }
+    let mut bundle = None;
+    if matches!(subcommand.as_deref(), Some("create" | "run")) {
+        let mut j = i + 1;
+        while j < args.len() {
+            if let Some((name, inline)) = flag(&args[j]) {
+                if name == "bundle" || name == "b" {
+                    match inline {
+                        Some(v) => bundle = Some(PathBuf::from(v)),
+                        None => {
+                            bundle = args.get(j + 1).map(PathBuf::from);
+                            j += 1;
+                        }
+                    }
+                } else if inline.is_none() && CREATE_WITH_VALUE.contains(&name.as_str()) {
+                    j += 1;
+                }
+            }
+            j += 1;
+        }
+    }
+    Invocation { subcommand, bundle }
+}
+
 /// The real runtime's path: `runtime` from the config, looked up in `$PATH` (and the usual
 /// sbin directories, which engines' minimal `$PATH` often lacks) when it is a bare name. Never
 /// this shim itself.
@@ -175,7 +250,9 @@ pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
     } else {
         let path = std::env::var_os("PATH").unwrap_or_default();
         std::env::split_paths(&path)
-            .chain(xpu_shim_front::SBIN_DIRS.map(PathBuf::from))
+            .chain(
+                ["/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin"].map(PathBuf::from),
+            )
             .find_map(|d| file(d.join(&cfg.runtime)))
     };
     let (path, runtime) = candidate.ok_or_else(|| ShimError::RuntimeNotFound {
@@ -208,12 +285,11 @@ pub fn handle(
     nvml: &dyn Nvml,
 ) -> Result<(PathBuf, Outcome), ShimError> {
     let runtime = real_runtime(cfg)?;
-    let words: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
-    let inv = xpu_shim_front::args::parse(&words);
-    if !inv.creates() {
+    let inv = parse_args(args);
+    if !matches!(inv.subcommand.as_deref(), Some("create" | "run")) {
         return Ok((runtime, Outcome::PassThrough));
     }
-    let bundle = PathBuf::from(OsStr::from_bytes(inv.bundle.unwrap_or(b".")));
+    let bundle = inv.bundle.unwrap_or_else(|| PathBuf::from("."));
     let Some(mut prepared) = prepare(&bundle, cfg, host, nvml)? else {
         return Ok((runtime, Outcome::PassThrough));
     };
@@ -233,4 +309,65 @@ pub fn exec(runtime: &Path, args: &[OsString]) -> ShimError {
     use std::os::unix::process::CommandExt;
     let e = std::process::Command::new(runtime).args(args).exec();
     ShimError::Exec { path: runtime.to_owned(), source: e }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::ffi::OsStringExt;
+
+    use super::*;
+
+    fn args(s: &[&str]) -> Vec<OsString> {
+        s.iter().map(OsString::from).collect()
+    }
+
+    /// The last definition of a variable decides; empty, blank and `void` ask for nothing; any
+    /// CDI annotation may ask.
+    #[test]
+    fn the_last_definition_decides_whether_a_spec_may_ask() {
+        let asks = |env: &[&str], annotations: &[&str]| {
+            let annotations: serde_json::Map<String, serde_json::Value> =
+                annotations.iter().map(|k| ((*k).to_owned(), "x".into())).collect();
+            let spec = serde_json::json!({ "process": { "env": env }, "annotations": annotations });
+            let spec = Spec::parse(spec.to_string().as_bytes(), PathBuf::from("config.json"));
+            may_request(&spec.unwrap()).unwrap()
+        };
+        assert!(asks(&["NVIDIA_VISIBLE_DEVICES=0"], &[]));
+        assert!(!asks(&["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_VISIBLE_DEVICES=void"], &[]));
+        assert!(!asks(&["NVIDIA_VISIBLE_DEVICES= "], &[]));
+        assert!(!asks(&["NVIDIA_VISIBLE_DEVICES"], &[]));
+        assert!(asks(&["XPU_VISIBLE_DEVICES=nvidia.com/gpu=1"], &[]));
+        assert!(asks(&[], &["cdi.k8s.io/x"]));
+        assert!(!asks(&["PATH=/bin"], &["io.kubernetes.cri.x"]));
+    }
+
+    #[test]
+    fn finds_subcommand_and_bundle_like_runc() {
+        let i = parse_args(&args(&[
+            "--root",
+            "/run/x",
+            "--log",
+            "/l",
+            "--systemd-cgroup",
+            "create",
+            "--bundle",
+            "/b",
+            "--pid-file",
+            "/p",
+            "id",
+        ]));
+        assert_eq!(i.subcommand.as_deref(), Some("create"));
+        assert_eq!(i.bundle, Some(PathBuf::from("/b")));
+        let i = parse_args(&args(&["--root=/r", "run", "-b=/c", "id"]));
+        assert_eq!((i.subcommand.as_deref(), i.bundle), (Some("run"), Some(PathBuf::from("/c"))));
+        let i = parse_args(&args(&["create", "--console-socket", "-b", "-bundle", "/d", "id"]));
+        assert_eq!(i.bundle, Some(PathBuf::from("/d")));
+        let i = parse_args(&args(&["create", "id"]));
+        assert_eq!(i.bundle, None);
+        let i = parse_args(&args(&["--debug", "state", "id"]));
+        assert_eq!((i.subcommand.as_deref(), i.bundle), (Some("state"), None));
+        assert_eq!(parse_args(&args(&["--version"])).subcommand, None);
+        let not_utf8 = [OsString::from_vec(b"\xff".to_vec()), OsString::from("create")];
+        assert_eq!(parse_args(&not_utf8).subcommand, None, "a non-UTF-8 word is not a subcommand");
+    }
 }

@@ -388,8 +388,7 @@ fn static_shim() -> Result<PathBuf, String> {
     let target = Path::new(XPU).parent().and_then(Path::parent).ok_or("no target directory")?;
     let shim = target.join("shim/xpu-container-runtime");
     let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let sources =
-        ["xpu-core/src", "xpu-host/src", "xpu-container/src", "xpu-shim/src", "xpu-shim-front/src"];
+    let sources = ["xpu-core/src", "xpu-host/src", "xpu-container/src", "xpu-shim/src"];
     let mut newest = None;
     for dir in sources {
         newest = newest.max(newest_file(&crates.join(dir)));
