@@ -6,10 +6,14 @@
 
 use std::process::ExitCode;
 
-// The allocator and the glibc names std needs are this binary's alone (`xpu runtime` keeps the
-// system's); both need `unsafe`, which the rest of the package denies.
+// The allocator, the glibc names std needs and the memory functions in place of musl's are this
+// binary's alone (`xpu runtime` keeps the system's); they need `unsafe`, which the rest of the
+// package denies.
 #[allow(unsafe_code)]
 mod arena;
+#[cfg(any(xpu_musl, test))]
+#[allow(unsafe_code)]
+mod mem;
 #[cfg(xpu_musl)]
 #[allow(unsafe_code)]
 mod musl;
