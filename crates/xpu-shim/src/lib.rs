@@ -135,7 +135,8 @@ const COMMIT: &str = env!("XPU_GIT_COMMIT");
 pub const VERSION_LINE: &str =
     concat!(env!("CARGO_PKG_VERSION"), " (", env!("XPU_GIT_COMMIT"), ")");
 
-/// Runs the shim with runc's arguments `args`; returns only when it cannot exec runc.
+/// Runs the shim with runc's arguments `args`; returns only when it cannot exec runc, with
+/// `ExitCode::SUCCESS` or `ExitCode::FAILURE` (the packaged binary's `main` relies on that).
 pub fn run(args: Vec<OsString>) -> ExitCode {
     const ME: &str = "xpu-container-runtime";
     if let [flag] = args.as_slice()
