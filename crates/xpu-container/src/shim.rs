@@ -40,6 +40,13 @@ pub trait Host {
     /// [`request::wanted`] says the container can name. The shim runs on every container start,
     /// so it reads no more than that (`xpu_host::discover_nodes`).
     fn inventory(&self, only: Option<&[Wanted]>) -> Result<Inventory, String>;
+    /// Whether the device nodes of `inv.devices[i]` for each `i` in `devices`, and the host's
+    /// control nodes, are still those `inv` records. An inventory just read from the host is;
+    /// one taken from a saved snapshot is checked here, for the devices the request selected
+    /// and no others. `false` makes the shim [`Host::discover`] and resolve the request again.
+    fn nodes_current(&self, inv: &Inventory, devices: &[usize]) -> bool;
+    /// [`Host::inventory`] read from the host itself, never from a snapshot.
+    fn discover(&self, only: Option<&[Wanted]>) -> Result<Inventory, String>;
     /// NVIDIA's driver files for `caps`; called only when a container needs them.
     fn driver_files(&self, inv: &Inventory, caps: Capabilities) -> DriverFiles;
 }
@@ -130,8 +137,12 @@ pub fn prepare(
     let env = spec.env()?;
     let annotations = spec.annotations()?;
     let only = request::wanted(&env, &annotations);
-    let inv = host.inventory(only.as_deref()).map_err(ShimError::Host)?;
-    let req = request::resolve(&env, &annotations, &inv, cfg.default_capabilities)?;
+    let mut inv = host.inventory(only.as_deref()).map_err(ShimError::Host)?;
+    let mut req = request::resolve(&env, &annotations, &inv, cfg.default_capabilities)?;
+    if !host.nodes_current(&inv, &req.selection.devices) {
+        inv = host.discover(only.as_deref()).map_err(ShimError::Host)?;
+        req = request::resolve(&env, &annotations, &inv, cfg.default_capabilities)?;
+    }
     if req.selection.is_empty() {
         return Ok(None);
     }

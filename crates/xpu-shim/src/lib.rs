@@ -72,19 +72,35 @@ impl HostReader {
 
 impl Host for HostReader {
     fn inventory(&self, only: Option<&[Wanted]>) -> Result<Inventory, String> {
-        if let Some(snap) = self.snapshot() {
-            let inv = snap.inventory_for(only);
-            // The nodes the edits would name must still be those recorded (a driver reload can
-            // renumber them without changing the key).
-            let mut nodes =
-                inv.devices.iter().flat_map(|d| &d.dev_nodes).chain(&inv.host.control_nodes);
-            let current =
-                nodes.all(|n| xpu_host::devnode::stat(&self.root, &n.path).as_ref() == Some(n));
-            if current {
+        match self.snapshot() {
+            Some(snap) => {
                 self.from_snapshot.set(true);
-                return Ok(inv);
+                Ok(snap.inventory_for(only))
             }
+            None => self.discover(only),
         }
+    }
+
+    fn nodes_current(&self, inv: &Inventory, devices: &[usize]) -> bool {
+        if !self.from_snapshot.get() {
+            return true;
+        }
+        // The nodes the edits would name must still be those recorded (a driver reload can
+        // renumber them without changing the key); the other devices' are not read.
+        let mut nodes = devices
+            .iter()
+            .filter_map(|&i| inv.devices.get(i))
+            .flat_map(|d| &d.dev_nodes)
+            .chain(&inv.host.control_nodes);
+        let current =
+            nodes.all(|n| xpu_host::devnode::stat(&self.root, &n.path).as_ref() == Some(n));
+        if !current {
+            self.from_snapshot.set(false);
+        }
+        current
+    }
+
+    fn discover(&self, only: Option<&[Wanted]>) -> Result<Inventory, String> {
         self.from_snapshot.set(false);
         xpu_host::discover_nodes(&self.root, only).map_err(|e| e.to_string())
     }

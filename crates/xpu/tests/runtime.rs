@@ -446,7 +446,8 @@ fn runtime_host_snapshot_answers_as_discovery_on_every_fixture_host_needs_root()
 
 /// A snapshot that no longer describes the host is not used: a GPU removed (the host key
 /// changes) or a device node renumbered (the key cannot see it) sends the shim back to
-/// discovery, and the container gets what the host has now.
+/// discovery, and the container gets what the host has now. A renumbered node of a device the
+/// request does not select is not read.
 #[test]
 fn runtime_stale_host_snapshot_falls_back_to_discovery_needs_root() {
     if bundle::skip_container_tests() {
@@ -482,6 +483,12 @@ fn runtime_stale_host_snapshot_falls_back_to_discovery_needs_root() {
     let renumbered = edited(&snapshot, &all).unwrap();
     assert_eq!(host.log().matches("(host snapshot)").count(), 1, "discovery, not the snapshot");
     assert_eq!(Ok(renumbered), edited(&discover, &all));
+    // The nodes checked are the selected devices' (and the control nodes): a request that does
+    // not name GPU 7 does not read its node, and the snapshot still answers it, rightly.
+    let some = ["NVIDIA_VISIBLE_DEVICES=1,3"];
+    let answered = edited(&snapshot, &some).unwrap();
+    assert_eq!(host.log().matches("(host snapshot)").count(), 2, "{}", host.log());
+    assert_eq!(Ok(answered), edited(&discover, &some));
 
     // A GPU removed: its PCI function is gone from sysfs.
     let devices = host.fixture.root().join("sys/bus/pci/devices");
@@ -496,5 +503,5 @@ fn runtime_stale_host_snapshot_falls_back_to_discovery_needs_root() {
     let now = edited(&snapshot, &all).unwrap();
     assert_eq!(gpus(&now), 7, "the removed GPU is not given");
     assert_eq!(Ok(now), edited(&discover, &all));
-    assert_eq!(host.log().matches("(host snapshot)").count(), 1, "{}", host.log());
+    assert_eq!(host.log().matches("(host snapshot)").count(), 2, "{}", host.log());
 }
