@@ -13,6 +13,7 @@
 //! (default: the current directory), Go flag syntax (`-b X`, `--bundle X`, `--bundle=X`,
 //! `-bundle X`).
 
+use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 
@@ -25,7 +26,7 @@ use crate::edits::{self, EditError, Edits};
 use crate::nvml::{Nvml, Version};
 use crate::oci::{Spec, SpecError};
 use crate::request::{
-    self, CDI_ANNOTATION_PREFIX, NVIDIA_VISIBLE_DEVICES, Request, RequestError, Wanted,
+    self, CDI_ANNOTATION_PREFIX, Env, NVIDIA_VISIBLE_DEVICES, Request, RequestError, Wanted,
 };
 use crate::require::{self, RequireError};
 use crate::rootfs::{Rootfs, RootfsError};
@@ -113,13 +114,11 @@ impl Prepared {
 
 /// Whether a spec's environment or annotations could ask for anything: lets a plain container
 /// skip host discovery.
-fn may_request(spec: &Spec) -> Result<bool, SpecError> {
-    let env = spec.env()?;
-    let nvidia = env.get(NVIDIA_VISIBLE_DEVICES).is_some_and(|v| !matches!(v.trim(), "" | "void"));
-    let xpu =
-        env.get(request::XPU_VISIBLE_DEVICES).is_some_and(|v| !matches!(v.trim(), "" | "void"));
-    let cdi = spec.annotations()?.keys().any(|k| k.starts_with(CDI_ANNOTATION_PREFIX));
-    Ok(nvidia || xpu || cdi)
+fn may_request(env: &Env, annotations: &BTreeMap<String, String>) -> bool {
+    let asks = |name: &str| env.get(name).is_some_and(|v| !matches!(v.trim(), "" | "void"));
+    asks(NVIDIA_VISIBLE_DEVICES)
+        || asks(request::XPU_VISIBLE_DEVICES)
+        || annotations.keys().any(|k| k.starts_with(CDI_ANNOTATION_PREFIX))
 }
 
 /// Reads `BUNDLE/config.json` and computes what the container gets; `None` when it asks for
@@ -131,11 +130,11 @@ pub fn prepare(
     nvml: &dyn Nvml,
 ) -> Result<Option<Prepared>, ShimError> {
     let spec = Spec::load(bundle)?;
-    if !may_request(&spec)? {
-        return Ok(None);
-    }
     let env = spec.env()?;
     let annotations = spec.annotations()?;
+    if !may_request(&env, &annotations) {
+        return Ok(None);
+    }
     let only = request::wanted(&env, &annotations);
     let mut inv = host.inventory(only.as_deref()).map_err(ShimError::Host)?;
     let mut req = request::resolve(&env, &annotations, &inv, cfg.default_capabilities)?;
@@ -341,7 +340,8 @@ mod tests {
                 annotations.iter().map(|k| ((*k).to_owned(), "x".into())).collect();
             let spec = serde_json::json!({ "process": { "env": env }, "annotations": annotations });
             let spec = Spec::parse(spec.to_string().as_bytes(), PathBuf::from("config.json"));
-            may_request(&spec.unwrap()).unwrap()
+            let spec = spec.unwrap();
+            may_request(&spec.env().unwrap(), &spec.annotations().unwrap())
         };
         assert!(asks(&["NVIDIA_VISIBLE_DEVICES=0"], &[]));
         assert!(!asks(&["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_VISIBLE_DEVICES=void"], &[]));

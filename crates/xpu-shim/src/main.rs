@@ -8,18 +8,6 @@
 // harness's.
 #![cfg_attr(not(test), no_main)]
 
-#[cfg(not(test))]
-use std::ffi::{CStr, OsString, c_char, c_int};
-#[cfg(not(test))]
-use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
-#[cfg(not(test))]
-use std::os::unix::ffi::OsStringExt;
-#[cfg(not(test))]
-use std::process::ExitCode;
-
-#[cfg(not(test))]
-use rustix::fs::{Mode, OFlags};
-
 // The allocator, the glibc names std needs and the memory functions in place of musl's are this
 // binary's alone (`xpu runtime` keeps the system's); they need `unsafe`, which the rest of the
 // package denies.
@@ -37,43 +25,53 @@ mod musl;
 #[global_allocator]
 static ALLOCATOR: arena::Arena = arena::Arena;
 
-/// The process's entry, called by the C start code with the C arguments, in place of std's
-/// runtime start (`#![no_main]`). Under musl that start finds the main thread's stack guard by
-/// probing with 32 `mremap` calls and installs a stack-overflow handler (a `sigaltstack` with its
-/// own mapping, four `sigaction`s): about 15 µs of a container start that the shim does not need
-/// (serde_json bounds its recursion, and the shim starts no thread). What of it matters is done
-/// here: closed standard descriptors are opened on `/dev/null`, so that no file the shim opens
-/// becomes its stdout or stderr, and runc gets valid ones. SIGPIPE stays at its default (std
-/// would ignore it); the shim writes to stdout and stderr only to report, and runc gets the
-/// default either way. std's copy of the arguments is never set up in this binary: they come
-/// from `argv`, and nothing here may call `std::env::args`.
+// The entry point: not in the test build, which has the test harness's.
 #[cfg(not(test))]
-#[unsafe(no_mangle)]
-#[allow(unsafe_code)]
-extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
-    open_standard_fds();
-    let count = usize::try_from(argc).unwrap_or(0);
-    let args = (1..count)
-        .map(|i| {
-            // SAFETY: the C start code passes `argc` pointers to NUL-terminated strings.
-            let arg = unsafe { CStr::from_ptr(*argv.add(i)) };
-            OsString::from_vec(arg.to_bytes().to_vec())
-        })
-        .collect();
-    // `run` answers success or failure, nothing else.
-    if xpu_shim::run(args) == ExitCode::SUCCESS { 0 } else { 1 }
-}
+mod entry {
+    use std::ffi::{CStr, OsString, c_char, c_int};
+    use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
+    use std::os::unix::ffi::OsStringExt;
+    use std::process::ExitCode;
 
-/// Opens `/dev/null` (without close-on-exec) on each of descriptors 0, 1 and 2 that is closed,
-/// as std's start does: the lowest free descriptor is taken first, so opening until one lands
-/// above 2 fills exactly the closed ones. Usually one `open` and one `close`.
-#[cfg(not(test))]
-fn open_standard_fds() {
-    while let Ok(fd) = rustix::fs::open("/dev/null", OFlags::RDWR, Mode::empty()) {
-        if fd.as_raw_fd() > 2 {
-            break;
+    use rustix::fs::{Mode, OFlags};
+
+    /// The process's entry, called by the C start code with the C arguments, in place of
+    /// std's runtime start (`#![no_main]`). Under musl that start finds the main thread's stack
+    /// guard by probing with 32 `mremap` calls and installs a stack-overflow handler (a
+    /// `sigaltstack` with its own mapping, four `sigaction`s): about 15 µs of a container start
+    /// that the shim does not need (serde_json bounds its recursion, and the shim starts no
+    /// thread). What of it matters is done here: closed standard descriptors are opened on
+    /// `/dev/null`, so that no file the shim opens becomes its stdout or stderr, and runc gets
+    /// valid ones. SIGPIPE stays at its default (std would ignore it); the shim writes to stdout
+    /// and stderr only to report, and runc gets the default either way. std's copy of the
+    /// arguments is never set up in this binary: they come from `argv`, and nothing here may
+    /// call `std::env::args`.
+    #[unsafe(no_mangle)]
+    #[allow(unsafe_code)]
+    extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
+        open_standard_fds();
+        let count = usize::try_from(argc).unwrap_or(0);
+        let args = (1..count)
+            .map(|i| {
+                // SAFETY: the C start code passes `argc` pointers to NUL-terminated strings.
+                let arg = unsafe { CStr::from_ptr(*argv.add(i)) };
+                OsString::from_vec(arg.to_bytes().to_vec())
+            })
+            .collect();
+        // `run` answers success or failure, nothing else.
+        if xpu_shim::run(args) == ExitCode::SUCCESS { 0 } else { 1 }
+    }
+
+    /// Opens `/dev/null` (without close-on-exec) on each of descriptors 0, 1 and 2 that is closed,
+    /// as std's start does: the lowest free descriptor is taken first, so opening until one lands
+    /// above 2 fills exactly the closed ones. Usually one `open` and one `close`.
+    fn open_standard_fds() {
+        while let Ok(fd) = rustix::fs::open("/dev/null", OFlags::RDWR, Mode::empty()) {
+            if fd.as_raw_fd() > 2 {
+                break;
+            }
+            // It is now a standard descriptor, for the life of the process and of what it execs.
+            let _standard: RawFd = fd.into_raw_fd();
         }
-        // It is now a standard descriptor, for the life of the process and of what it execs.
-        let _standard: RawFd = fd.into_raw_fd();
     }
 }

@@ -2,9 +2,10 @@
 //! musl's. Parsing and rewriting a spec makes about two thousand calls, nearly all of a few
 //! bytes: musl's `memcpy` starts `rep movsq` (tens of cycles to start) or copies byte by byte,
 //! and its `memcmp` compares byte by byte; they were a quarter of the shim's time in user space.
-//! Here a block of up to 64 bytes is copied with at most four overlapping loads and four stores
-//! (all loads first, so the same code serves `memmove`), a longer one with `rep movsb`, which
-//! CPUs with fast string operations run at full speed; comparisons go eight bytes at a time.
+//! Here a block of up to 64 bytes is copied with two overlapping loads and two stores of the
+//! widest width that fits (both loads first, so the same code serves `memmove`), a longer one
+//! with `rep movsb`, which CPUs with fast string operations run at full speed; comparisons go
+//! eight bytes at a time.
 //!
 //! The functions are plain Rust (tested on every build); only the musl build exports them under
 //! the C names. Their bodies call nothing: no loop here copies or compares bytewise in a way the
@@ -19,41 +20,46 @@ use std::arch::asm;
 /// `src` is readable and `dst` writable for `n` bytes.
 #[inline(always)]
 unsafe fn copy_small(dst: *mut u8, src: *const u8, n: usize) {
-    // SAFETY: every access is inside the caller's `n` bytes (the pairs overlap when `n` is not
-    // a multiple of the width), and unaligned accesses are allowed.
+    // SAFETY: the caller's buffers; each width is at most `n`, and the accesses of the first
+    // arm are inside them too.
     unsafe {
-        if n >= 32 {
-            let a = src.cast::<u128>().read_unaligned();
-            let b = src.add(16).cast::<u128>().read_unaligned();
-            let c = src.add(n - 32).cast::<u128>().read_unaligned();
-            let d = src.add(n - 16).cast::<u128>().read_unaligned();
-            dst.cast::<u128>().write_unaligned(a);
-            dst.add(16).cast::<u128>().write_unaligned(b);
-            dst.add(n - 32).cast::<u128>().write_unaligned(c);
-            dst.add(n - 16).cast::<u128>().write_unaligned(d);
-        } else if n >= 16 {
-            let a = src.cast::<u128>().read_unaligned();
-            let b = src.add(n - 16).cast::<u128>().read_unaligned();
-            dst.cast::<u128>().write_unaligned(a);
-            dst.add(n - 16).cast::<u128>().write_unaligned(b);
-        } else if n >= 8 {
-            let a = src.cast::<u64>().read_unaligned();
-            let b = src.add(n - 8).cast::<u64>().read_unaligned();
-            dst.cast::<u64>().write_unaligned(a);
-            dst.add(n - 8).cast::<u64>().write_unaligned(b);
-        } else if n >= 4 {
-            let a = src.cast::<u32>().read_unaligned();
-            let b = src.add(n - 4).cast::<u32>().read_unaligned();
-            dst.cast::<u32>().write_unaligned(a);
-            dst.add(n - 4).cast::<u32>().write_unaligned(b);
-        } else if n >= 2 {
-            let a = src.cast::<u16>().read_unaligned();
-            let b = src.add(n - 2).cast::<u16>().read_unaligned();
-            dst.cast::<u16>().write_unaligned(a);
-            dst.add(n - 2).cast::<u16>().write_unaligned(b);
-        } else if n == 1 {
-            dst.write(src.read());
+        match n {
+            // Four 16-byte loads, then four stores: `copy_ends` of a 32-byte array would spill
+            // through the stack.
+            32.. => {
+                let a = src.cast::<u128>().read_unaligned();
+                let b = src.add(16).cast::<u128>().read_unaligned();
+                let c = src.add(n - 32).cast::<u128>().read_unaligned();
+                let d = src.add(n - 16).cast::<u128>().read_unaligned();
+                dst.cast::<u128>().write_unaligned(a);
+                dst.add(16).cast::<u128>().write_unaligned(b);
+                dst.add(n - 32).cast::<u128>().write_unaligned(c);
+                dst.add(n - 16).cast::<u128>().write_unaligned(d);
+            }
+            16.. => copy_ends::<u128>(dst, src, n),
+            8.. => copy_ends::<u64>(dst, src, n),
+            4.. => copy_ends::<u32>(dst, src, n),
+            2.. => copy_ends::<u16>(dst, src, n),
+            1 => dst.write(src.read()),
+            0 => {}
         }
+    }
+}
+
+/// `n` bytes as the first and the last `size_of::<T>()` of them, which overlap unless `n` is
+/// twice that: both loads before both stores.
+///
+/// # Safety
+/// `src` is readable and `dst` writable for `n` bytes, and `size_of::<T>() <= n`.
+#[inline(always)]
+unsafe fn copy_ends<T: Copy>(dst: *mut u8, src: *const u8, n: usize) {
+    let tail = n - size_of::<T>();
+    // SAFETY: both accesses are inside the caller's `n` bytes; unaligned accesses are allowed.
+    unsafe {
+        let head = src.cast::<T>().read_unaligned();
+        let last = src.add(tail).cast::<T>().read_unaligned();
+        dst.cast::<T>().write_unaligned(head);
+        dst.add(tail).cast::<T>().write_unaligned(last);
     }
 }
 

@@ -3,7 +3,8 @@
 //! snapshot. The binary as the package builds it (musl, `scripts/build-shim`) has its own tests
 //! (`tests/installed.rs`); the shim's behaviour in every other case is tested through `xpu`
 //! (`crates/xpu/tests/runtime.rs`), which runs the same code (`xpu_shim::run`). Needs root and
-//! runc; skips, saying why, only where they are absent.
+//! runc: skips, saying why, without root; fails, naming the install command, without runc or
+//! busybox.
 
 #![allow(clippy::unwrap_used)]
 

@@ -99,12 +99,19 @@ fn settle() {
     assert!(status.is_ok_and(|s| s.success()), "sync failed");
 }
 
-/// The median of the per-round differences `a[i] - b[i]`, in seconds: steadier than the
-/// difference of the medians when the machine's speed drifts.
+/// The median over rounds of `by(a[i], b[i])` (in seconds): a round's cases share whatever
+/// state the machine was in, so pairing them cancels the drift from one batch of rounds to the
+/// next, which the difference or ratio of medians does not.
+fn per_round(a: &[Duration], b: &[Duration], by: impl Fn(f64, f64) -> f64) -> f64 {
+    let mut q: Vec<f64> =
+        a.iter().zip(b).map(|(a, b)| by(a.as_secs_f64(), b.as_secs_f64())).collect();
+    q.sort_by(f64::total_cmp);
+    q[q.len() / 2]
+}
+
+/// The median of the per-round differences `a[i] - b[i]`, in seconds.
 fn paired_difference(a: &[Duration], b: &[Duration]) -> f64 {
-    let mut d: Vec<f64> = a.iter().zip(b).map(|(a, b)| a.as_secs_f64() - b.as_secs_f64()).collect();
-    d.sort_by(f64::total_cmp);
-    d[d.len() / 2]
+    per_round(a, b, |a, b| a - b)
 }
 
 /// Writes `config.json` afresh, as an engine does (see the module documentation).
@@ -374,15 +381,9 @@ fn main() {
         }
     }
 
-    // Besides the ratio of medians, the median of per-round ratios: every case runs once per
-    // round, so a round's cases share whatever state the machine was in, and pairing them
-    // cancels the drift from one batch of rounds to the next.
-    let paired = |x: &[Duration], y: &[Duration]| {
-        let mut q: Vec<f64> =
-            x.iter().zip(y).map(|(x, y)| x.as_secs_f64() / y.as_secs_f64()).collect();
-        q.sort_by(f64::total_cmp);
-        q[q.len() / 2]
-    };
+    // Besides the ratio of medians, the median of per-round ratios (every case runs once per
+    // round).
+    let paired = |x: &[Duration], y: &[Duration]| per_round(x, y, |x, y| x / y);
     let (a_runs, d_runs) = (a.clone(), d.clone());
     let w_paired = paired(&w, &a_runs);
     let (a, d, w) = (median(a), median(d), median(w));
