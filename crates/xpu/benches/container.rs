@@ -13,14 +13,18 @@
 //!   reading the file);
 //! - `xpu cdi generate` on the 8×A100 fixture, process wall time (target: under 5 ms);
 //! - `runc run` of a busybox container through the shim against plain `runc run`, interleaved,
-//!   as ratios of medians and as medians of per-round ratios ("paired": each round runs every
-//!   case once, so pairing cancels drift between batches of rounds) (target: at most 1.05×):
+//!   as ratios of medians with their 95 % bootstrap interval and as medians of per-round ratios
+//!   ("paired": each round runs every case once, so pairing cancels drift between batches of
+//!   rounds) (target: at most 1.05×):
 //!   - nothing requested (the shim only passes through);
-//!   - `NVIDIA_VISIBLE_DEVICES=1,3` against plain runc on the bundle the shim produced (the
-//!     shim's own cost: discovery, driver files, checks, the spec rewrite, the exec), through
-//!     each of those binaries;
+//!   - `NVIDIA_VISIBLE_DEVICES=1,3` against plain runc on the same bundle holding the spec the
+//!     shim produced (the shim's own cost: the snapshot or discovery, driver files, checks, the
+//!     spec rewrite, the exec), through each of those binaries;
 //!   - and the same request against plain runc on the untouched bundle (what the user sees,
-//!     including runc creating the extra nodes and mounts).
+//!     including runc creating the extra nodes and mounts);
+//! - and the shim's own time from the process-start loops over those `runc run` medians: a
+//!   `runc run` here takes anywhere from 20 to 40 ms, so 200 runs a case pin a ratio of medians
+//!   down to about ±5 % (the interval), while the shim's own time is known to a few µs.
 //!
 //! The shim alone is measured twice: by itself (each round `/bin/true`, then the shim's create;
 //! the figure the target is judged on) and among the other binaries and modes, one after the
@@ -62,6 +66,38 @@ const XPU: &str = env!("CARGO_BIN_EXE_xpu");
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
+}
+
+/// xorshift64: a deterministic shuffle and resampling without a dependency.
+struct XorShift(u64);
+
+impl XorShift {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+/// The 95 % interval of `median(x) / median(y)`, by bootstrap: each case's runs resampled with
+/// replacement, 2000 times. A `runc run` on these machines takes anywhere from 20 to 40 ms, so
+/// with 200 runs a case the ratio of two identical cases lands anywhere in about 0.95–1.05×;
+/// the interval says how far a printed ratio can be trusted.
+fn ratio_interval(x: &[Duration], y: &[Duration]) -> (f64, f64) {
+    let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+    let mut resampled_median = |v: &[Duration]| {
+        median((0..v.len()).map(|_| v[rng.below(v.len())]).collect()).as_secs_f64()
+    };
+    let mut q: Vec<f64> = (0..2000).map(|_| resampled_median(x) / resampled_median(y)).collect();
+    q.sort_by(f64::total_cmp);
+    (q[q.len() / 40], q[q.len() - 1 - q.len() / 40])
+}
+
+/// `[lo–hi]`: [`ratio_interval`] for printing.
+fn interval(x: &[Duration], y: &[Duration]) -> String {
+    let (lo, hi) = ratio_interval(x, y);
+    format!("[95 % {lo:.3}–{hi:.3}]")
 }
 
 fn ms(d: Duration) -> String {
@@ -270,6 +306,7 @@ fn main() {
         }
     }
     let first_alone = median(t_alone[0].clone());
+    let first_pass = median(t_pass[0].clone());
     // Each round times /bin/true and the shims one after the other.
     let paired = paired_difference(&t_alone[0], &t_true);
     let t_true = median(t_true);
@@ -312,8 +349,6 @@ fn main() {
 
     let state = bundle::RuncState::new();
     let plain = Bundle::busybox("true");
-    // The bundle as the shim leaves it, for plain runc.
-    let edited = Bundle::busybox("true");
     let run_with = |program: &Path, b: &Bundle, id: &str, config: &Path| {
         let mut c = Command::new(program);
         c.arg("--root").arg(state.path()).args(["run", "--bundle"]).arg(b.dir()).arg(id);
@@ -321,16 +356,17 @@ fn main() {
         timed(&mut c)
     };
     let run = |program: &Path, b: &Bundle, id: &str| run_with(program, b, id, &host.config);
+    // The spec as the shim leaves it, which plain runc then runs from the same bundle: the two
+    // cases differ only in the shim.
     fresh_config(&wants, &pristine);
     run(&shims[0].1, &wants, "xpu-bench-warm");
-    std::fs::copy(wants.config_path(), edited.config_path()).unwrap();
+    let edited_bytes = std::fs::read(wants.config_path()).unwrap();
 
     // Interleaved, in a shuffled order each round, so that no case always follows the same
     // one (a container's teardown slows whatever runs next): plain runc on the plain and on the
     // edited bundle, and each shim with nothing requested and with the request. Every case
     // writes its `config.json` afresh first, untimed, as an engine does.
     let plain_bytes = std::fs::read(plain.config_path()).unwrap();
-    let edited_bytes = std::fs::read(edited.config_path()).unwrap();
     // The floor for any shim in front of runc: a shell script that only execs it.
     let wrapper = host.dir.path().join("exec-runc.sh");
     std::fs::write(&wrapper, format!("#!/bin/sh\nexec {RUNC} \"$@\"\n")).unwrap();
@@ -342,14 +378,11 @@ fn main() {
     let n: usize = std::env::var("XPU_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
     let mut cases: Vec<(usize, usize)> = vec![(0, 0), (1, 0), (4, 0), (5, 0)];
     cases.extend((0..shims.len()).flat_map(|k| [(2, k), (3, k)]));
-    let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     for _ in 0..n {
-        // Fisher-Yates with xorshift64: deterministic, no dependency.
+        // Fisher-Yates.
         for i in (1..cases.len()).rev() {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            cases.swap(i, (rng % (i as u64 + 1)) as usize);
+            cases.swap(i, rng.below(i + 1));
         }
         for &(case, k) in &cases {
             match case {
@@ -358,8 +391,8 @@ fn main() {
                     a.push(run(Path::new(RUNC), &plain, "xpu-bench-a"));
                 }
                 1 => {
-                    fresh_config(&edited, &edited_bytes);
-                    d.push(run(Path::new(RUNC), &edited, "xpu-bench-d"));
+                    fresh_config(&wants, &edited_bytes);
+                    d.push(run(Path::new(RUNC), &wants, "xpu-bench-d"));
                 }
                 4 => {
                     fresh_config(&plain, &plain_bytes);
@@ -386,44 +419,58 @@ fn main() {
     let paired = |x: &[Duration], y: &[Duration]| per_round(x, y, |x, y| x / y);
     let (a_runs, d_runs) = (a.clone(), d.clone());
     let w_paired = paired(&w, &a_runs);
+    let w_in = interval(&w, &a_runs);
     let (a, d, w) = (median(a), median(d), median(w));
     let r = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
     println!(
         "runc run, plain (busybox true):               median {} ({n} runs each, interleaved)",
         ms(a)
     );
-    println!("plain runc run on the shim-edited bundle:     median {}", ms(d));
+    println!("plain runc run on the spec the shim edited:   median {}", ms(d));
     println!(
-        "runc run through `exec runc \"$@\"` in sh:      median {} = {:.3}x plain (the floor for any exec shim); paired {w_paired:.3}x",
+        "runc run through `exec runc \"$@\"` in sh:      median {} = {:.3}x {w_in} plain (the floor for any exec shim); paired {w_paired:.3}x",
         ms(w),
         r(w, a)
     );
     for (k, (label, _)) in shims.iter().enumerate() {
         let (b_runs, c_runs) = (std::mem::take(&mut nothing[k]), std::mem::take(&mut request[k]));
         let (b_paired, c_paired) = (paired(&b_runs, &a_runs), paired(&c_runs, &d_runs));
+        let (b_in, c_in) = (interval(&b_runs, &a_runs), interval(&c_runs, &d_runs));
         let (b, c) = (median(b_runs), median(c_runs));
         println!("through the {label} shim:");
         println!(
-            "  nothing requested:             median {} = {:.3}x plain (target <= 1.02x); paired {b_paired:.3}x",
+            "  nothing requested:             median {} = {:.3}x {b_in} plain (target <= 1.02x); paired {b_paired:.3}x",
             ms(b),
             r(b, a)
         );
         println!(
-            "  NVIDIA_VISIBLE_DEVICES=1,3:    median {} = {:.3}x the same edits without the shim (target <= 1.05x); paired {c_paired:.3}x; {:.3}x plain runc on the unedited bundle",
+            "  NVIDIA_VISIBLE_DEVICES=1,3:    median {} = {:.3}x {c_in} the same edits without the shim (target <= 1.05x); paired {c_paired:.3}x; {:.3}x plain runc on the unedited bundle",
             ms(c),
             r(c, d),
             r(c, a)
         );
         if k == 0 {
             let x_paired = paired(&x, &d_runs);
+            let x_in = interval(&x, &d_runs);
             let x = median(std::mem::take(&mut x));
             println!(
-                "  the same, discovering instead of the snapshot: median {} = {:.3}x the same edits without the shim; paired {x_paired:.3}x",
+                "  the same, discovering instead of the snapshot: median {} = {:.3}x {x_in} the same edits without the shim; paired {x_paired:.3}x",
                 ms(x),
                 r(x, d)
             );
         }
     }
+    // The shim's cost is what it adds before runc starts, which the process-start loops above
+    // measure far more precisely than the spread of `runc run` lets the interleaved runs do.
+    let over = |extra: Duration, base: Duration| 1.0 + extra.as_secs_f64() / base.as_secs_f64();
+    println!(
+        "the {} shim's own time against these medians: a request's {} (measured by itself) = {:.3}x the same edits without the shim; a pass-through's {} = {:.3}x plain",
+        shims[0].0,
+        ms(own_alone.saturating_sub(own_true)),
+        over(own_alone.saturating_sub(own_true), d),
+        ms(first_pass.saturating_sub(t_true)),
+        over(first_pass.saturating_sub(t_true), a)
+    );
     println!("load average at the end: {}", bundle::load_average());
 }
 
