@@ -286,16 +286,15 @@ pub enum Outcome {
     Edited(String, Box<Prepared>),
 }
 
-/// Does the shim's work for the command line `args` (everything after the program name) and
-/// returns the real runtime to exec. Errors leave the bundle as it was.
+/// Does the shim's work for the command line `inv` ([`parse_args`] of everything after the
+/// program name) and returns the real runtime to exec. Errors leave the bundle as it was.
 pub fn handle(
-    args: &[OsString],
+    inv: Invocation,
     cfg: &RuntimeConfig,
     host: &dyn Host,
     nvml: &dyn Nvml,
 ) -> Result<(PathBuf, Outcome), ShimError> {
     let runtime = real_runtime(cfg)?;
-    let inv = parse_args(args);
     if !matches!(inv.subcommand.as_deref(), Some("create" | "run")) {
         return Ok((runtime, Outcome::PassThrough));
     }

@@ -160,6 +160,8 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
     {
         return version(ME);
     }
+    // The command line first: it is in memory, and says whether the spec is read at all.
+    let invocation = shim::parse_args(&args);
     let cfg = match RuntimeConfig::load_default() {
         Ok(c) => c,
         Err(e) => return fail(ME, e),
@@ -168,7 +170,7 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
         Ok(h) => h,
         Err(e) => return fail(ME, e),
     };
-    match shim::handle(&args, &cfg, &host, &nvml(&cfg)) {
+    match shim::handle(invocation, &cfg, &host, &nvml(&cfg)) {
         Ok((runtime, outcome)) => {
             if let Outcome::Edited(summary, _) = &outcome {
                 let from = if host.used_snapshot() { " (host snapshot)" } else { "" };
