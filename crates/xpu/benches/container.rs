@@ -39,7 +39,8 @@
 //! swaps in its edited spec and removes the old file, would pay for freeing them.
 //!
 //! The `runc run` cases are interleaved in a shuffled order each round: a container's teardown
-//! slows whatever starts next, so a fixed order favours some cases.
+//! slows whatever starts next, so a fixed order favours some cases. Every container gets a name
+//! of its own, as an engine names them.
 //!
 //! The benchmark runs at the highest scheduling priority when it may (it is root for runc), so
 //! that other work on the machine disturbs the figures less; it prints the load average.
@@ -379,36 +380,42 @@ fn main() {
     let mut cases: Vec<(usize, usize)> = vec![(0, 0), (1, 0), (4, 0), (5, 0)];
     cases.extend((0..shims.len()).flat_map(|k| [(2, k), (3, k)]));
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut seq = 0_u32;
     for _ in 0..n {
         // Fisher-Yates.
         for i in (1..cases.len()).rev() {
             cases.swap(i, rng.below(i + 1));
         }
         for &(case, k) in &cases {
+            // A fresh name for every container, as engines give them: a reused name would
+            // meet the same cgroup directories and state path each time, and whatever that
+            // costs would stay with one case for the whole run.
+            seq += 1;
+            let id = format!("xpu-bench-{seq}");
             match case {
                 0 => {
                     fresh_config(&plain, &plain_bytes);
-                    a.push(run(Path::new(RUNC), &plain, "xpu-bench-a"));
+                    a.push(run(Path::new(RUNC), &plain, &id));
                 }
                 1 => {
                     fresh_config(&wants, &edited_bytes);
-                    d.push(run(Path::new(RUNC), &wants, "xpu-bench-d"));
+                    d.push(run(Path::new(RUNC), &wants, &id));
                 }
                 4 => {
                     fresh_config(&plain, &plain_bytes);
-                    w.push(run(&wrapper, &plain, "xpu-bench-w"));
+                    w.push(run(&wrapper, &plain, &id));
                 }
                 5 => {
                     fresh_config(&wants, &pristine);
-                    x.push(run_with(&shims[0].1, &wants, "xpu-bench-x", &discover_cfg));
+                    x.push(run_with(&shims[0].1, &wants, &id, &discover_cfg));
                 }
                 2 => {
                     fresh_config(&plain, &plain_bytes);
-                    nothing[k].push(run(&shims[k].1, &plain, "xpu-bench-b"));
+                    nothing[k].push(run(&shims[k].1, &plain, &id));
                 }
                 _ => {
                     fresh_config(&wants, &pristine);
-                    request[k].push(run(&shims[k].1, &wants, "xpu-bench-c"));
+                    request[k].push(run(&shims[k].1, &wants, &id));
                 }
             }
         }
