@@ -181,6 +181,13 @@ pub struct Invocation {
     pub bundle: Option<PathBuf>,
 }
 
+impl Invocation {
+    /// `create` or `run`: the commands that start from a bundle's spec.
+    pub fn creates(&self) -> bool {
+        matches!(self.subcommand.as_deref(), Some("create" | "run"))
+    }
+}
+
 /// Global options of runc (and crun, youki) that take a value.
 const GLOBAL_WITH_VALUE: [&str; 6] =
     ["root", "log", "log-format", "criu", "rootless", "cgroup-manager"];
@@ -218,16 +225,16 @@ pub fn parse_args(args: &[OsString]) -> Invocation {
         }
         i += 1;
     }
-    let mut bundle = None;
-    if matches!(subcommand.as_deref(), Some("create" | "run")) {
+    let mut inv = Invocation { subcommand, bundle: None };
+    if inv.creates() {
         let mut j = i + 1;
         while j < args.len() {
             if let Some((name, inline)) = flag(&args[j]) {
                 if name == "bundle" || name == "b" {
                     match inline {
-                        Some(v) => bundle = Some(PathBuf::from(v)),
+                        Some(v) => inv.bundle = Some(PathBuf::from(v)),
                         None => {
-                            bundle = args.get(j + 1).map(PathBuf::from);
+                            inv.bundle = args.get(j + 1).map(PathBuf::from);
                             j += 1;
                         }
                     }
@@ -238,7 +245,7 @@ pub fn parse_args(args: &[OsString]) -> Invocation {
             j += 1;
         }
     }
-    Invocation { subcommand, bundle }
+    inv
 }
 
 /// The real runtime's path: `runtime` from the config, looked up in `$PATH` (and the usual
@@ -295,7 +302,7 @@ pub fn handle(
     nvml: &dyn Nvml,
 ) -> Result<(PathBuf, Outcome), ShimError> {
     let runtime = real_runtime(cfg)?;
-    if !matches!(inv.subcommand.as_deref(), Some("create" | "run")) {
+    if !inv.creates() {
         return Ok((runtime, Outcome::PassThrough));
     }
     let bundle = inv.bundle.unwrap_or_else(|| PathBuf::from("."));

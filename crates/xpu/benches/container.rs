@@ -364,9 +364,9 @@ fn main() {
     let edited_bytes = std::fs::read(wants.config_path()).unwrap();
 
     // Interleaved, in a shuffled order each round, so that no case always follows the same
-    // one (a container's teardown slows whatever runs next): plain runc on the plain and on the
-    // edited bundle, and each shim with nothing requested and with the request. Every case
-    // writes its `config.json` afresh first, untimed, as an engine does.
+    // one (a container's teardown slows whatever runs next): plain runc on the plain bundle and
+    // on the shim's edited spec, and each shim with nothing requested and with the request.
+    // Every case writes its `config.json` afresh first, untimed, as an engine does.
     let plain_bytes = std::fs::read(plain.config_path()).unwrap();
     // The floor for any shim in front of runc: a shell script that only execs it.
     let wrapper = host.dir.path().join("exec-runc.sh");
