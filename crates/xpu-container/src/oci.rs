@@ -1,18 +1,105 @@
 //! Reading and editing an OCI runtime spec (`config.json`,
 //! <https://github.com/opencontainers/runtime-spec/blob/main/config.md>).
 //!
-//! The spec is edited as a JSON tree, not through typed structs: fields this code does not know
-//! (newer spec versions, engine extensions) pass through untouched, which a typed round trip
-//! would silently drop. Edits are idempotent: a device, rule or mount already present (an engine
-//! that also applied the CDI annotation) is not added twice, and a conflicting one is an error.
+//! The spec is edited as JSON, not through typed structs: fields this code does not know (newer
+//! spec versions, engine extensions) pass through untouched, which a typed round trip would
+//! silently drop. Only the members the shim reads or edits are parsed (`process`, `root`,
+//! `annotations`, `mounts`, and `linux.devices` and `linux.resources`); every other member keeps
+//! the text the engine wrote, checked as JSON but not built into a tree, and is written back as
+//! it was. A Docker or containerd spec is mostly its seccomp profile (10–20 KiB of syscall
+//! names): parsing it into a tree and writing it out again cost the shim more than the rest of
+//! its work on a container start. Edits are idempotent: a device, rule or mount already present
+//! (an engine that also applied the CDI annotation) is not added twice, and a conflicting one is
+//! an error.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use serde::{Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::edits::{Edits, NodeEdit};
 use crate::request::Env;
+
+/// The top-level members parsed when the spec is read; `linux` is read member by member.
+const PARSED: [&str; 4] = ["annotations", "mounts", "process", "root"];
+/// The members of `linux` parsed when the spec is read.
+const LINUX_PARSED: [&str; 2] = ["devices", "resources"];
+
+/// A JSON object's members by name, sorted as `serde_json` writes an object. A name given twice
+/// keeps its last value, as runc's Go decoder does.
+type Members = BTreeMap<String, Member>;
+
+/// A member of the spec.
+#[derive(Debug, Clone)]
+enum Member {
+    /// Not read here: the engine's text, written back as it was.
+    Text(Box<RawValue>),
+    /// Read or edited here.
+    Value(Value),
+    /// `linux`, whose members are themselves kept as text or parsed.
+    Object(Members),
+}
+
+impl Serialize for Member {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Member::Text(text) => text.serialize(s),
+            Member::Value(v) => v.serialize(s),
+            Member::Object(members) => members.serialize(s),
+        }
+    }
+}
+
+/// `text`, a JSON object, as members: `linux` (at the top) as members of its own, those the
+/// shim reads as values, the rest as their text.
+fn members(text: &str, top: bool) -> serde_json::Result<Members> {
+    let raw: BTreeMap<String, Box<RawValue>> = serde_json::from_str(text)?;
+    raw.into_iter()
+        .map(|(name, raw)| {
+            let parsed = if top { PARSED.as_slice() } else { LINUX_PARSED.as_slice() };
+            let member = if top && name == "linux" && raw.get().starts_with('{') {
+                Member::Object(members(raw.get(), false)?)
+            } else if (top && name == "linux") || parsed.contains(&name.as_str()) {
+                Member::Value(serde_json::from_str(raw.get())?)
+            } else {
+                Member::Text(raw)
+            };
+            Ok((name, member))
+        })
+        .collect()
+}
+
+/// The parsed value of `name` in `members`.
+fn value<'a>(members: &'a Members, name: &str) -> Option<&'a Value> {
+    match members.get(name) {
+        Some(Member::Value(v)) => Some(v),
+        _ => None,
+    }
+}
+
+/// `members[name]` as a value to edit: `empty()` when missing or null, parsed when kept as
+/// text. An error leaves the member as it was.
+fn value_at<'a>(
+    members: &'a mut Members,
+    name: &str,
+    empty: fn() -> Value,
+) -> serde_json::Result<&'a mut Value> {
+    let member = members.entry(name.to_owned()).or_insert(Member::Value(Value::Null));
+    let value = match member {
+        Member::Value(v) => std::mem::take(v),
+        Member::Text(text) => serde_json::from_str(text.get())?,
+        Member::Object(m) => serde_json::to_value(&*m)?,
+    };
+    *member = Member::Value(if value.is_null() { empty() } else { value });
+    match member {
+        Member::Value(v) => Ok(v),
+        Member::Text(_) | Member::Object(_) => {
+            Err(serde::de::Error::custom("a spec member is not a value after parsing"))
+        }
+    }
+}
 
 /// A spec that cannot be read or edited.
 #[derive(Debug, thiserror::Error)]
@@ -41,7 +128,8 @@ pub enum SpecError {
 #[derive(Debug, Clone)]
 pub struct Spec {
     pub path: PathBuf,
-    pub value: Value,
+    /// The top-level members (see the module's documentation).
+    members: Members,
 }
 
 impl Spec {
@@ -54,16 +142,35 @@ impl Spec {
     }
 
     pub fn parse(bytes: &[u8], path: PathBuf) -> Result<Self, SpecError> {
-        let value: Value = serde_json::from_slice(bytes)
-            .map_err(|source| SpecError::Json { path: path.clone(), source })?;
-        if !value.is_object() {
+        let json = |source| SpecError::Json { path: path.clone(), source };
+        // Checked as UTF-8 once, in bulk, rather than string by string as `from_slice` does.
+        let text = std::str::from_utf8(bytes).map_err(|e| {
+            json(serde::de::Error::custom(format_args!("not UTF-8 at byte {}", e.valid_up_to())))
+        })?;
+        if !text.trim_start().starts_with('{') {
+            // Not an object: reported as bad JSON when it is not JSON at all.
+            serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(json)?;
             return Err(SpecError::Shape {
                 path,
                 field: "the document",
                 problem: "is not a JSON object".to_owned(),
             });
         }
-        Ok(Self { path, value })
+        let members = members(text, true).map_err(json)?;
+        Ok(Self { path, members })
+    }
+
+    /// The whole spec as a JSON tree, as it would be written.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(&self.members).unwrap_or_default()
+    }
+
+    /// A member of `linux` that is read here.
+    fn linux(&self, name: &str) -> Option<&Value> {
+        match self.members.get("linux") {
+            Some(Member::Object(linux)) => value(linux, name),
+            _ => None,
+        }
     }
 
     fn shape(&self, field: &'static str, problem: impl Into<String>) -> SpecError {
@@ -72,7 +179,7 @@ impl Spec {
 
     /// `process.env`.
     pub fn env(&self) -> Result<Env, SpecError> {
-        match self.value.pointer("/process/env") {
+        match value(&self.members, "process").and_then(|p| p.get("env")) {
             None | Some(Value::Null) => Ok(Env::default()),
             Some(Value::Array(a)) => {
                 let mut entries = Vec::with_capacity(a.len());
@@ -90,7 +197,7 @@ impl Spec {
 
     /// `annotations`.
     pub fn annotations(&self) -> Result<BTreeMap<String, String>, SpecError> {
-        match self.value.get("annotations") {
+        match value(&self.members, "annotations") {
             None | Some(Value::Null) => Ok(BTreeMap::new()),
             Some(Value::Object(m)) => m
                 .iter()
@@ -106,9 +213,8 @@ impl Spec {
 
     /// The container's root filesystem: `root.path`, relative to the bundle unless absolute.
     pub fn rootfs(&self, bundle: &Path) -> Result<PathBuf, SpecError> {
-        let p = self
-            .value
-            .pointer("/root/path")
+        let p = value(&self.members, "root")
+            .and_then(|r| r.get("path"))
             .and_then(Value::as_str)
             .ok_or_else(|| self.shape("root.path", "is missing"))?;
         let p = Path::new(p);
@@ -117,8 +223,8 @@ impl Spec {
 
     /// `linux.resources.devices`, the cgroup device rules.
     pub fn device_rules(&self) -> Vec<&Value> {
-        self.value
-            .pointer("/linux/resources/devices")
+        self.linux("resources")
+            .and_then(|r| r.get("devices"))
             .and_then(Value::as_array)
             .map(|a| a.iter().collect())
             .unwrap_or_default()
@@ -151,21 +257,20 @@ impl Spec {
     /// only on success, so the file never is.
     pub fn apply(&mut self, edits: &Edits) -> Result<(), SpecError> {
         let path = self.path.clone();
-        let root = self.value.as_object_mut().ok_or_else(|| SpecError::Shape {
-            path: path.clone(),
-            field: "the document",
-            problem: "is not a JSON object".to_owned(),
-        })?;
         let shape = |field: &'static str, problem: &str| SpecError::Shape {
             path: path.clone(),
             field,
             problem: problem.to_owned(),
         };
+        let json = |source| SpecError::Json { path: path.clone(), source };
 
         // Device nodes and their cgroup rules.
-        let linux = object_at(root, "linux").ok_or_else(|| shape("linux", "is not an object"))?;
-        let devices =
-            array_at(linux, "devices").ok_or_else(|| shape("linux.devices", "is not an array"))?;
+        let linux =
+            linux_mut(&mut self.members).ok_or_else(|| shape("linux", "is not an object"))?;
+        let devices = value_at(linux, "devices", || json!([]))
+            .map_err(json)?
+            .as_array_mut()
+            .ok_or_else(|| shape("linux.devices", "is not an array"))?;
         for n in &edits.nodes {
             let want = format!("{} {}:{}", n.type_char(), n.major, n.minor);
             if let Some(have) =
@@ -200,7 +305,9 @@ impl Spec {
             }
             devices.push(d);
         }
-        let resources = object_at(linux, "resources")
+        let resources = value_at(linux, "resources", || json!({}))
+            .map_err(json)?
+            .as_object_mut()
             .ok_or_else(|| shape("linux.resources", "is not an object"))?;
         let rules = array_at(resources, "devices")
             .ok_or_else(|| shape("linux.resources.devices", "is not an array"))?;
@@ -218,7 +325,10 @@ impl Spec {
         }
 
         // Read-only bind mounts of driver files.
-        let mounts = array_at(root, "mounts").ok_or_else(|| shape("mounts", "is not an array"))?;
+        let mounts = value_at(&mut self.members, "mounts", || json!([]))
+            .map_err(json)?
+            .as_array_mut()
+            .ok_or_else(|| shape("mounts", "is not an array"))?;
         for m in &edits.mounts {
             let source = m.source.to_string_lossy();
             if let Some(have) = mounts
@@ -246,8 +356,10 @@ impl Spec {
 
         // Environment: replace a variable's last definition, else append.
         if !edits.env.is_empty() {
-            let process =
-                object_at(root, "process").ok_or_else(|| shape("process", "is not an object"))?;
+            let process = value_at(&mut self.members, "process", || json!({}))
+                .map_err(json)?
+                .as_object_mut()
+                .ok_or_else(|| shape("process", "is not an object"))?;
             let env = array_at(process, "env")
                 .ok_or_else(|| shape("process.env", "is not an array of strings"))?;
             for (k, v) in &edits.env {
@@ -263,7 +375,7 @@ impl Spec {
     /// Writes the spec back atomically (temporary file in the bundle, then rename; no `fsync`,
     /// see [`crate::fsutil::write_replace`]).
     pub fn save(&self) -> Result<(), SpecError> {
-        let bytes = serde_json::to_vec(&self.value).map_err(|e| SpecError::Write {
+        let bytes = serde_json::to_vec(&self.members).map_err(|e| SpecError::Write {
             path: self.path.clone(),
             source: std::io::Error::other(e),
         })?;
@@ -272,13 +384,17 @@ impl Spec {
     }
 }
 
-/// `obj[key]` as an object, created when missing or null; `None` when it is something else.
-fn object_at<'a>(obj: &'a mut Map<String, Value>, key: &str) -> Option<&'a mut Map<String, Value>> {
-    let v = obj.entry(key).or_insert_with(|| json!({}));
-    if v.is_null() {
-        *v = json!({});
+/// `linux`'s members, to edit: created when missing or null; `None` when it is something else.
+fn linux_mut(members: &mut Members) -> Option<&mut Members> {
+    let member =
+        members.entry("linux".to_owned()).or_insert_with(|| Member::Object(Members::new()));
+    if matches!(member, Member::Value(Value::Null)) {
+        *member = Member::Object(Members::new());
     }
-    v.as_object_mut()
+    match member {
+        Member::Object(linux) => Some(linux),
+        Member::Value(_) | Member::Text(_) => None,
+    }
 }
 
 /// `obj[key]` as an array, created when missing or null; `None` when it is something else.
@@ -297,7 +413,7 @@ mod tests {
     use xpu_core::inventory::NodeType;
 
     fn spec(v: Value) -> Spec {
-        Spec { path: PathBuf::from("/b/config.json"), value: v }
+        Spec::parse(v.to_string().as_bytes(), PathBuf::from("/b/config.json")).unwrap()
     }
 
     fn node(path: &str, minor: u32) -> NodeEdit {
@@ -328,7 +444,7 @@ mod tests {
         };
         s.apply(&e).unwrap();
         s.apply(&e).unwrap();
-        let v = &s.value;
+        let v = &s.to_value();
         assert_eq!(v["x-engine-extension"]["keep"], json!([1, 2]));
         assert_eq!(v["linux"]["devices"].as_array().unwrap().len(), 1);
         assert_eq!(v["linux"]["devices"][0]["fileMode"], 438);
@@ -337,6 +453,79 @@ mod tests {
         assert_eq!(v["process"]["env"], json!(["PATH=/bin", "XPU_DEVICES=nvidia.com/gpu=1"]));
         assert!(s.allows(&node("/dev/nvidia1", 1)));
         assert!(!s.allows(&node("/dev/nvidia2", 2)));
+    }
+
+    /// Members the shim does not read are written back as the engine wrote them: spacing, key
+    /// order and numbers a float would round (a seccomp argument of 2^64-1) stay as they were,
+    /// beside the members it edits.
+    #[test]
+    fn members_not_read_pass_through_as_written() {
+        let seccomp = r#"{ "defaultAction": "SCMP_ACT_ERRNO",
+            "syscalls": [{"names": ["read", "write"], "action": "SCMP_ACT_ALLOW",
+              "args": [{"index": 0, "value": 18446744073709551615, "op": "SCMP_CMP_EQ"}]}],
+            "weight": 0.1000000000000000055511151231257827 }"#;
+        let hooks = r#"{"z": 1, "a": [ 2 ]}"#;
+        let text = format!(
+            r#"{{"ociVersion": "1.2.0", "hooks": {hooks}, "process": {{"env": ["A=1"]}},
+               "linux": {{"seccomp": {seccomp}, "namespaces": [{{"type": "pid"}}]}}}}"#
+        );
+        let mut s = Spec::parse(text.as_bytes(), "/b/config.json".into()).unwrap();
+        let e = Edits {
+            env: vec![("XPU_DEVICES".into(), "nvidia.com/gpu=1".into())],
+            nodes: vec![node("/dev/nvidia1", 1)],
+            ..Default::default()
+        };
+        s.apply(&e).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        s.path = dir.path().join("config.json");
+        s.save().unwrap();
+        let written = std::fs::read_to_string(&s.path).unwrap();
+        assert!(written.contains(&format!(r#""seccomp":{seccomp}"#)), "{written}");
+        assert!(written.contains(&format!(r#""hooks":{hooks}"#)), "{written}");
+        let v: Value = serde_json::from_str(&written).unwrap();
+        assert_eq!(v["linux"]["namespaces"], json!([{"type": "pid"}]));
+        assert_eq!(v["linux"]["devices"][0]["path"], "/dev/nvidia1");
+        assert_eq!(v["process"]["env"], json!(["A=1", "XPU_DEVICES=nvidia.com/gpu=1"]));
+        assert_eq!(v["ociVersion"], "1.2.0");
+    }
+
+    /// `linux`, `mounts` and `process` that are missing or null are created; one that is not an
+    /// object or array is an error naming it, and the spec is then not written.
+    #[test]
+    fn missing_null_and_mistyped_members() {
+        let e = Edits {
+            env: vec![("A".into(), "1".into())],
+            nodes: vec![node("/dev/nvidia1", 1)],
+            mounts: vec![MountEdit { source: "/l".into(), destination: "/l".into() }],
+            warnings: vec![],
+        };
+        for text in [r#"{}"#, r#"{"linux": null, "mounts": null, "process": null}"#] {
+            let mut s = Spec::parse(text.as_bytes(), "c.json".into()).unwrap();
+            s.apply(&e).unwrap();
+            let v = s.to_value();
+            assert_eq!(v["linux"]["devices"].as_array().unwrap().len(), 1, "{text}");
+            assert_eq!(v["linux"]["resources"]["devices"].as_array().unwrap().len(), 1);
+            assert_eq!(v["mounts"].as_array().unwrap().len(), 1, "{text}");
+            assert_eq!(v["process"]["env"], json!(["A=1"]), "{text}");
+        }
+        for (text, field) in [
+            (r#"{"linux": 3}"#, "linux is not an object"),
+            (r#"{"linux": {"devices": {}}}"#, "linux.devices is not an array"),
+            (r#"{"linux": {"resources": []}}"#, "linux.resources is not an object"),
+            (r#"{"mounts": {}}"#, "mounts is not an array"),
+            (r#"{"process": "x"}"#, "process is not an object"),
+        ] {
+            let mut s = Spec::parse(text.as_bytes(), "c.json".into()).unwrap();
+            let err = s.apply(&e).unwrap_err().to_string();
+            assert!(err.contains(field), "{text}: {err}");
+        }
+        let err = Spec::parse(b"{\"a\": \"\xff\"}", "c.json".into()).unwrap_err();
+        assert!(format!("{err:#}").contains("not valid JSON"), "{err}");
+        let source = std::error::Error::source(&err).unwrap().to_string();
+        assert!(source.contains("not UTF-8 at byte 7"), "{source}");
+        // Bad JSON anywhere, in a member kept as text too, is an error.
+        let err = Spec::parse(br#"{"hooks": {"a": }}"#, "c.json".into()).unwrap_err();
+        assert!(err.to_string().contains("not valid JSON"), "{err}");
     }
 
     #[test]
