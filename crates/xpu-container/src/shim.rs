@@ -179,6 +179,9 @@ pub struct Invocation {
     pub subcommand: Option<String>,
     /// `--bundle`, or `None` for the current directory.
     pub bundle: Option<PathBuf>,
+    /// The path this binary was started by (the kernel's `AT_EXECFN`), when its entry point
+    /// knows it; [`real_runtime`] tells the shim apart from runc by it.
+    pub program: Option<PathBuf>,
 }
 
 impl Invocation {
@@ -225,7 +228,7 @@ pub fn parse_args(args: &[OsString]) -> Invocation {
         }
         i += 1;
     }
-    let mut inv = Invocation { subcommand, bundle: None };
+    let mut inv = Invocation { subcommand, bundle: None, program: None };
     if inv.creates() {
         let mut j = i + 1;
         while j < args.len() {
@@ -250,8 +253,9 @@ pub fn parse_args(args: &[OsString]) -> Invocation {
 
 /// The real runtime's path: `runtime` from the config, looked up in `$PATH` (and the usual
 /// sbin directories, which engines' minimal `$PATH` often lacks) when it is a bare name. Never
-/// this shim itself.
-pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
+/// this shim itself, which `program` (the path this binary was started by, when known) or else
+/// `/proc/self/exe` names.
+pub fn real_runtime(cfg: &RuntimeConfig, program: Option<&Path>) -> Result<PathBuf, ShimError> {
     let config = cfg
         .source
         .as_ref()
@@ -276,8 +280,12 @@ pub fn real_runtime(cfg: &RuntimeConfig) -> Result<PathBuf, ShimError> {
         runtime: cfg.runtime.clone(),
         config: config.clone(),
     })?;
-    // The same file as this binary, by device and inode: a symlink or hard link to it too.
-    if file(PathBuf::from("/proc/self/exe")).is_some_and(|(_, id)| id == runtime) {
+    // The same file as this binary, by device and inode: a symlink or hard link to it too. The
+    // path it was started by answers in a `stat` of a few µs; a new process's first look at its
+    // own `/proc` entry costs 13 µs, so `/proc/self/exe` is only asked when that path is gone.
+    let me =
+        program.and_then(|p| file(p.to_owned())).or_else(|| file(PathBuf::from("/proc/self/exe")));
+    if me.is_some_and(|(_, id)| id == runtime) {
         return Err(ShimError::RuntimeIsShim { path, config });
     }
     Ok(path)
@@ -301,7 +309,7 @@ pub fn handle(
     host: &dyn Host,
     nvml: &dyn Nvml,
 ) -> Result<(PathBuf, Outcome), ShimError> {
-    let runtime = real_runtime(cfg)?;
+    let runtime = real_runtime(cfg, inv.program.as_deref())?;
     if !inv.creates() {
         return Ok((runtime, Outcome::PassThrough));
     }

@@ -154,6 +154,12 @@ pub const VERSION_LINE: &str =
 /// Runs the shim with runc's arguments `args`; returns only when it cannot exec runc, with
 /// `ExitCode::SUCCESS` or `ExitCode::FAILURE` (the packaged binary's `main` relies on that).
 pub fn run(args: Vec<OsString>) -> ExitCode {
+    run_as(args, None)
+}
+
+/// [`run`], given the path this binary was started by (`AT_EXECFN`), which tells the shim apart
+/// from the runtime it execs faster than `/proc/self/exe` does.
+pub fn run_as(args: Vec<OsString>, program: Option<std::path::PathBuf>) -> ExitCode {
     const ME: &str = "xpu-container-runtime";
     if let [flag] = args.as_slice()
         && (flag == "--version" || flag == "-v")
@@ -161,7 +167,7 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
         return version(ME);
     }
     // The command line first: it is in memory, and says whether the spec is read at all.
-    let invocation = shim::parse_args(&args);
+    let invocation = shim::Invocation { program, ..shim::parse_args(&args) };
     let cfg = match RuntimeConfig::load_default() {
         Ok(c) => c,
         Err(e) => return fail(ME, e),
@@ -208,7 +214,7 @@ fn version(me: &str) -> ExitCode {
     drop(out);
     let runtime = RuntimeConfig::load_default()
         .map_err(anyhow::Error::from)
-        .and_then(|cfg| shim::real_runtime(&cfg).map_err(anyhow::Error::from));
+        .and_then(|cfg| shim::real_runtime(&cfg, None).map_err(anyhow::Error::from));
     match runtime.and_then(|rt| {
         std::process::Command::new(&rt).arg("--version").status().map_err(anyhow::Error::from)
     }) {

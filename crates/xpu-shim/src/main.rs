@@ -28,9 +28,10 @@ static ALLOCATOR: arena::Arena = arena::Arena;
 // The entry point: not in the test build, which has the test harness's.
 #[cfg(not(test))]
 mod entry {
-    use std::ffi::{CStr, OsString, c_char, c_int};
+    use std::ffi::{CStr, OsString, c_char, c_int, c_ulong};
     use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
     use std::os::unix::ffi::OsStringExt;
+    use std::path::PathBuf;
     use std::process::ExitCode;
 
     use rustix::fs::{Mode, OFlags};
@@ -59,7 +60,30 @@ mod entry {
             })
             .collect();
         // `run` answers success or failure, nothing else.
-        if xpu_shim::run(args) == ExitCode::SUCCESS { 0 } else { 1 }
+        if xpu_shim::run_as(args, program()) == ExitCode::SUCCESS { 0 } else { 1 }
+    }
+
+    #[allow(unsafe_code)]
+    unsafe extern "C" {
+        /// The C library's reader of the auxiliary vector the kernel passed at exec (musl's and
+        /// glibc's alike).
+        fn getauxval(kind: c_ulong) -> c_ulong;
+    }
+
+    /// The path this binary was started by: the kernel's `AT_EXECFN`, the file name given to
+    /// `execve`.
+    #[allow(unsafe_code)]
+    fn program() -> Option<PathBuf> {
+        const AT_EXECFN: c_ulong = 31;
+        // SAFETY: `getauxval` only reads the vector libc saved at start; 0 when absent.
+        let name = unsafe { getauxval(AT_EXECFN) } as *const c_char;
+        if name.is_null() {
+            return None;
+        }
+        // SAFETY: the kernel's `AT_EXECFN` points to the NUL-terminated name on the initial
+        // stack, which lives as long as the process.
+        let name = unsafe { CStr::from_ptr(name) };
+        Some(PathBuf::from(OsString::from_vec(name.to_bytes().to_vec())))
     }
 
     /// Opens `/dev/null` (without close-on-exec) on each of descriptors 0, 1 and 2 that is closed,

@@ -128,11 +128,12 @@ fn runs_containers_asking_for_nothing_and_for_gpus_1_and_3_needs_root_and_runc()
 fn config_errors_are_reported_and_a_runtime_naming_the_shim_does_not_loop() {
     let shim = built();
     let dir = tempfile::tempdir().unwrap();
-    let run = |config: &str| {
+    let run_as = |program: &Path, cwd: &Path, config: &str| {
         let p = dir.path().join("runtime.toml");
         std::fs::write(&p, config).unwrap();
-        let out = Command::new(shim)
+        let out = Command::new(program)
             .args(["state", "x"])
+            .current_dir(cwd)
             .env("XPU_RUNTIME_CONFIG", &p)
             .stdin(Stdio::null())
             .output()
@@ -140,14 +141,22 @@ fn config_errors_are_reported_and_a_runtime_naming_the_shim_does_not_loop() {
         assert_eq!(out.status.code(), Some(1), "{config}");
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
+    let run = |config: &str| run_as(shim, dir.path(), config);
     let e = run("runtim = \"runc\"\n");
     assert!(e.contains("unknown field `runtim`"), "{e}");
-    let e = run(&format!("runtime = \"{}\"\n", shim.display()));
+    let named = format!("runtime = \"{}\"\n", shim.display());
+    let e = run(&named);
     assert!(e.contains("is this shim itself"), "{e}");
     // Through a symlink too: the same file.
     let link = dir.path().join("runc");
     std::os::unix::fs::symlink(shim, &link).unwrap();
     let e = run(&format!("runtime = \"{}\"\n", link.display()));
+    assert!(e.contains("is this shim itself"), "{e}");
+    // Started through the symlink, or by a path relative to its directory: the shim knows
+    // itself by the path it was started by (`AT_EXECFN`).
+    let e = run_as(&link, dir.path(), &named);
+    assert!(e.contains("is this shim itself"), "{e}");
+    let e = run_as(Path::new("./runc"), dir.path(), &named);
     assert!(e.contains("is this shim itself"), "{e}");
 }
 
