@@ -1,5 +1,7 @@
-//! Atomic file replacement: a reader (a container runtime loading a CDI spec, runc loading
-//! `config.json`) sees the old content or the new one, never a partial write.
+//! Writing files that other programs read: atomic replacement, where a reader (a container
+//! runtime loading a CDI spec) sees the old content or the new one, never a partial write; and,
+//! for a file nothing reads until the writer is done (a bundle's `config.json`, which runc reads
+//! after the shim hands over), a rewrite in place whose failure leaves the old content.
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -69,6 +71,57 @@ pub fn write_replace(path: &Path, bytes: &[u8], mode: u32, durable: bool) -> std
     result
 }
 
+/// The most spaces [`rewrite_in_place`] pads a shorter text with.
+const MAX_PADDING: usize = 1 << 20;
+
+/// Rewrites the regular file at `path` with `bytes` in place, for a JSON file that no other
+/// process reads while it is written: a bundle's `config.json` between the engine writing it
+/// and runc reading it, which happens only after the shim has exec'd runc. Returns `false`,
+/// having changed nothing, when `path` is not a regular file opened without following a
+/// symlink, or when its filesystem cannot reserve the space ahead; the caller then replaces it
+/// ([`write_replace`]).
+///
+/// Space for every byte is reserved first (`fallocate`, keeping the size), so the write itself
+/// cannot run out of space halfway: a failure before it leaves the file as it was. The file never
+/// shrinks: a shorter `bytes` is padded with spaces to the old length, which JSON allows after
+/// a value, so one write leaves either the old text or the new one. No inode is created and no
+/// directory changes, where a swap through a temporary file created one, renamed two names and
+/// unlinked one, the costliest part of the shim's work on ext4. The file keeps its inode, mode
+/// and owner. Like [`write_replace`] without `fsync`, a power cut may lose the new text.
+pub fn rewrite_in_place(path: &Path, bytes: &mut Vec<u8>) -> std::io::Result<bool> {
+    use rustix::fs::{FallocateFlags, FileType, Mode, OFlags};
+    use rustix::io::Errno;
+    // Without following a symlink, and without waiting for a reader of a FIFO.
+    let flags = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+    let Ok(fd) = rustix::fs::open(path, flags, Mode::empty()) else { return Ok(false) };
+    let st = rustix::fs::fstat(&fd)?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Ok(false);
+    }
+    // Padding is bounded: a file far longer than the new text is replaced instead.
+    let old = usize::try_from(st.st_size).unwrap_or(usize::MAX);
+    if old > bytes.len().saturating_add(MAX_PADDING) {
+        return Ok(false);
+    }
+    let len = bytes.len().max(old);
+    match rustix::fs::fallocate(&fd, FallocateFlags::KEEP_SIZE, 0, len as u64) {
+        Ok(()) => {}
+        Err(Errno::OPNOTSUPP | Errno::NOSYS | Errno::INVAL) => return Ok(false),
+        Err(e) => return Err(e.into()),
+    }
+    bytes.resize(len, b' ');
+    let mut done = 0;
+    while done < bytes.len() {
+        match rustix::io::pwrite(&fd, &bytes[done..], done as u64) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +152,46 @@ mod tests {
         std::fs::write(d.join("x"), b"").unwrap();
         assert!(write_replace(&d, b"data", 0o644, false).is_err());
         assert!(d.join("x").exists(), "a directory is never swapped out");
+    }
+
+    /// In place: the same inode, mode and owner; a shorter text padded to the old length with
+    /// spaces after the JSON value; a symlink, a FIFO or a missing file left alone, for the
+    /// caller to replace.
+    #[test]
+    fn rewrites_in_place_without_shrinking() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.json");
+        std::fs::write(&p, br#"{"a": "the engine's text"}"#).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let ino = std::fs::metadata(&p).unwrap().ino();
+        let mut longer = br#"{"a":"the engine's text","b":"and the shim's"}"#.to_vec();
+        assert!(rewrite_in_place(&p, &mut longer).unwrap());
+        assert_eq!(std::fs::read(&p).unwrap(), longer);
+        let mut shorter = br#"{"a":1}"#.to_vec();
+        assert!(rewrite_in_place(&p, &mut shorter).unwrap());
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(text.len(), longer.len(), "never shrinks");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v, serde_json::json!({"a": 1}));
+        let m = std::fs::metadata(&p).unwrap();
+        assert_eq!((m.ino(), m.permissions().mode() & 0o7777), (ino, 0o600));
+
+        let link = dir.path().join("link.json");
+        std::os::unix::fs::symlink(&p, &link).unwrap();
+        assert!(!rewrite_in_place(&link, &mut b"{}".to_vec()).unwrap());
+        let fifo = dir.path().join("fifo.json");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o644),
+            0,
+        )
+        .unwrap();
+        assert!(!rewrite_in_place(&fifo, &mut b"{}".to_vec()).unwrap());
+        assert!(!rewrite_in_place(&dir.path().join("none.json"), &mut b"{}".to_vec()).unwrap());
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), text, "untouched by the refusals");
     }
 
     #[test]

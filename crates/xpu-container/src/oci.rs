@@ -372,15 +372,19 @@ impl Spec {
         Ok(())
     }
 
-    /// Writes the spec back atomically (temporary file in the bundle, then rename; no `fsync`,
-    /// see [`crate::fsutil::write_replace`]).
+    /// Writes the spec back: in place, with its space reserved first, so that a failure leaves
+    /// the engine's spec as it was ([`crate::fsutil::rewrite_in_place`]; runc reads it only
+    /// after the shim has handed over); where that cannot be done (a symlink, a filesystem
+    /// without `fallocate`), through a temporary file swapped in ([`crate::fsutil::write_replace`]).
+    /// No `fsync` either way.
     pub fn save(&self) -> Result<(), SpecError> {
-        let bytes = serde_json::to_vec(&self.members).map_err(|e| SpecError::Write {
-            path: self.path.clone(),
-            source: std::io::Error::other(e),
-        })?;
-        crate::fsutil::write_replace(&self.path, &bytes, 0o644, false)
-            .map_err(|source| SpecError::Write { path: self.path.clone(), source })
+        let write = |source| SpecError::Write { path: self.path.clone(), source };
+        let mut bytes =
+            serde_json::to_vec(&self.members).map_err(std::io::Error::other).map_err(write)?;
+        if crate::fsutil::rewrite_in_place(&self.path, &mut bytes).map_err(write)? {
+            return Ok(());
+        }
+        crate::fsutil::write_replace(&self.path, &bytes, 0o644, false).map_err(write)
     }
 }
 
