@@ -302,32 +302,21 @@ fn main() {
     // The shim's own time, measured by itself: each round runs `/bin/true` and then the first
     // shim's create, with nothing else in between that would evict its code and data from the
     // caches (the loop below interleaves every binary and both modes, the full `xpu` among them).
-    let (own_true, own_alone, own_paired) = {
-        let program = &shims[0].1;
+    let by_itself = |b: &Bundle, spec: &[u8]| {
         let (mut t, mut a) = (Vec::new(), Vec::new());
         for _ in 0..n_start {
-            fresh_config(&wants, &pristine);
+            fresh_config(b, spec);
             t.push(timed(&mut Command::new("/bin/true")));
-            let mut c = Command::new(program);
-            c.args(["create", "--bundle"]).arg(wants.dir()).arg("xpu-bench-e");
+            let mut c = Command::new(&shims[0].1);
+            c.args(["create", "--bundle"]).arg(b.dir()).arg("xpu-bench-e");
             a.push(timed(c.env("XPU_RUNTIME_CONFIG", &alone)));
         }
         let paired = paired_difference(&a, &t);
         (median(t), median(a), paired)
     };
+    let (own_true, own_alone, own_paired) = by_itself(&wants, &pristine);
     // The same, on the spec with a seccomp profile.
-    let (seccomp_true, seccomp_alone) = {
-        let program = &shims[0].1;
-        let (mut t, mut a) = (Vec::new(), Vec::new());
-        for _ in 0..n_start {
-            fresh_config(&wants_seccomp, &with_seccomp);
-            t.push(timed(&mut Command::new("/bin/true")));
-            let mut c = Command::new(program);
-            c.args(["create", "--bundle"]).arg(wants_seccomp.dir()).arg("xpu-bench-s");
-            a.push(timed(c.env("XPU_RUNTIME_CONFIG", &alone)));
-        }
-        (median(t), median(a))
-    };
+    let (seccomp_true, seccomp_alone, _) = by_itself(&wants_seccomp, &with_seccomp);
     let mut t_true = Vec::new();
     let mut t_pass = vec![Vec::new(); shims.len()];
     let mut t_alone = vec![Vec::new(); shims.len()];
