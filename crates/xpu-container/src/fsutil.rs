@@ -77,9 +77,9 @@ const MAX_PADDING: usize = 1 << 20;
 /// Rewrites the regular file at `path` with `bytes` in place, for a JSON file that no other
 /// process reads while it is written: a bundle's `config.json` between the engine writing it
 /// and runc reading it, which happens only after the shim has exec'd runc. Returns `false`,
-/// having changed nothing, when `path` is not a regular file opened without following a
-/// symlink, or when its filesystem cannot reserve the space ahead; the caller then replaces it
-/// ([`write_replace`]).
+/// having changed nothing, when `path` is not a regular file with one name opened without
+/// following a symlink, or when its filesystem cannot reserve the space ahead; the caller then
+/// replaces it ([`write_replace`]).
 ///
 /// Space for every byte is reserved first (`fallocate`, keeping the size), so the write itself
 /// cannot run out of space halfway: a failure before it leaves the file as it was. The file never
@@ -95,7 +95,9 @@ pub fn rewrite_in_place(path: &Path, bytes: &mut Vec<u8>) -> std::io::Result<boo
     let flags = OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
     let Ok(fd) = rustix::fs::open(path, flags, Mode::empty()) else { return Ok(false) };
     let st = rustix::fs::fstat(&fd)?;
-    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+    // A file with other names (an engine that links its own copy of the spec into the
+    // bundle) is replaced, so that the other names keep the engine's text.
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile || st.st_nlink != 1 {
         return Ok(false);
     }
     // Padding is bounded: a file far longer than the new text is replaced instead.
@@ -155,8 +157,8 @@ mod tests {
     }
 
     /// In place: the same inode, mode and owner; a shorter text padded to the old length with
-    /// spaces after the JSON value; a symlink, a FIFO or a missing file left alone, for the
-    /// caller to replace.
+    /// spaces after the JSON value; a symlink, a FIFO, a missing file or one with a second name
+    /// left alone, for the caller to replace.
     #[test]
     fn rewrites_in_place_without_shrinking() {
         use std::os::unix::fs::MetadataExt;
@@ -191,6 +193,10 @@ mod tests {
         .unwrap();
         assert!(!rewrite_in_place(&fifo, &mut b"{}".to_vec()).unwrap());
         assert!(!rewrite_in_place(&dir.path().join("none.json"), &mut b"{}".to_vec()).unwrap());
+        let other_name = dir.path().join("engine-copy.json");
+        std::fs::hard_link(&p, &other_name).unwrap();
+        assert!(!rewrite_in_place(&p, &mut b"{}".to_vec()).unwrap(), "a file with two names");
+        std::fs::remove_file(&other_name).unwrap();
         assert_eq!(std::fs::read_to_string(&p).unwrap(), text, "untouched by the refusals");
     }
 
