@@ -56,9 +56,9 @@ impl Serialize for Member {
 /// shim reads as values, the rest as their text.
 fn members(text: &str, top: bool) -> serde_json::Result<Members> {
     let raw: BTreeMap<String, Box<RawValue>> = serde_json::from_str(text)?;
+    let parsed = if top { PARSED.as_slice() } else { LINUX_PARSED.as_slice() };
     raw.into_iter()
         .map(|(name, raw)| {
-            let parsed = if top { PARSED.as_slice() } else { LINUX_PARSED.as_slice() };
             let member = if top && name == "linux" && raw.get().starts_with('{') {
                 Member::Object(members(raw.get(), false)?)
             } else if (top && name == "linux") || parsed.contains(&name.as_str()) {
@@ -79,25 +79,21 @@ fn value<'a>(members: &'a Members, name: &str) -> Option<&'a Value> {
     }
 }
 
-/// `members[name]` as a value to edit: `empty()` when missing or null, parsed when kept as
-/// text. An error leaves the member as it was.
+/// `members[name]` as a value to edit, `empty()` when missing or null; `None` when it is not
+/// a parsed value, which [`members`] makes every name the shim edits.
 fn value_at<'a>(
     members: &'a mut Members,
     name: &str,
     empty: fn() -> Value,
-) -> serde_json::Result<&'a mut Value> {
-    let member = members.entry(name.to_owned()).or_insert(Member::Value(Value::Null));
-    let value = match member {
-        Member::Value(v) => std::mem::take(v),
-        Member::Text(text) => serde_json::from_str(text.get())?,
-        Member::Object(m) => serde_json::to_value(&*m)?,
-    };
-    *member = Member::Value(if value.is_null() { empty() } else { value });
-    match member {
-        Member::Value(v) => Ok(v),
-        Member::Text(_) | Member::Object(_) => {
-            Err(serde::de::Error::custom("a spec member is not a value after parsing"))
+) -> Option<&'a mut Value> {
+    match members.entry(name.to_owned()).or_insert(Member::Value(Value::Null)) {
+        Member::Value(v) => {
+            if v.is_null() {
+                *v = empty();
+            }
+            Some(v)
         }
+        Member::Text(_) | Member::Object(_) => None,
     }
 }
 
@@ -161,7 +157,8 @@ impl Spec {
     }
 
     /// The whole spec as a JSON tree, as it would be written.
-    pub fn to_value(&self) -> Value {
+    #[cfg(test)]
+    fn to_value(&self) -> Value {
         serde_json::to_value(&self.members).unwrap_or_default()
     }
 
@@ -262,14 +259,12 @@ impl Spec {
             field,
             problem: problem.to_owned(),
         };
-        let json = |source| SpecError::Json { path: path.clone(), source };
 
         // Device nodes and their cgroup rules.
         let linux =
             linux_mut(&mut self.members).ok_or_else(|| shape("linux", "is not an object"))?;
         let devices = value_at(linux, "devices", || json!([]))
-            .map_err(json)?
-            .as_array_mut()
+            .and_then(Value::as_array_mut)
             .ok_or_else(|| shape("linux.devices", "is not an array"))?;
         for n in &edits.nodes {
             let want = format!("{} {}:{}", n.type_char(), n.major, n.minor);
@@ -306,8 +301,7 @@ impl Spec {
             devices.push(d);
         }
         let resources = value_at(linux, "resources", || json!({}))
-            .map_err(json)?
-            .as_object_mut()
+            .and_then(Value::as_object_mut)
             .ok_or_else(|| shape("linux.resources", "is not an object"))?;
         let rules = array_at(resources, "devices")
             .ok_or_else(|| shape("linux.resources.devices", "is not an array"))?;
@@ -326,8 +320,7 @@ impl Spec {
 
         // Read-only bind mounts of driver files.
         let mounts = value_at(&mut self.members, "mounts", || json!([]))
-            .map_err(json)?
-            .as_array_mut()
+            .and_then(Value::as_array_mut)
             .ok_or_else(|| shape("mounts", "is not an array"))?;
         for m in &edits.mounts {
             let source = m.source.to_string_lossy();
@@ -357,8 +350,7 @@ impl Spec {
         // Environment: replace a variable's last definition, else append.
         if !edits.env.is_empty() {
             let process = value_at(&mut self.members, "process", || json!({}))
-                .map_err(json)?
-                .as_object_mut()
+                .and_then(Value::as_object_mut)
                 .ok_or_else(|| shape("process", "is not an object"))?;
             let env = array_at(process, "env")
                 .ok_or_else(|| shape("process.env", "is not an array of strings"))?;

@@ -20,6 +20,10 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
 
+/// How every `openat2` here resolves: beneath the directory given, following no symlink.
+const STRICT: ResolveFlags =
+    ResolveFlags::BENEATH.union(ResolveFlags::NO_SYMLINKS).union(ResolveFlags::NO_MAGICLINKS);
+
 /// Symlinks followed in one path before giving up, as the kernel's `MAXSYMLINKS`.
 const MAX_LINKS: usize = 40;
 
@@ -106,9 +110,7 @@ impl Rootfs {
     /// Opens one component of a directory, never following a symlink.
     fn open_component(&self, dir: &OwnedFd, name: &str) -> Result<OwnedFd, Errno> {
         let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let resolve =
-            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-        match rustix::fs::openat2(dir, name, flags, Mode::empty(), resolve) {
+        match rustix::fs::openat2(dir, name, flags, Mode::empty(), STRICT) {
             // Kernels before 5.6: a single component with O_NOFOLLOW is just as strict.
             Err(Errno::NOSYS) => rustix::fs::openat(dir, name, flags, Mode::empty()),
             r => r,
@@ -288,10 +290,8 @@ impl Rootfs {
         if parent.is_empty() {
             return Parent::Root;
         }
-        let resolve =
-            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
         let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
-        match rustix::fs::openat2(&self.fd, parent, flags, Mode::empty(), resolve) {
+        match rustix::fs::openat2(&self.fd, parent, flags, Mode::empty(), STRICT) {
             Ok(fd) => Parent::Dir(fd),
             Err(Errno::NOENT) => Parent::Missing,
             Err(_) => Parent::Doubt,

@@ -3,8 +3,8 @@
 //! through it on the 8xA100 fixture. A container that asks for nothing reaches runc untouched;
 //! one that asks for GPUs 1 and 3 gets exactly those, from the host snapshot; errors are
 //! reported (with backtraces asked for too), and a runtime config naming the shim itself ends in
-//! that error, not in a loop. Needs root and runc for the containers; skips them, saying why,
-//! only where they are absent.
+//! that error, not in a loop. Needs root and runc for the containers: skips them, saying why,
+//! without root; fails, naming the install command, without runc or busybox.
 
 #![allow(clippy::unwrap_used)]
 
