@@ -13,9 +13,10 @@
 //!   reading the file);
 //! - `xpu cdi generate` on the 8×A100 fixture, process wall time (target: under 5 ms);
 //! - `runc run` of a busybox container through the shim against plain `runc run`, interleaved,
-//!   as ratios of medians with their 95 % bootstrap interval and as medians of per-round ratios
-//!   ("paired": each round runs every case once, so pairing cancels drift between batches of
-//!   rounds) (target: at most 1.05×):
+//!   each comparison as the Hodges–Lehmann ratio (the median ratio over every pair of runs) with
+//!   its 95 % distribution-free interval, then the ratio of medians with its 95 % bootstrap
+//!   interval (target: at most 1.05×); plain runc also runs as a second case of its own, and how
+//!   far it lands from the first says what resolution the run has:
 //!   - nothing requested (the shim only passes through);
 //!   - `NVIDIA_VISIBLE_DEVICES=1,3` against plain runc on the same bundle holding the spec the
 //!     shim produced (the shim's own cost: the snapshot or discovery, driver files, checks, the
@@ -23,8 +24,11 @@
 //!   - and the same request against plain runc on the untouched bundle (what the user sees,
 //!     including runc creating the extra nodes and mounts);
 //! - and the shim's own time from the process-start loops over those `runc run` medians: a
-//!   `runc run` here takes anywhere from 20 to 40 ms, so 200 runs a case pin a ratio of medians
-//!   down to about ±5 % (the interval), while the shim's own time is known to a few µs.
+//!   `runc run` here takes anywhere from 20 to 40 ms, so 200 runs a case pin a ratio down to
+//!   about ±3 % (±5 % for a ratio of medians), while the shim's own time is known to a few µs.
+//!
+//! Every command is timed without the `LD_LIBRARY_PATH` cargo sets for a benchmark (see
+//! [`timed`]).
 //!
 //! The shim alone is measured twice: by itself (each round `/bin/true`, then the shim's create;
 //! the figure the target is judged on) and among the other binaries and modes, one after the
@@ -103,11 +107,46 @@ fn interval(x: &[Duration], y: &[Duration]) -> String {
     format!("[95 % {lo:.3}–{hi:.3}]")
 }
 
+/// How many times longer the runs in `x` take than those in `y`, by Hodges and Lehmann: the
+/// median of the ratios of every run in `x` to every run in `y` (the shift between the two
+/// cases' logarithms), with its 95 % distribution-free interval, the order statistics of those
+/// ratios that the Mann–Whitney test bounds (normal approximation; Hollander and Wolfe).
+/// Returns `(estimate, lo, hi)`.
+///
+/// A ratio of medians looks at the middle runs only. `runc run` times here have two humps (a
+/// run either meets a slow path in the kernel or not), and the median falls on the slope
+/// between them, where it moves most from one sample to the next; every pair of runs enters
+/// this estimate, so at the same number of runs its interval is a third to a half narrower.
+fn hodges_lehmann(x: &[Duration], y: &[Duration]) -> (f64, f64, f64) {
+    let ln = |d: &Duration| d.as_secs_f64().ln();
+    let ly: Vec<f64> = y.iter().map(ln).collect();
+    let mut q: Vec<f64> = x.iter().flat_map(|a| ly.iter().map(move |b| ln(a) - b)).collect();
+    q.sort_by(f64::total_cmp);
+    let (m, n, len) = (x.len() as f64, y.len() as f64, q.len());
+    let mid = if len % 2 == 0 { (q[len / 2 - 1] + q[len / 2]) / 2.0 } else { q[len / 2] };
+    // The k-th smallest and k-th largest ratios bound the 95 % interval.
+    let k = (m * n / 2.0 - 1.96 * (m * n * (m + n + 1.0) / 12.0).sqrt()).floor().max(0.0) as usize;
+    (mid.exp(), q[k].exp(), q[len - 1 - k].exp())
+}
+
+/// `x` against `y` for printing: the Hodges–Lehmann ratio with its interval, then the ratio of
+/// medians with its bootstrap interval.
+fn compared(x: &[Duration], y: &[Duration]) -> String {
+    let (hl, lo, hi) = hodges_lehmann(x, y);
+    let medians = median(x.to_vec()).as_secs_f64() / median(y.to_vec()).as_secs_f64();
+    format!("{hl:.3}x [95 % {lo:.3}–{hi:.3}] (ratio of medians {medians:.3}x {})", interval(x, y))
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1e3)
 }
 
+/// Runs `cmd` to its end and returns how long that took. Cargo puts its build directories in
+/// `LD_LIBRARY_PATH` for a benchmark; every dynamically linked program timed here (`/bin/true`,
+/// runc, `runc init`, sh) would search them all for each library, 0.25 ms an exec on this
+/// project's VMs, which an engine's environment does not cost. They are taken out.
 fn timed(cmd: &mut Command) -> Duration {
+    cmd.env_remove("LD_LIBRARY_PATH");
     let t = Instant::now();
     let out =
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).output().unwrap();
@@ -410,10 +449,13 @@ fn main() {
     std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .unwrap();
     let (mut a, mut d, mut w, mut x) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Plain runc once more, as a case of its own: how far two identical cases land apart in
+    // this run is the resolution every other ratio has.
+    let mut a_again = Vec::new();
     let mut nothing = vec![Vec::new(); shims.len()];
     let mut request = vec![Vec::new(); shims.len()];
     let n: usize = std::env::var("XPU_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
-    let mut cases: Vec<(usize, usize)> = vec![(0, 0), (1, 0), (4, 0), (5, 0)];
+    let mut cases: Vec<(usize, usize)> = vec![(0, 0), (1, 0), (4, 0), (5, 0), (6, 0)];
     cases.extend((0..shims.len()).flat_map(|k| [(2, k), (3, k)]));
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     let mut seq = 0_u32;
@@ -441,6 +483,10 @@ fn main() {
                     fresh_config(&plain, &plain_bytes);
                     w.push(run(&wrapper, &plain, &id));
                 }
+                6 => {
+                    fresh_config(&plain, &plain_bytes);
+                    a_again.push(run(Path::new(RUNC), &plain, &id));
+                }
                 5 => {
                     fresh_config(&wants, &pristine);
                     x.push(run_with(&shims[0].1, &wants, &id, &discover_cfg));
@@ -457,49 +503,42 @@ fn main() {
         }
     }
 
-    // Besides the ratio of medians, the median of per-round ratios (every case runs once per
-    // round).
-    let paired = |x: &[Duration], y: &[Duration]| per_round(x, y, |x, y| x / y);
     let (a_runs, d_runs) = (a.clone(), d.clone());
-    let w_paired = paired(&w, &a_runs);
-    let w_in = interval(&w, &a_runs);
+    let w_vs = compared(&w, &a_runs);
     let (a, d, w) = (median(a), median(d), median(w));
-    let r = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
     println!(
         "runc run, plain (busybox true):               median {} ({n} runs each, interleaved)",
         ms(a)
     );
+    println!(
+        "  plain runc against itself, a case of its own: {} (no difference but chance)",
+        compared(&a_again, &a_runs)
+    );
     println!("plain runc run on the spec the shim edited:   median {}", ms(d));
     println!(
-        "runc run through `exec runc \"$@\"` in sh:      median {} = {:.3}x {w_in} plain (the floor for any exec shim); paired {w_paired:.3}x",
-        ms(w),
-        r(w, a)
+        "runc run through `exec runc \"$@\"` in sh:      median {}: {w_vs} plain (sh's own start, the floor for a shim in a script)",
+        ms(w)
     );
     for (k, (label, _)) in shims.iter().enumerate() {
         let (b_runs, c_runs) = (std::mem::take(&mut nothing[k]), std::mem::take(&mut request[k]));
-        let (b_paired, c_paired) = (paired(&b_runs, &a_runs), paired(&c_runs, &d_runs));
-        let (b_in, c_in) = (interval(&b_runs, &a_runs), interval(&c_runs, &d_runs));
-        let (b, c) = (median(b_runs), median(c_runs));
+        let r = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
         println!("through the {label} shim:");
         println!(
-            "  nothing requested:             median {} = {:.3}x {b_in} plain (target <= 1.02x); paired {b_paired:.3}x",
-            ms(b),
-            r(b, a)
+            "  nothing requested:          {} plain (target <= 1.02x); median {}",
+            compared(&b_runs, &a_runs),
+            ms(median(b_runs.clone()))
         );
+        let c = median(c_runs.clone());
         println!(
-            "  NVIDIA_VISIBLE_DEVICES=1,3:    median {} = {:.3}x {c_in} the same edits without the shim (target <= 1.05x); paired {c_paired:.3}x; {:.3}x plain runc on the unedited bundle",
+            "  NVIDIA_VISIBLE_DEVICES=1,3: {} the same edits without the shim (target <= 1.05x); median {}, {:.3}x plain runc on the unedited bundle",
+            compared(&c_runs, &d_runs),
             ms(c),
-            r(c, d),
             r(c, a)
         );
         if k == 0 {
-            let x_paired = paired(&x, &d_runs);
-            let x_in = interval(&x, &d_runs);
-            let x = median(std::mem::take(&mut x));
             println!(
-                "  the same, discovering instead of the snapshot: median {} = {:.3}x {x_in} the same edits without the shim; paired {x_paired:.3}x",
-                ms(x),
-                r(x, d)
+                "  the same, discovering instead of the snapshot: {} the same edits without the shim",
+                compared(&x, &d_runs)
             );
         }
     }
