@@ -187,19 +187,13 @@ fn settle() {
     assert!(status.is_ok_and(|s| s.success()), "sync failed");
 }
 
-/// The median over rounds of `by(a[i], b[i])` (in seconds): a round's cases share whatever
-/// state the machine was in, so pairing them cancels the drift from one batch of rounds to the
-/// next, which the difference or ratio of medians does not.
-fn per_round(a: &[Duration], b: &[Duration], by: impl Fn(f64, f64) -> f64) -> f64 {
-    let mut q: Vec<f64> =
-        a.iter().zip(b).map(|(a, b)| by(a.as_secs_f64(), b.as_secs_f64())).collect();
+/// The median over rounds of the differences `a[i] - b[i]`, in seconds: a round's cases share
+/// whatever state the machine was in, so pairing them cancels the drift from one batch of rounds
+/// to the next, which the difference of medians does not.
+fn paired_difference(a: &[Duration], b: &[Duration]) -> f64 {
+    let mut q: Vec<f64> = a.iter().zip(b).map(|(a, b)| a.as_secs_f64() - b.as_secs_f64()).collect();
     q.sort_by(f64::total_cmp);
     q[q.len() / 2]
-}
-
-/// The median of the per-round differences `a[i] - b[i]`, in seconds.
-fn paired_difference(a: &[Duration], b: &[Duration]) -> f64 {
-    per_round(a, b, |a, b| a - b)
 }
 
 /// A seccomp profile the size of the default one Docker and containerd put in every spec: an
