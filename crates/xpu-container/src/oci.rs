@@ -3,29 +3,37 @@
 //!
 //! The spec is edited as JSON, not through typed structs: fields this code does not know (newer
 //! spec versions, engine extensions) pass through untouched, which a typed round trip would
-//! silently drop. Only the members the shim reads or edits are parsed (`process`, `root`,
-//! `annotations`, `mounts`, and `linux.devices` and `linux.resources`); every other member keeps
+//! silently drop. Only the members the shim reads or edits are parsed (`root`, `annotations`,
+//! `mounts`, `process.env`, and `linux.devices` and `linux.resources`); every other member keeps
 //! the text the engine wrote, checked as JSON but not built into a tree, and is written back as
 //! it was. A Docker or containerd spec is mostly its seccomp profile (10–20 KiB of syscall
-//! names): parsing it into a tree and writing it out again cost the shim more than the rest of
-//! its work on a container start. Edits are idempotent: a device, rule or mount already present
+//! names) and `process` its capability lists: parsing them into a tree and writing them out
+//! again cost the shim more than the rest of its work on a container start. The spec is read in
+//! one pass, each member parsed or kept as text as it is met, so the profile is scanned once.
+//! Edits are idempotent: a device, rule or mount already present
 //! (an engine that also applied the CDI annotation) is not added twice, and a conflicting one is
 //! an error.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::{Path, PathBuf};
 
-use serde::{Serialize, Serializer};
+use serde::de::value::SeqAccessDeserializer;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use crate::edits::{Edits, NodeEdit};
 use crate::request::Env;
 
-/// The top-level members parsed when the spec is read; `linux` is read member by member.
-const PARSED: [&str; 4] = ["annotations", "mounts", "process", "root"];
+/// The top-level members parsed when the spec is read; `linux` and `process` are read member
+/// by member.
+const PARSED: [&str; 3] = ["annotations", "mounts", "root"];
 /// The members of `linux` parsed when the spec is read.
 const LINUX_PARSED: [&str; 2] = ["devices", "resources"];
+/// The members of `process` parsed when the spec is read.
+const PROCESS_PARSED: [&str; 1] = ["env"];
 
 /// A JSON object's members by name, sorted as `serde_json` writes an object. A name given twice
 /// keeps its last value, as runc's Go decoder does.
@@ -38,7 +46,7 @@ enum Member {
     Text(Box<RawValue>),
     /// Read or edited here.
     Value(Value),
-    /// `linux`, whose members are themselves kept as text or parsed.
+    /// `linux` or `process`, whose members are themselves kept as text or parsed.
     Object(Members),
 }
 
@@ -52,23 +60,129 @@ impl Serialize for Member {
     }
 }
 
-/// `text`, a JSON object, as members: `linux` (at the top) as members of its own, those the
-/// shim reads as values, the rest as their text.
-fn members(text: &str, top: bool) -> serde_json::Result<Members> {
-    let raw: BTreeMap<String, Box<RawValue>> = serde_json::from_str(text)?;
-    let parsed = if top { PARSED.as_slice() } else { LINUX_PARSED.as_slice() };
-    raw.into_iter()
-        .map(|(name, raw)| {
-            let member = if top && name == "linux" && raw.get().starts_with('{') {
-                Member::Object(members(raw.get(), false)?)
-            } else if (top && name == "linux") || parsed.contains(&name.as_str()) {
-                Member::Value(serde_json::from_str(raw.get())?)
-            } else {
-                Member::Text(raw)
+/// An object of the spec being read: the spec itself, or `linux` or `process` in it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Level {
+    Top,
+    Linux,
+    Process,
+}
+
+impl Level {
+    /// The members of this object parsed as values; the others are kept as text.
+    fn parsed(self) -> &'static [&'static str] {
+        match self {
+            Level::Top => &PARSED,
+            Level::Linux => &LINUX_PARSED,
+            Level::Process => &PROCESS_PARSED,
+        }
+    }
+
+    /// The object that member `name` of this one is, when it is read member by member too.
+    fn nested(self, name: &str) -> Option<Level> {
+        match (self, name) {
+            (Level::Top, "linux") => Some(Level::Linux),
+            (Level::Top, "process") => Some(Level::Process),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Level::Top => "the spec",
+            Level::Linux => "linux",
+            Level::Process => "process",
+        }
+    }
+}
+
+/// Reads an object of the spec as [`Members`], in one pass over its text: each member is parsed,
+/// kept as text, or (`linux`, `process`) read member by member as it is met. A name given twice
+/// keeps its last value, as runc's Go decoder does.
+struct MembersOf(Level);
+
+impl<'de> Visitor<'de> for MembersOf {
+    type Value = Members;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "{} as a JSON object", self.0.name())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members, A::Error> {
+        let mut members = Members::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let member = match self.0.nested(&name) {
+                Some(level) => map.next_value_seed(Nested(level))?,
+                None if self.0.parsed().contains(&name.as_str()) => {
+                    Member::Value(map.next_value()?)
+                }
+                None => Member::Text(map.next_value()?),
             };
-            Ok((name, member))
-        })
-        .collect()
+            members.insert(name, member);
+        }
+        Ok(members)
+    }
+}
+
+/// `linux` or `process`: its members when it is an object, else the value it is (null, which an
+/// edit replaces, or something an edit reports as not an object).
+struct Nested(Level);
+
+impl<'de> DeserializeSeed<'de> for Nested {
+    type Value = Member;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Member, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Nested {
+    type Value = Member;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "{} as JSON", self.0.name())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Member, A::Error> {
+        MembersOf(self.0).visit_map(map).map(Member::Object)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Member, A::Error> {
+        Value::deserialize(SeqAccessDeserializer::new(seq)).map(Member::Value)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Member, E> {
+        Ok(Member::Value(Value::Null))
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Member, E> {
+        Ok(Member::Value(v.into()))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Member, E> {
+        Ok(Member::Value(v.into()))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Member, E> {
+        Ok(Member::Value(v.into()))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Member, E> {
+        Ok(Member::Value(v.into()))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Member, E> {
+        Ok(Member::Value(v.into()))
+    }
+}
+
+/// `text`, a JSON object, as the spec's members (see [`MembersOf`]); the whole text must be
+/// that object.
+fn members(text: &str) -> serde_json::Result<Members> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let members = de.deserialize_map(MembersOf(Level::Top))?;
+    de.end()?;
+    Ok(members)
 }
 
 /// The parsed value of `name` in `members`.
@@ -141,18 +255,18 @@ impl Spec {
         let json = |source| SpecError::Json { path: path.clone(), source };
         // Checked as UTF-8 once, in bulk, rather than string by string as `from_slice` does.
         let text = std::str::from_utf8(bytes).map_err(|e| {
-            json(serde::de::Error::custom(format_args!("not UTF-8 at byte {}", e.valid_up_to())))
+            json(de::Error::custom(format_args!("not UTF-8 at byte {}", e.valid_up_to())))
         })?;
         if !text.trim_start().starts_with('{') {
             // Not an object: reported as bad JSON when it is not JSON at all.
-            serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(json)?;
+            serde_json::from_str::<de::IgnoredAny>(text).map_err(json)?;
             return Err(SpecError::Shape {
                 path,
                 field: "the document",
                 problem: "is not a JSON object".to_owned(),
             });
         }
-        let members = members(text, true).map_err(json)?;
+        let members = members(text).map_err(json)?;
         Ok(Self { path, members })
     }
 
@@ -162,10 +276,10 @@ impl Spec {
         serde_json::to_value(&self.members).unwrap_or_default()
     }
 
-    /// A member of `linux` that is read here.
-    fn linux(&self, name: &str) -> Option<&Value> {
-        match self.members.get("linux") {
-            Some(Member::Object(linux)) => value(linux, name),
+    /// Member `name` of `object` (`linux` or `process`) that is read here.
+    fn member_of(&self, object: &str, name: &str) -> Option<&Value> {
+        match self.members.get(object) {
+            Some(Member::Object(members)) => value(members, name),
             _ => None,
         }
     }
@@ -176,7 +290,7 @@ impl Spec {
 
     /// `process.env`.
     pub fn env(&self) -> Result<Env, SpecError> {
-        match value(&self.members, "process").and_then(|p| p.get("env")) {
+        match self.member_of("process", "env") {
             None | Some(Value::Null) => Ok(Env::default()),
             Some(Value::Array(a)) => {
                 let mut entries = Vec::with_capacity(a.len());
@@ -220,7 +334,7 @@ impl Spec {
 
     /// `linux.resources.devices`, the cgroup device rules.
     pub fn device_rules(&self) -> Vec<&Value> {
-        self.linux("resources")
+        self.member_of("linux", "resources")
             .and_then(|r| r.get("devices"))
             .and_then(Value::as_array)
             .map(|a| a.iter().collect())
@@ -261,8 +375,8 @@ impl Spec {
         };
 
         // Device nodes and their cgroup rules.
-        let linux =
-            linux_mut(&mut self.members).ok_or_else(|| shape("linux", "is not an object"))?;
+        let linux = object_mut(&mut self.members, "linux")
+            .ok_or_else(|| shape("linux", "is not an object"))?;
         let devices = value_at(linux, "devices", || json!([]))
             .and_then(Value::as_array_mut)
             .ok_or_else(|| shape("linux.devices", "is not an array"))?;
@@ -349,10 +463,10 @@ impl Spec {
 
         // Environment: replace a variable's last definition, else append.
         if !edits.env.is_empty() {
-            let process = value_at(&mut self.members, "process", || json!({}))
-                .and_then(Value::as_object_mut)
+            let process = object_mut(&mut self.members, "process")
                 .ok_or_else(|| shape("process", "is not an object"))?;
-            let env = array_at(process, "env")
+            let env = value_at(process, "env", || json!([]))
+                .and_then(Value::as_array_mut)
                 .ok_or_else(|| shape("process.env", "is not an array of strings"))?;
             for (k, v) in &edits.env {
                 let entry = Value::String(format!("{k}={v}"));
@@ -380,15 +494,15 @@ impl Spec {
     }
 }
 
-/// `linux`'s members, to edit: created when missing or null; `None` when it is something else.
-fn linux_mut(members: &mut Members) -> Option<&mut Members> {
-    let member =
-        members.entry("linux".to_owned()).or_insert_with(|| Member::Object(Members::new()));
+/// The members of `name` (`linux` or `process`), to edit: created when missing or null; `None`
+/// when it is something else.
+fn object_mut<'a>(members: &'a mut Members, name: &str) -> Option<&'a mut Members> {
+    let member = members.entry(name.to_owned()).or_insert_with(|| Member::Object(Members::new()));
     if matches!(member, Member::Value(Value::Null)) {
         *member = Member::Object(Members::new());
     }
     match member {
-        Member::Object(linux) => Some(linux),
+        Member::Object(object) => Some(object),
         Member::Value(_) | Member::Text(_) => None,
     }
 }
@@ -461,8 +575,10 @@ mod tests {
               "args": [{"index": 0, "value": 18446744073709551615, "op": "SCMP_CMP_EQ"}]}],
             "weight": 0.1000000000000000055511151231257827 }"#;
         let hooks = r#"{"z": 1, "a": [ 2 ]}"#;
+        let caps = r#"{"bounding": [ "CAP_KILL", "CAP_CHOWN" ], "ambient": []}"#;
         let text = format!(
-            r#"{{"ociVersion": "1.2.0", "hooks": {hooks}, "process": {{"env": ["A=1"]}},
+            r#"{{"ociVersion": "1.2.0", "hooks": {hooks},
+               "process": {{"capabilities": {caps}, "env": ["A=1"]}},
                "linux": {{"seccomp": {seccomp}, "namespaces": [{{"type": "pid"}}]}}}}"#
         );
         let mut s = Spec::parse(text.as_bytes(), "/b/config.json".into()).unwrap();
@@ -478,6 +594,7 @@ mod tests {
         let written = std::fs::read_to_string(&s.path).unwrap();
         assert!(written.contains(&format!(r#""seccomp":{seccomp}"#)), "{written}");
         assert!(written.contains(&format!(r#""hooks":{hooks}"#)), "{written}");
+        assert!(written.contains(&format!(r#""capabilities":{caps}"#)), "{written}");
         let v: Value = serde_json::from_str(&written).unwrap();
         assert_eq!(v["linux"]["namespaces"], json!([{"type": "pid"}]));
         assert_eq!(v["linux"]["devices"][0]["path"], "/dev/nvidia1");
@@ -510,6 +627,10 @@ mod tests {
             (r#"{"linux": {"resources": []}}"#, "linux.resources is not an object"),
             (r#"{"mounts": {}}"#, "mounts is not an array"),
             (r#"{"process": "x"}"#, "process is not an object"),
+            (r#"{"process": 1.5}"#, "process is not an object"),
+            (r#"{"linux": [{"devices": []}]}"#, "linux is not an object"),
+            (r#"{"linux": true}"#, "linux is not an object"),
+            (r#"{"process": {"env": "A=1"}}"#, "process.env is not an array of strings"),
         ] {
             let mut s = Spec::parse(text.as_bytes(), "c.json".into()).unwrap();
             let err = s.apply(&e).unwrap_err().to_string();
@@ -519,9 +640,16 @@ mod tests {
         assert!(format!("{err:#}").contains("not valid JSON"), "{err}");
         let source = std::error::Error::source(&err).unwrap().to_string();
         assert!(source.contains("not UTF-8 at byte 7"), "{source}");
-        // Bad JSON anywhere, in a member kept as text too, is an error.
-        let err = Spec::parse(br#"{"hooks": {"a": }}"#, "c.json".into()).unwrap_err();
-        assert!(err.to_string().contains("not valid JSON"), "{err}");
+        // Bad JSON anywhere, in a member kept as text too, or after the spec, is an error.
+        for text in [
+            r#"{"hooks": {"a": }}"#,
+            r#"{"linux": {"seccomp": [}}"#,
+            r#"{"process": {"user": {"uid": 0,}}}"#,
+            r#"{"ociVersion": "1.2.0"} {}"#,
+        ] {
+            let err = Spec::parse(text.as_bytes(), "c.json".into()).unwrap_err();
+            assert!(err.to_string().contains("not valid JSON"), "{text}: {err}");
+        }
     }
 
     #[test]
@@ -535,6 +663,17 @@ mod tests {
         let s = spec(json!({"process": {"env": "A=1"}}));
         assert!(s.env().unwrap_err().to_string().contains("process.env is not an array"));
         assert!(Spec::parse(b"[1]", "c.json".into()).is_err());
+        // A name given twice keeps its last value, at the top and inside `linux` and `process`.
+        let s = Spec::parse(
+            br#"{"process": {"env": ["A=1"]}, "linux": {"devices": 1, "devices": []},
+                "process": {"env": ["B=1"], "env": ["C=1"]}, "root": {"path": "a"},
+                "root": {"path": "b"}}"#,
+            "c.json".into(),
+        )
+        .unwrap();
+        assert_eq!(s.env().unwrap(), Env::from_entries(["C=1"]));
+        assert_eq!(s.to_value()["linux"]["devices"], json!([]));
+        assert_eq!(s.rootfs(Path::new("/bundle")).unwrap(), Path::new("/bundle/b"));
         assert!(
             Spec::parse(b"{", "c.json".into()).unwrap_err().to_string().contains("not valid JSON")
         );

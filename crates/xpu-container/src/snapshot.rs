@@ -21,8 +21,8 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use xpu_core::Inventory;
 use xpu_core::driver::{Capabilities, DriverFiles};
+use xpu_core::{Inventory, PciDevice};
 
 use crate::request::Wanted;
 
@@ -55,15 +55,19 @@ impl HostSnapshot {
     /// The inventory the shim's narrow discovery returns for `only`: the devices of the wanted
     /// vendors and kinds, in the same (PCI address) order, and the same host facts.
     pub fn inventory_for(&self, only: Option<&[Wanted]>) -> Inventory {
-        let mut inv = self.inventory.clone();
-        if let Some(only) = only {
-            inv.devices.retain(|d| {
+        let wanted = |d: &&PciDevice| {
+            only.is_none_or(|only| {
                 only.iter().any(|(vendor, kind)| {
                     d.kind == *kind && vendor.is_none_or(|v| d.vendor_id == Some(v))
                 })
-            });
+            })
+        };
+        // Only the devices taken are copied.
+        Inventory {
+            devices: self.inventory.devices.iter().filter(wanted).cloned().collect(),
+            host: self.inventory.host.clone(),
+            warnings: self.inventory.warnings.clone(),
         }
-        inv
     }
 
     /// The driver files of `caps`, in the order a search for `caps` finds them.
