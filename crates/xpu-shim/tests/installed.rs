@@ -8,6 +8,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -207,4 +208,72 @@ fn runc_starts_with_sigpipe_default_and_standard_descriptors_open() {
     let (_, ignored, stdin) = state(&probe);
     assert_ne!(ignored & SIGPIPE, 0, "the negative control: SIGPIPE ignored");
     assert_eq!(stdin, "closed");
+}
+
+/// The functions a container start runs come first in the binary, in the order of
+/// `crates/xpu-shim/hot-functions.txt` (`scripts/build-shim` has LLD lay them out), and that
+/// list still names the shim's own functions: after a change that renames or replaces many of
+/// them, this fails until the list is written again.
+#[test]
+fn the_functions_a_start_runs_are_laid_out_first() {
+    let shim = built();
+    let comment = Command::new("readelf").args(["-p", ".comment"]).arg(shim).output().unwrap();
+    if !String::from_utf8_lossy(&comment.stdout).contains("Linker: LLD") {
+        eprintln!(
+            "skipping: {} was not linked by LLD, which alone lays functions out",
+            shim.display()
+        );
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out =
+        Command::new(root.join("scripts/build-shim")).arg("--symbols").arg(shim).output().unwrap();
+    assert!(out.status.success(), "build-shim --symbols: {}", String::from_utf8_lossy(&out.stderr));
+    let symbols: Vec<(String, String)> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once('\t').map(|(s, n)| (s.to_owned(), n.to_owned())))
+        .collect();
+    let list = std::fs::read_to_string(root.join("crates/xpu-shim/hot-functions.txt")).unwrap();
+    let listed: HashSet<&str> =
+        list.lines().filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
+    let names: HashSet<&str> = symbols.iter().map(|(_, n)| n.as_str()).collect();
+    let own: Vec<&&str> = listed.iter().filter(|n| n.contains("xpu_")).collect();
+    let missing: Vec<&&&str> = own.iter().filter(|n| !names.contains(***n)).collect();
+    assert!(
+        own.len() > 30 && missing.len() * 10 <= own.len(),
+        "{} of the {} xpu functions in hot-functions.txt are not in the shim any more, e.g. {:?}: \
+         write the list again with `cargo run -p xpu-shim --example hot-functions` (root, gdb)",
+        missing.len(),
+        own.len(),
+        missing.iter().take(5).collect::<Vec<_>>()
+    );
+
+    // In address order, the first functions are the listed ones (a few others come with them:
+    // aliases, and musl functions that share a section with a listed one). Laid out as the
+    // linker does, a fifth of them are.
+    let hot: HashSet<&str> = symbols
+        .iter()
+        .filter(|(_, n)| listed.contains(n.as_str()))
+        .map(|(s, _)| s.as_str())
+        .collect();
+    let nm = Command::new("nm").args(["-n", "--defined-only"]).arg(shim).output().unwrap();
+    let by_address: Vec<String> = String::from_utf8(nm.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            match (f.next(), f.next(), f.next()) {
+                (Some(_), Some("t" | "T" | "w" | "W"), Some(s)) => Some(s.to_owned()),
+                _ => None,
+            }
+        })
+        .collect();
+    let first = by_address.iter().take(hot.len()).filter(|s| hot.contains(s.as_str())).count();
+    assert!(
+        first * 10 >= hot.len() * 8,
+        "only {first} of the first {} functions in {} are listed ones",
+        hot.len(),
+        shim.display()
+    );
 }

@@ -1,0 +1,141 @@
+//! `cargo run -p xpu-shim --example hot-functions` (root, gdb, busybox): writes
+//! `crates/xpu-shim/hot-functions.txt`, the functions a container start runs in the order it
+//! first runs them, which `scripts/build-shim` lays out first in the binary.
+//!
+//! It builds the shim with `scripts/build-shim` and runs it on the 8×A100 fixture host with the
+//! host snapshot, as a container start does: `create` with `NVIDIA_VISIBLE_DEVICES=1,3`, `create`
+//! asking for nothing, and `state` (every other subcommand passes through the same way). Each run
+//! is under gdb with a breakpoint on every function, each breakpoint disabled at its first hit,
+//! until the shim execs the runtime. The runtime is `/bin/true`; nothing after the exec is the
+//! shim's. The functions are written by name without the hash rustc puts in a symbol (see
+//! `scripts/build-shim --symbols`), so that the list stays good across rebuilds; run this again
+//! when the shim's code changes much (the build then reports fewer names found).
+
+#![allow(clippy::print_stdout, clippy::print_stderr, clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use xpu_testkit::bundle::{Bundle, RUNC, TestHost};
+use xpu_testkit::hosts;
+
+fn main() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
+    let out = Command::new(repo.join("scripts/build-shim")).output().unwrap();
+    assert!(out.status.success(), "scripts/build-shim: {}", String::from_utf8_lossy(&out.stderr));
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| repo.join("target"), PathBuf::from);
+    let shim = target.join("shim/xpu-container-runtime");
+
+    // The 8×A100 fixture with its snapshot, as `xpu cdi generate` leaves it.
+    let host = TestHost::new(&hosts::a100_8x());
+    let root = xpu_host::Root::new(host.fixture.root()).unwrap();
+    let snap = xpu_shim::host_snapshot(&root, xpu_host::host_key(&root)).unwrap();
+    let cdi = host.dir.path().join("cdi");
+    std::fs::create_dir_all(&cdi).unwrap();
+    std::fs::write(cdi.join(xpu_container::snapshot::FILE_NAME), snap.to_json()).unwrap();
+    let config = host.dir.path().join("to-true.toml");
+    let text = std::fs::read_to_string(&host.config).unwrap();
+    std::fs::write(&config, text.replace(RUNC, "/bin/true")).unwrap();
+
+    let requested = Bundle::busybox("true");
+    requested.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
+    let plain = Bundle::busybox("true");
+    let script = gdb_script(&shim);
+    let mut order: Vec<String> = Vec::new();
+    for (what, bundle, args) in [
+        ("create, GPUs 1 and 3", Some(&requested), vec!["create", "--bundle", "B", "hot"]),
+        ("create, nothing asked for", Some(&plain), vec!["create", "--bundle", "B", "hot"]),
+        ("state", None, vec!["state", "hot"]),
+    ] {
+        let bundle_dir = bundle.map(|b| b.dir().to_str().unwrap().to_owned());
+        let args: Vec<&str> = args
+            .iter()
+            .map(|a| if *a == "B" { bundle_dir.as_deref().unwrap() } else { a })
+            .collect();
+        let out = Command::new("gdb")
+            .args(["-q", "-batch", "-x"])
+            .arg(&script)
+            .arg("--args")
+            .arg(&shim)
+            .args(&args)
+            .env("XPU_RUNTIME_CONFIG", &config)
+            .output()
+            .unwrap_or_else(|e| panic!("gdb: {e} (apt-get install gdb)"));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let ran: Vec<&str> = stdout.lines().filter_map(|l| l.strip_prefix("xpu-hot: ")).collect();
+        assert!(ran.len() > 20, "{what}: gdb saw {} functions:\n{stdout}", ran.len());
+        println!("{what}: {} functions", ran.len());
+        order.extend(ran.iter().map(|s| (*s).to_owned()));
+    }
+
+    // Symbols to names without the hash, as `scripts/build-shim` matches them.
+    let out =
+        Command::new(repo.join("scripts/build-shim")).arg("--symbols").arg(&shim).output().unwrap();
+    assert!(out.status.success(), "build-shim --symbols: {}", String::from_utf8_lossy(&out.stderr));
+    let names: BTreeMap<&str, &str> = std::str::from_utf8(&out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .collect();
+    let mut seen = HashSet::new();
+    let mut list = String::from(
+        "# The functions a container start runs, in the order it first runs them, by name without\n\
+         # the hash in their symbols: scripts/build-shim lays them out first in the shim.\n\
+         # Written by `cargo run -p xpu-shim --example hot-functions`; do not edit.\n",
+    );
+    for symbol in &order {
+        let name = names.get(symbol.as_str()).copied().unwrap_or(symbol);
+        if seen.insert(name) {
+            writeln!(list, "{name}").unwrap();
+        }
+    }
+    let path = repo.join("crates/xpu-shim/hot-functions.txt");
+    std::fs::write(&path, list).unwrap();
+    println!("wrote {}: {} functions", path.display(), seen.len());
+}
+
+/// A gdb script that stops the shim at its first instruction, puts a breakpoint on every
+/// function symbol that prints the symbol's name and disables itself, and ends at the shim's
+/// `execve`. The binary is position-independent: addresses are taken from where its entry
+/// point was loaded.
+fn gdb_script(shim: &Path) -> PathBuf {
+    let image = std::fs::read(shim).unwrap();
+    // ELF64 `e_entry`, little-endian, at offset 24.
+    let entry = u64::from_le_bytes(image[24..32].try_into().unwrap());
+    let nm = Command::new("nm").args(["-p", "--defined-only"]).arg(shim).output().unwrap();
+    assert!(nm.status.success(), "nm: {}", String::from_utf8_lossy(&nm.stderr));
+    let mut functions = Vec::new();
+    let mut at = HashSet::new();
+    for line in std::str::from_utf8(&nm.stdout).unwrap().lines() {
+        let mut f = line.split(' ');
+        if let (Some(addr), Some("t" | "T" | "w" | "W"), Some(symbol)) =
+            (f.next(), f.next(), f.next())
+            && let Ok(addr) = u64::from_str_radix(addr, 16)
+            && at.insert(addr)
+        {
+            functions.push((addr, symbol));
+        }
+    }
+    let mut script = String::from("set pagination off\nset confirm off\nstarti\n");
+    writeln!(script, "set $base = $pc - {entry:#x}").unwrap();
+    for (addr, symbol) in functions {
+        if addr == entry {
+            // Where the program stands now: run first, and no breakpoint needed.
+            writeln!(script, "echo xpu-hot: {symbol}\\n").unwrap();
+            continue;
+        }
+        write!(
+            script,
+            "break *($base + {addr:#x})\ncommands\nsilent\necho xpu-hot: {symbol}\\n\n\
+             disable $_hit_bpnum\ncontinue\nend\n"
+        )
+        .unwrap();
+    }
+    script.push_str("catch syscall execve\ncontinue\nkill\nquit\n");
+    let path = std::env::temp_dir().join(format!("xpu-hot-functions-{}.gdb", std::process::id()));
+    std::fs::write(&path, script).unwrap();
+    path
+}
