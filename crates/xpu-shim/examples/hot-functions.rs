@@ -18,8 +18,10 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use xpu_testkit::bundle::{Bundle, RUNC, TestHost};
-use xpu_testkit::hosts;
+use xpu_testkit::bundle::{Bundle, RUNC};
+
+#[path = "../tests/shim_support/mod.rs"]
+mod shim_support;
 
 fn main() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
@@ -29,13 +31,7 @@ fn main() {
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| repo.join("target"), PathBuf::from);
     let shim = target.join("shim/xpu-container-runtime");
 
-    // The 8×A100 fixture with its snapshot, as `xpu cdi generate` leaves it.
-    let host = TestHost::new(&hosts::a100_8x());
-    let root = xpu_host::Root::new(host.fixture.root()).unwrap();
-    let snap = xpu_shim::host_snapshot(&root, xpu_host::host_key(&root)).unwrap();
-    let cdi = host.dir.path().join("cdi");
-    std::fs::create_dir_all(&cdi).unwrap();
-    std::fs::write(cdi.join(xpu_container::snapshot::FILE_NAME), snap.to_json()).unwrap();
+    let host = shim_support::a100_host_with_snapshot();
     let config = host.dir.path().join("to-true.toml");
     let text = std::fs::read_to_string(&host.config).unwrap();
     std::fs::write(&config, text.replace(RUNC, "/bin/true")).unwrap();

@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
-use xpu_testkit::bundle::{
-    self, Bundle, ContainerView, RuncState, TestHost, container_id, probe_script,
-};
-use xpu_testkit::hosts;
+#[path = "shim_support/mod.rs"]
+mod shim_support;
+
+use xpu_testkit::bundle::{self, Bundle, ContainerView, RuncState, container_id, probe_script};
 
 /// `scripts/build-shim`, once per test binary: `<target>/shim/xpu-container-runtime`.
 fn built() -> &'static Path {
@@ -81,12 +81,7 @@ fn runs_containers_asking_for_nothing_and_for_gpus_1_and_3_needs_root_and_runc()
         return;
     }
     let shim = built();
-    let host = TestHost::new(&hosts::a100_8x());
-    let cdi = host.dir.path().join("cdi");
-    std::fs::create_dir_all(&cdi).unwrap();
-    let root = xpu_host::Root::new(host.fixture.root()).unwrap();
-    let snap = xpu_shim::host_snapshot(&root, xpu_host::host_key(&root)).unwrap();
-    std::fs::write(cdi.join(xpu_container::snapshot::FILE_NAME), snap.to_json()).unwrap();
+    let host = shim_support::a100_host_with_snapshot();
     let cfg = host.config.to_str().unwrap();
     let env = [("XPU_RUNTIME_CONFIG", cfg)];
 

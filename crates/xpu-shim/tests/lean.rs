@@ -10,10 +10,10 @@
 
 use std::path::Path;
 
-use xpu_testkit::bundle::{
-    self, Bundle, ContainerView, RuncState, TestHost, container_id, probe_script,
-};
-use xpu_testkit::hosts;
+#[path = "shim_support/mod.rs"]
+mod shim_support;
+
+use xpu_testkit::bundle::{self, Bundle, ContainerView, RuncState, container_id, probe_script};
 
 const LEAN: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
 
@@ -22,12 +22,7 @@ fn lean_shim_gives_gpus_1_and_3_from_the_host_snapshot_needs_root_and_runc() {
     if bundle::skip_container_tests() {
         return;
     }
-    let host = TestHost::new(&hosts::a100_8x());
-    let root = xpu_host::Root::new(host.fixture.root()).unwrap();
-    let snap = xpu_shim::host_snapshot(&root, xpu_host::host_key(&root)).unwrap();
-    let cdi = host.dir.path().join("cdi");
-    std::fs::create_dir_all(&cdi).unwrap();
-    std::fs::write(cdi.join(xpu_container::snapshot::FILE_NAME), snap.to_json()).unwrap();
+    let host = shim_support::a100_host_with_snapshot();
 
     let b = Bundle::busybox(&probe_script("cat /usr/lib/x86_64-linux-gnu/libcuda.so.1"));
     b.add_env(&["NVIDIA_VISIBLE_DEVICES=1,3"]);
