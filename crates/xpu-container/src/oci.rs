@@ -3,13 +3,15 @@
 //!
 //! The spec is edited as JSON, not through typed structs: fields this code does not know (newer
 //! spec versions, engine extensions) pass through untouched, which a typed round trip would
-//! silently drop. Only the members the shim reads or edits are parsed (`root`, `annotations`,
-//! `mounts`, `process.env`, and `linux.devices` and `linux.resources`); every other member keeps
-//! the text the engine wrote, checked as JSON but not built into a tree, and is written back as
-//! it was. A Docker or containerd spec is mostly its seccomp profile (10–20 KiB of syscall
-//! names) and `process` its capability lists: parsing them into a tree and writing them out
-//! again cost the shim more than the rest of its work on a container start. The spec is read in
-//! one pass, each member parsed or kept as text as it is met, so the profile is scanned once.
+//! silently drop. Only the members the shim reads or edits are parsed: `process.env` and
+//! `annotations`, which tell whether the container asks for devices, when the spec is read, and
+//! `root`, `mounts`, `linux.devices` and `linux.resources` only once it may
+//! ([`Spec::materialize`]; most containers ask for nothing). Every other member keeps the text
+//! the engine wrote, checked as JSON but not built into a tree, and is written back as it was. A
+//! Docker or containerd spec is mostly its seccomp profile (10–20 KiB of syscall names) and
+//! `process` its capability lists: parsing them into a tree and writing them out again cost the
+//! shim more than the rest of its work on a container start. The spec is read in one pass, each
+//! member parsed or kept as text as it is met, so the profile is scanned once.
 //! Edits are idempotent: a device, rule or mount already present
 //! (an engine that also applied the CDI annotation) is not added twice, and a conflicting one is
 //! an error.
@@ -28,12 +30,14 @@ use crate::edits::{Edits, NodeEdit};
 use crate::request::Env;
 
 /// The top-level members parsed when the spec is read; `linux` and `process` are read member
-/// by member.
-const PARSED: [&str; 3] = ["annotations", "mounts", "root"];
-/// The members of `linux` parsed when the spec is read.
-const LINUX_PARSED: [&str; 2] = ["devices", "resources"];
+/// by member. These and `process.env` tell whether the container asks for devices.
+const PARSED: [&str; 1] = ["annotations"];
 /// The members of `process` parsed when the spec is read.
 const PROCESS_PARSED: [&str; 1] = ["env"];
+/// The members the edits read and change, parsed by [`Spec::materialize`] once a container may
+/// ask for devices: at the top, and in `linux`.
+const EDITED: [&str; 2] = ["mounts", "root"];
+const LINUX_EDITED: [&str; 2] = ["devices", "resources"];
 
 /// A JSON object's members by name, sorted as `serde_json` writes an object. A name given twice
 /// keeps its last value, as runc's Go decoder does.
@@ -69,11 +73,12 @@ enum Level {
 }
 
 impl Level {
-    /// The members of this object parsed as values; the others are kept as text.
+    /// The members of this object parsed as values when the spec is read; the others are kept
+    /// as text.
     fn parsed(self) -> &'static [&'static str] {
         match self {
             Level::Top => &PARSED,
-            Level::Linux => &LINUX_PARSED,
+            Level::Linux => &[],
             Level::Process => &PROCESS_PARSED,
         }
     }
@@ -270,6 +275,30 @@ impl Spec {
         Ok(Self { path, members })
     }
 
+    /// Parses the members the edits read and change (`root`, `mounts`, `linux.devices`,
+    /// `linux.resources`), which [`Spec::parse`] keeps as text, so that a container asking for
+    /// nothing never builds them. Does nothing to those already parsed; every accessor but
+    /// [`Spec::env`] and [`Spec::annotations`] needs this first, and [`Spec::apply`] calls it.
+    pub fn materialize(&mut self) -> Result<(), SpecError> {
+        let json = |source| SpecError::Json { path: self.path.clone(), source };
+        let parse = |members: &mut Members, names: &[&str]| -> serde_json::Result<()> {
+            for name in names {
+                if let Some(member) = members.get_mut(*name)
+                    && let Member::Text(raw) = member
+                {
+                    let value = serde_json::from_str(raw.get())?;
+                    *member = Member::Value(value);
+                }
+            }
+            Ok(())
+        };
+        parse(&mut self.members, &EDITED).map_err(json)?;
+        if let Some(Member::Object(linux)) = self.members.get_mut("linux") {
+            parse(linux, &LINUX_EDITED).map_err(json)?;
+        }
+        Ok(())
+    }
+
     /// The whole spec as a JSON tree, as it would be written.
     #[cfg(test)]
     fn to_value(&self) -> Value {
@@ -322,7 +351,8 @@ impl Spec {
         }
     }
 
-    /// The container's root filesystem: `root.path`, relative to the bundle unless absolute.
+    /// The container's root filesystem: `root.path`, relative to the bundle unless absolute
+    /// (after [`Spec::materialize`]).
     pub fn rootfs(&self, bundle: &Path) -> Result<PathBuf, SpecError> {
         let p = value(&self.members, "root")
             .and_then(|r| r.get("path"))
@@ -332,7 +362,7 @@ impl Spec {
         Ok(if p.is_absolute() { p.to_owned() } else { bundle.join(p) })
     }
 
-    /// `linux.resources.devices`, the cgroup device rules.
+    /// `linux.resources.devices`, the cgroup device rules (after [`Spec::materialize`]).
     pub fn device_rules(&self) -> Vec<&Value> {
         self.member_of("linux", "resources")
             .and_then(|r| r.get("devices"))
@@ -367,6 +397,7 @@ impl Spec {
     /// and `process.env`. On error the spec in memory may be partly edited; callers write it
     /// only on success, so the file never is.
     pub fn apply(&mut self, edits: &Edits) -> Result<(), SpecError> {
+        self.materialize()?;
         let path = self.path.clone();
         let shape = |field: &'static str, problem: &str| SpecError::Shape {
             path: path.clone(),
@@ -652,6 +683,34 @@ mod tests {
         }
     }
 
+    /// Reading a spec parses only `process.env` and the annotations; the members the edits need
+    /// are parsed once a container may ask for devices ([`Spec::materialize`]), as the engine
+    /// wrote them. The spec reads the same either way.
+    #[test]
+    fn edited_members_are_parsed_only_when_needed() {
+        let text = r#"{"process": {"args": ["sh"], "env": ["A=1", "NVIDIA_VISIBLE_DEVICES=1,3"]},
+            "annotations": {"cdi.k8s.io/x": "nvidia.com/gpu=0", "k\u0065y": "v"},
+            "root": {"path": "rootfs"}, "mounts": [{"destination": "/proc"}],
+            "linux": {"resources": {"devices": [{"allow": false, "access": "rwm"}]},
+                      "devices": [], "seccomp": {"syscalls": [{"names": ["read"]}]}}}"#;
+        let mut s = Spec::parse(text.as_bytes(), "/b/config.json".into()).unwrap();
+        assert_eq!(s.env().unwrap().get("A"), Some("1"));
+        assert_eq!(s.annotations().unwrap()["key"], "v");
+        for (members, name) in [(&s.members, "mounts"), (&s.members, "root")] {
+            assert!(matches!(members.get(name), Some(Member::Text(_))), "{name} kept as text");
+        }
+        let before = s.to_value();
+        s.materialize().unwrap();
+        s.materialize().unwrap();
+        assert!(matches!(s.members.get("mounts"), Some(Member::Value(_))));
+        assert_eq!(s.to_value(), before);
+        assert_eq!(s.rootfs(Path::new("/b")).unwrap(), Path::new("/b/rootfs"));
+        assert_eq!(s.device_rules().len(), 1);
+        // A member kept as text is still checked as JSON when the spec is read.
+        let err = Spec::parse(br#"{"mounts": [}"#, "c.json".into()).unwrap_err();
+        assert!(err.to_string().contains("not valid JSON"), "{err}");
+    }
+
     #[test]
     fn conflicts_and_bad_shapes_are_errors() {
         let mut s = spec(json!({"linux": {"devices": [
@@ -664,7 +723,7 @@ mod tests {
         assert!(s.env().unwrap_err().to_string().contains("process.env is not an array"));
         assert!(Spec::parse(b"[1]", "c.json".into()).is_err());
         // A name given twice keeps its last value, at the top and inside `linux` and `process`.
-        let s = Spec::parse(
+        let mut s = Spec::parse(
             br#"{"process": {"env": ["A=1"]}, "linux": {"devices": 1, "devices": []},
                 "process": {"env": ["B=1"], "env": ["C=1"]}, "root": {"path": "a"},
                 "root": {"path": "b"}}"#,
@@ -672,6 +731,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s.env().unwrap(), Env::from_entries(["C=1"]));
+        s.materialize().unwrap();
         assert_eq!(s.to_value()["linux"]["devices"], json!([]));
         assert_eq!(s.rootfs(Path::new("/bundle")).unwrap(), Path::new("/bundle/b"));
         assert!(

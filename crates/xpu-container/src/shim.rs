@@ -129,12 +129,14 @@ pub fn prepare(
     host: &dyn Host,
     nvml: &dyn Nvml,
 ) -> Result<Option<Prepared>, ShimError> {
-    let spec = Spec::load(bundle)?;
+    let mut spec = Spec::load(bundle)?;
     let env = spec.env()?;
     let annotations = spec.annotations()?;
     if !may_request(&env, &annotations) {
         return Ok(None);
     }
+    // Most containers ask for nothing: the members the edits need are parsed only now.
+    spec.materialize()?;
     let only = request::wanted(&env, &annotations);
     let mut inv = host.inventory(only.as_deref()).map_err(ShimError::Host)?;
     let mut req = request::resolve(&env, &annotations, &inv, cfg.default_capabilities)?;
