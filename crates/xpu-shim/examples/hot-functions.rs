@@ -24,12 +24,7 @@ use xpu_testkit::bundle::{Bundle, RUNC};
 mod shim_support;
 
 fn main() {
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
-    let out = Command::new(repo.join("scripts/build-shim")).output().unwrap();
-    assert!(out.status.success(), "scripts/build-shim: {}", String::from_utf8_lossy(&out.stderr));
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| repo.join("target"), PathBuf::from);
-    let shim = target.join("shim/xpu-container-runtime");
+    let shim = shim_support::build_shim();
 
     let host = shim_support::a100_host_with_snapshot();
     let config = host.dir.path().join("to-true.toml");
@@ -68,14 +63,9 @@ fn main() {
     }
 
     // Symbols to names without the hash, as `scripts/build-shim` matches them.
-    let out =
-        Command::new(repo.join("scripts/build-shim")).arg("--symbols").arg(&shim).output().unwrap();
-    assert!(out.status.success(), "build-shim --symbols: {}", String::from_utf8_lossy(&out.stderr));
-    let names: BTreeMap<&str, &str> = std::str::from_utf8(&out.stdout)
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.split_once('\t'))
-        .collect();
+    let symbols = shim_support::symbol_names(&shim);
+    let names: BTreeMap<&str, &str> =
+        symbols.iter().map(|(s, n)| (s.as_str(), n.as_str())).collect();
     let mut seen = HashSet::new();
     let mut list = String::from(
         "# The functions a container start runs, in the order it first runs them, by name without\n\
@@ -88,7 +78,7 @@ fn main() {
             writeln!(list, "{name}").unwrap();
         }
     }
-    let path = repo.join("crates/xpu-shim/hot-functions.txt");
+    let path = shim_support::repo().join("crates/xpu-shim/hot-functions.txt");
     std::fs::write(&path, list).unwrap();
     println!("wrote {}: {} functions", path.display(), seen.len());
 }
@@ -101,20 +91,11 @@ fn gdb_script(shim: &Path) -> PathBuf {
     let image = std::fs::read(shim).unwrap();
     // ELF64 `e_entry`, little-endian, at offset 24.
     let entry = u64::from_le_bytes(image[24..32].try_into().unwrap());
-    let nm = Command::new("nm").args(["-p", "--defined-only"]).arg(shim).output().unwrap();
-    assert!(nm.status.success(), "nm: {}", String::from_utf8_lossy(&nm.stderr));
-    let mut functions = Vec::new();
     let mut at = HashSet::new();
-    for line in std::str::from_utf8(&nm.stdout).unwrap().lines() {
-        let mut f = line.split(' ');
-        if let (Some(addr), Some("t" | "T" | "w" | "W"), Some(symbol)) =
-            (f.next(), f.next(), f.next())
-            && let Ok(addr) = u64::from_str_radix(addr, 16)
-            && at.insert(addr)
-        {
-            functions.push((addr, symbol));
-        }
-    }
+    let functions: Vec<(u64, String)> = shim_support::functions(shim, "-p")
+        .into_iter()
+        .filter(|(addr, _)| at.insert(*addr))
+        .collect();
     let mut script = String::from("set pagination off\nset confirm off\nstarti\n");
     writeln!(script, "set $base = $pc - {entry:#x}").unwrap();
     for (addr, symbol) in functions {

@@ -21,18 +21,7 @@ use xpu_testkit::bundle::{self, Bundle, ContainerView, RuncState, container_id, 
 /// `scripts/build-shim`, once per test binary: `<target>/shim/xpu-container-runtime`.
 fn built() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let out = Command::new(root.join("scripts/build-shim")).output().unwrap();
-        assert!(
-            out.status.success(),
-            "scripts/build-shim: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let target =
-            std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-        target.join("shim/xpu-container-runtime")
-    })
+    BUILT.get_or_init(shim_support::build_shim)
 }
 
 /// std linked with musl, none of glibc in it (no dynamic loader, no symbol versions, none of
@@ -213,22 +202,15 @@ fn runc_starts_with_sigpipe_default_and_standard_descriptors_open() {
 fn the_functions_a_start_runs_are_laid_out_first() {
     let shim = built();
     let comment = Command::new("readelf").args(["-p", ".comment"]).arg(shim).output().unwrap();
-    if !String::from_utf8_lossy(&comment.stdout).contains("Linker: LLD") {
-        eprintln!(
-            "skipping: {} was not linked by LLD, which alone lays functions out",
-            shim.display()
-        );
-        return;
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let out =
-        Command::new(root.join("scripts/build-shim")).arg("--symbols").arg(shim).output().unwrap();
-    assert!(out.status.success(), "build-shim --symbols: {}", String::from_utf8_lossy(&out.stderr));
-    let symbols: Vec<(String, String)> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.split_once('\t').map(|(s, n)| (s.to_owned(), n.to_owned())))
-        .collect();
+    assert!(
+        String::from_utf8_lossy(&comment.stdout).contains("Linker: LLD"),
+        "{} was not linked by LLD, which alone lays functions out: build with the Rust toolchain \
+         this project names (its x86_64 Linux target links with rust-lld), or give rustc \
+         `-C link-arg=-fuse-ld=lld`",
+        shim.display()
+    );
+    let root = shim_support::repo();
+    let symbols = shim_support::symbol_names(shim);
     let list = std::fs::read_to_string(root.join("crates/xpu-shim/hot-functions.txt")).unwrap();
     let listed: HashSet<&str> =
         list.lines().filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
@@ -252,19 +234,8 @@ fn the_functions_a_start_runs_are_laid_out_first() {
         .filter(|(_, n)| listed.contains(n.as_str()))
         .map(|(s, _)| s.as_str())
         .collect();
-    let nm = Command::new("nm").args(["-n", "--defined-only"]).arg(shim).output().unwrap();
-    let by_address: Vec<String> = String::from_utf8(nm.stdout)
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split(' ');
-            match (f.next(), f.next(), f.next()) {
-                (Some(_), Some("t" | "T" | "w" | "W"), Some(s)) => Some(s.to_owned()),
-                _ => None,
-            }
-        })
-        .collect();
-    let first = by_address.iter().take(hot.len()).filter(|s| hot.contains(s.as_str())).count();
+    let by_address = shim_support::functions(shim, "-n");
+    let first = by_address.iter().take(hot.len()).filter(|(_, s)| hot.contains(s.as_str())).count();
     assert!(
         first * 10 >= hot.len() * 8,
         "only {first} of the first {} functions in {} are listed ones",
