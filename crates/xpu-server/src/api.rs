@@ -4,9 +4,15 @@
 //! `#[utoipa::path]` ([`crate::wire::ApiDoc`]). Every refusal, from a handler or from the
 //! middleware below, is a [`Refusal`]: a status and an [`ErrorBody`].
 //!
-//! Over the Unix socket (mode 0660) and loopback TCP no token is asked; TCP bound to any other
-//! address requires `Authorization: Bearer <token>` with the token from `<data-dir>/token`.
-//! Because loopback TCP trusts whoever connects, and a browser on the host connects for any web
+//! Who may do what: every request that changes something (a submit, a cancel) or reads a
+//! job's output (its logs) must prove who sends it ([`Caller`]): on the Unix socket (mode 0660)
+//! the kernel's peer credentials, over TCP (loopback included) a bearer token, the daemon's own
+//! (`<data-dir>/token`) or a user's (`<data-dir>/tokens`). A job belongs to, and runs as, the
+//! user who submitted it; only its owner, root and the daemon's user may cancel it or read its
+//! output. The overview (dashboard, status, job list and details, queue, devices, events,
+//! metrics) needs no token on the socket and on loopback TCP; TCP bound to any other address
+//! requires a token for everything.
+//! Because loopback TCP answers whoever connects, and a browser on the host connects for any web
 //! page it shows, every request first passes [`host_guard`]: on loopback TCP its `Host` must be
 //! the daemon's own address (a DNS-rebound name is refused); and every route that changes
 //! something is made with [`change`], so its requests pass [`refuse_cross_site`]: they must not
@@ -37,9 +43,9 @@ use utoipa::OpenApi as _;
 
 use crate::Shared;
 use crate::engine::Msg;
-use crate::listen::ConnStats;
+use crate::listen::{ConnStats, Peer};
 use crate::metrics::DeviceSample;
-use crate::store::{ListQuery, NewJob, Outcome, Write, now_ms};
+use crate::store::{ListQuery, NewJob, Outcome, Owner, Write, now_ms};
 use crate::wire::{
     self, ApiDoc, Bounded, CancelAccepted, DeviceList, DeviceTelemetry, DeviceView, ErrorBody,
     EventList, EventParams, JobDetail, JobList, JobState, ListParams, LogParams, LoginParams,
@@ -403,28 +409,78 @@ impl<St: Send + Sync> FromRequestParts<St> for JobId {
     }
 }
 
+/// Who sent a request, proven: the Unix socket's peer (`SO_PEERCRED`), or over TCP the user
+/// whose token came with it (the daemon's own for `<data-dir>/token`, another for a line of
+/// `<data-dir>/tokens`). Every route that changes something or reads a job's output takes one;
+/// a request that cannot prove who sent it gets 401, on every listener, loopback included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Caller(pub(crate) Owner);
+
+impl Caller {
+    /// Root, or the daemon's own user, may act on any job; others on their own.
+    fn may_act_on(&self, s: &Shared, owner: Option<Owner>) -> bool {
+        let me = self.0;
+        me.uid == 0 || me.uid == s.me.uid || owner.is_some_and(|o| o.uid == me.uid)
+    }
+}
+
+impl FromRequestParts<Arc<Shared>> for Caller {
+    type Rejection = Refusal;
+
+    async fn from_request_parts(parts: &mut Parts, s: &Arc<Shared>) -> Result<Self, Refusal> {
+        match parts.extensions.get::<Peer>() {
+            Some(Peer::Unix { uid, gid }) => return Ok(Caller(Owner { uid: *uid, gid: *gid })),
+            Some(Peer::UnixUnknown) => {
+                return Err(Refusal::new(
+                    StatusCode::UNAUTHORIZED,
+                    "the socket peer's credentials could not be read; connect again",
+                ));
+            }
+            Some(Peer::Tcp(_)) | None => {}
+        }
+        let token = presented_tokens(&parts.headers).find_map(|t| {
+            if constant_time_eq(t.as_bytes(), s.token.as_bytes()) {
+                return Some(s.me);
+            }
+            s.user_tokens
+                .iter()
+                .find(|(k, _)| constant_time_eq(t.as_bytes(), k.as_bytes()))
+                .map(|(_, o)| *o)
+        });
+        token.map(Caller).ok_or_else(|| {
+            Refusal::new(
+                StatusCode::UNAUTHORIZED,
+                "this request needs to know who sends it: over TCP (loopback too) send Authorization: Bearer <your token> (the daemon's user: <data-dir>/token; others: their line of <data-dir>/tokens), or use the Unix socket, where your user is known",
+            )
+        })
+    }
+}
+
+/// The tokens a request presents: its bearer token and the dashboard's cookie.
+fn presented_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let cookies = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='));
+    bearer.into_iter().chain(cookies)
+}
+
 /// The cookie a browser holds after `/login?token=...`: `fetch` and page loads send it on
 /// their own, which a bearer header cannot do for a dashboard.
 const COOKIE: &str = "xpu_token";
 
 async fn auth(State(s): S, req: Request, next: Next) -> Response {
-    let bearer = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    let cookie = req
-        .headers()
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .find_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='));
-    let ok = [bearer, cookie]
-        .into_iter()
-        .flatten()
-        .any(|t| constant_time_eq(t.as_bytes(), s.token.as_bytes()));
+    let ok = presented_tokens(req.headers()).any(|t| {
+        constant_time_eq(t.as_bytes(), s.token.as_bytes())
+            || s.user_tokens.iter().any(|(k, _)| constant_time_eq(t.as_bytes(), k.as_bytes()))
+    });
     // `/login` checks the token it is given itself.
     if ok || req.uri().path() == "/login" {
         next.run(req).await
@@ -455,8 +511,11 @@ pub(crate) async fn login(
     State(s): S,
     Params(q): Params<LoginParams>,
 ) -> Result<Response, Refusal> {
-    let Some(token) = q.token.filter(|t| constant_time_eq(t.trim().as_bytes(), s.token.as_bytes()))
-    else {
+    let known = |t: &str| {
+        constant_time_eq(t.as_bytes(), s.token.as_bytes())
+            || s.user_tokens.iter().any(|(k, _)| constant_time_eq(t.as_bytes(), k.as_bytes()))
+    };
+    let Some(token) = q.token.filter(|t| known(t.trim())) else {
         return Err(Refusal::new(
             StatusCode::UNAUTHORIZED,
             "missing or wrong token; open /login?token=<contents of <data-dir>/token>",
@@ -623,16 +682,29 @@ pub(crate) async fn status(State(s): S) -> Json<Status> {
         ),
         (status = 200, description = "the idempotency key was seen before with the same jobs: the existing jobs", body = Submitted),
         (status = 400, description = "bad manifest: `error` names the field and `field` is its path; `field` is `manifest` for YAML whose aliases expand it past 4 times its size (at least 64 KiB), flow collections nested more than 64 deep, or a spec over 1.5 MiB as JSON", body = ErrorBody),
+        (status = 401, description = "the request does not say who sends it: over TCP send a token (the Unix socket knows its peer)", body = ErrorBody),
+        (status = 403, description = "a daemon that is not root can run jobs only as its own user", body = ErrorBody),
         (status = 422, description = "the idempotency key was used before for a different job (IETF Idempotency-Key draft, section 2.7); `field` is `Idempotency-Key` and `id` the first job, which is kept", body = ErrorBody),
         (status = 503, description = "the store failed; retry (with the idempotency key, safely)", body = ErrorBody),
     ),
 )]
 pub(crate) async fn submit(
     State(s): S,
+    Caller(owner): Caller,
     headers: HeaderMap,
     Params(q): Params<SubmitParams>,
     body: Bytes,
 ) -> Result<Response, Refusal> {
+    // Jobs run as whoever submits them; a daemon that is not root can run them only as itself.
+    if s.me.uid != 0 && owner.uid != s.me.uid {
+        return Err(Refusal::new(
+            StatusCode::FORBIDDEN,
+            format!(
+                "uid {}: this daemon runs as uid {} and can run jobs only as that user; submit as it, or run the daemon as root",
+                owner.uid, s.me.uid
+            ),
+        ));
+    }
     // Bodies past this size are parsed on the blocking pool: parsing costs time in the body's
     // size (up to MAX_BODY and its bounded YAML expansion), and an async worker spending it
     // would hold up every other request it serves, `/v1/status` included.
@@ -654,17 +726,29 @@ pub(crate) async fn submit(
     };
     let parsed =
         parsed.map_err(|e| Refusal::field(StatusCode::BAD_REQUEST, &e.path, e.to_string()))?;
-    // All or nothing: one job the node cannot run refuses the whole file.
+    // All or nothing: one job the node cannot run refuses the whole file. The check opens the
+    // files the jobs name (a bundle's config.json): on the blocking pool, never here.
     let multi = parsed.jobs.len() > 1;
-    for (i, spec) in parsed.jobs.iter().enumerate() {
-        if let Err((field, message)) = check_runnable(&s, spec) {
-            let field = if multi { format!("job[{i}] ({}).{field}", spec.name) } else { field };
-            return Err(Refusal::field(
-                StatusCode::BAD_REQUEST,
-                &field,
-                format!("{field}: {message}"),
-            ));
-        }
+    let run_as = (owner != s.me).then_some((owner.uid, owner.gid));
+    let (parsed, checked) = {
+        let s = s.clone();
+        tokio::task::spawn_blocking(move || {
+            let checked = parsed
+                .jobs
+                .iter()
+                .enumerate()
+                .find_map(|(i, spec)| check_runnable(&s, spec, run_as).err().map(|e| (i, e)));
+            (parsed, checked)
+        })
+        .await
+        .map_err(|e| {
+            Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, format!("checking the jobs: {e}"))
+        })?
+    };
+    if let Some((i, (field, message))) = checked {
+        let name = &parsed.jobs[i].name;
+        let field = if multi { format!("job[{i}] ({name}).{field}") } else { field };
+        return Err(Refusal::field(StatusCode::BAD_REQUEST, &field, format!("{field}: {message}")));
     }
     let key = match headers.get("idempotency-key") {
         Some(v) => Some(
@@ -698,6 +782,7 @@ pub(crate) async fn submit(
             priority: i64::from(spec.priority),
             spec: spec_json,
             at_ms,
+            owner,
         });
     }
     let write = match news.as_slice() {
@@ -759,6 +844,7 @@ async fn submitted(
             failures: 0,
             cancel_requested: false,
             message: None,
+            owner: Some(new.owner),
         };
         // The engine is gone only while the daemon stops; the job is stored and the next
         // start picks it up.
@@ -785,7 +871,7 @@ async fn submitted(
             first == spec
         }
         Err(_) => row.spec == new.spec,
-    };
+    } && row.owner == Some(new.owner);
     if !same {
         let key = new.key.unwrap_or_default();
         let mut body = ErrorBody::new(format!(
@@ -800,7 +886,11 @@ async fn submitted(
 
 /// What the parser cannot know: whether the scheduler can take the task's request, and
 /// whether a container's rootfs or bundle exists on this host. `Err((field, message))`.
-fn check_runnable(s: &Shared, spec: &xpu_core::job::JobSpec) -> Result<(), (String, String)> {
+fn check_runnable(
+    s: &Shared,
+    spec: &xpu_core::job::JobSpec,
+    run_as: Option<(u32, u32)>,
+) -> Result<(), (String, String)> {
     use xpu_core::job::Source;
     let k8s = spec.source == Source::Kubernetes;
     if let Err(e) = xpu_sched::job_from_spec(spec, &|v, k| s.node.models(v, k)) {
@@ -813,6 +903,10 @@ fn check_runnable(s: &Shared, spec: &xpu_core::job::JobSpec) -> Result<(), (Stri
         };
         return Err((field, e.to_string()));
     }
+    if let Some((field, message)) = crate::engine::too_big_for_host(spec) {
+        let field = if k8s { field.to_owned() } else { "completions".to_owned() };
+        return Err((field, message));
+    }
     // What runc would refuse when the task starts is refused now, naming the field.
     let c = &spec.container;
     let (field, problem) = match (&c.rootfs, &c.bundle) {
@@ -822,7 +916,7 @@ fn check_runnable(s: &Shared, spec: &xpu_core::job::JobSpec) -> Result<(), (Stri
         ),
         (None, Some(b)) => (
             if k8s { "metadata.annotations.xpu.dev/bundle" } else { "bundle" },
-            crate::container::bundle_problem(std::path::Path::new(b)),
+            crate::container::bundle_problem(std::path::Path::new(b), run_as),
         ),
         (None, None) => return Ok(()),
     };
@@ -893,11 +987,18 @@ pub(crate) async fn job(State(s): S, JobId(id): JobId) -> Answer<JobDetail> {
         (status = 202, description = "cancellation recorded", body = CancelAccepted),
         (status = 400, description = "the id is not a positive integer", body = ErrorBody),
         (status = 404, description = "no such job", body = ErrorBody),
+        (status = 401, description = "the request does not say who sends it: over TCP send a token (the Unix socket knows its peer)", body = ErrorBody),
+        (status = 403, description = "the job is another user's", body = ErrorBody),
         (status = 409, description = "the job already ended", body = ErrorBody),
         (status = 503, description = "the store failed; retry", body = ErrorBody),
     ),
 )]
-pub(crate) async fn cancel(State(s): S, JobId(id): JobId) -> Result<Response, Refusal> {
+pub(crate) async fn cancel(
+    State(s): S,
+    caller: Caller,
+    JobId(id): JobId,
+) -> Result<Response, Refusal> {
+    owned(&s, caller, id, "cancel").await?;
     match s.store.write(Write::RequestCancel { id }).await.map_err(Refusal::unavailable)? {
         Outcome::CancelRequested(None) => Err(Refusal::no_job(id)),
         Outcome::CancelRequested(Some(state)) if state.is_terminal() => Err(Refusal::new(
@@ -912,6 +1013,96 @@ pub(crate) async fn cancel(State(s): S, JobId(id): JobId) -> Result<Response, Re
             Ok((StatusCode::ACCEPTED, Json(body)).into_response())
         }
         _ => Err(Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, "store answered a cancel oddly")),
+    }
+}
+
+/// Refuses `caller` a job that is another user's (root and the daemon's user may act on any):
+/// 403 naming the owner, or 404 when there is no such job.
+async fn owned(s: &Shared, caller: Caller, id: i64, what: &str) -> Result<(), Refusal> {
+    let row = s.store.job(id).await.map_err(Refusal::unavailable)?.ok_or(Refusal::no_job(id))?;
+    if caller.may_act_on(s, row.owner) {
+        return Ok(());
+    }
+    let owner =
+        row.owner.map_or_else(|| "the daemon's user".to_owned(), |o| format!("uid {}", o.uid));
+    Err(Refusal::new(
+        StatusCode::FORBIDDEN,
+        format!(
+            "job {id} belongs to {owner}; uid {} may not {what} it (only its owner and root may)",
+            caller.0.uid
+        ),
+    ))
+}
+
+/// How many log followers (`logs?follow=true`) may stream at once, in all and per user. A
+/// follower holds its connection for as long as the task runs, exempt from the timeouts that
+/// end idle connections, so without a bound followers alone could take every connection slot
+/// of a listener ([`crate::listen::HttpLimits::max_connections`], 256) and leave none for
+/// `/v1/status` and the CLI. With these, at least 192 of the 256 stay for short requests, and
+/// one user's followers leave room for 3 other users'.
+#[derive(Debug)]
+pub struct Followers {
+    total: Arc<tokio::sync::Semaphore>,
+    per_user: std::sync::Mutex<std::collections::HashMap<u32, u32>>,
+    per_user_max: u32,
+}
+
+impl Default for Followers {
+    fn default() -> Self {
+        Followers::new(64, 16)
+    }
+}
+
+impl Followers {
+    pub fn new(total: usize, per_user: u32) -> Self {
+        Followers {
+            total: Arc::new(tokio::sync::Semaphore::new(total)),
+            per_user: std::sync::Mutex::new(std::collections::HashMap::new()),
+            per_user_max: per_user,
+        }
+    }
+
+    /// A place for one more follower of `uid`, or 429 saying which bound is reached.
+    fn take(self: &Arc<Self>, uid: u32) -> Result<FollowPermit, Refusal> {
+        let busy = |what: String| {
+            Refusal::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("{what}; stop another `xpu logs -f`, or read the log without follow"),
+            )
+        };
+        let mut per = self.per_user.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = per.entry(uid).or_insert(0);
+        if *n >= self.per_user_max {
+            return Err(busy(format!(
+                "uid {uid} already follows {} logs, the most one user may",
+                self.per_user_max
+            )));
+        }
+        let Ok(total) = self.total.clone().try_acquire_owned() else {
+            return Err(busy("the daemon already streams as many followed logs as it may".into()));
+        };
+        *n += 1;
+        Ok(FollowPermit { _total: total, uid, of: self.clone() })
+    }
+}
+
+/// One follower's place ([`Followers::take`]), given back when its stream ends.
+#[derive(Debug)]
+pub(crate) struct FollowPermit {
+    _total: tokio::sync::OwnedSemaphorePermit,
+    uid: u32,
+    of: Arc<Followers>,
+}
+
+impl Drop for FollowPermit {
+    fn drop(&mut self) {
+        let mut per = self.of.per_user.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = per.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                per.remove(&self.uid);
+            }
+        }
     }
 }
 
@@ -940,7 +1131,10 @@ fn text_plain(body: Body) -> Response {
     params(("id" = i64, Path, minimum = 1, example = 1, description = "The job's id"), LogParams),
     responses(
         (status = 200, description = "log text", body = String, content_type = "text/plain"),
+        (status = 401, description = "the request does not say who sends it: over TCP send a token (the Unix socket knows its peer)", body = ErrorBody),
+        (status = 403, description = "the job is another user's", body = ErrorBody),
         (status = 404, description = "no such job, or the task has not started (without follow)", body = ErrorBody),
+        (status = 429, description = "with follow: the caller, or the daemon, follows as many logs as it may", body = ErrorBody),
         (status = 500, description = "the log file cannot be read", body = ErrorBody),
         (status = 504, description = "with follow: the task did not start within a minute", body = ErrorBody),
         ParamRefusals,
@@ -948,9 +1142,11 @@ fn text_plain(body: Body) -> Response {
 )]
 pub(crate) async fn logs(
     State(s): S,
+    caller: Caller,
     JobId(id): JobId,
     Params(p): Params<LogParams>,
 ) -> Result<Response, Refusal> {
+    owned(&s, caller, id, "read the output of").await?;
     // Both are checked not negative ([`LogParams`]'s bounds).
     let window = LogWindow {
         tail: p.tail.map(|t| t.unsigned_abs()),
@@ -966,7 +1162,8 @@ pub(crate) async fn logs(
     let Some(task) = pick.cloned() else {
         s.store.job(id).await.map_err(Refusal::unavailable)?.ok_or(Refusal::no_job(id))?;
         if follow {
-            return Ok(follow_pending(s, id, idx, window).await);
+            let permit = s.followers.take(caller.0.uid)?;
+            return Ok(follow_pending(s, id, idx, window, permit).await);
         }
         return Err(Refusal::new(
             StatusCode::NOT_FOUND,
@@ -974,7 +1171,8 @@ pub(crate) async fn logs(
         ));
     };
     if follow {
-        return Ok(follow_response(s, task, window).await);
+        let permit = s.followers.take(caller.0.uid)?;
+        return Ok(follow_response(s, task, window, permit).await);
     }
     let path = std::path::Path::new(&task.dir).join("output.log");
     let read = async {
@@ -1049,13 +1247,19 @@ async fn log_start(path: &std::path::Path, tail: Option<u64>) -> std::io::Result
 }
 
 /// Waits (up to a minute) for the task to start, then follows it.
-async fn follow_pending(s: Arc<Shared>, id: i64, idx: i64, window: LogWindow) -> Response {
+async fn follow_pending(
+    s: Arc<Shared>,
+    id: i64,
+    idx: i64,
+    window: LogWindow,
+    permit: FollowPermit,
+) -> Response {
     for _ in 0..600 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         if let Ok(tasks) = s.store.tasks(id).await
             && let Some(t) = tasks.iter().filter(|t| t.idx == idx).max_by_key(|t| t.attempt)
         {
-            return follow_response(s, t.clone(), window).await;
+            return follow_response(s, t.clone(), window, permit).await;
         }
         if let Ok(Some(row)) = s.store.job(id).await
             && row.state.is_terminal()
@@ -1068,7 +1272,12 @@ async fn follow_pending(s: Arc<Shared>, id: i64, idx: i64, window: LogWindow) ->
 
 /// Streams the log as it grows until the attempt has ended and everything was sent, starting
 /// `window.tail` lines from the end as it is now and stopping after `window.limit` bytes.
-async fn follow_response(s: Arc<Shared>, task: TaskRow, window: LogWindow) -> Response {
+async fn follow_response(
+    s: Arc<Shared>,
+    task: TaskRow,
+    window: LogWindow,
+    permit: FollowPermit,
+) -> Response {
     let path = std::path::Path::new(&task.dir).join("output.log");
     let offset = match log_start(&path, window.tail).await {
         Ok(o) => o,
@@ -1088,8 +1297,10 @@ async fn follow_response(s: Arc<Shared>, task: TaskRow, window: LogWindow) -> Re
         offset: u64,
         left: u64,
         finished: bool,
+        /// Held while the stream lives: its place among the followers.
+        _permit: FollowPermit,
     }
-    let init = St { s, task, path, offset, left: window.limit, finished: false };
+    let init = St { s, task, path, offset, left: window.limit, finished: false, _permit: permit };
     let stream = futures_util::stream::unfold(init, |mut st| async move {
         loop {
             if st.left == 0 {

@@ -61,8 +61,6 @@ pub enum BundleError {
     NoRootfs { job: i64, path: String },
     #[error("job {job}: {problem}")]
     BadRoot { job: i64, problem: String },
-    #[error("job {job}: bundle {path} has no readable config.json ({error}); fix xpu.dev/bundle")]
-    NoBundle { job: i64, path: String, error: std::io::Error },
     #[error("job {job}: {path} is not valid OCI config JSON: {message}")]
     BadConfig { job: i64, path: String, message: String },
     #[error("job {job}: bundle {path} has no process.args and the manifest gives no command")]
@@ -100,26 +98,65 @@ pub fn root_problem(path: &Path) -> Option<String> {
 /// The largest bundle `config.json` read (runc's own are a few KiB).
 const MAX_CONFIG: u64 = 4 << 20;
 
+/// A file a job names, read the way every such file is: opened without blocking (a FIFO would
+/// otherwise hold the thread until a writer comes) and without taking a terminal, checked to be
+/// a regular file, and read to at most `cap` bytes (checked again at every use: the file may
+/// have been swapped for another since the job was submitted). Callers run it off the async
+/// threads. `Err` says what is wrong in words that follow the path.
+pub fn read_bounded(path: &Path, cap: u64) -> Result<Vec<u8>, String> {
+    use rustix::fs::OFlags;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags((OFlags::NONBLOCK | OFlags::NOCTTY).bits() as i32)
+        .open(path)
+        .map_err(|e| format!("cannot be opened ({e})"))?;
+    let meta = f.metadata().map_err(|e| format!("cannot be read ({e})"))?;
+    if !meta.file_type().is_file() {
+        return Err(format!("is a {}, not a regular file", kind_of(&meta.file_type())));
+    }
+    if meta.len() > cap {
+        return Err(format!("is larger than {cap} bytes"));
+    }
+    let mut text = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(f, cap + 1), &mut text)
+        .map_err(|e| format!("cannot be read ({e})"))?;
+    if text.len() as u64 > cap {
+        return Err(format!("is larger than {cap} bytes"));
+    }
+    Ok(text)
+}
+
+/// A file type in words.
+fn kind_of(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_fifo() {
+        "FIFO"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_dir() {
+        "directory"
+    } else {
+        "special file"
+    }
+}
+
 /// Why `dir` cannot be run as a bundle, or `None`: it must be a directory whose `config.json`
-/// names a root ([`root_problem`]) for runc.
-pub fn bundle_problem(dir: &Path) -> Option<String> {
+/// names a root ([`root_problem`]) for runc, and brings no device ([`device_problem`]). For a
+/// job run as `user` (not the daemon's), the file must be one that user may read, and the
+/// bundle must keep to what [`confine`] allows.
+pub fn bundle_problem(dir: &Path, user: Option<(u32, u32)>) -> Option<String> {
     if let Some(p) = root_problem(dir) {
         return Some(p.replace("is not a directory", "is not a bundle directory with config.json"));
     }
     let path = dir.join("config.json");
-    let mut text = Vec::new();
-    let read = std::fs::File::open(&path).and_then(|f| {
-        std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_CONFIG + 1), &mut text)
-    });
-    if read.is_err() {
-        return Some(format!(
-            "{} is not a bundle directory with config.json on the daemon's host",
-            dir.display()
-        ));
-    }
-    if text.len() as u64 > MAX_CONFIG {
-        return Some(format!("{} is larger than {MAX_CONFIG} bytes", path.display()));
-    }
+    let text = match read_config(&path, user) {
+        Ok(t) => t,
+        Err(e) => return Some(e),
+    };
     let v: Value = match serde_json::from_slice(&text) {
         Ok(v) => v,
         Err(e) => return Some(format!("{} is not valid JSON: {e}", path.display())),
@@ -127,7 +164,145 @@ pub fn bundle_problem(dir: &Path) -> Option<String> {
     let Some(root) = v.pointer("/root/path").and_then(Value::as_str) else {
         return Some(format!("{} has no root.path", path.display()));
     };
-    root_problem(&dir.join(root)).map(|p| format!("root.path of {}: {p}", path.display()))
+    if let Some(p) = root_problem(&dir.join(root)) {
+        return Some(format!("root.path of {}: {p}", path.display()));
+    }
+    let brings = device_problem(&v).or_else(|| user.and_then(|_| confine_problem(&v, dir)));
+    brings.map(|p| format!("{}: {p}", path.display()))
+}
+
+/// A bundle's `config.json`, read with [`read_bounded`]; for a job run as `user`, only when
+/// that user could read it (the daemon reads it as root, and must not read for a user what the
+/// user could not).
+fn read_config(path: &Path, user: Option<(u32, u32)>) -> Result<Vec<u8>, String> {
+    let shown = path.display();
+    if let Some((uid, gid)) = user
+        && !readable_by(path, uid, gid)
+    {
+        return Err(format!(
+            "{shown} is not readable by uid {uid}, who submitted the job; make it readable by that user"
+        ));
+    }
+    read_bounded(path, MAX_CONFIG).map_err(|e| format!("{shown} {e}; fix xpu.dev/bundle"))
+}
+
+/// Whether `uid`/`gid` may read `path` and search every directory above it, by the mode bits
+/// (ACLs are not read: a file only an ACL opens is refused).
+fn readable_by(path: &Path, uid: u32, gid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let allowed = |m: &std::fs::Metadata, bit: u32| {
+        let mode = m.mode();
+        if m.uid() == uid {
+            mode & (bit << 6) != 0
+        } else if m.gid() == gid {
+            mode & (bit << 3) != 0
+        } else {
+            mode & bit != 0
+        }
+    };
+    let Ok(real) = std::fs::canonicalize(path) else { return false };
+    let dirs_ok =
+        real.ancestors().skip(1).all(|d| std::fs::metadata(d).is_ok_and(|m| allowed(&m, 0o1)));
+    dirs_ok && std::fs::metadata(&real).is_ok_and(|m| allowed(&m, 0o4))
+}
+
+/// Whether a mount in a configuration is a bind mount (`type: bind`, or `bind`/`rbind` among
+/// its options, which runc binds whatever the type says).
+fn is_bind(m: &Value) -> bool {
+    m.get("type").and_then(Value::as_str) == Some("bind")
+        || m.get("options")
+            .and_then(Value::as_array)
+            .is_some_and(|o| o.iter().any(|x| matches!(x.as_str(), Some("bind" | "rbind"))))
+}
+
+/// Why a configuration may not run because it brings device access of its own, or `None`.
+/// The daemon alone decides which devices a container gets: those the scheduler gave the task,
+/// which the runtime shim adds from the device environment. So a bundle may not list
+/// `linux.devices`, allow any device in `linux.resources.devices` (deny rules are fine), or
+/// bind anything under `/dev` (or any device node) into the container.
+pub fn device_problem(cfg: &Value) -> Option<String> {
+    if cfg.pointer("/linux/devices").and_then(Value::as_array).is_some_and(|d| !d.is_empty()) {
+        return Some(
+            "linux.devices: a bundle may not bring device nodes; the daemon adds the devices the job was given (ask with resources.limits)".to_owned(),
+        );
+    }
+    if let Some(rules) = cfg.pointer("/linux/resources/devices").and_then(Value::as_array) {
+        for (i, r) in rules.iter().enumerate() {
+            if r.get("allow").and_then(Value::as_bool) != Some(false) {
+                return Some(format!(
+                    "linux.resources.devices[{i}]: a bundle may only deny devices; the daemon allows the devices the job was given"
+                ));
+            }
+        }
+    }
+    let mounts = cfg.get("mounts").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+    for (i, m) in mounts.iter().enumerate() {
+        if !is_bind(m) {
+            continue;
+        }
+        let source = m.get("source").and_then(Value::as_str).unwrap_or_default();
+        let path = Path::new(source);
+        let clean: PathBuf = path.components().collect();
+        let real = std::fs::canonicalize(path).unwrap_or_else(|_| clean.clone());
+        let device = std::fs::metadata(&real).is_ok_and(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_char_device() || m.file_type().is_block_device()
+        });
+        if clean.starts_with("/dev") || real.starts_with("/dev") || device {
+            return Some(format!(
+                "mounts[{i}].source {source:?}: a bundle may not bind devices or /dev; the daemon adds the devices the job was given"
+            ));
+        }
+    }
+    None
+}
+
+/// Why a bundle may not run as a user other than the daemon's, or `None`. [`confine`] makes
+/// its process that user's with no capabilities; what it could still bring to gain more is
+/// refused: OCI hooks (they run on the host as the daemon's user), user namespace mappings (a
+/// map could make the user root outside), and bind mounts from outside the bundle's directory
+/// (the runtime binds as root what the user may not open).
+fn confine_problem(cfg: &Value, dir: &Path) -> Option<String> {
+    if cfg.get("hooks").and_then(Value::as_object).is_some_and(|h| !h.is_empty()) {
+        return Some(
+            "hooks: only root's bundles may run OCI hooks (they run on the host); drop them"
+                .to_owned(),
+        );
+    }
+    for field in ["uidMappings", "gidMappings"] {
+        if cfg.pointer(&format!("/linux/{field}")).is_some_and(|v| !v.is_null()) {
+            return Some(format!("linux.{field}: only root's bundles may map users; drop it"));
+        }
+    }
+    let base = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let mounts = cfg.get("mounts").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+    for (i, m) in mounts.iter().enumerate() {
+        if !is_bind(m) {
+            continue;
+        }
+        let source = m.get("source").and_then(Value::as_str).unwrap_or_default();
+        let inside = std::fs::canonicalize(dir.join(source)).is_ok_and(|r| r.starts_with(&base));
+        if !inside {
+            return Some(format!(
+                "mounts[{i}].source {source:?}: only root's bundles may bind paths from outside the bundle directory"
+            ));
+        }
+    }
+    None
+}
+
+/// Makes a configuration run as `uid`/`gid` and nothing more: its process is that user's, with
+/// no supplementary group, no capability in any set and `noNewPrivileges` (so a set-user-id
+/// file in the root gains nothing).
+fn confine(cfg: &mut Value, uid: u32, gid: u32) {
+    if let Some(process) = cfg.get_mut("process").and_then(Value::as_object_mut) {
+        process.insert("user".into(), json!({"uid": uid, "gid": gid}));
+        process.insert(
+            "capabilities".into(),
+            json!({"bounding": [], "effective": [], "permitted": [], "inheritable": [], "ambient": []}),
+        );
+        process.insert("noNewPrivileges".into(), json!(true));
+    }
 }
 
 /// What goes into the container's process.
@@ -139,6 +314,9 @@ pub struct Process<'a> {
     pub working_dir: Option<&'a str>,
     /// Volumes to bind in, after the configuration's own mounts.
     pub mounts: &'a [Mount],
+    /// The user the job runs as when not the daemon's: the container's process is made that
+    /// user's ([`confine`]).
+    pub user: Option<(u32, u32)>,
 }
 
 /// `runc spec`'s default configuration with a rootfs, without the network namespace and with a
@@ -205,16 +383,13 @@ pub fn config(c: &ContainerLaunch, p: &Process<'_>) -> Result<Value, BundleError
         }
         Source::Bundle(dir) => {
             let path = dir.join("config.json");
-            let text = std::fs::read(&path).map_err(|source| BundleError::NoBundle {
-                job: p.job,
-                path: dir.display().to_string(),
-                error: source,
-            })?;
             let bad = |message: String| BundleError::BadConfig {
                 job: p.job,
                 path: path.display().to_string(),
                 message,
             };
+            let text = read_config(&path, p.user)
+                .map_err(|problem| BundleError::BadRoot { job: p.job, problem })?;
             let mut v: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
             // The bundle's relative root is relative to the bundle, not to the task directory.
             let root = v
@@ -231,9 +406,20 @@ pub fn config(c: &ContainerLaunch, p: &Process<'_>) -> Result<Value, BundleError
             if !v.get("process").is_some_and(Value::is_object) {
                 return Err(bad("process is missing".to_owned()));
             }
+            if let Some(problem) = device_problem(&v) {
+                return Err(bad(problem));
+            }
+            if p.user.is_some()
+                && let Some(problem) = confine_problem(&v, dir)
+            {
+                return Err(bad(problem));
+            }
             v
         }
     };
+    if let Some((uid, gid)) = p.user {
+        confine(&mut cfg, uid, gid);
+    }
     let bad = |message: &str| BundleError::BadConfig {
         job: p.job,
         path: "config.json".to_owned(),
@@ -305,10 +491,12 @@ pub fn write_bundle(dir: &Path, c: &ContainerLaunch, p: &Process<'_>) -> Result<
     })?;
     // Private: it holds the job's environment (see [`crate::datadir`]).
     let write = |bytes: &[u8]| {
+        // New, and never through a link: the directory is the attempt's own and fresh, so a
+        // file already there (or a link planted to another bundle) is refused, not followed.
         let mut f = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
             .mode(crate::datadir::FILE_MODE)
             .open(&path)?;
         std::io::Write::write_all(&mut f, bytes)
@@ -404,7 +592,14 @@ mod tests {
         let c = launch(Source::Rootfs(tmp.path().to_owned()));
         let env = [("A".to_owned(), "1".to_owned()), ("PATH".to_owned(), "/bin".to_owned())];
         let argv = ["sh".to_owned(), "-c".to_owned(), "true".to_owned()];
-        let p = Process { job: 1, argv: &argv, env: &env, working_dir: Some("work"), mounts: &[] };
+        let p = Process {
+            job: 1,
+            argv: &argv,
+            env: &env,
+            working_dir: Some("work"),
+            mounts: &[],
+            user: None,
+        };
         let v = config(&c, &p).unwrap();
         assert_eq!(v["process"]["args"], json!(["sh", "-c", "true"]));
         assert_eq!(v["process"]["env"], json!(["TERM=xterm", "A=1", "PATH=/bin"]));
@@ -449,7 +644,8 @@ mod tests {
         std::fs::write(tmp.path().join("config.json"), base.to_string()).unwrap();
         let c = launch(Source::Bundle(tmp.path().to_owned()));
         let env = [("NVIDIA_VISIBLE_DEVICES".to_owned(), "2".to_owned())];
-        let p = Process { job: 1, argv: &[], env: &env, working_dir: None, mounts: &[] };
+        let p =
+            Process { job: 1, argv: &[], env: &env, working_dir: None, mounts: &[], user: None };
         let v = config(&c, &p).unwrap();
         assert_eq!(v["process"]["args"], json!(["/app/train"]), "the bundle's command");
         assert_eq!(v["process"]["env"], json!(["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=2"]));
@@ -463,9 +659,10 @@ mod tests {
         std::fs::write(tmp.path().join("config.json"), linked.to_string()).unwrap();
         let e = config(&c, &p).unwrap_err().to_string();
         assert!(e.contains("has a symlink in it"), "{e}");
-        assert!(bundle_problem(tmp.path()).unwrap().contains("has a symlink in it"));
+        assert!(bundle_problem(tmp.path(), None).unwrap().contains("has a symlink in it"));
         let empty = launch(Source::Bundle(tmp.path().join("nope")));
-        assert!(config(&empty, &p).unwrap_err().to_string().contains("no readable config.json"));
+        let e = config(&empty, &p).unwrap_err().to_string();
+        assert!(e.contains("config.json cannot be opened"), "{e}");
         assert_ne!(container_id(Path::new("/a"), 1, 0, 0), container_id(Path::new("/b"), 1, 0, 0));
     }
 }

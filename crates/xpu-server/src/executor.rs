@@ -31,6 +31,9 @@ use rustix::process::{Pid, Signal};
 /// it. The exit status is written with a builtin: the daemon reads `exit` only once the
 /// supervisor is gone, so the write needs no rename to be seen whole.
 ///
+/// Its marker files (`pid`, `started`, `exit`) are made `0600`, as everything the daemon writes;
+/// the program gets the daemon's umask back.
+///
 /// Traps are set before anything else (and before the `pid` file exists, which is what callers
 /// wait for), so a SIGTERM that arrives while it starts is remembered rather than fatal. The
 /// trap only records the signal; the loop passes it on when `wait` returns, to the whole group
@@ -43,8 +46,9 @@ const SUPERVISOR: &str = r#"d=$1; p=$2; shift 2
 c=; t=
 trap 't=TERM' TERM
 trap 't=INT' INT
+m=$(umask); umask 077
 echo "$$" > "$d/pid"
-{ : > "$d/started"; exec "$@"; } &
+{ : > "$d/started"; umask "$m"; exec "$@"; } &
 c=$!
 PATH=$p
 while :; do
@@ -74,6 +78,8 @@ pub enum ExecError {
     TooLarge { job: i64, idx: u32, bytes: usize, error: std::io::Error },
     #[error("job {job}: working directory {dir} does not exist; create it or fix workingDir")]
     WorkingDir { job: i64, dir: String },
+    #[error("job {job}: working directory {dir} has .. in it; give a path without it")]
+    WorkingDirUp { job: i64, dir: String },
     #[error(transparent)]
     Bundle(#[from] crate::container::BundleError),
 }
@@ -101,6 +107,76 @@ pub struct Launch {
     pub mounts: Vec<xpu_core::job::VolumeMount>,
     /// How long sidecars have after SIGTERM, once the main container ended.
     pub grace: std::time::Duration,
+    /// Who submitted the job, and so who its programs run as ([`RunAs`]); `None`: the daemon's
+    /// own user (jobs stored before owners were recorded).
+    pub user: Option<crate::store::Owner>,
+}
+
+/// How a task's programs become their owner's when the daemon runs as another user (root): the
+/// supervisor, its marker files and `pod.sh`'s mounts stay the daemon's, and only the exec of
+/// each program goes through util-linux's `setpriv`, which sets the real and effective user and
+/// group and drops every supplementary group (Slurm's `slurmstepd` does the same for a job
+/// step). Root gives up its capabilities with its uid. A container's program is runc's, which
+/// must stay root: the container's `process.user` is the owner instead ([`crate::container`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunAs {
+    pub uid: u32,
+    pub gid: u32,
+    /// From the password database, for `HOME`, `USER` and `LOGNAME`; `/` and the uid when the
+    /// user has no entry.
+    pub name: String,
+    pub home: PathBuf,
+}
+
+/// Where `setpriv` is (util-linux: on every Debian, Ubuntu and RHEL host).
+const SETPRIV: &str = "/usr/bin/setpriv";
+
+impl RunAs {
+    /// `None` when `owner` is the daemon's own user (or there is none): nothing changes.
+    pub fn for_owner(owner: Option<crate::store::Owner>) -> Option<RunAs> {
+        let o = owner?;
+        if o.uid == rustix::process::geteuid().as_raw() {
+            return None;
+        }
+        let (name, home) =
+            passwd_entry(o.uid).unwrap_or_else(|| (o.uid.to_string(), PathBuf::from("/")));
+        Some(RunAs { uid: o.uid, gid: o.gid, name, home })
+    }
+
+    /// The words in front of a program's argv.
+    fn prefix(&self) -> [String; 6] {
+        [
+            SETPRIV.to_owned(),
+            format!("--reuid={}", self.uid),
+            format!("--regid={}", self.gid),
+            "--clear-groups".to_owned(),
+            "--inh-caps=-all".to_owned(),
+            "--".to_owned(),
+        ]
+    }
+
+    /// `HOME`, `USER` and `LOGNAME` of the owner, in place of the daemon's.
+    fn env(&self) -> [(&'static str, String); 3] {
+        let home = self.home.display().to_string();
+        [("HOME", home), ("USER", self.name.clone()), ("LOGNAME", self.name.clone())]
+    }
+
+    /// Gives `path` (made by the daemon for the task: a volume, a volume's file) to the owner.
+    fn give(&self, path: &Path) -> std::io::Result<()> {
+        std::os::unix::fs::lchown(path, Some(self.uid), Some(self.gid))
+    }
+}
+
+/// The name and home directory of `uid` in `/etc/passwd`, read with a cap (it is a small file).
+fn passwd_entry(uid: u32) -> Option<(String, PathBuf)> {
+    let mut text = String::new();
+    let f = std::fs::File::open("/etc/passwd").ok()?;
+    std::io::Read::read_to_string(&mut std::io::Read::take(f, 4 << 20), &mut text).ok()?;
+    let want = uid.to_string();
+    text.lines().find_map(|line| {
+        let f: Vec<&str> = line.split(':').collect();
+        (f.len() >= 7 && f[2] == want).then(|| (f[0].to_owned(), PathBuf::from(f[5])))
+    })
 }
 
 /// A file of a `downwardAPI` volume.
@@ -203,6 +279,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
             env: &l.env,
             working_dir: l.working_dir.as_deref(),
             mounts: &[],
+            user: RunAs::for_owner(l.user).map(|r| (r.uid, r.gid)),
         };
         crate::container::write_bundle(&l.dir, c, &p)?;
         let argv = crate::container::run_argv(c, &l.dir);
@@ -216,31 +293,70 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
         cmd.current_dir(&l.dir);
         return finish_spawn(cmd, l, "xpu runtime", moved_aside);
     }
-    let cwd = match &l.working_dir {
-        Some(w) if Path::new(w).is_absolute() => {
-            if !Path::new(w).is_dir() {
-                return Err(ExecError::WorkingDir { job: l.job_id, dir: w.clone() });
-            }
-            PathBuf::from(w)
+    let run_as = RunAs::for_owner(l.user);
+    let cwd = working_dir(l, l.working_dir.as_deref(), run_as.as_ref())?;
+    tracing::debug!(job_id = l.job_id, task = l.idx, attempt = l.attempt, argv = ?l.argv, user = ?l.user, "starting a process");
+    let mut argv: Vec<String> = Vec::new();
+    if let Some(r) = &run_as {
+        argv.extend(r.prefix());
+    }
+    argv.extend(l.argv.iter().cloned());
+    let mut cmd = supervisor(&l.dir, &argv, log, log2);
+    if let Some(r) = &run_as {
+        for (k, v) in r.env() {
+            cmd.env(k, v);
         }
-        Some(w) => {
-            let p = l.dir.join(w);
-            std::fs::create_dir_all(&p).map_err(|source| ExecError::Dir {
-                path: p.display().to_string(),
-                error: source,
-            })?;
-            p
-        }
-        None => l.dir.clone(),
-    };
-    tracing::debug!(job_id = l.job_id, task = l.idx, attempt = l.attempt, argv = ?l.argv, "starting a process");
-    let mut cmd = supervisor(&l.dir, &l.argv, log, log2);
+    }
     for (k, v) in &l.env {
         cmd.env(k, v);
     }
     cmd.current_dir(cwd);
     let program = l.argv.first().cloned().unwrap_or_default();
     finish_spawn(cmd, l, &program, moved_aside)
+}
+
+/// The directory a host-process step starts in. A job of the daemon's own user: an absolute
+/// `workingDir` that exists, a relative one made under the attempt's directory (the parser
+/// refuses `..` in it; the check here keeps that true whatever the spec says), else the
+/// attempt's directory. A job run as its owner ([`RunAs`]): the daemon makes nothing for it, so
+/// a relative `workingDir` is under the owner's home and must exist, and the default is the
+/// home (`/` when it has none).
+fn working_dir(l: &Launch, w: Option<&str>, run_as: Option<&RunAs>) -> Result<PathBuf, ExecError> {
+    let missing =
+        |dir: &Path| ExecError::WorkingDir { job: l.job_id, dir: dir.display().to_string() };
+    let Some(w) = w else {
+        return Ok(match run_as {
+            None => l.dir.clone(),
+            // `nobody`'s home is `/nonexistent`.
+            Some(r) if r.home.is_dir() => r.home.clone(),
+            Some(_) => PathBuf::from("/"),
+        });
+    };
+    let w = Path::new(w);
+    if w.components().any(|c| c == std::path::Component::ParentDir) {
+        return Err(ExecError::WorkingDirUp { job: l.job_id, dir: w.display().to_string() });
+    }
+    if w.is_absolute() {
+        return if w.is_dir() { Ok(w.to_owned()) } else { Err(missing(w)) };
+    }
+    match run_as {
+        Some(r) => {
+            let p = r.home.join(w);
+            if p.is_dir() { Ok(p) } else { Err(missing(&p)) }
+        }
+        None => {
+            let p = l.dir.join(w);
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(crate::datadir::DIR_MODE)
+                .create(&p)
+                .map_err(|source| ExecError::Dir {
+                    path: p.display().to_string(),
+                    error: source,
+                })?;
+            Ok(p)
+        }
+    }
 }
 
 /// A task with init containers or volumes: the supervisor runs `pod.sh`, a script written for
@@ -270,14 +386,26 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
     // What kills a container sidecar outright: its init ignores SIGTERM when it has no handler
     // (PID 1), and killing `runc run` would leave the container behind.
     let mut hard_kills: Vec<String> = Vec::new();
-    let volume_dir = |name: &str| l.dir.join("volumes").join(name);
+    let run_as = RunAs::for_owner(l.user);
+    // Volumes are named by their place in the pod, never by the name the manifest gives them
+    // (the parser checks names as Kubernetes does; a path made of one must still stay here).
+    let volume_index =
+        |name: &str| l.volumes.iter().position(|v| v.name == name).unwrap_or(usize::MAX);
+    let volume_dir = |name: &str| l.dir.join("volumes").join(volume_index(name).to_string());
     for v in &l.volumes {
         let dir = volume_dir(&v.name);
         mkdir(&dir).map_err(io(&dir))?;
+        if let Some(r) = &run_as {
+            r.give(&dir).map_err(io(&dir))?;
+        }
         if v.memory {
             let size = v.size_limit.map(|b| format!(",size={b}")).unwrap_or_default();
+            let owner = run_as
+                .as_ref()
+                .map(|r| format!(",uid={},gid={}", r.uid, r.gid))
+                .unwrap_or_default();
             script.push_str(&format!(
-                "mount -t tmpfs -o nosuid,nodev,mode=0755{size} xpu-emptydir {d} || {{ echo {msg} >&2; exit 1; }}\n",
+                "mount -t tmpfs -o nosuid,nodev,mode=0755{size}{owner} xpu-emptydir {d} || {{ echo {msg} >&2; exit 1; }}\n",
                 d = quote(&dir),
                 msg = quote(format!(
                     "xpu: volume {}: cannot mount a tmpfs (medium: Memory needs the daemon to run as root)",
@@ -312,10 +440,14 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
         OpenOptions::new()
             .write(true)
             .create_new(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
             .mode(f.mode)
             .open(&path)
             .and_then(|mut file| std::io::Write::write_all(&mut file, f.content.as_bytes()))
             .map_err(io(&path))?;
+        if let Some(r) = &run_as {
+            r.give(&path).map_err(io(&path))?;
+        }
     }
     // subPath directories are made inside the volume (after a tmpfs is mounted on it), as the
     // kubelet makes them.
@@ -347,7 +479,8 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
                 if n < last {
                     c.id = format!("{}-i{n}", c.id);
                 }
-                let dir = l.dir.join("containers").join(format!("{n}-{}", step.name));
+                // By its place in the pod alone: a name is never a path.
+                let dir = l.dir.join("containers").join(n.to_string());
                 mkdir(&dir).map_err(io(&dir))?;
                 let mounts = mounts_of(&step.mounts);
                 let p = crate::container::Process {
@@ -356,6 +489,7 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
                     env: &step.env,
                     working_dir: step.working_dir.as_deref(),
                     mounts: &mounts,
+                    user: run_as.as_ref().map(|r| (r.uid, r.gid)),
                 };
                 crate::container::write_bundle(&dir, &c, &p)?;
                 if step.sidecar {
@@ -369,27 +503,28 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
                 format!("exec {}", words.join(" "))
             }
             None => {
-                let cd = match &step.working_dir {
-                    Some(w) if Path::new(w).is_absolute() => {
-                        if !Path::new(w).is_dir() {
-                            return Err(ExecError::WorkingDir { job: l.job_id, dir: w.clone() });
-                        }
-                        format!("cd {} && ", quote(w))
+                let cd = match (&step.working_dir, &run_as) {
+                    (None, None) => String::new(),
+                    (w, _) => {
+                        format!("cd {} && ", quote(working_dir(l, w.as_deref(), run_as.as_ref())?))
                     }
-                    Some(w) => {
-                        let p = l.dir.join(w);
-                        mkdir(&p).map_err(io(&p))?;
-                        format!("cd {} && ", quote(&p))
-                    }
-                    None => String::new(),
                 };
-                let mut words = vec!["env".to_owned(), "--".to_owned()];
+                let mut words: Vec<String> = Vec::new();
+                if let Some(r) = &run_as {
+                    words.extend(r.prefix().iter().map(quote));
+                    words.extend(["env".to_owned(), "--".to_owned()]);
+                    words.extend(r.env().iter().map(|(k, v)| quote(format!("{k}={v}"))));
+                } else {
+                    words.extend(["env".to_owned(), "--".to_owned()]);
+                }
                 words.extend(step.env.iter().map(|(k, v)| quote(format!("{k}={v}"))));
                 words.extend(step.argv.iter().map(quote));
                 format!("{cd}exec {}", words.join(" "))
             }
         };
-        let label = quote(&step.name);
+        // Comments name a step by its place and a name made safe for a comment line: a
+        // newline in it would end the comment and run the rest as a command.
+        let label = format!("{n} {}", comment_safe(&step.name));
         // A subPath must still lead into its volume when the container starts: an earlier
         // container may have replaced it with a symlink to anywhere on the host, which runc
         // would follow when it binds the source. (A sidecar still running could swap it between
@@ -474,6 +609,12 @@ pub fn is_mount_point(dir: &Path) -> bool {
         (Some(a), Some(b)) => a != b,
         _ => false,
     }
+}
+
+/// `name` for a comment in a script: printable ASCII only, at most 63 characters (a DNS-1123
+/// label's length), anything else as `?`.
+fn comment_safe(name: &str) -> String {
+    name.chars().take(63).map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' }).collect()
 }
 
 /// `p` as one word for `/bin/sh`: in single quotes, each `'` written as `'\''`.
@@ -629,6 +770,7 @@ mod tests {
             volumes: Vec::new(),
             mounts: Vec::new(),
             grace: Duration::from_secs(1),
+            user: None,
         }
     }
 
@@ -678,6 +820,82 @@ mod tests {
         assert_eq!(recorded_exit(&l.dir), Some(7));
         let log = std::fs::read_to_string(l.dir.join("output.log")).unwrap();
         assert_eq!(log, "xpu: init container \"bad\" failed with status 7\n");
+    }
+
+    #[tokio::test]
+    async fn a_step_name_never_runs_as_a_command_nor_makes_a_path() {
+        // A name with newlines would end pod.sh's comment line and run the rest on the host;
+        // one with slashes and `..` would make a directory outside the task's. The parser
+        // refuses both; the executor must be safe with whatever a stored spec says.
+        let tmp = tempfile::tempdir().unwrap();
+        let marker = tmp.path().join("pwned");
+        let mut l = launch(tmp.path().join("t"), &["true"]);
+        let evil = format!("setup\ntouch {}\n#", marker.display());
+        l.init = vec![step(&evil, "true", false), step("x/../../../../out", "true", false)];
+        let mut s = spawn(&l).unwrap();
+        assert_eq!(s.child.wait().await.unwrap().code(), Some(0));
+        let script = std::fs::read_to_string(l.dir.join("pod.sh")).unwrap();
+        assert!(!marker.exists(), "a container name ran a host command:\n{script}");
+        assert!(!tmp.path().join("out").exists());
+    }
+
+    #[tokio::test]
+    async fn marker_files_are_private_and_the_program_keeps_its_umask() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let l = launch(tmp.path().join("t"), &["sh", "-c", "umask"]);
+        let mut s = spawn(&l).unwrap();
+        s.child.wait().await.unwrap();
+        for f in ["pid", "started", "exit", "output.log"] {
+            let mode = std::fs::metadata(l.dir.join(f)).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{f} is {mode:o}");
+        }
+        let umask = std::fs::read_to_string(l.dir.join("output.log")).unwrap();
+        assert_ne!(umask.trim(), "0077", "the program got the supervisor's umask");
+    }
+
+    #[tokio::test]
+    async fn a_working_dir_with_dotdot_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        for w in ["../../../../escaped", "a/../../b"] {
+            let mut l = launch(tmp.path().join("t").join(w.replace('/', "_")), &["true"]);
+            l.working_dir = Some(w.to_owned());
+            let e = spawn(&l).unwrap_err().to_string();
+            assert!(e.contains("has .. in it"), "{e}");
+            let mut l = launch(tmp.path().join("p").join(w.replace('/', "_")), &["true"]);
+            l.working_dir = Some(w.to_owned());
+            l.init = vec![step("i", "true", false)];
+            let e = spawn(&l).unwrap_err().to_string();
+            assert!(e.contains("has .. in it"), "{e}");
+        }
+        assert!(!tmp.path().join("escaped").exists());
+    }
+
+    #[tokio::test]
+    async fn a_job_runs_as_its_owner() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root to run a task as another user");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let mut l = launch(tmp.path().join("t"), &["sh", "-c", "id -u; id -g; id -G; echo $HOME"]);
+        l.user = Some(crate::store::Owner { uid: 65534, gid: 65534 });
+        let mut s = spawn(&l).unwrap();
+        assert_eq!(s.child.wait().await.unwrap().code(), Some(0));
+        let out = std::fs::read_to_string(l.dir.join("output.log")).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(&lines[..3], ["65534", "65534", "65534"], "{out}");
+        // The supervisor stays the daemon's: its records are root's.
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(std::fs::metadata(l.dir.join("exit")).unwrap().uid(), 0);
+        // The same in a pod script's steps.
+        let mut l = launch(tmp.path().join("u"), &["id", "-u"]);
+        l.user = Some(crate::store::Owner { uid: 65534, gid: 65534 });
+        l.init = vec![step("i", "id -u", false)];
+        let mut s = spawn(&l).unwrap();
+        assert_eq!(s.child.wait().await.unwrap().code(), Some(0));
+        let out = std::fs::read_to_string(l.dir.join("output.log")).unwrap();
+        assert_eq!(out, "65534\n65534\n", "{out}");
     }
 
     /// Waits for a condition, with a deadline generous enough for a loaded 2-core machine.

@@ -189,8 +189,16 @@ pub struct Shared {
     pub view: RwLock<View>,
     pub metrics: Metrics,
     pub leader: AtomicBool,
-    /// Bearer token for TCP clients that are not on loopback.
+    /// The daemon's bearer token (`<data-dir>/token`): whoever sends it over TCP acts as the
+    /// daemon's own user ([`Shared::me`]).
     pub token: String,
+    /// Tokens of other users (`<data-dir>/tokens`, [`load_user_tokens`]): whoever sends one
+    /// over TCP acts as that user.
+    pub user_tokens: Vec<(String, store::Owner)>,
+    /// The daemon's own user and group.
+    pub me: store::Owner,
+    /// The log followers streaming now, bounded ([`api::Followers`]).
+    pub followers: Arc<api::Followers>,
     pub started_ms: i64,
     pub grace: Duration,
     /// See [`ServeOptions::restart_backoff`].
@@ -227,6 +235,81 @@ impl Shared {
             Leadership::Sole
         }
     }
+}
+
+/// The daemon's own user and group (effective ids).
+pub fn daemon_user() -> store::Owner {
+    store::Owner {
+        uid: rustix::process::geteuid().as_raw(),
+        gid: rustix::process::getegid().as_raw(),
+    }
+}
+
+/// Most user tokens read from `<data-dir>/tokens`.
+const MAX_USER_TOKENS: usize = 10_000;
+
+/// Reads `<data-dir>/tokens`, the tokens of users other than the daemon's, for TCP clients:
+/// one `USER TOKEN` per line, `USER` a name from `/etc/passwd` or `UID:GID`, `#` comments. The
+/// file must belong to the daemon's user and be private to it (0600), like `token`; it is
+/// optional (none: only the daemon's token works over TCP).
+pub fn load_user_tokens(data_dir: &Path) -> Result<Vec<(String, store::Owner)>, ServeError> {
+    use std::os::unix::fs::MetadataExt;
+    let path = data_dir.join("tokens");
+    let bad = |msg: String| ServeError::Io {
+        what: "reading the user tokens",
+        path: path.display().to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, msg),
+    };
+    let meta = match std::fs::symlink_metadata(&path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(bad(e.to_string())),
+    };
+    if !meta.is_file() || meta.uid() != daemon_user().uid || meta.mode() & 0o077 != 0 {
+        return Err(bad(format!(
+            "must be a regular file of uid {} with mode 0600 (chmod 600, chown it)",
+            daemon_user().uid
+        )));
+    }
+    let text = container::read_bounded(&path, 1 << 20).map_err(&bad)?;
+    let text = String::from_utf8(text).map_err(|_| bad("not UTF-8".to_owned()))?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let (Some(user), Some(token), None) = (words.next(), words.next(), words.next()) else {
+            return Err(bad(format!("line {}: want `USER TOKEN`", n + 1)));
+        };
+        if token.len() < 32 {
+            return Err(bad(format!("line {}: a token must be at least 32 characters", n + 1)));
+        }
+        let owner = user_ids(user)
+            .ok_or_else(|| bad(format!("line {}: no user {user:?} in /etc/passwd", n + 1)))?;
+        if out.len() == MAX_USER_TOKENS {
+            return Err(bad(format!("more than {MAX_USER_TOKENS} tokens")));
+        }
+        out.push((token.to_owned(), owner));
+    }
+    Ok(out)
+}
+
+/// `UID:GID`, or a user name's ids from `/etc/passwd`.
+fn user_ids(user: &str) -> Option<store::Owner> {
+    if let Some((u, g)) = user.split_once(':') {
+        return Some(store::Owner { uid: u.parse().ok()?, gid: g.parse().ok()? });
+    }
+    let text = container::read_bounded(Path::new("/etc/passwd"), 4 << 20).ok()?;
+    String::from_utf8_lossy(&text).lines().find_map(|line| {
+        let f: Vec<&str> = line.split(':').collect();
+        if f.len() >= 4 && f[0] == user {
+            Some(store::Owner { uid: f[2].parse().ok()?, gid: f[3].parse().ok()? })
+        } else {
+            None
+        }
+    })
 }
 
 /// Reads `<data-dir>/token`, creating it (mode 0600, 32 random bytes in hex) when missing.
@@ -307,6 +390,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     let db_url = opts.db_url();
     let store = Store::open(&db_url).await?;
     let token = load_token(&opts.data_dir)?;
+    let user_tokens = load_user_tokens(&opts.data_dir)?;
     let (tx, rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
         store,
@@ -317,6 +401,9 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         metrics: Metrics::default(),
         leader: AtomicBool::new(false),
         token,
+        user_tokens,
+        me: daemon_user(),
+        followers: Arc::default(),
         started_ms: store::now_ms(),
         grace: opts.grace,
         restart_backoff: opts.restart_backoff,

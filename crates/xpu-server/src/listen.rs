@@ -111,27 +111,46 @@ impl ConnStats {
     }
 }
 
+/// Who is at the other end of a connection, as the kernel says: every request on it carries
+/// this as an extension, and [`crate::api`] decides from it (and the token) who the caller is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    /// A Unix socket peer, by `SO_PEERCRED` at connect time: its user and group.
+    Unix { uid: u32, gid: u32 },
+    /// A Unix socket peer whose credentials could not be read: nobody, for every check.
+    UnixUnknown,
+    /// A TCP client: only its address; who it is comes from the token it sends.
+    Tcp(std::net::SocketAddr),
+}
+
 /// A listener [`serve`] accepts from.
 pub trait Accept: Send + 'static {
     type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
-    fn accept(&mut self) -> impl Future<Output = io::Result<Self::Io>> + Send;
+    fn accept(&mut self) -> impl Future<Output = io::Result<(Self::Io, Peer)>> + Send;
 }
 
 impl Accept for tokio::net::TcpListener {
     type Io = tokio::net::TcpStream;
-    async fn accept(&mut self) -> io::Result<Self::Io> {
-        let (s, _) = tokio::net::TcpListener::accept(self).await?;
+    async fn accept(&mut self) -> io::Result<(Self::Io, Peer)> {
+        let (s, addr) = tokio::net::TcpListener::accept(self).await?;
         // Responses are small and written whole; do not wait for more to fill a segment. A
         // failure only costs latency.
         let _ = s.set_nodelay(true);
-        Ok(s)
+        Ok((s, Peer::Tcp(addr)))
     }
 }
 
 impl Accept for tokio::net::UnixListener {
     type Io = tokio::net::UnixStream;
-    async fn accept(&mut self) -> io::Result<Self::Io> {
-        Ok(tokio::net::UnixListener::accept(self).await?.0)
+    async fn accept(&mut self) -> io::Result<(Self::Io, Peer)> {
+        let s = tokio::net::UnixListener::accept(self).await?.0;
+        // The credentials the peer had when it connected (`SO_PEERCRED`): they cannot be
+        // forged by the client and do not change with what it sends.
+        let peer = match s.peer_cred() {
+            Ok(c) => Peer::Unix { uid: c.uid(), gid: c.gid() },
+            Err(_) => Peer::UnixUnknown,
+        };
+        Ok((s, peer))
     }
 }
 
@@ -147,8 +166,8 @@ pub async fn serve<L: Accept>(
     loop {
         // Take a slot before accepting: what is over the cap stays in the accept queue.
         let slot = slots.clone().acquire_owned().await.expect("the slot semaphore is never closed");
-        let io = match listener.accept().await {
-            Ok(io) => io,
+        let (io, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(_) => {
                 // Out of descriptors or a connection reset before it was accepted: retry
                 // after a pause rather than spin (what axum::serve does too).
@@ -158,7 +177,7 @@ pub async fn serve<L: Accept>(
         };
         ConnStats::at(&stats.accepted, kind).fetch_add(1, Ordering::Relaxed);
         ConnStats::at(&stats.open, kind).fetch_add(1, Ordering::Relaxed);
-        let app = app.clone();
+        let app = app.clone().layer(axum::Extension(peer));
         let stats = stats.clone();
         tokio::spawn(async move {
             let io = TokioIo::new(SendTimeout::new(io, limits.send_timeout));

@@ -290,6 +290,7 @@ fn jobs_with_100k(tmp: &Path) {
                             priority: 0,
                             spec,
                             at_ms: 1_700_000_000_000 + n,
+                            owner: xpu_server::store::Owner { uid: 0, gid: 0 },
                         }))
                         .await
                         .unwrap();

@@ -148,9 +148,14 @@ pub fn init_tracing_with(args: &LogArgs) {
             .unwrap_or(LevelFilter::INFO)
     });
     let json = args.json();
+    // Colour codes only for a person at a terminal: a log that goes to a file, a pipe or the
+    // journal gets plain text (`NO_COLOR` turns colour off on a terminal too).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let b = tracing_subscriber::fmt()
         .with_max_level(level)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .with_target(false);
     // An already set subscriber (a test calling twice) keeps the first one.
     let _ = if json { b.json().try_init() } else { b.try_init() };

@@ -28,11 +28,12 @@ const CLIENTS: usize = 8;
 /// Every key a client saw acknowledged, with the id it got.
 fn submit_all(
     port: u16,
+    token: String,
     acked: Arc<Mutex<HashMap<String, i64>>>,
     stop: Arc<AtomicBool>,
     next: Arc<AtomicUsize>,
 ) {
-    let mut client = Client::new(Target::Tcp(format!("127.0.0.1:{port}")), None);
+    let mut client = Client::new(Target::Tcp(format!("127.0.0.1:{port}")), Some(token.clone()));
     loop {
         let i = next.fetch_add(1, Ordering::Relaxed);
         if i >= JOBS {
@@ -58,7 +59,8 @@ fn submit_all(
                 }
                 Ok(r) => panic!("submit {key}: {} {}", r.status, String::from_utf8_lossy(&r.body)),
                 Err(_) => {
-                    client = Client::new(Target::Tcp(format!("127.0.0.1:{port}")), None);
+                    client =
+                        Client::new(Target::Tcp(format!("127.0.0.1:{port}")), Some(token.clone()));
                     std::thread::sleep(Duration::from_millis(20));
                 }
             }
@@ -93,7 +95,8 @@ fn kill9_during_2000_submissions_loses_and_duplicates_nothing() {
     let workers: Vec<_> = (0..CLIENTS)
         .map(|_| {
             let (a, s, n, port) = (acked.clone(), stop.clone(), next.clone(), d.port);
-            std::thread::spawn(move || submit_all(port, a, s, n))
+            let token = d.token();
+            std::thread::spawn(move || submit_all(port, token, a, s, n))
         })
         .collect();
     let t0 = Instant::now();

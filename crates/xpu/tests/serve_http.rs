@@ -146,8 +146,10 @@ fn browser_cross_site_requests_are_refused_on_loopback() {
         port,
         &post(
             &me,
+            // The dashboard after /login: its cookie says who sends the change.
             &format!(
-                "Origin: http://{me}\r\nSec-Fetch-Site: same-origin\r\nContent-Type: application/yaml\r\n"
+                "Origin: http://{me}\r\nSec-Fetch-Site: same-origin\r\nContent-Type: application/yaml\r\nCookie: xpu_token={}\r\n",
+                d.token()
             ),
             ok,
         ),
@@ -215,9 +217,10 @@ fn logs_stream_from_the_file_with_tail_and_limit_bytes() {
     let port = d.port;
     let readers: Vec<_> = (0..4)
         .map(|_| {
+            let token = d.token();
             std::thread::spawn(move || {
                 let req = format!(
-                    "GET /v1/jobs/{big}/logs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+                    "GET /v1/jobs/{big}/logs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
                 );
                 raw(port, req.as_bytes())
             })
@@ -346,7 +349,8 @@ fn stalled_connections_are_closed_after_the_timeouts() {
     let mut stalled = connect();
     write!(
         stalled,
-        "GET /v1/jobs/{big}/logs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+        "GET /v1/jobs/{big}/logs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+        d.token()
     )
     .unwrap();
     d.wait_for("the stalled reader to be dropped", || {

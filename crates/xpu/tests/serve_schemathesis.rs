@@ -77,6 +77,8 @@ fn schemathesis_finds_no_server_error_and_no_answer_outside_the_document() {
         .args(["--max-examples", "25", "--seed", "15", "--workers", "1"])
         .args(["--request-timeout", "20", "--max-failures", "20"])
         .args(["--generation-database", "none", "--no-color"])
+        // As the daemon's own user, so that submits, cancels and logs are reached too.
+        .args(["--header", &format!("Authorization: Bearer {}", d.token())])
         .current_dir(dir.path())
         .env("NO_COLOR", "1")
         .output()

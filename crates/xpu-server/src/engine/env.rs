@@ -11,9 +11,35 @@ use super::machine::Job;
 use crate::executor;
 use crate::node::Node;
 
+/// Most tasks of one job that run on this host at once. A gang must start whole, so one larger
+/// than this can never start here; other jobs run this many at a time at most. Each task is a
+/// process group with a supervisor, and an Indexed job's tasks each carry every worker's host
+/// name (`TPU_WORKER_HOSTNAMES`): 1,024 tasks keep that list under Linux's 128 KiB per variable
+/// with the longest host names (64 bytes), and the daemon's memory per job in MiBs. A TPU
+/// host has at most 8 chips; a GPU host 16 GPUs.
+pub(crate) const MAX_TASKS_ON_HOST: u32 = 1024;
+
+/// Why a job asks more of this one host than it can ever give, whatever else runs: `(field,
+/// message)`, refused at submit and failed at start (a job stored before the bound existed).
+pub(crate) fn too_big_for_host(spec: &JobSpec) -> Option<(&'static str, String)> {
+    if spec.is_gang() && spec.completions > MAX_TASKS_ON_HOST {
+        return Some((
+            "spec.completions",
+            format!(
+                "a gang of {} tasks (Indexed, parallelism covering every completion) must start whole, and one host runs at most {MAX_TASKS_ON_HOST} tasks of a job at once; split it across hosts or lower parallelism",
+                spec.completions
+            ),
+        ));
+    }
+    None
+}
+
 /// For a job the scheduler found can never run here: what in its manifest the node cannot
 /// satisfy, naming the label or resource (the scheduler's report counts filters, not fields).
 pub(super) fn why_never(node: &Node, spec: &JobSpec) -> Option<String> {
+    if let Some((field, message)) = too_big_for_host(spec) {
+        return Some(format!("{field}: {message}"));
+    }
     for (k, v) in &spec.node_selector {
         match node.labels.get(k) {
             Some(have) if have == v => {}
@@ -60,6 +86,17 @@ pub(super) fn task_env(
     // The container's own variables in order: `valueFrom` resolved from the pod's identity,
     // `$(VAR)` in a value expanded with the variables defined before it (Kubernetes' rules).
     let mut env: Vec<(String, String)> = Vec::new();
+    // Counted as each variable is made, not once all are: `$(VAR)` references can double the
+    // size with every variable (`B=$(A)$(A)`, then `B=$(B)` thousands of times), and each value
+    // stays under expansion's own bound while the whole grows to GiBs. Stopping at the bound
+    // keeps what a start builds to this size, whatever the manifest.
+    let mut total = 0usize;
+    let over = || {
+        format!(
+            "the environment expands to more than {} MiB, what a process can be given; shorten the $(VAR) references",
+            MAX_TASK_ENV >> 20
+        )
+    };
     for e in c.env.iter().filter(|e| !crate::node::selects_devices(&e.name)) {
         let value = match &e.from {
             Some(from) => resolve_env_from(node, spec, c, &pod, from, devices.len()),
@@ -71,6 +108,10 @@ pub(super) fn task_env(
             }
             None => e.value.clone(),
         };
+        total += e.name.len() + value.len() + 2;
+        if total > MAX_TASK_ENV {
+            return Err(format!("env {}: {}", e.name, over()));
+        }
         env.push((e.name.clone(), value));
     }
     if container {
@@ -89,8 +130,20 @@ pub(super) fn task_env(
         // worker id to the same index and lists every worker's hostname in index order.
         env.push(("JOB_COMPLETION_INDEX".into(), idx.to_string()));
         env.push(("TPU_WORKER_ID".into(), idx.to_string()));
-        let hosts: Vec<String> = (0..spec.completions).map(|_| node.hostname.clone()).collect();
-        env.push(("TPU_WORKER_HOSTNAMES".into(), hosts.join(",")));
+        // Every task of the job shares the list: made once per job, not once per task (a gang's
+        // tasks all start together, and each list is as long as the gang).
+        let hosts = job.worker_hostnames.get_or_init(|| {
+            let mut hosts =
+                String::with_capacity((node.hostname.len() + 1) * spec.completions as usize);
+            for i in 0..spec.completions {
+                if i > 0 {
+                    hosts.push(',');
+                }
+                hosts.push_str(&node.hostname);
+            }
+            hosts
+        });
+        env.push(("TPU_WORKER_HOSTNAMES".into(), hosts.clone()));
     }
     // Linux refuses an exec whose arguments and environment pass its limit (2 MiB with the
     // default stack); a manifest's references must not make the daemon build more than that.

@@ -262,6 +262,10 @@ pub(super) struct Job {
     waiting_slots: u32,
     /// Thousandths of each device a task holds.
     pub(super) milli: u16,
+    /// Who it runs as ([`crate::store::Owner`]); `None`: the daemon's own user.
+    pub(super) owner: Option<crate::store::Owner>,
+    /// `TPU_WORKER_HOSTNAMES` of an Indexed job, made once for all its tasks.
+    pub(super) worker_hostnames: std::sync::OnceLock<String>,
 }
 
 impl Job {
@@ -289,6 +293,8 @@ impl Job {
             sched: None,
             waiting_slots: 0,
             milli,
+            owner: row.owner,
+            worker_hostnames: std::sync::OnceLock::new(),
             spec,
         }
     }
@@ -708,7 +714,16 @@ impl Machine {
             slot += 1;
         }
         let adopted = running.len() as u32;
-        let count = job.spec.effective_parallelism().min(remaining).max(adopted).max(1);
+        if let Some((field, message)) = super::env::too_big_for_host(&job.spec) {
+            return Err(format!("{field}: {message}"));
+        }
+        let count = job
+            .spec
+            .effective_parallelism()
+            .min(super::env::MAX_TASKS_ON_HOST)
+            .min(remaining)
+            .max(adopted)
+            .max(1);
         let fresh = job.started_ms.is_none() && adopted == 0 && remaining == job.spec.completions;
         sj.groups[0].count = count;
         sj.groups[0].gang = job.spec.is_gang() && fresh;
@@ -1360,6 +1375,7 @@ fn launch(
         volumes: job.spec.volumes.clone(),
         mounts: main.volume_mounts.clone(),
         grace: config.grace,
+        user: job.owner,
     })
 }
 

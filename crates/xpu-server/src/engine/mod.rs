@@ -29,6 +29,7 @@
 //! and cancelled through other daemons sharing a PostgreSQL store.
 
 mod env;
+pub(crate) use env::too_big_for_host;
 pub mod machine;
 
 use std::path::{Path, PathBuf};
@@ -320,9 +321,17 @@ fn spawn(
             Ok(l) => l,
             Err(error) => return failed(&tx, error),
         };
-        let mut spawned = match executor::spawn(&launch) {
-            Ok(s) => s,
-            Err(e) => return failed(&tx, e.to_string()),
+        // Off the async threads: a start reads files the job names (a bundle's config.json),
+        // and however those are bounded, a slow disk must not stall the API.
+        let started = tokio::task::spawn_blocking(move || {
+            let r = executor::spawn(&launch);
+            (launch, r)
+        })
+        .await;
+        let (launch, mut spawned) = match started {
+            Ok((launch, Ok(s))) => (launch, s),
+            Ok((_, Err(e))) => return failed(&tx, e.to_string()),
+            Err(e) => return failed(&tx, format!("starting the task: {e}")),
         };
         if let Some(aside) = &spawned.moved_aside {
             shared.store.write_later(Write::Event {
@@ -425,6 +434,9 @@ mod tests {
             metrics: Metrics::default(),
             leader: AtomicBool::new(false),
             token: String::new(),
+            user_tokens: Vec::new(),
+            me: crate::daemon_user(),
+            followers: Arc::default(),
             started_ms: 0,
             grace: Duration::from_secs(1),
             restart_backoff: Duration::ZERO,
@@ -444,6 +456,7 @@ mod tests {
             priority: 0,
             spec: json.clone(),
             at_ms: now_ms(),
+            owner: crate::daemon_user(),
         };
         let Outcome::Submitted { id, .. } =
             s.store.write(Write::Submit(new.clone())).await.unwrap()

@@ -143,6 +143,15 @@ impl FromStr for TaskState {
     }
 }
 
+/// The user a job belongs to and runs as: the Unix socket peer that submitted it, or the user
+/// of the token it was sent with (see [`crate::api`]). Jobs stored before owners were recorded
+/// have none and run as the daemon's own user, as they did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
 /// One job row. `spec` is the JSON of [`xpu_core::job::JobSpec`]; list queries leave it empty.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct JobRow {
@@ -160,6 +169,9 @@ pub struct JobRow {
     pub failures: i64,
     pub cancel_requested: bool,
     pub message: Option<String>,
+    /// Who submitted it, and so whose job it runs as.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Owner>,
 }
 
 /// One task attempt.
@@ -200,6 +212,7 @@ pub struct NewJob {
     pub priority: i64,
     pub spec: String,
     pub at_ms: i64,
+    pub owner: Owner,
 }
 
 /// One change, applied by the writer in a batch.
@@ -400,9 +413,10 @@ fn redact(url: &str) -> String {
 
 /// The migrations, in order. Each is (version, SQLite SQL, PostgreSQL SQL); the schemas differ
 /// only in the id column type.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "CREATE TABLE jobs (
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "CREATE TABLE jobs (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         key TEXT UNIQUE,
         name TEXT NOT NULL,
@@ -441,7 +455,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[(
         message TEXT NOT NULL
     );
     CREATE INDEX events_job ON events (job_id, id);",
-    "CREATE TABLE jobs (
+        "CREATE TABLE jobs (
         id BIGSERIAL PRIMARY KEY,
         key TEXT UNIQUE,
         name TEXT NOT NULL,
@@ -480,12 +494,18 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[(
         message TEXT NOT NULL
     );
     CREATE INDEX events_job ON events (job_id, id);",
-)];
+    ),
+    (
+        2,
+        "ALTER TABLE jobs ADD COLUMN owner_uid INTEGER; ALTER TABLE jobs ADD COLUMN owner_gid INTEGER;",
+        "ALTER TABLE jobs ADD COLUMN owner_uid BIGINT; ALTER TABLE jobs ADD COLUMN owner_gid BIGINT;",
+    ),
+];
 
 /// Columns of a job row, in the order the row mappers read them.
-const JOB_COLS: &str = "id, key, name, queue, priority, state, spec, submitted_at_ms, started_at_ms, finished_at_ms, failures, cancel_requested, message";
+const JOB_COLS: &str = "id, key, name, queue, priority, state, spec, submitted_at_ms, started_at_ms, finished_at_ms, failures, cancel_requested, message, owner_uid, owner_gid";
 /// The same without the spec (listings).
-const JOB_COLS_NOSPEC: &str = "id, key, name, queue, priority, state, '' AS spec, submitted_at_ms, started_at_ms, finished_at_ms, failures, cancel_requested, message";
+const JOB_COLS_NOSPEC: &str = "id, key, name, queue, priority, state, '' AS spec, submitted_at_ms, started_at_ms, finished_at_ms, failures, cancel_requested, message, owner_uid, owner_gid";
 const TASK_COLS: &str = "job_id, idx, attempt, state, node, devices, pid, started_at_ms, finished_at_ms, exit_code, dir";
 
 /// The SQL for a listing. Placeholders are numbered in order: the state when filtered, the
@@ -509,6 +529,12 @@ fn list_sql(q: &ListQuery) -> String {
     n += 1;
     sql.push_str(&format!(" ORDER BY id DESC LIMIT ${n}"));
     sql
+}
+
+/// The owner columns of a row: both or neither (a job stored before they existed). An id out
+/// of a `u32`'s range is no user: the job has no owner and runs as the daemon's user.
+fn owner(uid: Option<i64>, gid: Option<i64>) -> Option<Owner> {
+    Some(Owner { uid: u32::try_from(uid?).ok()?, gid: u32::try_from(gid?).ok()? })
 }
 
 fn parse_devices(s: &str) -> Result<Vec<u32>> {

@@ -168,6 +168,7 @@ fn job_row(r: &Row) -> Result<JobRow> {
         failures: r.try_get(10)?,
         cancel_requested: r.try_get::<_, i64>(11)? != 0,
         message: r.try_get(12)?,
+        owner: super::owner(r.try_get(13)?, r.try_get(14)?),
     })
 }
 
@@ -367,8 +368,17 @@ impl PgLeader {
 async fn submit(c: &impl GenericClient, j: &NewJob) -> Result<(i64, bool)> {
     let row = c
         .query_opt(
-            "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms) VALUES ($1, $2, $3, $4, 'queued', $5, $6) ON CONFLICT (key) DO NOTHING RETURNING id",
-            &[&j.key, &j.name, &j.queue, &j.priority, &j.spec, &j.at_ms],
+            "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms, owner_uid, owner_gid) VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8) ON CONFLICT (key) DO NOTHING RETURNING id",
+            &[
+                &j.key,
+                &j.name,
+                &j.queue,
+                &j.priority,
+                &j.spec,
+                &j.at_ms,
+                &i64::from(j.owner.uid),
+                &i64::from(j.owner.gid),
+            ],
         )
         .await?;
     match row {

@@ -313,6 +313,7 @@ fn job_row(r: &Row<'_>) -> Result<JobRow> {
         failures: r.get(10)?,
         cancel_requested: r.get::<_, i64>(11)? != 0,
         message: r.get(12)?,
+        owner: super::owner(r.get(13)?, r.get(14)?),
     })
 }
 
@@ -487,9 +488,12 @@ pub(super) const UPSERT_TASK_SQL: &str = "INSERT INTO tasks (job_id, idx, attemp
 fn submit(c: &Connection, j: &NewJob) -> Result<(i64, bool)> {
     let id: Option<i64> = c
         .prepare_cached(
-            "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms) VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6) ON CONFLICT (key) DO NOTHING RETURNING id",
+            "INSERT INTO jobs (key, name, queue, priority, state, spec, submitted_at_ms, owner_uid, owner_gid) VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8) ON CONFLICT (key) DO NOTHING RETURNING id",
         )?
-        .query_row(params![j.key, j.name, j.queue, j.priority, j.spec, j.at_ms], |r| r.get(0))
+        .query_row(
+            params![j.key, j.name, j.queue, j.priority, j.spec, j.at_ms, j.owner.uid, j.owner.gid],
+            |r| r.get(0),
+        )
         .optional()?;
     match id {
         Some(id) => {

@@ -231,8 +231,24 @@ impl Daemon {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// A client over loopback TCP with the daemon's token: as the daemon's own user.
     pub fn client(&self) -> Client {
+        Client::new(Target::Tcp(format!("127.0.0.1:{}", self.port)), Some(self.token()))
+    }
+
+    /// A client over loopback TCP without a token: what any local user has.
+    pub fn anonymous(&self) -> Client {
         Client::new(Target::Tcp(format!("127.0.0.1:{}", self.port)), None)
+    }
+
+    /// The daemon's token (`<data-dir>/token`).
+    pub fn token(&self) -> String {
+        std::fs::read_to_string(self.data_dir.join("token")).unwrap_or_default().trim().to_owned()
+    }
+
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Kills with SIGKILL: no cleanup runs.

@@ -111,6 +111,7 @@ impl Sim {
             failures: 0,
             cancel_requested: false,
             message: None,
+            owner: None,
         };
         (row, spec)
     }
