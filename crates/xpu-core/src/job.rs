@@ -18,7 +18,35 @@
 //! `backoffLimit` (its restarts never end the job). `initContainers` are read like the main
 //! container (a sidecar is one with `restartPolicy: Always`) and may not ask for devices the
 //! main container does not hold: they run on the task's. `volumes` of type `emptyDir` are
-//! provided; any other type is refused naming the volume.
+//! provided; any other type is refused naming the volume. A `medium: Memory` volume's
+//! `sizeLimit` must be positive (the kernel reads a tmpfs of size 0 as one without a limit);
+//! [`clamp_memory_volume`] sizes its tmpfs on a host.
+//!
+//! Names are checked as the API server checks them, since they become directories, script
+//! words and log names on the daemon's host: `metadata.name` is a DNS-1123 subdomain (a
+//! `generateName` prefix too, cut to 58 characters before its five random ones), the namespace,
+//! `subdomain` and every container's, init container's and volume's name a DNS-1123 label, and
+//! container names are unique across `containers` and `initContainers`. The short form's `name`
+//! is a subdomain; one taken from the command is made one (`Train_Model.sh`: `train-model.sh`).
+//! A relative `workingDir` is inside the task's directory (made there for a host process;
+//! under the root in a container), so a `..` component is refused, as is NUL.
+//!
+//! A task's start fills in what the manifest only refers to: `$(VAR)` references (which let a
+//! small manifest stand for gigabytes) and downward API values. Each is counted at submission
+//! without being built, a value known only at start at its longest (a node name of 253 bytes,
+//! a pod name of the job's name and 32 more), and a manifest is refused naming the variable or
+//! argument that could take one value or argument past [`crate::expand::MAX_EXPANDED`], a
+//! container's environment and arguments past [`crate::expand::MAX_EXEC_BYTES`], or all the
+//! pod's containers past [`MAX_POD_EXEC_BYTES`]; what is accepted cannot pass them at start.
+//!
+//! The pod template's `affinity` is read into [`crate::affinity::Affinity`]: required node
+//! affinity and pod (anti-)affinity terms, typed, each malformed one refused naming its field;
+//! `preferred...` terms are a note (one host has no node to prefer). On one host every node
+//! label names the same domain: required anti-affinity that selects the job's own pods over
+//! `kubernetes.io/hostname` (which every node has) is refused for a gang, whose tasks must run
+//! at once, and makes any other job run a task at a time. What depends on the node's labels and
+//! on the other jobs running is for the daemon ([`JobSpec::never_fits`],
+//! [`JobSpec::tasks_at_once`], [`crate::affinity::pod_fits`]).
 //!
 //! Every error names the field path, as `kubectl` does:
 //! `spec.template.spec.containers[0].resources.limits.nvidia.com/gpu: must be a positive integer`.
@@ -45,9 +73,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::accel::DeviceKind;
+use crate::affinity::{Affinity, HOSTNAME_LABEL};
+use crate::expand::{MAX_EXEC_BYTES, MAX_EXPANDED, expanded_len};
 
 /// Largest `completions` accepted (the Kubernetes limit for Indexed Jobs).
 pub const MAX_COMPLETIONS: u64 = 100_000;
+/// Largest `parallelism` accepted (the Kubernetes limit for Indexed Jobs).
+pub const MAX_PARALLELISM: u64 = 100_000;
 /// Default `backoffLimit` of a Kubernetes Job.
 pub const DEFAULT_BACKOFF_LIMIT: u32 = 6;
 /// Largest spec accepted, in bytes of its JSON (what the daemon stores and `GET /v1/jobs/{id}`
@@ -241,6 +273,8 @@ pub struct Container {
     /// The argv to run (see the module docs for the mapping from `command`/`args`).
     pub argv: Vec<String>,
     pub env: Vec<EnvVar>,
+    /// `workingDir`: absolute, or relative to the task's directory (a host process) or to the
+    /// container's root; never with a `..` component.
     pub working_dir: Option<String>,
     /// Run as an OCI container with this root filesystem (annotation `xpu.dev/rootfs`, short
     /// form `rootfs`) instead of as a host process.
@@ -326,6 +360,9 @@ pub struct JobSpec {
     /// The pod's `emptyDir` volumes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<Volume>,
+    /// The pod template's required node and pod (anti-)affinity ([`crate::affinity`]).
+    #[serde(default, skip_serializing_if = "Affinity::is_empty")]
+    pub affinity: Affinity,
 }
 
 impl JobSpec {
@@ -340,6 +377,24 @@ impl JobSpec {
     /// The number of tasks that may run at once.
     pub fn effective_parallelism(&self) -> u32 {
         self.parallelism.min(self.completions).max(1)
+    }
+
+    /// Checks a spec parsed before (one a store held from an older xpu) against the rules
+    /// [`parse`] applies now to what reaches the host: names, paths, and the environment and
+    /// arguments a task's start could build. Fields are named as in a Job (`spec.template.spec`).
+    pub fn check(&self) -> Result<(), JobError> {
+        let pod_path = match self.source {
+            Source::Kubernetes => "spec.template.spec",
+            Source::Short => "",
+        };
+        validate(self, "", pod_path)?;
+        let p = Parser {
+            prefix: String::new(),
+            notes: Vec::new(),
+            unsupported: Vec::new(),
+            argv_origins: Vec::new(),
+        };
+        p.check_exec_size(self, pod_path)
     }
 }
 
@@ -444,7 +499,12 @@ fn parse_documents(text: &str, max: usize) -> Result<(Vec<JobSpec>, Vec<String>)
     let mut seen: BTreeMap<(String, String, String), usize> = BTreeMap::new();
     for (i, obj) in found {
         let prefix = if multi { format!("document[{i}]") } else { String::new() };
-        let mut p = Parser { prefix: prefix.clone(), notes: Vec::new(), unsupported: Vec::new() };
+        let mut p = Parser {
+            prefix: prefix.clone(),
+            notes: Vec::new(),
+            unsupported: Vec::new(),
+            argv_origins: Vec::new(),
+        };
         let k8s = obj.contains_key("kind") || obj.contains_key("apiVersion");
         let spec = if k8s { p.kubernetes(obj)? } else { p.short(obj)? };
         let size = json_size(&spec);
@@ -534,6 +594,16 @@ struct Parser {
     notes: Vec<String>,
     /// Fields xpu does not support, gathered so one refusal names all of them.
     unsupported: Vec<JobError>,
+    /// Where each container's argv came from, by the container's path.
+    argv_origins: Vec<(String, ArgvOrigin)>,
+}
+
+/// Which fields a container's argv items were read from: the first `head` from `command` (or
+/// the image's base name, `image` true), the rest from `args`.
+#[derive(Debug, Clone, Copy, Default)]
+struct ArgvOrigin {
+    head: usize,
+    image: bool,
 }
 
 /// Checked access to one mapping, with its path for errors.
@@ -671,8 +741,7 @@ impl Parser {
             Some(m) => (
                 match m.str("name")? {
                     Some(n) => Some(n.to_owned()),
-                    // As the API server names it: the prefix and five random characters.
-                    None => m.str("generateName")?.map(|p| format!("{p}{}", name_suffix())),
+                    None => generated_name(m)?,
                 },
                 m.str("namespace")?.map(str::to_owned),
                 m.string_map("annotations")?,
@@ -700,13 +769,21 @@ impl Parser {
             Some(n) => n,
             None => return Err(JobError::new(root.field("metadata.name"), "required")),
         };
+        if let Some(ns) = &pod_meta.namespace
+            && !is_dns_label(ns)
+        {
+            return Err(JobError::new(
+                root.field("metadata.namespace"),
+                format!("{ns:?} {}", not_a_label(ns)),
+            ));
+        }
         let spec = root.req_obj("spec")?;
         let (pod, completions, parallelism, mode, backoff, deadline) = if is_pod {
             let deadline = spec.uint("activeDeadlineSeconds", 1, i64::MAX as u64)?;
             (spec, 1, 1, CompletionMode::NonIndexed, 0, deadline)
         } else {
             let completions = spec.uint("completions", 1, MAX_COMPLETIONS)?.unwrap_or(1);
-            let parallelism = spec.uint("parallelism", 1, MAX_COMPLETIONS)?.unwrap_or(1);
+            let parallelism = spec.uint("parallelism", 1, MAX_PARALLELISM)?.unwrap_or(1);
             let mode = match spec.str("completionMode")? {
                 None | Some("NonIndexed") => CompletionMode::NonIndexed,
                 Some("Indexed") => CompletionMode::Indexed,
@@ -760,6 +837,11 @@ impl Parser {
         pod_meta.service_account = pod.str("serviceAccountName")?.map(str::to_owned);
         let node_selector = pod.string_map("nodeSelector")?;
         let subdomain = pod.str("subdomain")?.map(str::to_owned);
+        if let Some(d) = &subdomain
+            && !is_dns_label(d)
+        {
+            return Err(JobError::new(pod.field("subdomain"), format!("{d:?} {}", not_a_label(d))));
+        }
         let priority = match annotations.get("xpu.dev/priority") {
             Some(p) => p.parse::<i32>().map_err(|_| {
                 JobError::new(
@@ -827,30 +909,36 @@ impl Parser {
             Some(_) => return Err(JobError::new(pod.field("initContainers"), "must be a list")),
         }
         let in_container = rootfs.is_some() || bundle.is_some();
-        let names = init_containers.iter().chain(std::iter::once(&container));
         let all: Vec<(String, &Container)> = init_containers
             .iter()
             .enumerate()
             .map(|(i, c)| (format!("{}[{i}]", pod.field("initContainers")), c))
             .chain(std::iter::once((format!("{}[0]", pod.field("containers")), &container)))
             .collect();
-        let mut seen_names: Vec<&str> = Vec::new();
-        for c in names {
-            if seen_names.contains(&c.name.as_str()) {
+        // Names are unique across containers and initContainers (the API server's rule): each
+        // names the container's directory and its log.
+        let mut seen_names: std::collections::HashSet<&str> = [container.name.as_str()].into();
+        for (i, c) in init_containers.iter().enumerate() {
+            if !seen_names.insert(&c.name) {
                 return Err(JobError::new(
-                    pod.field("initContainers"),
-                    format!("container name {:?} is used twice; give each its own", c.name),
+                    format!("{}[{i}].name", pod.field("initContainers")),
+                    format!(
+                        "container name {:?} is used twice; give each container and init container its own",
+                        c.name
+                    ),
                 ));
             }
-            seen_names.push(&c.name);
         }
+        let declared: std::collections::HashSet<&str> =
+            volumes.iter().map(|v| v.name.as_str()).collect();
+        let refused: std::collections::HashSet<&str> = refused.iter().map(String::as_str).collect();
         for (path, c) in &all {
             for (j, m) in c.volume_mounts.iter().enumerate() {
                 let here = format!("{path}.volumeMounts[{j}]");
-                if refused.contains(&m.name) {
+                if refused.contains(m.name.as_str()) {
                     continue;
                 }
-                if !volumes.iter().any(|v| v.name == m.name) {
+                if !declared.contains(m.name.as_str()) {
                     return Err(JobError::new(
                         format!("{here}.name"),
                         format!("no volume named {:?} in spec.volumes", m.name),
@@ -880,7 +968,16 @@ impl Parser {
                 .ok_or_else(|| JobError::new(&path, SHARE_RANGE))?;
             share_gpu(&mut container.resources, milli, &path)?;
         }
-        let spec = JobSpec {
+        let affinity = match pod.get("affinity") {
+            None => Affinity::default(),
+            Some(v) => {
+                let read = crate::affinity::read(v, &pod.field("affinity"))?;
+                self.notes.extend(read.notes);
+                self.unsupported.extend(read.unsupported);
+                read.affinity
+            }
+        };
+        let mut spec = JobSpec {
             name,
             queue,
             priority,
@@ -897,9 +994,13 @@ impl Parser {
             pod: pod_meta,
             init_containers,
             volumes,
+            affinity,
         };
+        self.own_anti_affinity(&mut spec, &pod.field("affinity"));
         self.refuse_unsupported()?;
-        validate(&spec, &self.prefix)?;
+        let pod_path = if is_pod { "spec" } else { "spec.template.spec" };
+        validate(&spec, &self.prefix, pod_path)?;
+        self.check_exec_size(&spec, pod_path)?;
         Ok(spec)
     }
 
@@ -909,12 +1010,27 @@ impl Parser {
         rootfs: Option<String>,
         bundle: Option<String>,
     ) -> Result<Container, JobError> {
-        let name = c.str("name")?.unwrap_or("main").to_owned();
+        let name = match c.str("name")? {
+            Some(n) if is_dns_label(n) => n.to_owned(),
+            Some(n) => {
+                return Err(JobError::new(c.field("name"), format!("{n:?} {}", not_a_label(n))));
+            }
+            None => {
+                return Err(JobError::new(
+                    c.field("name"),
+                    "required: a DNS-1123 label such as \"main\" (lower-case letters, digits and '-')",
+                ));
+            }
+        };
         let image = c.str("image")?.map(str::to_owned);
         let command = c.strings("command")?;
         let args = c.strings("args")?.unwrap_or_default();
+        let mut origin = ArgvOrigin::default();
         let argv = match (command, rootfs.is_some()) {
-            (Some(cmd), _) if !cmd.is_empty() => cmd.into_iter().chain(args).collect(),
+            (Some(cmd), _) if !cmd.is_empty() => {
+                origin.head = cmd.len();
+                cmd.into_iter().chain(args).collect()
+            }
             // A bundle brings its own process.args; args alone cannot be put in front of them.
             _ if bundle.is_some() && args.is_empty() => Vec::new(),
             _ if bundle.is_some() => {
@@ -930,6 +1046,7 @@ impl Parser {
                         "{}: no command; running {entry:?} (the image's base name) with args",
                         c.field("command")
                     ));
+                    origin = ArgvOrigin { head: 1, image: true };
                     std::iter::once(entry).chain(args).collect()
                 }
                 None => {
@@ -990,7 +1107,9 @@ impl Parser {
         {
             self.unsupported.push(JobError::new(r.field("claims"), DRA_CLAIMS));
         }
-        let working_dir = c.str("workingDir")?.map(str::to_owned);
+        // Kubernetes takes an empty workingDir as none.
+        let working_dir = c.str("workingDir")?.filter(|w| !w.is_empty()).map(str::to_owned);
+        self.argv_origins.push((c.path.clone(), origin));
         let resources = match c.obj("resources")? {
             Some(r) => self.resources(&r)?,
             None => Resources::default(),
@@ -1060,6 +1179,7 @@ impl Parser {
             Some(_) => return Err(JobError::new(pod.field("volumes"), "must be a list")),
         };
         let mut out: Vec<Volume> = Vec::new();
+        let mut names: std::collections::HashSet<&str> = std::collections::HashSet::new();
         for (i, item) in items.iter().enumerate() {
             let path = format!("{}[{i}]", pod.field("volumes"));
             let Value::Object(m) = item else {
@@ -1070,10 +1190,10 @@ impl Parser {
             if !is_dns_label(name) {
                 return Err(JobError::new(
                     v.field("name"),
-                    "must be a DNS label: 1 to 63 lower-case letters, digits and '-'",
+                    format!("{name:?} {}", not_a_label(name)),
                 ));
             }
-            if out.iter().any(|o| o.name == name) || refused.iter().any(|r| r == name) {
+            if !names.insert(name) {
                 return Err(JobError::new(
                     v.field("name"),
                     format!("volume {name:?} is declared twice"),
@@ -1115,9 +1235,9 @@ impl Parser {
             };
             let size_limit = match dir.get("sizeLimit") {
                 None => None,
-                Some(q) => Some(memory_mib(q).map(|mib| mib << 20).ok_or_else(|| {
-                    JobError::new(dir.field("sizeLimit"), "must be a quantity such as 1Gi")
-                })?),
+                Some(q) => Some(
+                    size_limit(q, memory).map_err(|m| JobError::new(dir.field("sizeLimit"), m))?,
+                ),
             };
             out.push(Volume { name: name.to_owned(), memory, size_limit, downward_api: None });
         }
@@ -1288,10 +1408,11 @@ impl Parser {
         }
         let name = match o.str("name")? {
             Some(n) => n.to_owned(),
+            // The program's base name, made a valid name (`Train_Model.sh`: `train-model.sh`).
             None => argv
                 .first()
                 .or(bundle.as_ref())
-                .map(|a| a.trim_end_matches('/').rsplit('/').next().unwrap_or(a).to_owned())
+                .map(|a| to_dns_subdomain(a.trim_end_matches('/').rsplit('/').next().unwrap_or(a)))
                 .filter(|n| !n.is_empty())
                 .unwrap_or_else(|| "job".to_owned()),
         };
@@ -1354,7 +1475,7 @@ impl Parser {
             })?;
         }
         let completions = o.uint("completions", 1, MAX_COMPLETIONS)?.unwrap_or(1);
-        let parallelism = o.uint("parallelism", 1, MAX_COMPLETIONS)?.unwrap_or(completions);
+        let parallelism = o.uint("parallelism", 1, MAX_PARALLELISM)?.unwrap_or(completions);
         let mode = if o.bool("indexed")?.unwrap_or(false) {
             CompletionMode::Indexed
         } else {
@@ -1396,7 +1517,7 @@ impl Parser {
                 image: o.str("image")?.map(str::to_owned),
                 argv,
                 env,
-                working_dir: o.str("workingDir")?.map(str::to_owned),
+                working_dir: o.str("workingDir")?.filter(|w| !w.is_empty()).map(str::to_owned),
                 rootfs: o.str("rootfs")?.map(str::to_owned),
                 bundle,
                 resources,
@@ -1407,9 +1528,15 @@ impl Parser {
             pod: PodMeta::default(),
             init_containers: Vec::new(),
             volumes: Vec::new(),
+            affinity: Affinity::default(),
         };
+        self.argv_origins.push((
+            self.prefix.clone(),
+            ArgvOrigin { head: spec.container.argv.len(), image: false },
+        ));
         self.refuse_unsupported()?;
-        validate(&spec, &self.prefix)?;
+        validate(&spec, &self.prefix, "")?;
+        self.check_exec_size(&spec, "")?;
         Ok(spec)
     }
 }
@@ -1422,6 +1549,7 @@ fn volume_mounts(c: &Obj<'_>) -> Result<Vec<VolumeMount>, JobError> {
         Some(_) => return Err(JobError::new(c.field("volumeMounts"), "must be a list")),
     };
     let mut out: Vec<VolumeMount> = Vec::new();
+    let mut paths: std::collections::HashSet<&str> = std::collections::HashSet::new();
     for (i, item) in items.iter().enumerate() {
         let path = format!("{}[{i}]", c.field("volumeMounts"));
         let Value::Object(m) = item else {
@@ -1440,10 +1568,16 @@ fn volume_mounts(c: &Obj<'_>) -> Result<Vec<VolumeMount>, JobError> {
                 "must be an absolute path without '..'",
             ));
         }
-        if out.iter().any(|o| o.mount_path == mount_path) {
+        if !paths.insert(mount_path) {
             return Err(JobError::new(
                 v.field("mountPath"),
                 format!("{mount_path} is mounted twice in this container"),
+            ));
+        }
+        if v.get("subPathExpr").is_some() {
+            return Err(JobError::new(
+                v.field("subPathExpr"),
+                "is not supported: xpu does not expand variables in paths; use subPath with the directory's name",
             ));
         }
         let sub_path = v.str("subPath")?.filter(|p| !p.is_empty());
@@ -1497,6 +1631,7 @@ fn downward_files(d: &Obj<'_>) -> Result<Vec<DownwardFile>, JobError> {
         Some(_) => return Err(JobError::new(d.field("items"), "must be a list")),
     };
     let mut out: Vec<DownwardFile> = Vec::new();
+    let mut paths: std::collections::HashSet<&str> = std::collections::HashSet::new();
     for (i, item) in items.iter().enumerate() {
         let path = format!("{}[{i}]", d.field("items"));
         let Value::Object(m) = item else {
@@ -1514,7 +1649,7 @@ fn downward_files(d: &Obj<'_>) -> Result<Vec<DownwardFile>, JobError> {
                 "must be a relative path inside the volume, without '..'",
             ));
         }
-        if out.iter().any(|f| f.path == file) {
+        if !paths.insert(file) {
             return Err(JobError::new(it.field("path"), format!("{file} is written twice")));
         }
         let from = if let Some(f) = it.obj("fieldRef")? {
@@ -1540,8 +1675,9 @@ fn downward_files(d: &Obj<'_>) -> Result<Vec<DownwardFile>, JobError> {
     Ok(out)
 }
 
-/// A DNS label (RFC 1123), as Kubernetes requires of volume names.
-fn is_dns_label(s: &str) -> bool {
+/// A DNS-1123 label, as Kubernetes requires of container, volume and namespace names: 1 to 63
+/// lower-case letters, digits and '-', starting and ending with a letter or digit.
+pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
         && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
@@ -1549,51 +1685,286 @@ fn is_dns_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
-/// Checks that hold for both forms.
-fn validate(spec: &JobSpec, prefix: &str) -> Result<(), JobError> {
-    let (name_path, env_path) = match spec.source {
-        Source::Kubernetes => ("metadata.name", "spec.template.spec.containers[0].env"),
-        Source::Short => ("name", "env"),
+/// A DNS-1123 subdomain, as Kubernetes requires of Job and Pod names: at most 253 characters,
+/// dot-separated parts of lower-case letters, digits and '-', each starting and ending with a
+/// letter or digit.
+pub fn is_dns_subdomain(s: &str) -> bool {
+    let part = |p: &str| {
+        !p.is_empty()
+            && p.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !p.starts_with('-')
+            && !p.ends_with('-')
     };
-    if spec.name.is_empty() || spec.name.len() > 253 || spec.name.chars().any(char::is_control) {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(part)
+}
+
+/// `s` made a DNS-1123 subdomain as nearly as may be: lower case, other characters a single
+/// '-', parts that start and end with a letter or digit; empty when nothing of it is left.
+pub fn to_dns_subdomain(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars().map(|c| c.to_ascii_lowercase()) {
+        let after_alnum = out.ends_with(|p: char| p.is_ascii_alphanumeric());
+        if c.is_ascii_lowercase() || c.is_ascii_digit() {
+            out.push(c);
+        } else if c == '.' && !out.is_empty() {
+            if out.ends_with('-') {
+                out.pop();
+            }
+            if out.ends_with(|p: char| p.is_ascii_alphanumeric()) {
+                out.push('.');
+            }
+        } else if after_alnum {
+            out.push('-');
+        }
+    }
+    out.truncate(253);
+    out.trim_end_matches(['-', '.']).to_owned()
+}
+
+/// `s` made a DNS-1123 label as nearly as may be (see [`to_dns_subdomain`]).
+fn to_dns_label(s: &str) -> String {
+    let mut label = to_dns_subdomain(&s.replace('.', "-")).replace('.', "-");
+    label.truncate(63);
+    label.trim_end_matches('-').to_owned()
+}
+
+/// What a name that is not a DNS label must be, with a valid one to use instead.
+fn not_a_label(s: &str) -> String {
+    let fix = to_dns_label(s);
+    let fix = if fix.is_empty() { "main".to_owned() } else { fix };
+    format!(
+        "is not a DNS-1123 label: use at most 63 lower-case letters, digits and '-', starting and ending with a letter or digit, such as {fix:?}"
+    )
+}
+
+/// What a name that is not a DNS subdomain must be, with a valid one to use instead.
+fn not_a_subdomain(s: &str) -> String {
+    let fix = to_dns_subdomain(s);
+    let fix = if fix.is_empty() { "job".to_owned() } else { fix };
+    format!(
+        "is not a DNS-1123 subdomain: use at most 253 lower-case letters, digits, '-' and '.', each dot-separated part starting and ending with a letter or digit, such as {fix:?}"
+    )
+}
+
+/// A name from `metadata.generateName`, as the API server makes one: the prefix (a name, but
+/// for a trailing '-'), cut to 58 characters, and five random ones.
+fn generated_name(meta: &Obj<'_>) -> Result<Option<String>, JobError> {
+    let Some(prefix) = meta.str("generateName")? else { return Ok(None) };
+    let whole = match prefix.strip_suffix('-') {
+        Some(p) => format!("{p}a"),
+        None => prefix.to_owned(),
+    };
+    if !is_dns_subdomain(&whole) {
+        return Err(JobError::new(
+            meta.field("generateName"),
+            format!("{prefix:?} {}", not_a_subdomain(prefix)),
+        ));
+    }
+    // The prefix is ASCII now: any cut is on a character.
+    let base = &prefix[..prefix.len().min(MAX_GENERATED_PREFIX)];
+    Ok(Some(format!("{base}{}", name_suffix())))
+}
+
+/// The longest `generateName` prefix the API server keeps (63 less its five characters).
+const MAX_GENERATED_PREFIX: usize = 58;
+
+/// A `workingDir`: a relative one is a directory inside the task's own (a container's, inside
+/// its root), so it may not climb out of it.
+fn check_working_dir(w: &str, path: String) -> Result<(), JobError> {
+    if w.contains('\0') || w.split('/').any(|p| p == "..") {
+        return Err(JobError::new(
+            path,
+            format!(
+                "{w:?} may not contain a '..' component or NUL: a relative workingDir is inside the task's directory; give an absolute path to leave it"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// An `emptyDir`'s `sizeLimit` in bytes (rounded up to MiB), or why it is refused.
+fn size_limit(q: &Value, memory: bool) -> Result<u64, String> {
+    const FIX: &str = "give a positive size such as 64Mi, or leave sizeLimit out for a tmpfs as large as the host's memory";
+    let negative = match q {
+        Value::Number(n) => n.as_f64().is_some_and(|f| f < 0.0),
+        Value::String(s) => s.trim().starts_with('-'),
+        _ => false,
+    };
+    if negative {
+        return Err(format!("must not be negative; {FIX}"));
+    }
+    match memory_mib(q).map(|mib| mib << 20) {
+        None => Err("must be a quantity such as 1Gi".to_owned()),
+        // The kernel reads a tmpfs of size 0 as one without a limit.
+        Some(0) if memory => Err(format!(
+            "must be positive for medium: Memory (a tmpfs of size 0 has no limit at all); {FIX}"
+        )),
+        Some(b) => Ok(b),
+    }
+}
+
+/// The size of the tmpfs for a `medium: Memory` volume of `sizeLimit` `limit` bytes on a host
+/// with `host_memory` bytes of memory, never 0 (the kernel's "no limit"), and a note when it
+/// is not what the manifest says. A limit above the host's memory is clamped to it. Without a
+/// limit (or with 0, which specs stored before it was refused may hold) the host's memory, as
+/// the kubelet sizes one to the node's allocatable memory; with the host's memory unknown (0),
+/// the limit, or 64 MiB (a container's `/dev/shm` by default) without one.
+pub fn clamp_memory_volume(limit: Option<u64>, host_memory: u64) -> (u64, Option<String>) {
+    const UNKNOWN_HOST: u64 = 64 << 20;
+    match (limit.filter(|&l| l > 0), host_memory) {
+        (Some(l), 0) => (l, None),
+        (None, 0) => (
+            UNKNOWN_HOST,
+            Some("no sizeLimit and the host's memory is unknown: a tmpfs of 64Mi".to_owned()),
+        ),
+        (Some(l), host) if l > host => (
+            host,
+            Some(format!(
+                "sizeLimit {} is more than the host's {} of memory: a tmpfs of {}",
+                bytes_text(l),
+                bytes_text(host),
+                bytes_text(host)
+            )),
+        ),
+        (Some(l), _) => (l, None),
+        (None, host) if limit == Some(0) => (
+            host,
+            Some(format!("sizeLimit 0 is no limit: a tmpfs of the host's {}", bytes_text(host))),
+        ),
+        (None, host) => (host, None),
+    }
+}
+
+/// Bytes as a Kubernetes quantity: the largest binary suffix that divides them.
+fn bytes_text(b: u64) -> String {
+    for (shift, suffix) in [(60, "Ei"), (50, "Pi"), (40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")]
+    {
+        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
+            return format!("{}{suffix}", b >> shift);
+        }
+    }
+    b.to_string()
+}
+
+/// `field` of the mapping at `base` (`base` empty: the top).
+fn sub(base: &str, field: &str) -> String {
+    if base.is_empty() { field.to_owned() } else { format!("{base}.{field}") }
+}
+
+/// The containers of `spec` with their paths below the pod spec at `pod_path` (empty for the
+/// short form, whose one container is the top): the main one, then the init containers.
+fn containers<'a>(spec: &'a JobSpec, pod_path: &str) -> Vec<(String, &'a Container)> {
+    if spec.source == Source::Short {
+        return vec![(String::new(), &spec.container)];
+    }
+    std::iter::once((sub(pod_path, "containers[0]"), &spec.container))
+        .chain(
+            spec.init_containers
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (sub(pod_path, &format!("initContainers[{i}]")), c)),
+        )
+        .collect()
+}
+
+/// Checks that hold for both forms. `pod_path` is where the pod spec is (`spec.template.spec`
+/// for a Job, `spec` for a Pod, empty for the short form).
+fn validate(spec: &JobSpec, prefix: &str, pod_path: &str) -> Result<(), JobError> {
+    let name_path = match spec.source {
+        Source::Kubernetes => "metadata.name",
+        Source::Short => "name",
+    };
+    if !is_dns_subdomain(&spec.name) {
         return Err(JobError::new(
             join(prefix, name_path),
-            "must be 1 to 253 printable characters",
+            format!("{:?} {}", spec.name, not_a_subdomain(&spec.name)),
         ));
     }
     if spec.queue.is_empty() || spec.queue.len() > 63 || spec.queue.chars().any(char::is_control) {
         return Err(JobError::new(join(prefix, "queue"), "must be 1 to 63 printable characters"));
     }
-    let inits = spec
-        .init_containers
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (format!("spec.template.spec.initContainers[{i}]"), c));
-    let main = std::iter::once((env_path.trim_end_matches(".env").to_owned(), &spec.container));
-    for (path, c) in main.chain(inits) {
-        let env_path =
-            if spec.source == Source::Short { "env".to_owned() } else { format!("{path}.env") };
+    // Names and paths are checked where they are read too; here again for a spec stored before
+    // those checks ([`JobSpec::check`]).
+    let mut names: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    for (path, c) in containers(spec, pod_path) {
+        let at = |field: &str| join(prefix, &sub(&path, field));
+        if !is_dns_label(&c.name) {
+            return Err(JobError::new(
+                at("name"),
+                format!("{:?} {}", c.name, not_a_label(&c.name)),
+            ));
+        }
+        if !names.insert(&c.name) {
+            return Err(JobError::new(
+                at("name"),
+                format!(
+                    "container name {:?} is used twice; give each container and init container its own",
+                    c.name
+                ),
+            ));
+        }
+        for (j, m) in c.volume_mounts.iter().enumerate() {
+            let bad_mount = !m.mount_path.starts_with('/')
+                || m.mount_path.contains('\0')
+                || m.mount_path.split('/').any(|p| p == "..");
+            let bad_sub = m.sub_path.as_deref().is_some_and(|p| {
+                p.starts_with('/') || p.contains('\0') || p.split('/').any(|s| s == "..")
+            });
+            if bad_mount || bad_sub {
+                let field = if bad_mount { "mountPath" } else { "subPath" };
+                return Err(JobError::new(
+                    at(&format!("volumeMounts[{j}].{field}")),
+                    "must be a path without '..' (mountPath absolute, subPath relative)",
+                ));
+            }
+        }
         for (i, e) in c.env.iter().enumerate() {
+            // The short form's env is a mapping: the key is the name.
+            let (name, value) = if spec.source == Source::Short {
+                ("env".to_owned(), format!("env.{}", e.name))
+            } else {
+                (format!("env[{i}].name"), format!("env[{i}].value"))
+            };
             if e.name.is_empty() || e.name.contains('=') || e.name.contains('\0') {
                 return Err(JobError::new(
-                    join(prefix, &format!("{env_path}[{i}].name")),
+                    at(&name),
                     "must be a non-empty name without '=' or NUL",
                 ));
             }
             if e.value.contains('\0') {
-                return Err(JobError::new(
-                    join(prefix, &format!("{env_path}[{i}].value")),
-                    "must not contain NUL",
-                ));
+                return Err(JobError::new(at(&value), "must not contain NUL"));
             }
         }
         if c.argv.iter().any(|a| a.contains('\0')) {
-            let at = if spec.source == Source::Short {
-                "command".to_owned()
-            } else {
-                format!("{path}.command")
-            };
-            return Err(JobError::new(join(prefix, &at), "must not contain NUL"));
+            return Err(JobError::new(at("command"), "must not contain NUL"));
+        }
+        if let Some(w) = &c.working_dir {
+            check_working_dir(w, at("workingDir"))?;
+        }
+    }
+    let mut volumes: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    for (i, v) in spec.volumes.iter().enumerate() {
+        let at = join(prefix, &sub(pod_path, &format!("volumes[{i}].name")));
+        if !is_dns_label(&v.name) {
+            return Err(JobError::new(at, format!("{:?} {}", v.name, not_a_label(&v.name))));
+        }
+        if !volumes.insert(&v.name) {
+            return Err(JobError::new(at, format!("volume {:?} is declared twice", v.name)));
+        }
+        for f in v.downward_api.iter().flatten() {
+            if f.path.is_empty()
+                || f.path.starts_with('/')
+                || f.path.contains('\0')
+                || f.path.split('/').any(|p| p == ".." || p.is_empty())
+            {
+                return Err(JobError::new(
+                    join(prefix, &sub(pod_path, &format!("volumes[{i}].downwardAPI"))),
+                    format!(
+                        "item path {:?} must be a relative path inside the volume, without '..'",
+                        f.path
+                    ),
+                ));
+            }
         }
     }
     let (rootfs_path, bundle_path) = match spec.source {
@@ -1620,6 +1991,299 @@ fn validate(spec: &JobSpec, prefix: &str) -> Result<(), JobError> {
         }
     }
     Ok(())
+}
+
+/// Most bytes all of a pod's containers may be started with together: a task's start holds
+/// every container's environment and arguments at once, and each may take up to
+/// [`MAX_EXEC_BYTES`], so many containers (cheap to write) are bounded together too.
+pub const MAX_POD_EXEC_BYTES: usize = 4 * MAX_EXEC_BYTES;
+
+/// Most bytes the files of a pod's `downwardAPI` volumes may hold together (each item may name
+/// the whole label or annotation map again).
+pub const MAX_DOWNWARD_BYTES: usize = MAX_EXEC_BYTES;
+
+/// The longest values a task can be given that are known only when it starts, as `xpu serve`
+/// makes them (`xpu-server::engine::env`): counted at these lengths, a manifest accepted when it
+/// is submitted cannot pass [`MAX_EXEC_BYTES`] when a task starts.
+mod longest {
+    /// A node's name (a Kubernetes name, a subdomain; the daemon's is its host name).
+    pub const NODE_NAME: usize = 253;
+    /// A host name in `TPU_WORKER_HOSTNAMES` (Linux's `HOST_NAME_MAX`).
+    pub const HOST_NAME: usize = 64;
+    /// A uid (`8-4-4-4-12` hex digits).
+    pub const UID: usize = 36;
+    /// An IP address as text (IPv6 with an IPv4 tail).
+    pub const IP: usize = 45;
+    /// A `u64` in decimal: a job id, a resource's value.
+    pub const U64: usize = 20;
+    /// A `u32` in decimal: a task index.
+    pub const U32: usize = 10;
+    /// One device in a device list (`google.com/tpu=4294967295,`).
+    pub const DEVICE: usize = 26;
+}
+
+/// The longest value of each thing a task's start fills in, for one job.
+struct StartLens<'a> {
+    spec: &'a JobSpec,
+    /// Longest value of each pod label, the Job controller's included.
+    labels: BTreeMap<String, usize>,
+    annotations: BTreeMap<String, usize>,
+    /// Longest `metadata.labels` and `metadata.annotations` files of a downwardAPI volume.
+    labels_file: usize,
+    annotations_file: usize,
+    /// The variables the daemon adds after the manifest's, with their longest values.
+    vars: Vec<(&'static str, usize)>,
+    /// Bytes of the environment they take (the worker host list aside: the daemon bounds it).
+    reserve: usize,
+}
+
+impl<'a> StartLens<'a> {
+    fn of(spec: &'a JobSpec) -> Self {
+        use longest::*;
+        let indexed = spec.completion_mode == CompletionMode::Indexed;
+        // Each value's length, and its length as a downwardAPI file writes it (`{v:?}`).
+        let mut labels: BTreeMap<String, (usize, usize)> = spec
+            .pod
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), (v.len(), format!("{v:?}").len())))
+            .collect();
+        let mut annotations: BTreeMap<String, (usize, usize)> = spec
+            .pod
+            .annotations
+            .iter()
+            .map(|(k, v)| (k.clone(), (v.len(), format!("{v:?}").len())))
+            .collect();
+        let set = |m: &mut BTreeMap<String, (usize, usize)>, k: &str, n: usize| {
+            let e = m.entry(k.to_owned()).or_insert((0, 0));
+            // What the daemon sets is plain: quoting adds the two quotes.
+            *e = (e.0.max(n), e.1.max(n + 2));
+        };
+        if spec.source == Source::Kubernetes {
+            for k in ["batch.kubernetes.io/job-name", "job-name"] {
+                set(&mut labels, k, spec.name.len());
+            }
+            for k in ["batch.kubernetes.io/controller-uid", "controller-uid"] {
+                set(&mut labels, k, UID);
+            }
+        }
+        if indexed {
+            set(&mut labels, crate::affinity::COMPLETION_INDEX_LABEL, U32);
+            set(&mut annotations, crate::affinity::COMPLETION_INDEX_LABEL, U32);
+        }
+        let file = |m: &BTreeMap<String, (usize, usize)>| {
+            m.iter().fold(0usize, |n, (k, (_, q))| n.saturating_add(k.len() + q + 2))
+        };
+        let devices: usize =
+            spec.container.resources.devices.iter().map(|d| d.count as usize).sum();
+        let list = (devices * DEVICE).max(4);
+        let mut vars = vec![
+            ("NVIDIA_VISIBLE_DEVICES", list),
+            ("CUDA_DEVICE_ORDER", "PCI_BUS_ID".len()),
+            ("CUDA_VISIBLE_DEVICES", list),
+            ("HIP_VISIBLE_DEVICES", list),
+            ("ROCR_VISIBLE_DEVICES", list),
+            ("TPU_VISIBLE_CHIPS", list),
+            ("HABANA_VISIBLE_DEVICES", list),
+            ("XPU_VISIBLE_DEVICES", list),
+            ("XPU_JOB_ID", U64),
+            ("XPU_JOB_NAME", spec.name.len()),
+            ("XPU_TASK_INDEX", U32),
+            ("XPU_GPU_MILLI", 3),
+        ];
+        if indexed {
+            vars.extend([("JOB_COMPLETION_INDEX", U32), ("TPU_WORKER_ID", U32)]);
+        }
+        let reserve = vars.iter().map(|(k, n)| k.len() + n + 2).sum();
+        if indexed {
+            let hosts = (spec.completions as usize).saturating_mul(HOST_NAME + 1);
+            vars.push(("TPU_WORKER_HOSTNAMES", hosts));
+        }
+        StartLens {
+            spec,
+            labels_file: file(&labels),
+            annotations_file: file(&annotations),
+            labels: labels.into_iter().map(|(k, (n, _))| (k, n)).collect(),
+            annotations: annotations.into_iter().map(|(k, (n, _))| (k, n)).collect(),
+            vars,
+            reserve,
+        }
+    }
+
+    /// The longest value `from` can resolve to.
+    fn value_len(&self, from: &EnvFrom) -> usize {
+        use longest::*;
+        let spec = self.spec;
+        match from {
+            // `<job>-<id>-<index>`.
+            EnvFrom::Field(FieldPath::Name) => spec.name.len() + 2 + U64 + U32,
+            EnvFrom::Field(FieldPath::Namespace) => spec.pod_namespace().len(),
+            EnvFrom::Field(FieldPath::Uid) => UID,
+            EnvFrom::Field(FieldPath::Label(k)) => self.labels.get(k).copied().unwrap_or(0),
+            EnvFrom::Field(FieldPath::Annotation(k)) => {
+                self.annotations.get(k).copied().unwrap_or(0)
+            }
+            EnvFrom::Field(FieldPath::NodeName) => NODE_NAME,
+            EnvFrom::Field(FieldPath::ServiceAccountName) => {
+                spec.pod.service_account.as_deref().unwrap_or("default").len()
+            }
+            EnvFrom::Field(FieldPath::HostIp | FieldPath::PodIp) => IP,
+            EnvFrom::Field(FieldPath::Labels) => self.labels_file,
+            EnvFrom::Field(FieldPath::Annotations) => self.annotations_file,
+            EnvFrom::Resource { .. } => U64,
+        }
+    }
+}
+
+impl Parser {
+    /// A required anti-affinity term that selects the job's own pods over
+    /// `kubernetes.io/hostname`, which every node has: on one host they can never share it. A
+    /// gang (its tasks must run at once) is refused; other jobs run a task at a time.
+    fn own_anti_affinity(&mut self, spec: &mut JobSpec, affinity_path: &str) {
+        let host: BTreeMap<String, String> = [(HOSTNAME_LABEL.to_owned(), String::new())].into();
+        let Some(i) = spec.self_anti_affinity(&host) else { return };
+        let path = format!(
+            "{affinity_path}.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[{i}]"
+        );
+        if spec.is_gang() {
+            self.unsupported.push(JobError::new(
+                path,
+                format!(
+                    "selects the job's own pods over {HOSTNAME_LABEL}: its {} tasks must run at once but may not share a node, and xpu runs them all on one host; drop the term, or make its labelSelector not match the job's pods",
+                    spec.completions
+                ),
+            ));
+        } else if spec.effective_parallelism() > 1 {
+            spec.parallelism = 1;
+            self.notes.push(format!(
+                "{path}: the job's pods may not share a node and xpu runs them all on one host, so they run one at a time (parallelism 1)"
+            ));
+        }
+    }
+
+    /// Refuses a job whose start could build more environment and arguments than a process may
+    /// be given: every `$(VAR)` counted at its expanded length and every value known only at
+    /// start at its longest ([`StartLens`]), without building any of it, stopping at the first
+    /// variable or argument that passes a limit.
+    fn check_exec_size(&self, spec: &JobSpec, pod_path: &str) -> Result<(), JobError> {
+        let start = StartLens::of(spec);
+        let mut pod_total = 0usize;
+        for (k, (path, c)) in containers(spec, pod_path).into_iter().enumerate() {
+            let full =
+                if path.is_empty() { self.prefix.clone() } else { join(&self.prefix, &path) };
+            // Recorded in the same order: the main container, then the init containers.
+            let origin = match self.argv_origins.get(k) {
+                Some((p, o)) if *p == full => *o,
+                _ => ArgvOrigin::default(),
+            };
+            pod_total =
+                pod_total.saturating_add(container_exec_size(spec, &start, &full, c, origin)?);
+            if pod_total > MAX_POD_EXEC_BYTES {
+                return Err(JobError::new(
+                    full,
+                    format!(
+                        "with the containers before it, the pod's environments and arguments could take more than {} MiB when a task starts; use fewer containers or smaller values",
+                        MAX_POD_EXEC_BYTES >> 20
+                    ),
+                ));
+            }
+        }
+        let mut files = 0usize;
+        for (vi, v) in spec.volumes.iter().enumerate() {
+            for (fi, f) in v.downward_api.iter().flatten().enumerate() {
+                files = files.saturating_add(start.value_len(&f.from));
+                if files > MAX_DOWNWARD_BYTES {
+                    return Err(JobError::new(
+                        join(
+                            &self.prefix,
+                            &sub(pod_path, &format!("volumes[{vi}].downwardAPI.items[{fi}]")),
+                        ),
+                        format!(
+                            "with the items before it, the pod's downwardAPI files could hold more than {} MiB; list fewer",
+                            MAX_DOWNWARD_BYTES >> 20
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The most bytes container `c` (at path `at`) can be started with, or the variable or
+/// argument that could take it past a limit.
+fn container_exec_size(
+    spec: &JobSpec,
+    start: &StartLens<'_>,
+    at: &str,
+    c: &Container,
+    origin: ArgvOrigin,
+) -> Result<usize, JobError> {
+    let kubernetes = spec.source == Source::Kubernetes;
+    const TOTAL: &str = "the most a process can be given (each $(VAR) counted at its expanded length, values known only at start at their longest); remove references or move the data into a file the job reads";
+    let too_long = |what: String, n: usize| {
+        format!(
+            "{what} expands to up to {n} bytes (each $(VAR) counted at its expanded length, values known only at start at their longest), over the {} KiB the kernel allows one variable or argument",
+            MAX_EXPANDED >> 10
+        )
+    };
+    // The daemon's own variables go in after the manifest's; they are counted first so that
+    // whatever the manifest leaves room for is really there.
+    let mut used = start.reserve;
+    let mut lens: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for (i, e) in c.env.iter().enumerate() {
+        let (path, len) = match &e.from {
+            Some(from) => (sub(at, &format!("env[{i}].valueFrom")), start.value_len(from)),
+            None if kubernetes => (
+                sub(at, &format!("env[{i}].value")),
+                expanded_len(&e.value, &|n| lens.get(n).copied()),
+            ),
+            None => (sub(at, &format!("env.{}", e.name)), e.value.len()),
+        };
+        if kubernetes && len > MAX_EXPANDED {
+            return Err(JobError::new(path, too_long(format!("variable {}", e.name), len)));
+        }
+        used = used.saturating_add(e.name.len()).saturating_add(len).saturating_add(2);
+        if used > MAX_EXEC_BYTES {
+            return Err(JobError::new(
+                path,
+                format!(
+                    "variable {} brings the container's environment and arguments to more than {} MiB, {TOTAL}",
+                    e.name,
+                    MAX_EXEC_BYTES >> 20
+                ),
+            ));
+        }
+        lens.insert(&e.name, len);
+    }
+    // Arguments see every variable, the daemon's over the manifest's.
+    for (k, n) in &start.vars {
+        let e = lens.entry(k).or_insert(0);
+        *e = (*e).max(*n);
+    }
+    for (j, a) in c.argv.iter().enumerate() {
+        let field = match (j < origin.head, origin.image) {
+            (true, true) => "image".to_owned(),
+            (true, false) => format!("command[{j}]"),
+            (false, _) => format!("args[{}]", j - origin.head),
+        };
+        let path = sub(at, &field);
+        let len = if kubernetes { expanded_len(a, &|n| lens.get(n).copied()) } else { a.len() };
+        if kubernetes && len > MAX_EXPANDED {
+            return Err(JobError::new(path, too_long("the argument".to_owned(), len)));
+        }
+        used = used.saturating_add(len).saturating_add(1);
+        if used > MAX_EXEC_BYTES {
+            return Err(JobError::new(
+                path,
+                format!(
+                    "the argument brings the container's environment and arguments to more than {} MiB, {TOTAL}",
+                    MAX_EXEC_BYTES >> 20
+                ),
+            ));
+        }
+    }
+    Ok(used)
 }
 
 /// Why a manifest's DRA claims are refused.
@@ -2272,7 +2936,12 @@ spec:
                 "spec.template.spec.volumes[1].emptyDir.medium",
                 "unknown medium",
             ),
-            ("name: proxy", "name: worker", "spec.template.spec.initContainers", "used twice"),
+            (
+                "name: proxy",
+                "name: worker",
+                "spec.template.spec.initContainers[1].name",
+                "used twice",
+            ),
         ];
         for (from, to, path, msg) in cases {
             let bad = INDEXED_INIT.replace(from, to);
@@ -2353,5 +3022,589 @@ spec:
         assert!(matches!(files[2].from, EnvFrom::Resource { .. }));
         // Not a field for env.
         assert_eq!(FieldPath::parse("metadata.labels"), None);
+    }
+
+    /// A Job of `tasks` Indexed tasks (a gang when `tasks` > 1) whose pod spec is `pod` with
+    /// `containers` set to one container with these fields (`name` and `command` defaulted).
+    fn job_json(tasks: u32, pod: Value, container: Value) -> String {
+        let mut c = serde_json::json!({"name": "main", "command": ["true"]});
+        for (k, v) in container.as_object().cloned().unwrap_or_default() {
+            c[k] = v;
+        }
+        let mut spec = serde_json::json!({"restartPolicy": "Never", "containers": [c]});
+        for (k, v) in pod.as_object().cloned().unwrap_or_default() {
+            spec[k] = v;
+        }
+        serde_json::json!({
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "train"},
+            "spec": {
+                "completions": tasks,
+                "parallelism": tasks,
+                "completionMode": "Indexed",
+                "template": {"metadata": {"labels": {"app": "train"}}, "spec": spec}
+            }
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn container_names_are_dns_labels_unique_in_the_pod() {
+        let init = |name: &str| {
+            job_json(
+                1,
+                serde_json::json!({"initContainers": [
+                    {"name": "fetch", "command": ["true"]},
+                    {"name": name, "command": ["true"]},
+                ]}),
+                serde_json::json!({}),
+            )
+        };
+        let long = "a".repeat(64);
+        for bad in [
+            "setup\ntouch /tmp/x\n#",
+            "x/../../../..../tmp/out",
+            "Setup",
+            "-a",
+            "a-",
+            &long,
+            "a.b",
+            "",
+        ] {
+            let e = parse(&init(bad)).unwrap_err();
+            assert_eq!(e.path, "spec.template.spec.initContainers[1].name", "{bad:?}: {e}");
+            assert!(e.message.contains("DNS-1123 label"), "{bad:?}: {e}");
+        }
+        // A sidecar is an init container too; the main container and a Pod's are checked alike.
+        let sidecar = job_json(
+            1,
+            serde_json::json!({"initContainers": [{"name": "log/../x", "restartPolicy": "Always", "command": ["true"]}]}),
+            serde_json::json!({}),
+        );
+        assert_eq!(parse(&sidecar).unwrap_err().path, "spec.template.spec.initContainers[0].name");
+        let main =
+            job_json(1, serde_json::json!({}), serde_json::json!({"name": "Main Container"}));
+        let e = parse(&main).unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.containers[0].name");
+        assert!(e.message.contains("\"main-container\""), "suggests a valid name: {e}");
+        let pod = "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  restartPolicy: Never\n  initContainers: [{name: \"a;b\", command: [\"true\"]}]\n  containers: [{name: c, command: [\"true\"]}]\n";
+        assert_eq!(parse(pod).unwrap_err().path, "spec.initContainers[0].name");
+        let unnamed = "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  restartPolicy: Never\n  containers: [{command: [\"true\"]}]\n";
+        assert_eq!(parse(unnamed).unwrap_err().path, "spec.containers[0].name");
+        // Unique across containers and initContainers, named at the second use.
+        let e = parse(&init("main")).unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.initContainers[1].name", "{e}");
+        assert!(e.message.contains("used twice"), "{e}");
+        let e = parse(&init("fetch")).unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.initContainers[1].name", "{e}");
+        assert!(parse(&init("fetch-2")).is_ok());
+    }
+
+    #[test]
+    fn volume_names_are_dns_labels_and_unique() {
+        let vols = |a: &str, b: &str| {
+            job_json(
+                1,
+                serde_json::json!({"volumes": [{"name": a, "emptyDir": {}}, {"name": b, "emptyDir": {}}]}),
+                serde_json::json!({}),
+            )
+        };
+        for bad in ["../../etc", "Data", "a/b", "a\nb"] {
+            let e = parse(&vols("ok", bad)).unwrap_err();
+            assert_eq!(e.path, "spec.template.spec.volumes[1].name", "{bad:?}: {e}");
+        }
+        let e = parse(&vols("data", "data")).unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.volumes[1].name");
+        // A mount names a declared volume; a subPath stays inside it.
+        let mount = |m: Value| {
+            job_json(
+                1,
+                serde_json::json!({"volumes": [{"name": "data", "emptyDir": {}}]}),
+                serde_json::json!({"volumeMounts": [m]}),
+            )
+        };
+        let e = parse(&mount(serde_json::json!({"name": "other", "mountPath": "/d"}))).unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.containers[0].volumeMounts[0].name");
+        for sub in ["../x", "a/../../x", "/abs", "a\u{0}b", ".."] {
+            let e = parse(&mount(
+                serde_json::json!({"name": "data", "mountPath": "/d", "subPath": sub}),
+            ))
+            .unwrap_err();
+            assert_eq!(
+                e.path, "spec.template.spec.containers[0].volumeMounts[0].subPath",
+                "{sub:?}"
+            );
+        }
+        let e = parse(&mount(
+            serde_json::json!({"name": "data", "mountPath": "/d", "subPathExpr": "$(POD)"}),
+        ))
+        .unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.containers[0].volumeMounts[0].subPathExpr", "{e}");
+    }
+
+    #[test]
+    fn job_and_pod_names_are_dns_subdomains() {
+        let named = |meta: &str| {
+            format!(
+                "apiVersion: batch/v1\nkind: Job\nmetadata: {{{meta}}}\nspec:\n  template:\n    spec:\n      restartPolicy: Never\n      containers: [{{name: c, command: [\"true\"]}}]\n"
+            )
+        };
+        let long = format!("name: {}", "a".repeat(254));
+        for bad in [
+            "name: \"a/../b\"",
+            "name: Train",
+            "name: \"a..b\"",
+            "name: \"-a\"",
+            "name: \"a\\nb\"",
+            &long,
+        ] {
+            let e = parse(&named(bad)).unwrap_err();
+            assert_eq!(e.path, "metadata.name", "{bad}: {e}");
+            assert!(e.message.contains("DNS-1123 subdomain"), "{bad}: {e}");
+        }
+        assert_eq!(parse(&named("name: train.v2-a")).unwrap().spec.name, "train.v2-a");
+        let e = parse(&named("generateName: \"../x-\"")).unwrap_err();
+        assert_eq!(e.path, "metadata.generateName", "{e}");
+        // As the API server does: a long prefix is cut to 58 characters before the suffix.
+        let long = parse(&named(&format!("generateName: {}-", "a".repeat(80)))).unwrap().spec.name;
+        assert_eq!(long.len(), 63, "{long}");
+        assert!(
+            long.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'),
+            "{long}"
+        );
+        let e = parse(&named("namespace: \"a/b\", name: x")).unwrap_err();
+        assert_eq!(e.path, "metadata.namespace", "{e}");
+        // xpu's short form: a name given is checked; one taken from the command is made valid.
+        let e = parse("name: \"a/b\"\ncommand: [x]\n").unwrap_err();
+        assert_eq!(e.path, "name");
+        let s = parse("command: [./Train_Model.sh]\n").unwrap().spec;
+        assert_eq!(s.name, "train-model.sh");
+        let s = parse("command: [\"__\"]\n").unwrap().spec;
+        assert_eq!(s.name, "job");
+    }
+
+    #[test]
+    fn working_dir_may_not_climb_out_of_the_task_directory() {
+        for bad in ["..", "../x", "a/../../b", "/data/../etc", "a\u{0}b"] {
+            let j = job_json(1, serde_json::json!({}), serde_json::json!({"workingDir": bad}));
+            let e = parse(&j).unwrap_err();
+            assert_eq!(e.path, "spec.template.spec.containers[0].workingDir", "{bad:?}: {e}");
+            let j = job_json(
+                1,
+                serde_json::json!({"initContainers": [{"name": "i", "command": ["true"], "workingDir": bad}]}),
+                serde_json::json!({}),
+            );
+            let e = parse(&j).unwrap_err();
+            assert_eq!(e.path, "spec.template.spec.initContainers[0].workingDir", "{bad:?}: {e}");
+            let e = parse(&format!("command: [x]\nworkingDir: {bad:?}\n")).unwrap_err();
+            assert_eq!(e.path, "workingDir", "{bad:?}: {e}");
+        }
+        for good in ["work", "work/dir", "/data", "./out", "a..b"] {
+            let j = job_json(1, serde_json::json!({}), serde_json::json!({"workingDir": good}));
+            assert_eq!(parse(&j).unwrap().spec.container.working_dir.as_deref(), Some(good));
+        }
+    }
+
+    /// The issue's fan-out: `A` of 64 KiB, `B=$(A)$(A)` (128 KiB, at the per-value cap), then
+    /// thousands of `B=$(B)`: each value under the cap, gigabytes together.
+    fn fan_out_env(copies: usize) -> Value {
+        let mut env = vec![
+            serde_json::json!({"name": "A", "value": "a".repeat(64 << 10)}),
+            serde_json::json!({"name": "B", "value": "$(A)$(A)"}),
+        ];
+        env.extend((0..copies).map(|_| serde_json::json!({"name": "B", "value": "$(B)"})));
+        Value::Array(env)
+    }
+
+    #[test]
+    fn variable_fan_out_is_refused_at_submit() {
+        let j = job_json(1, serde_json::json!({}), serde_json::json!({"env": fan_out_env(5000)}));
+        assert!(j.len() < 256 << 10, "a small manifest: {}", j.len());
+        let e = parse(&j).unwrap_err();
+        assert!(e.path.starts_with("spec.template.spec.containers[0].env["), "{e}");
+        assert!(e.path.ends_with("].value"), "{e}");
+        assert!(e.message.contains("B") && e.message.contains("2 MiB"), "{e}");
+        // The same through arguments, an init container, and a downward API seed.
+        let mut env = fan_out_env(0);
+        env.as_array_mut().unwrap().truncate(2);
+        let args: Vec<String> = (0..5000).map(|_| "$(B)".to_owned()).collect();
+        let j = job_json(1, serde_json::json!({}), serde_json::json!({"env": env, "args": args}));
+        let e = parse(&j).unwrap_err();
+        assert!(e.path.starts_with("spec.template.spec.containers[0].args["), "{e}");
+        let j = job_json(
+            1,
+            serde_json::json!({"initContainers": [{"name": "i", "command": ["true"], "env": fan_out_env(5000)}]}),
+            serde_json::json!({}),
+        );
+        let e = parse(&j).unwrap_err();
+        assert!(e.path.starts_with("spec.template.spec.initContainers[0].env["), "{e}");
+        let mut seeded = serde_json::from_str::<Value>(&job_json(
+            1,
+            serde_json::json!({}),
+            serde_json::json!({"env": [
+                {"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['big']"}}},
+            ]}),
+        ))
+        .unwrap();
+        let mut env = fan_out_env(5000);
+        env.as_array_mut().unwrap()[0] =
+            seeded["spec"]["template"]["spec"]["containers"][0]["env"][0].clone();
+        seeded["spec"]["template"]["spec"]["containers"][0]["env"] = env;
+        seeded["spec"]["template"]["metadata"]["annotations"] =
+            serde_json::json!({"big": "a".repeat(64 << 10)});
+        let e = parse(&seeded.to_string()).unwrap_err();
+        assert!(e.path.starts_with("spec.template.spec.containers[0].env["), "{e}");
+        // Many containers, each under the limit, are bounded together too.
+        let inits: Vec<Value> = (0..200)
+            .map(|i| serde_json::json!({"name": format!("i{i}"), "command": ["true"], "env": fan_out_env(12)}))
+            .collect();
+        let j = job_json(1, serde_json::json!({"initContainers": inits}), serde_json::json!({}));
+        let e = parse(&j).unwrap_err();
+        assert!(e.path.starts_with("spec.template.spec.initContainers["), "{e}");
+        // A modest use is accepted.
+        let j = job_json(1, serde_json::json!({}), serde_json::json!({"env": fan_out_env(4)}));
+        assert!(parse(&j).is_ok());
+    }
+
+    #[test]
+    fn values_known_only_at_start_count_at_their_longest() {
+        // The pod's name is the job's name, its id and the index: up to 253 + 32 bytes. Eight
+        // doublings of it stay under 128 KiB only if it is short.
+        let mut env = vec![
+            serde_json::json!({"name": "P0", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}),
+        ];
+        for i in 1..=9 {
+            env.push(serde_json::json!({"name": format!("P{i}"), "value": format!("$(P{p})$(P{p})", p = i - 1)}));
+        }
+        let j = job_json(1, serde_json::json!({}), serde_json::json!({"env": env}));
+        let long_name =
+            j.replace("\"name\":\"train\"", &format!("\"name\":\"{}\"", "t".repeat(250)));
+        assert!(parse(&j).is_ok(), "a short name fits");
+        let e = parse(&long_name).unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.containers[0].env[9].value", "{e}");
+        // The node's name is not known until start: counted at its longest.
+        let mut env = vec![
+            serde_json::json!({"name": "N0", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}),
+        ];
+        for i in 1..=10 {
+            env.push(serde_json::json!({"name": format!("N{i}"), "value": format!("$(N{p})$(N{p})", p = i - 1)}));
+        }
+        let j = job_json(1, serde_json::json!({}), serde_json::json!({"env": env}));
+        let e = parse(&j).unwrap_err();
+        assert_eq!(e.path, "spec.template.spec.containers[0].env[10].value", "{e}");
+    }
+
+    #[test]
+    fn memory_volume_size_limit_must_be_positive() {
+        for limit in [
+            serde_json::json!("0"),
+            serde_json::json!(0),
+            serde_json::json!("0Mi"),
+            serde_json::json!("-1Gi"),
+            serde_json::json!("-5"),
+        ] {
+            let j = job_json(
+                1,
+                serde_json::json!({"volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": limit}}]}),
+                serde_json::json!({}),
+            );
+            let e = parse(&j).unwrap_err();
+            assert_eq!(e.path, "spec.template.spec.volumes[0].emptyDir.sizeLimit", "{limit}: {e}");
+            assert!(e.message.contains("positive"), "{limit}: {e}");
+        }
+        let j = job_json(
+            1,
+            serde_json::json!({"volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "800Pi"}}]}),
+            serde_json::json!({}),
+        );
+        assert_eq!(parse(&j).unwrap().spec.volumes[0].size_limit, Some(800 << 50));
+    }
+
+    #[test]
+    fn pod_anti_affinity_to_its_own_gang_is_refused() {
+        let anti = |selector: Value, key: &str| {
+            serde_json::json!({"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": selector, "topologyKey": key}
+            ]}}})
+        };
+        let path = "spec.template.spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0]";
+        for selector in [
+            serde_json::json!({"matchLabels": {"app": "train"}}),
+            serde_json::json!({"matchExpressions": [{"key": "job-name", "operator": "In", "values": ["train"]}]}),
+            serde_json::json!({"matchExpressions": [{"key": "batch.kubernetes.io/job-completion-index", "operator": "In", "values": ["1"]}]}),
+            serde_json::json!({}),
+        ] {
+            let e = parse(&job_json(
+                4,
+                anti(selector.clone(), "kubernetes.io/hostname"),
+                serde_json::json!({}),
+            ))
+            .unwrap_err();
+            assert_eq!(e.path, path, "{selector}: {e}");
+            assert!(e.message.contains("4 tasks"), "{e}");
+        }
+        // Not its own pods, or one task: accepted.
+        let other =
+            anti(serde_json::json!({"matchLabels": {"app": "db"}}), "kubernetes.io/hostname");
+        assert!(parse(&job_json(4, other, serde_json::json!({}))).is_ok());
+        let own =
+            anti(serde_json::json!({"matchLabels": {"app": "train"}}), "kubernetes.io/hostname");
+        assert!(parse(&job_json(1, own, serde_json::json!({}))).is_ok());
+        // Bad terms name their field, as the API server does.
+        let bad = anti(
+            serde_json::json!({"matchExpressions": [{"key": "app", "operator": "Near", "values": ["x"]}]}),
+            "kubernetes.io/hostname",
+        );
+        let e = parse(&job_json(1, bad, serde_json::json!({}))).unwrap_err();
+        assert_eq!(e.path, format!("{path}.labelSelector.matchExpressions[0].operator"), "{e}");
+        let e = parse(&job_json(1, anti(serde_json::json!({}), ""), serde_json::json!({})))
+            .unwrap_err();
+        assert_eq!(e.path, format!("{path}.topologyKey"), "{e}");
+    }
+
+    #[test]
+    fn node_affinity_and_preferences_are_not_dropped_silently() {
+        let node = |term: Value| serde_json::json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}});
+        let bad = node(
+            serde_json::json!({"matchExpressions": [{"key": "gpu", "operator": "Gt", "values": ["a"]}]}),
+        );
+        let e = parse(&job_json(1, bad, serde_json::json!({}))).unwrap_err();
+        assert_eq!(
+            e.path,
+            "spec.template.spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].values",
+            "{e}"
+        );
+        let preferred = serde_json::json!({"affinity": {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 10, "podAffinityTerm": {"labelSelector": {"matchLabels": {"app": "db"}}, "topologyKey": "kubernetes.io/hostname"}}
+        ]}}});
+        let p = parse(&job_json(1, preferred, serde_json::json!({}))).unwrap();
+        assert!(
+            p.notes.iter().any(|n| n.starts_with("spec.template.spec.affinity.podAffinity.preferredDuringSchedulingIgnoredDuringExecution")),
+            "{:?}",
+            p.notes
+        );
+    }
+
+    #[test]
+    fn memory_volumes_are_clamped_to_the_host() {
+        let host = 64 << 30;
+        assert_eq!(clamp_memory_volume(Some(1 << 30), host), (1 << 30, None));
+        let (size, note) = clamp_memory_volume(Some(800 << 50), host);
+        assert_eq!(size, host);
+        assert_eq!(
+            note.as_deref(),
+            Some("sizeLimit 800Pi is more than the host's 64Gi of memory: a tmpfs of 64Gi")
+        );
+        assert_eq!(clamp_memory_volume(None, host), (host, None));
+        // Specs stored before 0 was refused: never a tmpfs of size 0 (no limit at all).
+        let (size, note) = clamp_memory_volume(Some(0), host);
+        assert_eq!(size, host);
+        assert!(note.unwrap().contains("sizeLimit 0"));
+        assert_eq!(clamp_memory_volume(Some(5 << 20), 0), (5 << 20, None));
+        assert_eq!(clamp_memory_volume(None, 0).0, 64 << 20);
+    }
+
+    /// GKE's multi-host TPU pattern: the slice's pods attract each other over the node pool
+    /// and keep other jobs' pods out of it.
+    const GKE_TPU_AFFINITY: &str = r#"
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: tpu-job-podslice
+spec:
+  backoffLimit: 0
+  completions: 4
+  parallelism: 4
+  completionMode: Indexed
+  template:
+    spec:
+      restartPolicy: Never
+      affinity:
+        podAffinity:
+          requiredDuringSchedulingIgnoredDuringExecution:
+          - labelSelector:
+              matchExpressions:
+              - key: job-name
+                operator: In
+                values:
+                - tpu-job-podslice
+            topologyKey: cloud.google.com/gke-nodepool
+        podAntiAffinity:
+          requiredDuringSchedulingIgnoredDuringExecution:
+          - labelSelector:
+              matchExpressions:
+              - key: job-name
+                operator: NotIn
+                values:
+                - tpu-job-podslice
+            topologyKey: cloud.google.com/gke-nodepool
+            namespaceSelector:
+              matchExpressions:
+              - key: kubernetes.io/metadata.name
+                operator: NotIn
+                values:
+                - kube-system
+      nodeSelector:
+        cloud.google.com/gke-tpu-accelerator: tpu-v5p-slice
+        cloud.google.com/gke-tpu-topology: 2x2x4
+      containers:
+      - name: tpu-job
+        image: python:3.10
+        command: [python, -c, "print(1)"]
+        resources:
+          limits:
+            google.com/tpu: 4
+"#;
+
+    #[test]
+    fn gke_tpu_affinity_is_typed_and_decided_against_the_node() {
+        let p = parse(GKE_TPU_AFFINITY).unwrap();
+        let s = &p.spec;
+        assert!(p.notes.is_empty(), "{:?}", p.notes);
+        assert_eq!(s.parallelism, 4, "its anti-affinity is for other jobs");
+        let a = &s.affinity;
+        assert_eq!((a.pod_affinity.len(), a.pod_anti_affinity.len()), (1, 1));
+        assert_eq!(a.pod_anti_affinity[0].topology_key, "cloud.google.com/gke-nodepool");
+        let back: JobSpec = serde_json::from_str(&serde_json::to_string(s).unwrap()).unwrap();
+        assert_eq!(&back, s, "the store keeps the terms");
+        // A host without the node pool label is no domain: the affinity can never hold there.
+        let mut labels: BTreeMap<String, String> = [
+            ("kubernetes.io/hostname".to_owned(), "tpu-0".to_owned()),
+            ("cloud.google.com/gke-tpu-accelerator".to_owned(), "tpu-v5p-slice".to_owned()),
+        ]
+        .into();
+        let why = s.never_fits("tpu-0", &labels).unwrap();
+        assert!(
+            why.starts_with(
+                "affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution[0]"
+            ),
+            "{why}"
+        );
+        assert!(why.contains("cloud.google.com/gke-nodepool"), "{why}");
+        labels.insert("cloud.google.com/gke-nodepool".into(), "pool-1".into());
+        assert_eq!(s.never_fits("tpu-0", &labels), None);
+        assert_eq!(s.tasks_at_once(&labels), 4);
+        // Its pods start beside each other, not beside another job's.
+        let uid = "00000001-0000-4000-8000-000000000000";
+        let mine: Vec<_> = (0..2).map(|i| s.pod_labels(i, uid)).collect();
+        let pod =
+            |l| crate::affinity::PodRef { namespace: "default", labels: l, affinity: &s.affinity };
+        assert!(crate::affinity::pod_fits(&labels, &pod(&mine[1]), &[pod(&mine[0])]).is_ok());
+        let other = parse("apiVersion: v1\nkind: Pod\nmetadata: {name: other}\nspec:\n  restartPolicy: Never\n  containers: [{name: c, command: [\"true\"]}]\n").unwrap().spec;
+        let other_labels = other.pod_labels(0, "u");
+        let running = crate::affinity::PodRef {
+            namespace: "default",
+            labels: &other_labels,
+            affinity: &other.affinity,
+        };
+        let e = crate::affinity::pod_fits(&labels, &pod(&mine[0]), &[running]).unwrap_err();
+        assert!(e.contains("didn't match pod anti-affinity rules"), "{e}");
+    }
+
+    #[test]
+    fn required_node_affinity_is_kept_and_matched_against_the_node() {
+        let job = GKE_TPU_AFFINITY.replace(
+            "      affinity:\n",
+            "      affinity:\n        nodeAffinity:\n          requiredDuringSchedulingIgnoredDuringExecution:\n            nodeSelectorTerms:\n            - matchExpressions:\n              - {key: xpu.dev/gpu.count, operator: Gt, values: [\"3\"]}\n            - matchFields:\n              - {key: metadata.name, operator: In, values: [host-b]}\n          preferredDuringSchedulingIgnoredDuringExecution:\n          - {weight: 1, preference: {matchExpressions: [{key: a, operator: Exists}]}}\n",
+        );
+        let p = parse(&job).unwrap();
+        assert_eq!(p.notes.len(), 1, "the preference is a note: {:?}", p.notes);
+        let s = p.spec;
+        assert_eq!(s.affinity.node.len(), 2);
+        let mut labels: BTreeMap<String, String> =
+            [("cloud.google.com/gke-nodepool".to_owned(), "p".to_owned())].into();
+        let why = s.never_fits("host-a", &labels).unwrap();
+        assert!(
+            why.starts_with("affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"),
+            "{why}"
+        );
+        assert_eq!(s.never_fits("host-b", &labels), None, "the second term");
+        labels.insert("xpu.dev/gpu.count".into(), "8".into());
+        assert_eq!(s.never_fits("host-a", &labels), None, "the first term");
+        for (from, to, field) in [
+            ("operator: Gt", "operator: Near", "nodeSelectorTerms[0].matchExpressions[0].operator"),
+            ("key: metadata.name", "key: metadata.uid", "nodeSelectorTerms[1].matchFields[0].key"),
+            ("values: [host-b]", "values: [a, b]", "nodeSelectorTerms[1].matchFields[0]"),
+            ("values: [host-b]", "values: []", "nodeSelectorTerms[1].matchFields[0].values"),
+        ] {
+            let e = parse(&job.replace(from, to)).unwrap_err();
+            assert!(e.path.ends_with(field), "{from}: {e}");
+        }
+        let none = job.replace(
+            "            nodeSelectorTerms:\n            - matchExpressions:\n              - {key: xpu.dev/gpu.count, operator: Gt, values: [\"3\"]}\n            - matchFields:\n              - {key: metadata.name, operator: In, values: [host-b]}\n",
+            "            nodeSelectorTerms: []\n",
+        );
+        assert!(parse(&none).unwrap_err().path.ends_with("nodeSelectorTerms"));
+    }
+
+    #[test]
+    fn own_anti_affinity_runs_a_job_that_is_not_a_gang_a_task_at_a_time() {
+        let job = |parallelism: u32, key: &str| {
+            format!(
+                "apiVersion: batch/v1\nkind: Job\nmetadata: {{name: spread}}\nspec:\n  completions: 4\n  parallelism: {parallelism}\n  template:\n    metadata: {{labels: {{app: spread}}}}\n    spec:\n      restartPolicy: Never\n      affinity:\n        podAntiAffinity:\n          requiredDuringSchedulingIgnoredDuringExecution:\n          - {{labelSelector: {{matchLabels: {{app: spread}}}}, topologyKey: {key}}}\n      containers: [{{name: c, command: [\"true\"]}}]\n"
+            )
+        };
+        let p = parse(&job(2, "kubernetes.io/hostname")).unwrap();
+        assert_eq!(p.spec.parallelism, 1);
+        assert!(p.notes.iter().any(|n| n.contains("one at a time")), "{:?}", p.notes);
+        // Another key: decided by the node's labels.
+        let s = parse(&job(2, "topology.kubernetes.io/zone")).unwrap().spec;
+        assert_eq!(s.parallelism, 2);
+        let zone: BTreeMap<String, String> =
+            [("topology.kubernetes.io/zone".to_owned(), "z".to_owned())].into();
+        assert_eq!(s.tasks_at_once(&zone), 1);
+        assert_eq!(s.tasks_at_once(&BTreeMap::new()), 2);
+        // matchLabelKeys cannot be honoured: refused naming it.
+        let keys = job(2, "kubernetes.io/hostname").replace(
+            "topologyKey: kubernetes.io/hostname}",
+            "topologyKey: kubernetes.io/hostname, matchLabelKeys: [pod-template-hash]}",
+        );
+        let e = parse(&keys).unwrap_err();
+        assert!(
+            e.path.ends_with("requiredDuringSchedulingIgnoredDuringExecution[0].matchLabelKeys"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_stored_spec_is_checked_again() {
+        let mut s = parse(INDEXED_INIT).unwrap().spec;
+        assert_eq!(s.check(), Ok(()));
+        s.init_containers[0].name = "x/../../../..../tmp/out".into();
+        assert_eq!(s.check().unwrap_err().path, "spec.template.spec.initContainers[0].name");
+        s.init_containers[0].name = "worker".into();
+        assert!(s.check().unwrap_err().message.contains("used twice"));
+        s.init_containers[0].name = "input".into();
+        s.container.working_dir = Some("../../x".into());
+        assert_eq!(s.check().unwrap_err().path, "spec.template.spec.containers[0].workingDir");
+        s.container.working_dir = None;
+        s.volumes[0].name = "../v".into();
+        assert_eq!(s.check().unwrap_err().path, "spec.template.spec.volumes[0].name");
+        s.volumes[0].name = "input".into();
+        s.container.volume_mounts[0].sub_path = Some("../..".into());
+        assert!(s.check().unwrap_err().path.ends_with("volumeMounts[0].subPath"));
+        s.container.volume_mounts[0].sub_path = None;
+        s.container.env = vec![EnvVar { name: "A".into(), value: "a".repeat(100_000), from: None }];
+        s.container.env.extend((0..40).map(|_| EnvVar {
+            name: "A".into(),
+            value: "$(A)".into(),
+            from: None,
+        }));
+        assert!(s.check().unwrap_err().path.starts_with("spec.template.spec.containers[0].env["));
+    }
+
+    #[test]
+    fn completions_and_parallelism_keep_the_kubernetes_bounds() {
+        let job = |c: u64, p: u64| {
+            format!(
+                "apiVersion: batch/v1\nkind: Job\nmetadata: {{name: wide}}\nspec:\n  completions: {c}\n  parallelism: {p}\n  completionMode: Indexed\n  template:\n    spec:\n      restartPolicy: Never\n      containers: [{{name: c, command: [\"true\"]}}]\n"
+            )
+        };
+        let s = parse(&job(MAX_COMPLETIONS, MAX_PARALLELISM)).unwrap().spec;
+        assert!(s.is_gang());
+        assert_eq!(s.effective_parallelism(), 100_000);
+        assert_eq!(parse(&job(MAX_COMPLETIONS + 1, 1)).unwrap_err().path, "spec.completions");
+        assert_eq!(parse(&job(1, MAX_PARALLELISM + 1)).unwrap_err().path, "spec.parallelism");
     }
 }

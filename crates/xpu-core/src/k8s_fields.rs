@@ -5,9 +5,10 @@
 //!
 //! The names are those of the published API reference (Kubernetes 1.35, alpha fields
 //! included, since a cluster may enable them). The walk goes as deep as xpu reads: into the
-//! metadata, the Job and pod specs, containers, env, resources, volumes and volume mounts.
-//! Below that (affinity, probes, security contexts) a value is taken as written; xpu does not
-//! act on those, and the API server checks them where they matter.
+//! metadata, the Job and pod specs, containers, env, resources, volumes and volume mounts, and
+//! the pod's affinity (a misspelt `requiredDuringScheduling...` would otherwise be a rule
+//! dropped without a word). Below that (probes, security contexts) a value is taken as written;
+//! xpu does not act on those, and the API server checks them where they matter.
 
 use serde_json::{Map, Value};
 
@@ -122,6 +123,50 @@ const VOLUME: Shape = Fields(&[
     ("storageos", Any),
 ]);
 
+const SELECTOR_REQUIREMENT: Shape = Fields(&[("key", Any), ("operator", Any), ("values", Any)]);
+
+const LABEL_SELECTOR: Shape =
+    Fields(&[("matchLabels", Any), ("matchExpressions", List(&SELECTOR_REQUIREMENT))]);
+
+const NODE_SELECTOR_TERM: Shape = Fields(&[
+    ("matchExpressions", List(&SELECTOR_REQUIREMENT)),
+    ("matchFields", List(&SELECTOR_REQUIREMENT)),
+]);
+
+const NODE_AFFINITY: Shape = Fields(&[
+    (
+        "requiredDuringSchedulingIgnoredDuringExecution",
+        Fields(&[("nodeSelectorTerms", List(&NODE_SELECTOR_TERM))]),
+    ),
+    (
+        "preferredDuringSchedulingIgnoredDuringExecution",
+        List(&Fields(&[("weight", Any), ("preference", NODE_SELECTOR_TERM)])),
+    ),
+]);
+
+const POD_AFFINITY_TERM: Shape = Fields(&[
+    ("labelSelector", LABEL_SELECTOR),
+    ("namespaces", Any),
+    ("topologyKey", Any),
+    ("namespaceSelector", LABEL_SELECTOR),
+    ("matchLabelKeys", Any),
+    ("mismatchLabelKeys", Any),
+]);
+
+const POD_AFFINITY: Shape = Fields(&[
+    ("requiredDuringSchedulingIgnoredDuringExecution", List(&POD_AFFINITY_TERM)),
+    (
+        "preferredDuringSchedulingIgnoredDuringExecution",
+        List(&Fields(&[("weight", Any), ("podAffinityTerm", POD_AFFINITY_TERM)])),
+    ),
+]);
+
+const AFFINITY: Shape = Fields(&[
+    ("nodeAffinity", NODE_AFFINITY),
+    ("podAffinity", POD_AFFINITY),
+    ("podAntiAffinity", POD_AFFINITY),
+]);
+
 const POD_SPEC: Shape = Fields(&[
     ("volumes", List(&VOLUME)),
     ("initContainers", List(&CONTAINER)),
@@ -148,7 +193,7 @@ const POD_SPEC: Shape = Fields(&[
     ("hostnameOverride", Any),
     ("subdomain", Any),
     ("setHostnameAsFQDN", Any),
-    ("affinity", Any),
+    ("affinity", AFFINITY),
     ("schedulerName", Any),
     ("tolerations", Any),
     ("hostAliases", Any),
@@ -268,7 +313,7 @@ mod tests {
 
     #[test]
     fn a_well_formed_job_has_no_unknown_fields() {
-        let job = "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j, labels: {anything: goes}}\nspec:\n  completions: 2\n  completionMode: Indexed\n  template:\n    metadata: {annotations: {a: b}}\n    spec:\n      restartPolicy: Never\n      affinity: {nodeAffinity: {whatever: 1}}\n      volumes: [{name: d, emptyDir: {medium: Memory, sizeLimit: 1Gi}}]\n      initContainers: [{name: i, image: busybox, restartPolicy: Always}]\n      containers:\n      - name: c\n        image: busybox\n        env: [{name: A, valueFrom: {fieldRef: {fieldPath: metadata.name}}}]\n        resources: {limits: {nvidia.com/gpu: 1}}\n        volumeMounts: [{name: d, mountPath: /d}]\n";
+        let job = "apiVersion: batch/v1\nkind: Job\nmetadata: {name: j, labels: {anything: goes}}\nspec:\n  completions: 2\n  completionMode: Indexed\n  template:\n    metadata: {annotations: {a: b}}\n    spec:\n      restartPolicy: Never\n      affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: a, operator: Exists}]}]}}, podAntiAffinity: {preferredDuringSchedulingIgnoredDuringExecution: [{weight: 1, podAffinityTerm: {topologyKey: t, labelSelector: {matchLabels: {a: b}}}}]}}\n      volumes: [{name: d, emptyDir: {medium: Memory, sizeLimit: 1Gi}}]\n      initContainers: [{name: i, image: busybox, restartPolicy: Always}]\n      containers:\n      - name: c\n        image: busybox\n        env: [{name: A, valueFrom: {fieldRef: {fieldPath: metadata.name}}}]\n        resources: {limits: {nvidia.com/gpu: 1}}\n        volumeMounts: [{name: d, mountPath: /d}]\n";
         assert_eq!(unknown(job, false), Vec::<String>::new());
     }
 
@@ -283,6 +328,14 @@ mod tests {
                 "unknown field \"spec.containers[0].imagePullPolice\"",
                 "unknown field \"spec.containers[0].resources.limit\"",
                 "unknown field \"spec.containres\"",
+            ]
+        );
+        let affinity = "apiVersion: v1\nkind: Pod\nspec:\n  affinity:\n    podAntiAffinity:\n      requiredDuringScheduling: [{topologyKey: k}]\n      requiredDuringSchedulingIgnoredDuringExecution: [{topologyKey: k, labelSelecter: {}}]\n";
+        assert_eq!(
+            unknown(affinity, true),
+            vec![
+                "unknown field \"spec.affinity.podAntiAffinity.requiredDuringScheduling\"",
+                "unknown field \"spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].labelSelecter\"",
             ]
         );
         // A Job's fields are not a Pod's.

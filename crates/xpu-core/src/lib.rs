@@ -13,8 +13,12 @@
 //! - [`nova`]: OpenStack Nova `[pci]` device specs, aliases, flavor PCI requests and the
 //!   `PciPassthroughFilter` pool fit check.
 //! - [`yaml`]: the bounded YAML loader every reader of outside YAML goes through.
+//! - [`job`]: job manifests (Kubernetes Jobs and Pods, xpu's short form) parsed and validated
+//!   into a `JobSpec`; [`affinity`]: their required node and pod (anti-)affinity, evaluated on
+//!   one node; [`expand`]: `$(VAR)` expansion within the kernel's limits.
 
 pub mod accel;
+pub mod affinity;
 pub mod driver;
 pub mod error;
 pub mod expand;

@@ -1,7 +1,8 @@
 //! Trace loaders: the OpenB node and pod lists (Alibaba, USENIX ATC '23) and the Philly job
 //! trace (Microsoft, as shipped with the Pollux artifact). This is the only module of the crate
 //! that touches files; the `parse_*` functions take text so tests need no files, and every
-//! malformed value is reported with its file, line and column.
+//! malformed value is reported with its file, line and column, an impossible row (a pod deleted
+//! before it was created) with both values.
 
 use std::path::Path;
 
@@ -256,6 +257,17 @@ pub fn parse_openb_pods(file: &str, text: &str) -> Result<Vec<OpenbPod>, TraceEr
                 *slot = Some(v);
             }
         }
+        if let ([Some(created), Some(deleted), _], [_, Some(c), _]) = (t, times)
+            && deleted < created
+        {
+            return Err(csv.err(
+                line,
+                c,
+                format!(
+                    "deletion_time {deleted} is before creation_time {created}: a pod cannot end before it is created; fix or drop the row"
+                ),
+            ));
+        }
         out.push(OpenbPod {
             name: f[name].to_owned(),
             cpu_milli: csv.uint(line, f, cpu)?,
@@ -442,5 +454,17 @@ mod tests {
         assert!(
             parse_openb_pods("o.csv", &format!("{head}a,1,1,0,0,{MAX_TIME},{MAX_TIME}\n")).is_ok()
         );
+    }
+
+    #[test]
+    fn a_pod_deleted_before_it_was_created_names_its_line_and_both_times() {
+        let head = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,creation_time,deletion_time\n";
+        let e = parse_openb_pods("o.csv", &format!("{head}a,1,1,0,0,10,20\nb,1,1,0,0,30,29\n"))
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(text.starts_with("o.csv:3: "), "{text}");
+        assert!(text.contains("deletion_time 29") && text.contains("creation_time 30"), "{text}");
+        // Ending when it starts is a pod that ran for no time, not an error.
+        assert!(parse_openb_pods("o.csv", &format!("{head}a,1,1,0,0,10,10\n")).is_ok());
     }
 }
