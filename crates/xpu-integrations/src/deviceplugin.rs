@@ -16,6 +16,10 @@
 //!   when the plugin's own socket is deleted (a restarting kubelet removes every socket in the
 //!   directory), serve on a new one and register again.
 //!
+//! Every socket is served through [`transport::bind`] (the `h2authority` proxy) by a tonic
+//! server built by [`limits::server`], so what a client may make the plugin hold is bounded
+//! twice over: concurrent streams, header lists, message sizes, connections.
+//!
 //! What it does not do: device-specific preparation in `PreStartContainer` (not requested), or
 //! reading sysfs other than through `xpu_host::discover`.
 
@@ -35,10 +39,10 @@ use xpu_core::accel::{VENDOR_AMD, VENDOR_NVIDIA};
 use xpu_core::{DevNode, Inventory, PciAddress};
 use xpu_host::{DiscoverOptions, Root, Scope};
 
-use crate::pb;
 use crate::preferred::{self, Candidate};
 use crate::selector::Resource;
 use crate::transport;
+use crate::{limits, pb};
 
 /// `pluginapi.Version`.
 pub const API_VERSION: &str = "v1beta1";
@@ -381,13 +385,15 @@ impl Plugin {
         for id in ids {
             let d = t.get(id).ok_or_else(|| {
                 Status::not_found(format!(
-                    "device {id} is not a {} device of this plugin; use an id from ListAndWatch",
+                    "device {} is not a {} device of this plugin; use an id from ListAndWatch",
+                    quoted(id),
                     self.resource.name
                 ))
             })?;
             if !d.healthy() {
                 return Err(Status::failed_precondition(format!(
-                    "device {id} is unhealthy ({}); ListAndWatch reports it Unhealthy",
+                    "device {} is unhealthy ({}); ListAndWatch reports it Unhealthy",
+                    quoted(id),
                     d.telemetry.as_deref().unwrap_or("missing or its driver changed")
                 )));
             }
@@ -569,6 +575,17 @@ impl pb::device_plugin_server::DevicePlugin for Plugin {
     }
 }
 
+/// A client's device id as an error message quotes it: its first 64 characters, so that an
+/// answer's trailers never carry a large request back (a `grpc-message` of megabytes is refused
+/// by the client's HTTP/2 library, which then drops the whole connection).
+fn quoted(id: &str) -> std::borrow::Cow<'_, str> {
+    const MAX: usize = 64;
+    match id.char_indices().nth(MAX) {
+        None => id.into(),
+        Some((end, _)) => format!("{}… ({} octets)", &id[..end], id.len()).into(),
+    }
+}
+
 /// What this plugin tells the kubelet it implements.
 pub fn options() -> pb::DevicePluginOptions {
     pb::DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }
@@ -591,8 +608,12 @@ impl Server {
             .map_err(|source| PluginError::Listen { path: socket.to_owned(), source })?;
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(pb::device_plugin_server::DevicePluginServer::from_arc(plugin))
+            limits::server()
+                .add_service(
+                    pb::device_plugin_server::DevicePluginServer::from_arc(plugin)
+                        .max_decoding_message_size(limits::MAX_MESSAGE)
+                        .max_encoding_message_size(limits::MAX_MESSAGE),
+                )
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;
                 }),

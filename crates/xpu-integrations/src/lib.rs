@@ -19,12 +19,18 @@
 //! - [`tpuruntime`]: TPU chips' utilisation and HBM from the TPU runtime's metrics service
 //!   (localhost:8431), as an `xpu-telemetry` source.
 //! - [`cdi`]: the CDI device names `Allocate` returns, from `xpu-container`'s naming convention.
+//! - [`transport`] and [`h2authority`]: every plugin socket (the DRA driver's too), served through
+//!   a proxy that rewrites older kubelets' `:authority` and holds each client to [`limits`], the
+//!   bounds (streams, header lists, messages, connections) every gRPC server here is built with;
+//!   [`h2probe`], a raw HTTP/2 client that tests them.
 
 pub mod cdi;
 pub mod deviceplugin;
 pub mod drakubelet;
 pub mod exporter;
 pub mod h2authority;
+pub mod h2probe;
+pub mod limits;
 pub mod nfd;
 pub mod novaconf;
 pub mod numa;

@@ -159,12 +159,13 @@ impl TestKubelet {
     /// Serves on `socket` until the task is dropped or aborted.
     pub fn serve(&self, socket: &Path) -> std::io::Result<tokio::task::JoinHandle<()>> {
         let incoming = transport::bind(socket)?;
-        let svc = PodResourcesListerServer::new(self.clone());
+        // Answers as large as the client reads: the test kubelet plays a node with many pods.
+        let svc = PodResourcesListerServer::new(self.clone())
+            .max_decoding_message_size(crate::limits::MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
         Ok(tokio::spawn(async move {
-            if let Err(e) = tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming(incoming)
-                .await
+            if let Err(e) =
+                crate::limits::server().add_service(svc).serve_with_incoming(incoming).await
             {
                 tracing::warn!("test kubelet pod-resources: {e}");
             }

@@ -15,7 +15,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::deviceplugin::{API_VERSION, KUBELET_SOCKET};
-use crate::{pb, transport};
+use crate::{limits, pb, transport};
 
 struct Registrar {
     seen: mpsc::UnboundedSender<pb::RegisterRequest>,
@@ -56,8 +56,12 @@ impl TestKubelet {
         let (seen, registrations) = mpsc::unbounded_channel();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(pb::registration_server::RegistrationServer::new(Registrar { seen }))
+            limits::server()
+                .add_service(
+                    pb::registration_server::RegistrationServer::new(Registrar { seen })
+                        .max_decoding_message_size(limits::MAX_MESSAGE)
+                        .max_encoding_message_size(limits::MAX_MESSAGE),
+                )
                 .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
                     let _ = stopped.await;
                 }),

@@ -3,10 +3,14 @@
 //! connector here ignores the URI and opens the socket.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
+use tokio::sync::Semaphore;
 use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::limits;
 
 /// A channel to the gRPC server listening on `socket`.
 pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> {
@@ -21,7 +25,7 @@ pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> 
 }
 
 /// The connections of a socket served through [`bind`]: each is the server's end of an
-/// in-memory pipe whose other end [`crate::h2authority::normalize`] feeds from the client.
+/// in-memory pipe whose other end [`crate::h2authority::proxy`] feeds from the client.
 pub type Incoming =
     tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::io::DuplexStream>>;
 
@@ -31,7 +35,9 @@ pub type Incoming =
 ///
 /// Every connection goes through [`crate::h2authority`], so a kubelet that sends the socket's
 /// path as its HTTP/2 `:authority` (those built with grpc-go before Kubernetes 1.26) is served
-/// like one that sends `localhost`. Accepting stops when the server drops the stream.
+/// like one that sends `localhost`, and every client is held to [`crate::limits`] before the
+/// server reads what it sent. At most [`limits::MAX_CONNECTIONS`] are served at once; one more
+/// is closed as it is accepted. Accepting stops when the server drops the stream.
 pub fn bind(socket: &Path) -> std::io::Result<Incoming> {
     match std::fs::remove_file(socket) {
         Ok(()) => {}
@@ -40,7 +46,12 @@ pub fn bind(socket: &Path) -> std::io::Result<Incoming> {
     }
     let listener = tokio::net::UnixListener::bind(socket)?;
     let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let slots = Arc::new(Semaphore::new(limits::MAX_CONNECTIONS));
+    let path = socket.to_owned();
     tokio::spawn(async move {
+        // Whether the refusal of a connection past the cap has been logged since a slot was
+        // last free: one line per episode, however many connections a client makes.
+        let mut told = false;
         loop {
             let accepted = tokio::select! {
                 () = tx.closed() => return,
@@ -57,26 +68,27 @@ pub fn bind(socket: &Path) -> std::io::Result<Incoming> {
                     continue;
                 }
             };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                if !std::mem::replace(&mut told, true) {
+                    tracing::warn!(
+                        socket = %path.display(),
+                        max = limits::MAX_CONNECTIONS,
+                        "plugin socket: connections at the cap; closing new ones until one ends"
+                    );
+                }
+                drop(conn);
+                continue;
+            };
+            told = false;
             let (ours, theirs) = tokio::io::duplex(64 << 10);
             if tx.send(Ok(theirs)).await.is_err() {
                 return;
             }
             tokio::spawn(async move {
-                let (client_read, mut client_write) = conn.into_split();
-                let (server_read, server_write) = tokio::io::split(ours);
-                let mut server_read = server_read;
-                let up = crate::h2authority::normalize(client_read, server_write);
-                let down = tokio::io::copy(&mut server_read, &mut client_write);
-                // Either direction ending ends the connection: a client that sent what cannot
-                // be passed on is dropped, as the server would drop it.
-                tokio::select! {
-                    r = up => if let Err(e) = r {
-                        tracing::debug!(error = %e, "plugin socket: connection ended");
-                    },
-                    r = down => if let Err(e) = r {
-                        tracing::debug!(error = %e, "plugin socket: connection ended");
-                    },
+                if let Err(e) = crate::h2authority::proxy(conn, ours).await {
+                    tracing::debug!(error = %e, "plugin socket: connection ended");
                 }
+                drop(slot);
             });
         }
     });

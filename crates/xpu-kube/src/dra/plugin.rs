@@ -18,12 +18,14 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, watch};
+use tonic::transport::server::Router;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, info, info_span, warn};
 use xpu_container::cdi::{CdiKind, GenerateOptions, Spec};
 use xpu_core::Inventory;
 use xpu_host::Root;
 use xpu_integrations::drapb::{self, registration as reg, v1, v1beta1};
+use xpu_integrations::limits;
 
 use super::DRIVER;
 use super::prepare::{self, PreparedDevice};
@@ -389,8 +391,34 @@ fn listen(path: &Path) -> Result<xpu_integrations::transport::Incoming, PluginEr
         .map_err(|source| PluginError::Listen { path: path.to_owned(), source })
 }
 
+/// The DRA service, both versions, on a server with xpu's bounds on what a client may make it
+/// hold ([`limits`]: the same as the device plugin's).
+fn dra_server(driver: Arc<Driver>) -> Router {
+    limits::server()
+        .add_service(
+            v1::dra_plugin_server::DraPluginServer::new(V1(driver.clone()))
+                .max_decoding_message_size(limits::MAX_MESSAGE)
+                .max_encoding_message_size(limits::MAX_MESSAGE),
+        )
+        .add_service(
+            v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(driver))
+                .max_decoding_message_size(limits::MAX_MESSAGE)
+                .max_encoding_message_size(limits::MAX_MESSAGE),
+        )
+}
+
+/// The registration service, bounded as [`dra_server`] is.
+fn registration_server(endpoint: PathBuf) -> Router {
+    limits::server().add_service(
+        reg::registration_server::RegistrationServer::new(Registrar { endpoint })
+            .max_decoding_message_size(limits::MAX_MESSAGE)
+            .max_encoding_message_size(limits::MAX_MESSAGE),
+    )
+}
+
 /// Serves the DRA service, then registration (so the kubelet never finds an endpoint that does
-/// not answer), until `stop` resolves.
+/// not answer), until `stop` resolves. Both sockets go through xpu-integrations' transport: the
+/// `h2authority` proxy and its bounds, and a cap on connections.
 pub async fn serve(
     driver: Arc<Driver>,
     stop: impl Future<Output = ()> + Send + 'static,
@@ -402,24 +430,17 @@ pub async fn serve(
     let (tx, rx) = watch::channel(false);
     let mut rx2 = rx.clone();
     let mut rx1 = rx;
-    let a = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(v1::dra_plugin_server::DraPluginServer::new(V1(driver.clone())))
-            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(driver.clone())))
-            .serve_with_incoming_shutdown(dra, async move {
-                // Err: the sender is gone, which means stop as well.
-                rx1.wait_for(|s| *s).await.ok();
-            }),
-    );
-    let b = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(reg::registration_server::RegistrationServer::new(Registrar {
-                endpoint: endpoint.clone(),
-            }))
-            .serve_with_incoming_shutdown(regl, async move {
-                rx2.wait_for(|s| *s).await.ok();
-            }),
-    );
+    let a =
+        tokio::spawn(dra_server(driver.clone()).serve_with_incoming_shutdown(dra, async move {
+            // Err: the sender is gone, which means stop as well.
+            rx1.wait_for(|s| *s).await.ok();
+        }));
+    let b = tokio::spawn(registration_server(endpoint.clone()).serve_with_incoming_shutdown(
+        regl,
+        async move {
+            rx2.wait_for(|s| *s).await.ok();
+        },
+    ));
     info!(endpoint = %endpoint.display(), registration = %registration.display(), "serving the kubelet DRA plugin");
     stop.await;
     // Receivers live in the two servers; a send error only means they already stopped.
@@ -435,4 +456,141 @@ pub async fn serve(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::sync::oneshot;
+    use xpu_integrations::h2probe::{self, Answer, Probe};
+
+    use super::*;
+
+    /// A bound on waiting for what a correct server sends at once; never reached when it works.
+    const WAIT: Duration = Duration::from_secs(10);
+    const PREPARE: &str = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources";
+    const PREPARE_V1BETA1: &str =
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources";
+    const GET_INFO: &str = "/pluginregistration.Registration/GetInfo";
+    /// Streams opened past the cap in a flood.
+    const EXTRA: usize = 100;
+
+    /// A driver whose API server is never reached: no call here gets that far.
+    fn driver(dir: &Path) -> Arc<Driver> {
+        // Another test may have installed it already (see `crate::client`).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let paths = Paths {
+            plugin_dir: dir.join("plugins"),
+            registry_dir: dir.join("plugins_registry"),
+            cdi_dir: dir.join("cdi"),
+        };
+        let (_, inventory) = watch::channel(Arc::new(Inventory::default()));
+        Arc::new(Driver::new(client, "node-a", Root::new(dir).unwrap(), paths, inventory).unwrap())
+    }
+
+    /// Connects once the socket is served.
+    async fn connect(socket: &Path) -> Probe {
+        for _ in 0..200 {
+            if let Ok(p) = Probe::connect(socket, WAIT).await {
+                return p;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("{} is not served", socket.display());
+    }
+
+    /// The stream cap is advertised and enforced: exactly the streams past it are refused.
+    async fn streams_are_capped(socket: &Path, path: &str) {
+        let cap = limits::MAX_CONCURRENT_STREAMS as usize;
+        let mut p = connect(socket).await;
+        assert_eq!(
+            p.setting(h2probe::MAX_CONCURRENT_STREAMS),
+            Some(limits::MAX_CONCURRENT_STREAMS)
+        );
+        assert_eq!(p.setting(h2probe::MAX_HEADER_LIST_SIZE), Some(limits::MAX_HEADER_LIST));
+        let flood = h2probe::flood(&mut p, path, cap + EXTRA, EXTRA, WAIT).await.unwrap();
+        let mut refused = flood.refused.clone();
+        refused.sort_unstable();
+        assert_eq!(refused, flood.opened[cap..], "{} on {}", flood.summary(), socket.display());
+    }
+
+    /// Issue 13 on the DRA driver's two sockets as the kubelet reaches them: streams past the
+    /// cap refused, a length prefix over the message cap refused on its five octets with
+    /// RESOURCE_EXHAUSTED, connections bounded; and the kubelet's registration still works.
+    #[tokio::test]
+    async fn served_sockets_bound_streams_messages_and_connections() {
+        let dir = tempfile::tempdir().unwrap();
+        let driver = driver(dir.path());
+        let (endpoint, registration) = (driver.paths.endpoint(), driver.paths.registration());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve(driver, async {
+            stopped.await.ok();
+        }));
+        for (socket, path) in
+            [(&endpoint, PREPARE), (&endpoint, PREPARE_V1BETA1), (&registration, GET_INFO)]
+        {
+            streams_are_capped(socket, path).await;
+            let mut p = connect(socket).await;
+            for declared in [u32::try_from(limits::MAX_MESSAGE + 1).unwrap(), 1 << 30] {
+                let answer = h2probe::oversized(&mut p, path, declared, WAIT).await.unwrap();
+                assert!(answer.is_resource_exhausted(), "{path}, {declared} octets: {answer:?}");
+            }
+        }
+        let mut held = Vec::new();
+        for _ in 0..limits::MAX_CONNECTIONS {
+            held.push(connect(&registration).await);
+        }
+        assert!(Probe::connect(&registration, WAIT).await.is_err(), "a connection past the cap");
+        drop(held);
+        // The held connections' slots come back as the proxy sees them close.
+        let mut registered = None;
+        for _ in 0..200 {
+            match xpu_integrations::drakubelet::register(&registration).await {
+                Ok(r) => {
+                    registered = Some(r);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        assert_eq!(
+            registered.expect("registration once a slot is free").service,
+            drapb::SERVICE_V1
+        );
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+    }
+
+    /// The tonic servers themselves, with no proxy in front, advertise and enforce the same
+    /// stream cap, and refuse a message over the cap as soon as its prefix arrives (tonic's own
+    /// answer, OUT_OF_RANGE).
+    #[tokio::test]
+    async fn its_servers_bound_streams_and_messages_without_the_proxy() {
+        let dir = tempfile::tempdir().unwrap();
+        let driver = driver(dir.path());
+        let endpoint = driver.paths.endpoint();
+        for (name, router, path) in [
+            ("dra", dra_server(driver), PREPARE),
+            ("registration", registration_server(endpoint), GET_INFO),
+        ] {
+            let socket = dir.path().join(format!("{name}-plain.sock"));
+            let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+            let server = tokio::spawn(
+                router
+                    .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+            );
+            streams_are_capped(&socket, path).await;
+            let mut p = connect(&socket).await;
+            let over = u32::try_from(limits::MAX_MESSAGE + 1).unwrap();
+            let answer = h2probe::oversized(&mut p, path, over, WAIT).await.unwrap();
+            assert!(
+                matches!(&answer, Answer::Status(code, _) if code == "11"),
+                "{name}: {answer:?}"
+            );
+            server.abort();
+        }
+    }
 }
