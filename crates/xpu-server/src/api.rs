@@ -903,6 +903,10 @@ fn check_runnable(
         };
         return Err((field, e.to_string()));
     }
+    if let Some(why) = spec.never_fits(&s.node.name, &s.node.labels) {
+        let field = if k8s { "spec.template.spec.affinity" } else { "affinity" };
+        return Err((field.to_owned(), why));
+    }
     if let Some((field, message)) = crate::engine::too_big_for_host(spec) {
         let field = if k8s { field.to_owned() } else { "completions".to_owned() };
         return Err((field, message));

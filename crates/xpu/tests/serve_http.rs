@@ -165,14 +165,16 @@ fn browser_cross_site_requests_are_refused_on_loopback() {
         port,
         &post(
             &format!("LOCALHOST:{port}"),
-            "Content-Type: application/json\r\n",
+            &format!("Content-Type: application/json\r\nAuthorization: Bearer {}\r\n", d.token()),
             "{\"command\": [\"true\"]}",
         ),
     );
     assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
-    // The CLI over TCP and over the socket: submit and cancel.
+    // The CLI over TCP (with the token: loopback does not take changes without one) and over
+    // the socket: submit and cancel.
     let out = std::process::Command::new(serve_support::xpu_bin())
         .args(["submit", "--server", &d.url(), "--", "sleep", "60"])
+        .env("XPU_TOKEN", d.token())
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -346,3 +346,50 @@ fn a_bundle_is_written_only_where_the_attempt_owns_it() {
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
     assert!(Path::new(&victim).exists());
 }
+
+/// A tenant's manifest reaches no shell and no path outside the data dir, and what the host
+/// cannot honour is refused naming the field, never dropped.
+#[test]
+fn tenant_manifests_that_escaped_or_were_ignored_are_refused_naming_the_field() {
+    let dir = open_tempdir();
+    let d = Daemon::start(&dir.path().join("data"), None, &["--devices", "tpu-v6e:8"]);
+    let marker = dir.path().join("x");
+    let job = |spec: &str| {
+        format!(
+            "apiVersion: batch/v1\nkind: Job\nmetadata: {{name: t}}\nspec:\n  template:\n    metadata: {{labels: {{app: t}}}}\n    spec:\n      restartPolicy: Never\n{spec}"
+        )
+    };
+    let cases = [
+        (
+            job(&format!(
+                "      initContainers: [{{name: \"setup\\ntouch {}\\n#\", image: x, command: [\"true\"]}}]\n      containers: [{{name: c, image: x, command: [\"true\"]}}]\n",
+                marker.display()
+            )),
+            "initContainers[0].name",
+        ),
+        (
+            job("      initContainers: [{name: \"x/../../../..../tmp/out\", image: x, command: [\"true\"]}]\n      containers: [{name: c, image: x, command: [\"true\"]}]\n"),
+            "initContainers[0].name",
+        ),
+        (
+            job("      containers: [{name: c, image: x, command: [\"true\"], workingDir: \"../../../../tmp/w\"}]\n"),
+            "workingDir",
+        ),
+        (
+            job("      volumes: [{name: m, emptyDir: {medium: Memory, sizeLimit: \"0\"}}]\n      containers: [{name: c, image: x, command: [\"true\"], volumeMounts: [{name: m, mountPath: /m}]}]\n"),
+            "sizeLimit",
+        ),
+        (
+            "apiVersion: batch/v1\nkind: Job\nmetadata: {name: t}\nspec:\n  completionMode: Indexed\n  completions: 2\n  parallelism: 2\n  template:\n    metadata: {labels: {app: t}}\n    spec:\n      restartPolicy: Never\n      affinity:\n        podAntiAffinity:\n          requiredDuringSchedulingIgnoredDuringExecution:\n          - labelSelector: {matchLabels: {app: t}}\n            topologyKey: kubernetes.io/hostname\n      containers: [{name: c, image: x, command: [\"true\"]}]\n".to_owned(),
+            "podAntiAffinity",
+        ),
+    ];
+    for (manifest, field) in cases {
+        let r = d.client().request("POST", "/v1/jobs", Some(manifest.as_bytes()), &[]).unwrap();
+        assert_eq!(r.status, 400, "{field}: {}", r.error_message());
+        assert!(r.error_message().contains(field), "{field}: {}", r.error_message());
+    }
+    assert!(!marker.exists());
+    assert!(!Path::new("/tmp/out/config.json").exists());
+    status_answers(&d);
+}

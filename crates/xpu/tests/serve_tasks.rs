@@ -208,22 +208,35 @@ spec:
     );
 }
 
-/// References that double a value each time stand for a huge string in a small manifest: the
-/// task fails to start naming the variable, and the daemon never builds the string.
+/// References that double a value each time stand for a huge string in a small manifest: it is
+/// refused at submit naming the variable, and the daemon never builds the string. The fan-out
+/// that keeps each value under its bound (`A` of 64 KiB, `B=$(A)$(A)`, then thousands of
+/// `B=$(B)`) is refused the same way, and the daemon answers throughout.
 #[test]
-fn a_doubling_chain_of_references_fails_the_start_instead_of_growing() {
+fn a_doubling_chain_of_references_is_refused_at_submit_instead_of_growing() {
     let tmp = tempfile::tempdir().unwrap();
     let d = Daemon::start(&tmp.path().join("data"), None, &[]);
     let mut env = format!("        - {{name: V0, value: \"{}\"}}\n", "x".repeat(1000));
     for i in 1..40 {
         env.push_str(&format!("        - {{name: V{i}, value: \"$(V{p})$(V{p})\"}}\n", p = i - 1));
     }
-    let manifest = format!(
-        "apiVersion: batch/v1\nkind: Job\nmetadata: {{name: bomb}}\nspec:\n  backoffLimit: 0\n  template:\n    spec:\n      restartPolicy: Never\n      containers:\n      - name: c\n        command: [\"/bin/true\"]\n        env:\n{env}"
-    );
-    let id = d.submit(&manifest);
-    let j = d.wait_state(id, &["succeeded", "failed"]);
-    assert_eq!(j["state"], "failed", "{j}");
-    let message = j["message"].as_str().unwrap();
-    assert!(message.contains("could not start: env V8: expands to more than 128 KiB"), "{message}");
+    let job = |env: &str| {
+        format!(
+            "apiVersion: batch/v1\nkind: Job\nmetadata: {{name: bomb}}\nspec:\n  backoffLimit: 0\n  template:\n    spec:\n      restartPolicy: Never\n      containers:\n      - name: c\n        command: [\"/bin/true\"]\n        env:\n{env}"
+        )
+    };
+    let r = d.client().request("POST", "/v1/jobs", Some(job(&env).as_bytes()), &[]).unwrap();
+    assert_eq!(r.status, 400, "{}", r.error_message());
+    assert!(r.error_message().contains("env[8]"), "{}", r.error_message());
+    let mut fan = format!("        - {{name: A, value: \"{}\"}}\n", "a".repeat(64 * 1024));
+    fan.push_str("        - {name: B, value: \"$(A)$(A)\"}\n");
+    for _ in 0..3000 {
+        fan.push_str("        - {name: B, value: \"$(B)\"}\n");
+    }
+    let t0 = std::time::Instant::now();
+    let r = d.client().request("POST", "/v1/jobs", Some(job(&fan).as_bytes()), &[]).unwrap();
+    assert_eq!(r.status, 400, "{}", r.error_message());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+    let r = d.client().request("GET", "/v1/status", None, &[]).unwrap();
+    assert_eq!(r.status, 200);
 }

@@ -40,6 +40,9 @@ pub(super) fn why_never(node: &Node, spec: &JobSpec) -> Option<String> {
     if let Some((field, message)) = too_big_for_host(spec) {
         return Some(format!("{field}: {message}"));
     }
+    if let Some(why) = spec.never_fits(&node.name, &node.labels) {
+        return Some(why);
+    }
     for (k, v) in &spec.node_selector {
         match node.labels.get(k) {
             Some(have) if have == v => {}

@@ -717,9 +717,12 @@ impl Machine {
         if let Some((field, message)) = super::env::too_big_for_host(&job.spec) {
             return Err(format!("{field}: {message}"));
         }
+        if let Some(why) = job.spec.never_fits(&node.name, &node.labels) {
+            return Err(format!("never fits this node: {why}"));
+        }
         let count = job
             .spec
-            .effective_parallelism()
+            .tasks_at_once(&node.labels)
             .min(super::env::MAX_TASKS_ON_HOST)
             .min(remaining)
             .max(adopted)
@@ -1324,6 +1327,30 @@ impl Machine {
     }
 }
 
+/// The job's volumes with each `medium: Memory` one sized for this host: a `sizeLimit` above
+/// the host's memory becomes the host's memory, as does none (or a zero a spec stored before
+/// zero was refused may hold), so the tmpfs never gets `size=0`, the kernel's "no limit".
+fn memory_volumes(
+    node: &Node,
+    volumes: &[xpu_core::job::Volume],
+) -> Vec<xpu_core::job::Volume> {
+    volumes
+        .iter()
+        .map(|v| {
+            let mut v = v.clone();
+            if v.memory {
+                let (size, note) =
+                    xpu_core::job::clamp_memory_volume(v.size_limit, node.memory_mib << 20);
+                if let Some(note) = note {
+                    tracing::info!(volume = %v.name, "{note}");
+                }
+                v.size_limit = Some(size);
+            }
+            v
+        })
+        .collect()
+}
+
 /// What one attempt is started with, resolved now: a manifest whose references expand past
 /// the kernel's limits fails to start, saying which (after its row is written, as any start).
 fn launch(
@@ -1372,7 +1399,7 @@ fn launch(
         dir,
         container,
         init,
-        volumes: job.spec.volumes.clone(),
+        volumes: memory_volumes(node, &job.spec.volumes),
         mounts: main.volume_mounts.clone(),
         grace: config.grace,
         user: job.owner,
