@@ -1330,10 +1330,7 @@ impl Machine {
 /// The job's volumes with each `medium: Memory` one sized for this host: a `sizeLimit` above
 /// the host's memory becomes the host's memory, as does none (or a zero a spec stored before
 /// zero was refused may hold), so the tmpfs never gets `size=0`, the kernel's "no limit".
-fn memory_volumes(
-    node: &Node,
-    volumes: &[xpu_core::job::Volume],
-) -> Vec<xpu_core::job::Volume> {
+fn memory_volumes(node: &Node, volumes: &[xpu_core::job::Volume]) -> Vec<xpu_core::job::Volume> {
     volumes
         .iter()
         .map(|v| {
