@@ -4,7 +4,9 @@
 //! Kinds and names (CDI "fully qualified device names" are `vendor.com/class=name`,
 //! <https://github.com/cncf-tags/container-device-interface/blob/main/SPEC.md>):
 //! - `nvidia.com/gpu`: `0`..`N-1` are the NVIDIA GPUs (kind gpu, vendor `10de`) in PCI address
-//!   order, `GPU-<uuid>` the same GPUs by UUID where the driver published one, and `all`;
+//!   order, `GPU-<uuid>` the same GPUs by UUID where the driver published one that is a valid
+//!   CDI device name ([`is_device_name`]; a device whose UUID is not keeps its index name only,
+//!   with a warning), and `all`;
 //! - `google.com/tpu`: `0`..`N-1` the TPU chips in PCI address order, and `all`;
 //! - `amd.com/gpu`: `0`..`N-1` the AMD GPUs in PCI address order, and `all`.
 //!
@@ -139,10 +141,10 @@ pub fn device_names(inv: &Inventory) -> Vec<CdiDevice> {
         }
         if kind == CdiKind::NvidiaGpu {
             for &i in &devs {
-                if let Some(uuid) = &inv.devices[i].uuid {
+                if let Some(uuid) = uuid_name(&inv.devices[i]) {
                     out.push(CdiDevice {
                         kind,
-                        name: uuid.clone(),
+                        name: uuid.to_owned(),
                         address: Some(inv.devices[i].address),
                     });
                 }
@@ -164,8 +166,32 @@ pub fn resolve(inv: &Inventory, kind: CdiKind, name: &str) -> Option<Vec<usize>>
         return devs.get(n).map(|&i| vec![i]);
     }
     devs.into_iter()
-        .find(|&i| inv.devices[i].uuid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(name)))
+        .find(|&i| uuid_name(&inv.devices[i]).is_some_and(|u| u.eq_ignore_ascii_case(name)))
         .map(|i| vec![i])
+}
+
+/// A device's UUID when it can serve as its CDI device name.
+pub fn uuid_name(d: &PciDevice) -> Option<&str> {
+    d.uuid.as_deref().filter(|u| is_device_name(u))
+}
+
+/// Why `name` is not a CDI device name, or `None` when it is one. The rule of the CDI spec's
+/// reference parser (`pkg/parser`, `ValidateDeviceName`): ASCII letters, digits, `_`, `-`, `.`
+/// and `:`, starting and ending with a letter or digit.
+pub fn device_name_problem(name: &str) -> Option<&'static str> {
+    let alnum = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    if !alnum(name.chars().next()) || !alnum(name.chars().last()) {
+        return Some("it must start and end with a letter or digit");
+    }
+    if !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c)) {
+        return Some("it may hold only letters, digits, '-', '_', '.' and ':'");
+    }
+    None
+}
+
+/// Whether `name` is a CDI device name (see [`device_name_problem`]).
+pub fn is_device_name(name: &str) -> bool {
+    device_name_problem(name).is_none()
 }
 
 /// A fully qualified CDI device name, split and checked against the spec's character rules.
@@ -205,9 +231,7 @@ impl std::str::FromStr for QualifiedName {
         {
             return Err(err("class must be letters, digits, '-', '_' or '.'"));
         }
-        if !alnum_ends(name)
-            || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
-        {
+        if !is_device_name(name) {
             return Err(err("name must be letters, digits, '-', '_', '.' or ':'"));
         }
         Ok(QualifiedName { kind: kind.to_owned(), name: name.to_owned() })
@@ -385,7 +409,14 @@ fn spec_for(
         if let Some(uuid) = &inv.devices[*i].uuid
             && kind == CdiKind::NvidiaGpu
         {
-            by_uuid.push(Device { name: uuid.clone(), container_edits: ce });
+            // The UUID comes from the host (a driver's /proc file, or a tree someone made):
+            // only a valid name is written, or a loader would reject the whole spec.
+            match device_name_problem(uuid) {
+                None => by_uuid.push(Device { name: uuid.clone(), container_edits: ce }),
+                Some(why) => warnings.push(format!(
+                    "{kind}={n}: UUID {uuid:?} is not a valid CDI device name ({why}); the device is named {kind}={n} only"
+                )),
+            }
         }
         all.nodes.extend(nodes.iter().cloned());
     }
@@ -447,6 +478,74 @@ pub fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 15: a UUID the host gave that is not a CDI device name (quotes, braces, spaces,
+    /// a newline: label or YAML injection) never becomes a device name; the device keeps its
+    /// index name, with a warning. A valid UUID still names its device.
+    #[test]
+    fn uuids_that_are_not_cdi_device_names_are_never_written() {
+        use xpu_core::inventory::{DevNode, NodeType};
+        let gpu = |bus: u8, uuid: &str| {
+            let mut d = PciDevice::new(format!("0000:{bus:02x}:00.0").parse().unwrap());
+            (d.vendor_id, d.device_id, d.kind) =
+                (Some(VENDOR_NVIDIA), Some(0x20b0), DeviceKind::Gpu);
+            d.uuid = Some(uuid.to_owned());
+            d.dev_nodes.push(DevNode {
+                path: format!("/dev/nvidia{bus}"),
+                node_type: Some(NodeType::Char),
+                major: Some(195),
+                minor: Some(u32::from(bus)),
+                mode: Some(0o666),
+                uid: Some(0),
+                gid: Some(0),
+            });
+            d
+        };
+        let evil = [
+            "GPU-x\",evil=\"1\"} 666",
+            "GPU-a\nkind: x",
+            "GPU-",
+            "-GPU-1",
+            "GPU-1/../2",
+            "GPU-é",
+            "GPU-1 2",
+        ];
+        let good = "GPU-5eed0001-a100-4000-8000-000000000001";
+        let mut inv = Inventory::default();
+        inv.devices.push(gpu(1, good));
+        for (i, u) in evil.iter().enumerate() {
+            inv.devices.push(gpu(2 + i as u8, u));
+        }
+        let opts = GenerateOptions {
+            kinds: vec![CdiKind::NvidiaGpu],
+            strict: true,
+            host_root: PathBuf::from("/"),
+        };
+        let g = generate(&inv, &DriverFiles::default(), &opts).unwrap();
+        let names: Vec<&str> = g.specs[0].devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["0", "1", "2", "3", "4", "5", "6", "7", good, "all"]);
+        for (i, u) in evil.iter().enumerate() {
+            let n = i + 1;
+            assert!(
+                g.warnings.iter().any(|w| w.starts_with(&format!("nvidia.com/gpu={n}: UUID "))
+                    && w.contains("is not a valid CDI device name")
+                    && w.ends_with(&format!("the device is named nvidia.com/gpu={n} only"))),
+                "{u:?}: {:#?}",
+                g.warnings
+            );
+            assert!(!is_device_name(u) && resolve(&inv, CdiKind::NvidiaGpu, u).is_none(), "{u:?}");
+        }
+        // Nothing of them in the text, escaped or not.
+        let text = to_yaml(&g.specs[0]) + &to_json(&g.specs[0]);
+        assert!(!text.contains("evil") && !text.contains("kind: x") && !text.contains("666"));
+        let named: Vec<String> = device_names(&inv)
+            .into_iter()
+            .map(|d| d.name)
+            .filter(|n| n.starts_with("GPU"))
+            .collect();
+        assert_eq!(named, [good]);
+        assert_eq!(resolve(&inv, CdiKind::NvidiaGpu, good), Some(vec![0]));
+    }
 
     #[test]
     fn qualified_names_follow_the_spec() {

@@ -136,17 +136,25 @@ impl RuntimeConfig {
 
     /// Appends `line` to the log file, if one is configured. Logging never fails a container.
     pub fn log(&self, line: &str) {
-        use std::io::Write;
-        let Some(path) = &self.log_file else { return };
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
-        // One write, so that lines of concurrent containers do not interleave (`O_APPEND`).
-        let entry = format!("{secs} xpu[{}]: {line}\n", std::process::id());
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-            let _ = f.write_all(entry.as_bytes());
+        if let Some(path) = &self.log_file {
+            append_log(path, line);
         }
+    }
+}
+
+/// Appends `line` to the log file at `path` as [`RuntimeConfig::log`] does, for a part of the
+/// shim that keeps only the log's path.
+pub fn append_log(path: &Path, line: &str) {
+    use std::io::Write;
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    // One write, so that lines of concurrent containers do not interleave (`O_APPEND`).
+    let entry = format!("{secs} xpu[{}]: {line}\n", std::process::id());
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        // Logging never fails a container.
+        let _ = f.write_all(entry.as_bytes());
     }
 }
 

@@ -2,6 +2,11 @@
 //! runtime loading a CDI spec) sees the old content or the new one, never a partial write; and,
 //! for a file nothing reads until the writer is done (a bundle's `config.json`, which runc reads
 //! after the shim hands over), a rewrite in place whose failure leaves the old content.
+//!
+//! And reading a file someone else may have put in place ([`read_regular`]: the host snapshot
+//! in a CDI directory): a regular file of bounded size only, never a FIFO that would block a
+//! container start or a device that never ends. `xpu-host`'s `Root::read_bounded` does the
+//! same for the files under a host root; this crate does not depend on `xpu-host`.
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -69,6 +74,63 @@ pub fn write_replace(path: &Path, bytes: &[u8], mode: u32, durable: bool) -> std
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// Why [`read_regular`] gave no content. It does not name the file: the caller does.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("does not exist")]
+    Missing,
+    #[error("is {0}, not a regular file")]
+    NotAFile(&'static str),
+    #[error("is too large: more than {0} bytes")]
+    TooLarge(u64),
+    #[error(transparent)]
+    Io(std::io::Error),
+}
+
+/// The regular file at `path` (links followed), at most `limit` bytes. One `open` (with
+/// `O_NONBLOCK`, so a FIFO without a writer does not block it, and `O_NOCTTY`) and one `fstat`,
+/// which refuses anything but a regular file before a byte is read; then reads sized from
+/// `st_size` but bounded by `limit` whatever the file says, refusing a longer file rather than
+/// cutting it.
+pub fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, ReadError> {
+    use std::io::Read as _;
+
+    use rustix::fs::{FileType, Mode, OFlags};
+    use rustix::io::Errno;
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let fd = match rustix::fs::open(path, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Err(ReadError::Missing),
+        // What a socket gives (and a device without a driver).
+        Err(Errno::NXIO) => return Err(ReadError::NotAFile("a socket or a device")),
+        Err(e) => return Err(ReadError::Io(e.into())),
+    };
+    let st = rustix::fs::fstat(&fd).map_err(|e| ReadError::Io(e.into()))?;
+    let what = match FileType::from_raw_mode(st.st_mode) {
+        FileType::RegularFile => None,
+        FileType::Fifo => Some("a FIFO"),
+        FileType::CharacterDevice => Some("a character device"),
+        FileType::BlockDevice => Some("a block device"),
+        FileType::Socket => Some("a socket"),
+        FileType::Directory => Some("a directory"),
+        FileType::Symlink | FileType::Unknown => Some("not a plain file"),
+    };
+    if let Some(what) = what {
+        return Err(ReadError::NotAFile(what));
+    }
+    let size = u64::try_from(st.st_size).unwrap_or(0).min(limit);
+    // One read of the whole file, and the one that says it ended.
+    let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0).saturating_add(1));
+    std::fs::File::from(fd)
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(ReadError::Io)?;
+    if bytes.len() as u64 > limit {
+        return Err(ReadError::TooLarge(limit));
+    }
+    Ok(bytes)
 }
 
 /// The most spaces [`rewrite_in_place`] pads a shorter text with.

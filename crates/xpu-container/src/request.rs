@@ -245,7 +245,9 @@ fn nvidia_item(item: &str, inv: &Inventory, gpus: &[usize]) -> Result<usize, Str
         return gpus
             .iter()
             .copied()
-            .find(|&i| inv.devices[i].uuid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(item)))
+            .find(|&i| {
+                cdi::uuid_name(&inv.devices[i]).is_some_and(|u| u.eq_ignore_ascii_case(item))
+            })
             .ok_or_else(|| format!("no NVIDIA GPU has UUID {item}"));
     }
     if let Some(addr) = parse_bus_id(item) {

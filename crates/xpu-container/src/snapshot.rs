@@ -17,6 +17,12 @@
 //!
 //! The file is not named `*.json`: CDI loaders read every JSON and YAML file of their
 //! directories as a spec.
+//!
+//! Every container start that asks for devices reads it, through the shim or the hook, so it
+//! is read with [`crate::fsutil::read_regular`] (one `open` with `O_NONBLOCK` and one `fstat`,
+//! as before): something else at its name (a FIFO, which would block every start, a link to a
+//! device, a directory, a file over [`MAX_BYTES`]) is passed over with a warning
+//! ([`load_noting`]), and the shim discovers.
 
 use std::path::{Path, PathBuf};
 
@@ -24,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use xpu_core::driver::{Capabilities, DriverFiles};
 use xpu_core::{Inventory, PciDevice};
 
+use crate::fsutil::ReadError;
 use crate::request::Wanted;
 
 /// The snapshot's file name in a CDI directory.
@@ -36,7 +43,7 @@ pub const DEFAULT_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 pub const FORMAT: u32 = 1;
 /// Largest snapshot read: a host with hundreds of devices and every driver file is a few
 /// hundred KiB.
-const MAX_BYTES: u64 = 4 << 20;
+pub const MAX_BYTES: u64 = 4 << 20;
 
 /// What the shim needs of the host, as discovered when the snapshot was written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -112,28 +119,128 @@ fn prune(v: &mut serde_json::Value) {
 /// The first snapshot found in `dirs` that reads as one of this [`FORMAT`], with its path.
 /// Missing, unreadable, oversized or foreign files are passed over: the caller discovers.
 pub fn load(dirs: &[PathBuf]) -> Option<(PathBuf, HostSnapshot)> {
+    load_noting(dirs, &mut Vec::new())
+}
+
+/// [`load`], with a warning in `warnings` for each file passed over that is there but is not a
+/// readable regular file of at most [`MAX_BYTES`] (a FIFO, a link to a device, a directory, a
+/// huge file): someone put it there, and every container start pays for it with a discovery.
+/// A missing file, or one of another format, is passed over silently.
+pub fn load_noting(
+    dirs: &[PathBuf],
+    warnings: &mut Vec<String>,
+) -> Option<(PathBuf, HostSnapshot)> {
     dirs.iter().find_map(|d| {
         let path = d.join(FILE_NAME);
-        let snap = read(&path)?;
+        let snap = read(&path, warnings)?;
         Some((path, snap))
     })
 }
 
-fn read(path: &Path) -> Option<HostSnapshot> {
-    use std::io::Read;
-    let f = std::fs::File::open(path).ok()?;
-    // Sized from the file's length: one read of it rather than a doubling series from 32 bytes.
-    // The limit still holds if the file grows meanwhile.
-    let len = f.metadata().ok()?.len();
-    if len > MAX_BYTES {
-        return None;
-    }
-    let mut bytes = Vec::with_capacity(len as usize + 1);
-    f.take(MAX_BYTES + 1).read_to_end(&mut bytes).ok()?;
-    if bytes.len() as u64 > MAX_BYTES {
-        return None;
-    }
+fn read(path: &Path, warnings: &mut Vec<String>) -> Option<HostSnapshot> {
+    let bytes = match crate::fsutil::read_regular(path, MAX_BYTES) {
+        Ok(b) => b,
+        Err(ReadError::Missing) => return None,
+        Err(e) => {
+            warnings.push(format!(
+                "host snapshot {}: {e}; not used (the host is discovered instead): remove it and run xpu cdi generate",
+                path.display()
+            ));
+            return None;
+        }
+    };
     // Checked as UTF-8 once, in bulk, rather than string by string as `from_slice` does.
     let snap: HostSnapshot = serde_json::from_str(std::str::from_utf8(&bytes).ok()?).ok()?;
     (snap.format == FORMAT).then_some(snap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    fn snapshot() -> HostSnapshot {
+        HostSnapshot {
+            format: FORMAT,
+            key: "k".to_owned(),
+            inventory: Inventory::default(),
+            driver_files: DriverFiles::default(),
+        }
+    }
+
+    /// `load_noting(dirs)` on a thread: the test fails if it blocks (a FIFO without a writer
+    /// blocks a plain `open` for ever), rather than hanging.
+    fn load_promptly(dirs: Vec<PathBuf>) -> (Option<(PathBuf, HostSnapshot)>, Vec<String>) {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut w = Vec::new();
+            let found = load_noting(&dirs, &mut w);
+            // The receiver is gone only when the test already failed.
+            let _ = tx.send((found, w));
+        });
+        rx.recv_timeout(Duration::from_secs(60)).expect("loading the snapshot blocked")
+    }
+
+    /// Issue 12: a FIFO (or a link to a device, a directory, a huge file) where the snapshot
+    /// should be is passed over at once with a warning naming it, and the next directory's
+    /// snapshot is used.
+    #[test]
+    fn a_snapshot_that_is_not_a_regular_file_is_passed_over_with_a_warning() {
+        let first = tempfile::tempdir().unwrap();
+        let second = tempfile::tempdir().unwrap();
+        std::fs::write(second.path().join(FILE_NAME), snapshot().to_json()).unwrap();
+        let at = first.path().join(FILE_NAME);
+        type Plant = fn(&Path);
+        let traps: [(Plant, &str); 5] = [
+            (
+                |p| {
+                    let mode = rustix::fs::Mode::from_raw_mode(0o644);
+                    let fifo = rustix::fs::FileType::Fifo;
+                    rustix::fs::mknodat(rustix::fs::CWD, p, fifo, mode, 0).unwrap();
+                },
+                "is a FIFO, not a regular file",
+            ),
+            (
+                |p| std::os::unix::fs::symlink("/dev/zero", p).unwrap(),
+                "is a character device, not a regular file",
+            ),
+            (|p| std::fs::create_dir(p).unwrap(), "is a directory, not a regular file"),
+            // Sparse: 3 GB that cost no disk.
+            (
+                |p| std::fs::File::create(p).unwrap().set_len(3 << 30).unwrap(),
+                "is too large: more than 4194304 bytes",
+            ),
+            (
+                |p| {
+                    let l = std::os::unix::net::UnixListener::bind(p).unwrap();
+                    // The socket file stays when the listener is closed.
+                    drop(l);
+                },
+                "is a socket or a device, not a regular file",
+            ),
+        ];
+        for (plant, said) in traps {
+            let _ = std::fs::remove_file(&at);
+            let _ = std::fs::remove_dir(&at);
+            plant(&at);
+            let dirs = vec![first.path().to_owned(), second.path().to_owned()];
+            let (found, warnings) = load_promptly(dirs);
+            let (path, snap) = found.expect("the second directory's snapshot");
+            assert_eq!((path, snap), (second.path().join(FILE_NAME), snapshot()));
+            let [w] = warnings.as_slice() else { panic!("one warning: {warnings:?}") };
+            assert!(w.contains(&at.display().to_string()) && w.contains(said), "{said}: {w}");
+            // Alone, it is no snapshot at all.
+            let (found, warnings) = load_promptly(vec![first.path().to_owned()]);
+            assert!(found.is_none() && warnings.len() == 1, "{said}");
+        }
+        // Missing and foreign files are passed over without a word.
+        std::fs::remove_file(&at).unwrap();
+        let (found, warnings) = load_promptly(vec![first.path().to_owned()]);
+        assert!(found.is_none() && warnings.is_empty());
+        std::fs::write(&at, "{\"format\": 0}").unwrap();
+        let (found, warnings) = load_promptly(vec![first.path().to_owned()]);
+        assert!(found.is_none() && warnings.is_empty());
+    }
 }

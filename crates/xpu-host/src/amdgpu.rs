@@ -7,8 +7,9 @@
 //! - `ras/umc_err_count` (`ue: N` / `ce: N`, the memory controller's RAS counters) where the
 //!   kernel exposes RAS.
 //!
-//! A missing file leaves its value unknown; a file with garbage in it (or unreadable) also
-//! gives a warning naming the file.
+//! A missing file leaves its value unknown; a file with garbage in it (or unreadable: a FIFO, a
+//! link to a device, more than a page, see [`Root::read_bounded`]) also gives a warning naming
+//! the file.
 
 use std::path::{Path, PathBuf};
 
@@ -49,7 +50,7 @@ pub fn read(root: &Root, addr: &PciAddress, warnings: &mut Vec<String>) -> Amdgp
         s.mclk_hz = num(&hw.join("freq2_input"), warnings);
     }
     let ras = dev.join("ras/umc_err_count");
-    match read_attr(&ras) {
+    match read_attr(root, &ras) {
         Attr::Value(text) => match parse_ras(&text) {
             Some(c) => s.umc_errors = Some(c),
             None => warnings.push(format!(
@@ -65,7 +66,7 @@ pub fn read(root: &Root, addr: &PciAddress, warnings: &mut Vec<String>) -> Amdgp
 }
 
 fn read_num(root: &Root, path: &Path, warnings: &mut Vec<String>) -> Option<u64> {
-    match read_attr(path) {
+    match read_attr(root, path) {
         Attr::Value(s) => match s.parse::<u64>() {
             Ok(v) => Some(v),
             Err(_) => {

@@ -12,11 +12,14 @@
 //!   programs; libvirt probes the BPF syscall, which xpu cannot do under a fixture root, so it
 //!   assumes a kernel with cgroup v2 has it).
 //!
-//! Both hierarchies are read on hybrid hosts and their controllers combined.
+//! Both hierarchies are read on hybrid hosts and their controllers combined. Files are read
+//! with [`Root::read_bounded`]; one that cannot be (a FIFO, a link to a device, too large)
+//! reads as empty, with a warning from [`detect_noting`].
 
 use std::collections::BTreeSet;
 
 use crate::Root;
+use crate::root::{ATTR_MAX, ReadError, TEXT_MAX};
 
 /// Controller names as libvirt prints them.
 const V1_CONTROLLERS: [&str; 14] = [
@@ -72,10 +75,28 @@ impl Cgroups {
 
 /// Reads the mount table and the process's cgroup under `root`.
 pub fn detect(root: &Root) -> Cgroups {
-    let mounts = std::fs::read_to_string(root.path("/proc/self/mounts"))
-        .or_else(|_| std::fs::read_to_string(root.path("/proc/mounts")))
+    detect_noting(root, &mut Vec::new())
+}
+
+/// [`detect`], with a warning in `w` for each file that is there but cannot be read.
+pub fn detect_noting(root: &Root, w: &mut Vec<String>) -> Cgroups {
+    // `Err`: missing; `Ok(None)`: there but unreadable (warned).
+    let mut read = |p: &str, limit: u64| -> Result<Option<String>, ()> {
+        match root.read_bounded(&root.path(p), limit) {
+            Ok(b) => Ok(Some(String::from_utf8_lossy(&b).into_owned())),
+            Err(ReadError::Missing) => Err(()),
+            Err(e) => {
+                w.push(format!("{p}: {e}; taken as empty"));
+                Ok(None)
+            }
+        }
+    };
+    let mounts = read("/proc/self/mounts", TEXT_MAX)
+        .or_else(|()| read("/proc/mounts", TEXT_MAX))
+        .ok()
+        .flatten()
         .unwrap_or_default();
-    let self_cgroup = std::fs::read_to_string(root.path("/proc/self/cgroup")).unwrap_or_default();
+    let self_cgroup = read("/proc/self/cgroup", TEXT_MAX).ok().flatten().unwrap_or_default();
     let mut controllers = BTreeSet::new();
     let mut v1 = false;
     let mut v2 = false;
@@ -93,9 +114,10 @@ pub fn detect(root: &Root) -> Cgroups {
             }
             "cgroup2" => {
                 let mount_point = unescape_mount(mount_point);
-                let top =
-                    std::fs::read_to_string(root.path(format!("{mount_point}/cgroup.controllers")))
-                        .unwrap_or_default();
+                let top = read(&format!("{mount_point}/cgroup.controllers"), ATTR_MAX)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default();
                 if top.trim().is_empty() {
                     continue;
                 }
@@ -105,10 +127,10 @@ pub fn detect(root: &Root) -> Cgroups {
                     .find_map(|l| l.strip_prefix("0::"))
                     .unwrap_or("/")
                     .trim_end_matches('/');
-                let own = std::fs::read_to_string(
-                    root.path(format!("{mount_point}{placement}/cgroup.controllers")),
-                )
-                .unwrap_or(top);
+                let own = read(&format!("{mount_point}{placement}/cgroup.controllers"), ATTR_MAX)
+                    .ok()
+                    .flatten()
+                    .unwrap_or(top);
                 for c in own.split_whitespace() {
                     controllers.insert(if c == "io" { "blkio".to_owned() } else { c.to_owned() });
                 }

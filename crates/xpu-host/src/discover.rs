@@ -8,7 +8,9 @@
 //!
 //! A host is never perfect: a file that is missing, unreadable or not what the kernel would
 //! write makes that one field `null` and adds a warning naming the file; it never aborts the
-//! listing. Only a root that does not exist is an error.
+//! listing. Only a root that does not exist is an error. Every file is read with
+//! [`Root::read_bounded`]: a root is untrusted, and an attribute that is a FIFO, a link to a
+//! device or larger than a page is refused (a warning) rather than read.
 //!
 //! Cost is kept low for the default view: the cheap attributes (ids, class, IOMMU group) are read
 //! for every function to find the accelerators and their group peers, and the rest only for the
@@ -26,7 +28,6 @@ use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, Mode, OFlags};
-use rustix::io::Errno;
 
 use xpu_core::accel::{self, DeviceKind, VENDOR_AMD, VENDOR_NVIDIA};
 use xpu_core::inventory::{HostInfo, Inventory, Link, PciDevice, SriovType};
@@ -34,6 +35,7 @@ use xpu_core::pci::{PciAddress, parse_sysfs_hex};
 
 use crate::modalias::{self, ModuleAliases};
 use crate::pciids::{self, PciNames};
+use crate::root::{ATTR_MAX, ReadError, TEXT_MAX};
 use crate::{Root, devnode};
 
 /// Which functions to describe fully.
@@ -173,7 +175,7 @@ fn read(
         }
     });
     for d in &mut devices {
-        let dev = Dev::open(dir.join(d.address.to_string()));
+        let dev = Dev::open(root, dir.join(d.address.to_string()));
         read_details(root, &dev, d, aliases.as_ref(), detail, &mut w);
     }
     if detail == Detail::Full && !opts.skip_names && !devices.is_empty() {
@@ -197,76 +199,57 @@ impl Warnings {
 pub(crate) enum Attr {
     Missing,
     Value(String),
-    Unreadable(std::io::Error),
+    /// Unreadable, or refused by the bounded reader (a FIFO, a device, more than a page).
+    Unreadable(ReadError),
 }
 
-pub(crate) fn read_attr(path: &Path) -> Attr {
-    match read_small(path) {
-        Ok(bytes) => Attr::Value(String::from_utf8_lossy(&bytes).trim().to_owned()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Attr::Missing,
-        Err(e) => Attr::Unreadable(e),
-    }
-}
-
-/// A small file's content, read to its end. Unlike `std::fs::read` it does not `stat` the file
-/// for a size hint: sysfs reports 4096 bytes for every attribute, and the `stat` is a fifth of
-/// the system calls of a discovery.
-fn read_small(path: &Path) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
-    let mut buf = [0u8; 1024];
-    let mut out = Vec::new();
-    loop {
-        match f.read(&mut buf) {
-            Ok(0) => return Ok(out),
-            Ok(n) => out.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+impl From<Result<Vec<u8>, ReadError>> for Attr {
+    fn from(r: Result<Vec<u8>, ReadError>) -> Attr {
+        match r {
+            Ok(bytes) => Attr::Value(String::from_utf8_lossy(&bytes).trim().to_owned()),
+            Err(ReadError::Missing) => Attr::Missing,
+            Err(e) => Attr::Unreadable(e),
         }
     }
+}
+
+/// A sysfs attribute or small `/proc` file (a page at most) at real path `path` under `root`.
+pub(crate) fn read_attr(root: &Root, path: &Path) -> Attr {
+    root.read_bounded(path, ATTR_MAX).into()
 }
 
 /// A function's sysfs directory: its path (for messages and directory listings) and, when it
 /// opens, a descriptor its attributes are opened from, so that the kernel walks the long path
 /// under the root (and the `devices/<address>` symlink) once per function instead of once per
 /// attribute.
-struct Dev {
+struct Dev<'r> {
+    root: &'r Root,
     path: PathBuf,
     fd: Option<OwnedFd>,
 }
 
-impl Dev {
-    fn open(path: PathBuf) -> Dev {
+impl<'r> Dev<'r> {
+    fn open(root: &'r Root, path: PathBuf) -> Dev<'r> {
         let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
         let fd = rustix::fs::open(&path, flags, Mode::empty()).ok();
-        Dev { path, fd }
+        Dev { root, path, fd }
     }
 
     fn join(&self, name: &str) -> PathBuf {
         self.path.join(name)
     }
 
+    /// File `name` of the function, at most `limit` bytes (see [`Root::read_bounded`]).
+    fn read(&self, name: &str, limit: u64) -> Result<Vec<u8>, ReadError> {
+        match &self.fd {
+            Some(fd) => self.root.read_bounded_at(fd, name, limit),
+            None => self.root.read_bounded(&self.join(name), limit),
+        }
+    }
+
     /// Attribute `name`, as [`read_attr`] reads it.
     fn attr(&self, name: &str) -> Attr {
-        let Some(fd) = &self.fd else { return read_attr(&self.join(name)) };
-        let bytes = rustix::fs::openat(fd, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
-            .and_then(|f| {
-                let mut buf = [0u8; 1024];
-                let mut out = Vec::new();
-                loop {
-                    match rustix::io::read(&f, &mut buf) {
-                        Ok(0) => return Ok(out),
-                        Ok(n) => out.extend_from_slice(&buf[..n]),
-                        Err(Errno::INTR) => {}
-                        Err(e) => return Err(e),
-                    }
-                }
-            });
-        match bytes {
-            Ok(bytes) => Attr::Value(String::from_utf8_lossy(&bytes).trim().to_owned()),
-            Err(Errno::NOENT) => Attr::Missing,
-            Err(e) => Attr::Unreadable(std::io::Error::from_raw_os_error(e.raw_os_error())),
-        }
+        self.read(name, ATTR_MAX).into()
     }
 
     /// The target of link `name`.
@@ -367,7 +350,7 @@ fn read_basic(
     root: &Root,
     only: Option<&[Wanted]>,
 ) -> Option<PciDevice> {
-    let dev = &Dev::open(dev);
+    let dev = &Dev::open(root, dev);
     let mut d = PciDevice::new(addr);
     let id16 = |v: Option<u32>| v.and_then(|v| u16::try_from(v).ok());
     d.vendor_id = id16(hex_attr(root, dev, "vendor", true, w));
@@ -427,7 +410,7 @@ fn read_details(
     d.subsystem_device_id = id16(hex_attr(root, dev, "subsystem_device", true, w));
     d.revision = hex_attr(root, dev, "revision", false, w)
         .and_then(|v| u8::try_from(v).ok())
-        .or_else(|| revision_from_config(dev));
+        .or_else(|| revision_from_config(root, dev, w));
     d.driver = link_name(root, dev, "driver", w);
 
     if let Some(aliases) = aliases {
@@ -463,15 +446,30 @@ fn read_details(
     };
 
     if d.vendor_id == Some(VENDOR_AMD) && d.kind == DeviceKind::Gpu {
-        d.interconnect_domain = xgmi_hive(&dev.path);
+        d.interconnect_domain = match dev.attr("xgmi_hive_info/xgmi_hive_id") {
+            Attr::Value(s) => hive_domain(&s),
+            Attr::Missing => None,
+            Attr::Unreadable(e) => {
+                let path = dev.join("xgmi_hive_info/xgmi_hive_id");
+                w.push(format!("{}: {e}; field left null", root.display(&path)));
+                None
+            }
+        };
     }
     read_dev_nodes(root, dev, d, w);
 }
 
-/// Revision from config space byte 8, for kernels without the `revision` attribute.
-fn revision_from_config(dev: &Dev) -> Option<u8> {
-    let bytes = std::fs::read(dev.join("config")).ok()?;
-    bytes.get(8).copied()
+/// Revision from config space byte 8, for kernels without the `revision` attribute. Config
+/// space is 256 bytes, 4096 with PCIe's extended space.
+fn revision_from_config(root: &Root, dev: &Dev, w: &mut Warnings) -> Option<u8> {
+    match dev.read("config", ATTR_MAX) {
+        Ok(bytes) => bytes.get(8).copied(),
+        Err(ReadError::Missing) => None,
+        Err(e) => {
+            w.push(format!("{}: {e}; field left null", root.display(&dev.join("config"))));
+            None
+        }
+    }
 }
 
 /// `16.0 GT/s PCIe` (newer kernels) or `16 GT/s` → `16.0 GT/s`; `Unknown` → null.
@@ -502,13 +500,30 @@ fn read_dev_nodes(root: &Root, dev: &Dev, d: &mut PciDevice, w: &mut Warnings) {
     // NVIDIA: the driver publishes each GPU's minor number and UUID under /proc.
     if d.vendor_id == Some(VENDOR_NVIDIA) && d.kind == DeviceKind::Gpu {
         let info_path = root.path(format!("/proc/driver/nvidia/gpus/{}/information", d.address));
-        if let Attr::Value(info) = read_attr(&info_path) {
+        let info = match read_attr(root, &info_path) {
+            Attr::Value(info) => Some(info),
+            Attr::Missing => None,
+            Attr::Unreadable(e) => {
+                w.push(format!("{}: {e}; UUID and device node unknown", root.display(&info_path)));
+                None
+            }
+        };
+        if let Some(info) = info {
             let field = |key: &str| {
                 info.lines()
                     .find_map(|l| l.strip_prefix(key).map(|v| v.trim_start_matches(':').trim()))
                     .map(str::to_owned)
             };
-            d.uuid = field("GPU UUID").filter(|u| u.starts_with("GPU-"));
+            d.uuid = field("GPU UUID").and_then(|u| {
+                if is_gpu_uuid(&u) {
+                    return Some(u);
+                }
+                w.push(format!(
+                    "{}: GPU UUID {u:?} is not a UUID the driver writes (GPU- and letters, digits, '-'); field left null",
+                    root.display(&info_path)
+                ));
+                None
+            });
             match field("Device Minor").map(|m| m.parse::<u32>()) {
                 Some(Ok(minor)) => nodes.push(format!("/dev/nvidia{minor}")),
                 Some(Err(_)) => {
@@ -560,10 +575,31 @@ fn read_dev_nodes(root: &Root, dev: &Dev, d: &mut PciDevice, w: &mut Warnings) {
 
 /// A small text file under the root, trimmed; `None` when missing, unreadable or empty.
 fn host_text(root: &Root, path: &str) -> Option<String> {
-    match read_attr(&root.path(path)) {
+    host_text_noting(root, path, &mut Warnings::default())
+}
+
+/// [`host_text`], with a warning when the file is there but cannot be read.
+fn host_text_noting(root: &Root, path: &str, w: &mut Warnings) -> Option<String> {
+    match read_attr(root, &root.path(path)) {
         Attr::Value(s) if !s.is_empty() => Some(s),
+        Attr::Unreadable(e) => {
+            w.push(format!("{path}: {e}; not used"));
+            None
+        }
         _ => None,
     }
+}
+
+/// Whether an NVIDIA GPU UUID is what the driver writes (`GPU-` and a UUID's hex digits and
+/// dashes; letters and digits are taken): the UUID becomes a CDI device name and a label
+/// value, so one from an untrusted tree (`GPU-x",evil="1"} 666`) must not pass.
+fn is_gpu_uuid(u: &str) -> bool {
+    u.len() <= 64
+        && u.strip_prefix("GPU-").is_some_and(|rest| {
+            !rest.is_empty()
+                && rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && rest.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric())
+        })
 }
 
 /// Whether a snapshot of the host's accelerators (`xpu cdi generate` writes one beside its CDI
@@ -629,20 +665,28 @@ pub fn hostname(root: &Root) -> Option<String> {
 }
 
 fn read_host(root: &Root, detail: Detail, w: &mut Warnings) -> HostInfo {
-    let text = |p: &str| host_text(root, p);
-    let nvidia_driver_version = text("/proc/driver/nvidia/version").and_then(|v| {
-        let found = nvidia_version(&v);
-        if found.is_none() {
-            w.push("/proc/driver/nvidia/version: no driver version found".to_owned());
-        }
-        found
-    });
+    let nvidia_driver_version =
+        host_text_noting(root, "/proc/driver/nvidia/version", w).and_then(|v| {
+            let found = nvidia_version(&v);
+            if found.is_none() {
+                w.push("/proc/driver/nvidia/version: no driver version found".to_owned());
+            }
+            found
+        });
     let control_nodes = CONTROL_NODES.iter().filter_map(|p| devnode::stat(root, p)).collect();
     if detail == Detail::Nodes {
         // Not /proc/cpuinfo (milliseconds on a large host) nor the IOMMU group count.
         return HostInfo { nvidia_driver_version, control_nodes, ..HostInfo::default() };
     }
-    let cpu_vendor = std::fs::read(root.path("/proc/cpuinfo")).ok().and_then(|b| {
+    let cpuinfo = match root.read_bounded(&root.path("/proc/cpuinfo"), TEXT_MAX) {
+        Ok(b) => Some(b),
+        Err(ReadError::Missing) => None,
+        Err(e) => {
+            w.push(format!("/proc/cpuinfo: {e}; CPU vendor unknown"));
+            None
+        }
+    };
+    let cpu_vendor = cpuinfo.and_then(|b| {
         let s = String::from_utf8_lossy(&b);
         s.lines().find(|l| l.starts_with("vendor_id")).and_then(|l| {
             match l.split(':').nth(1).map(str::trim) {
@@ -656,9 +700,11 @@ fn read_host(root: &Root, detail: Detail, w: &mut Warnings) -> HostInfo {
     let iommu_groups = std::fs::read_dir(root.path("/sys/kernel/iommu_groups"))
         .map(|d| d.flatten().count() as u32)
         .unwrap_or(0);
+    let hostname = host_text_noting(root, "/proc/sys/kernel/hostname", w)
+        .or_else(|| host_text_noting(root, "/etc/hostname", w));
     HostInfo {
-        hostname: hostname(root),
-        kernel_release: text("/proc/sys/kernel/osrelease"),
+        hostname,
+        kernel_release: host_text_noting(root, "/proc/sys/kernel/osrelease", w),
         cpu_vendor,
         iommu_groups,
         nvidia_driver_version,
@@ -728,11 +774,17 @@ fn assign_interconnect_domains(devices: &mut [PciDevice]) {
     }
 }
 
-/// The XGMI hive an AMD GPU belongs to, from `xgmi_hive_info/xgmi_hive_id`.
+/// The XGMI hive an AMD GPU belongs to, from `xgmi_hive_info/xgmi_hive_id` in its sysfs
+/// directory `dev`.
 pub fn xgmi_hive(dev: &Path) -> Option<String> {
-    let s = std::fs::read_to_string(dev.join("xgmi_hive_info/xgmi_hive_id")).ok()?;
-    let s = s.trim();
-    (!s.is_empty() && s != "0").then(|| format!("xgmi-{s}"))
+    let bytes = crate::root::read_bounded(&dev.join("xgmi_hive_info/xgmi_hive_id"), ATTR_MAX);
+    hive_domain(String::from_utf8_lossy(&bytes.ok()?).trim())
+}
+
+/// `7786335925049349010` → `xgmi-7786335925049349010`; `0` (no hive) and garbage → `None`.
+fn hive_domain(id: &str) -> Option<String> {
+    (!id.is_empty() && id != "0" && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'x'))
+        .then(|| format!("xgmi-{id}"))
 }
 
 #[cfg(test)]

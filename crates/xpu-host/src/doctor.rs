@@ -22,7 +22,9 @@
 //! `/dev/vfio` node, memlock and nofile limits (effective and configured), huge pages, THP,
 //! NVIDIA/AMD driver and nodes.
 //!
-//! Devices come from the [`Inventory`]; the other host facts are read here under the [`Root`].
+//! Devices come from the [`Inventory`]; the other host facts are read here under the [`Root`],
+//! each with [`Root::read_bounded`]: a file that is not a regular file (a FIFO, a link to a
+//! device) or is too large is a warning naming it and reads as empty.
 
 use std::collections::BTreeSet;
 
@@ -34,6 +36,7 @@ use crate::cgroups;
 use crate::limits::{self, Item, Limit, LimitsConfig, LimitsError, SoftHard, Subject};
 use crate::profile::{CpuVendor, Profile, cmdline_has};
 use crate::provision::NOFILE_WANTED;
+use crate::root::{ReadError, TEXT_MAX};
 use crate::vfio::{VFIO_DRIVER, VIABLE_DRIVERS, group_blockers};
 use crate::{Root, devnode};
 
@@ -140,8 +143,18 @@ struct Facts {
     modules: BTreeSet<String>,
 }
 
-fn read(root: &Root, p: &str) -> Option<String> {
-    std::fs::read(root.path(p)).ok().map(|b| String::from_utf8_lossy(&b).into_owned())
+/// Host file `p`; `None` when it is missing, and with a warning when it cannot be read. A
+/// link to `/dev/null` (a masked configuration file) is empty.
+fn read(root: &Root, p: &str, w: &mut Vec<String>) -> Option<String> {
+    match root.read_bounded(&root.path(p), TEXT_MAX) {
+        Ok(b) => Some(String::from_utf8_lossy(&b).into_owned()),
+        Err(ReadError::Missing) => None,
+        Err(e) if e.is_null_device() => Some(String::new()),
+        Err(e) => {
+            w.push(format!("{p}: {e}; taken as empty"));
+            None
+        }
+    }
 }
 
 fn exists(root: &Root, p: &str) -> bool {
@@ -149,8 +162,8 @@ fn exists(root: &Root, p: &str) -> bool {
 }
 
 impl Facts {
-    fn read(root: &Root) -> Facts {
-        let cpu_flags = read(root, "/proc/cpuinfo").and_then(|t| {
+    fn read(root: &Root, w: &mut Vec<String>) -> Facts {
+        let cpu_flags = read(root, "/proc/cpuinfo", w).and_then(|t| {
             // virt-host-validate reads the x86 `flags` lines; other architectures have none.
             let mut lines = t.lines().filter(|l| l.starts_with("flags")).peekable();
             lines.peek()?;
@@ -161,8 +174,8 @@ impl Facts {
                     .collect(),
             )
         });
-        let cmdline = read(root, "/proc/cmdline").unwrap_or_default();
-        let mut modules: BTreeSet<String> = read(root, "/proc/modules")
+        let cmdline = read(root, "/proc/cmdline", w).unwrap_or_default();
+        let mut modules: BTreeSet<String> = read(root, "/proc/modules", w)
             .unwrap_or_default()
             .lines()
             .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
@@ -198,9 +211,9 @@ fn effective_profiles(profile: Profile, inv: &Inventory) -> Vec<Profile> {
 pub fn run(root: &Root, inv: &Inventory, profile: Profile) -> Result<Report, DoctorError> {
     let profiles = effective_profiles(profile, inv);
     let has = |p: Profile| profiles.contains(&p);
-    let facts = Facts::read(root);
-    let mut c = Checks { list: Vec::new() };
     let mut warnings = inv.warnings.clone();
+    let facts = Facts::read(root, &mut warnings);
+    let mut c = Checks { list: Vec::new() };
     let apply_fix = |p: Profile| format!("xpu host apply --profile {p}");
     let main_vfio = if has(Profile::VfioHost) { Profile::VfioHost } else { Profile::TpuVm };
 
@@ -208,7 +221,7 @@ pub fn run(root: &Root, inv: &Inventory, profile: Profile) -> Result<Report, Doc
         kvm_checks(root, &facts, &mut c);
     }
     if has(Profile::VfioHost) || has(Profile::ContainerHost) {
-        cgroup_checks(root, &profiles, &mut c);
+        cgroup_checks(root, &profiles, &mut c, &mut warnings);
     }
     let vfio_wanted = has(Profile::VfioHost) || has(Profile::TpuVm);
     if vfio_wanted {
@@ -282,7 +295,7 @@ pub fn run(root: &Root, inv: &Inventory, profile: Profile) -> Result<Report, Doc
         }
     }
     if has(Profile::VfioHost) && inv.accelerators().any(|d| d.vendor_id == Some(VENDOR_NVIDIA)) {
-        let found = blacklisted(root, &facts.cmdline, "nouveau");
+        let found = blacklisted(root, &facts.cmdline, "nouveau", &mut warnings);
         c.verdict(
             "vfio.blacklist.nouveau",
             "VFIO",
@@ -301,7 +314,7 @@ pub fn run(root: &Root, inv: &Inventory, profile: Profile) -> Result<Report, Doc
     limits_checks(root, &profiles, &mut c, &mut warnings)?;
 
     if has(Profile::VfioHost) {
-        let total = read(root, "/proc/meminfo").and_then(|m| {
+        let total = read(root, "/proc/meminfo", &mut warnings).and_then(|m| {
             m.lines()
                 .find_map(|l| l.strip_prefix("HugePages_Total:"))
                 .and_then(|v| v.trim().parse::<u64>().ok())
@@ -319,7 +332,8 @@ pub fn run(root: &Root, inv: &Inventory, profile: Profile) -> Result<Report, Doc
         );
     }
     if has(Profile::TpuVm) {
-        let thp = read(root, "/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+        let thp = read(root, "/sys/kernel/mm/transparent_hugepage/enabled", &mut warnings)
+            .unwrap_or_default();
         let current = thp
             .split_whitespace()
             .find_map(|w| w.strip_prefix('[').and_then(|w| w.strip_suffix(']')))
@@ -386,8 +400,8 @@ fn kvm_checks(root: &Root, facts: &Facts, c: &mut Checks) {
     );
 }
 
-fn cgroup_checks(root: &Root, profiles: &[Profile], c: &mut Checks) {
-    let cg = cgroups::detect(root);
+fn cgroup_checks(root: &Root, profiles: &[Profile], c: &mut Checks, w: &mut Vec<String>) {
+    let cg = cgroups::detect_noting(root, w);
     let container = profiles.contains(&Profile::ContainerHost);
     let vfio = profiles.contains(&Profile::VfioHost);
     // virt-host-validate's order (libvirt's controller enum).
@@ -459,7 +473,7 @@ fn iommu_checks(root: &Root, inv: &Inventory, facts: &Facts, apply_fix: &str, c:
 }
 
 /// Where `driver` is blacklisted: a modprobe.d file or the kernel command line.
-fn blacklisted(root: &Root, cmdline: &str, driver: &str) -> Option<String> {
+fn blacklisted(root: &Root, cmdline: &str, driver: &str, w: &mut Vec<String>) -> Option<String> {
     for tok in cmdline.split_whitespace() {
         if let Some(list) = tok
             .strip_prefix("modprobe.blacklist=")
@@ -479,7 +493,7 @@ fn blacklisted(root: &Root, cmdline: &str, driver: &str) -> Option<String> {
         names.sort();
         for n in names {
             let path = format!("{dir}/{n}");
-            let Some(text) = read(root, &path) else { continue };
+            let Some(text) = read(root, &path, w) else { continue };
             let hit = text.lines().any(|l| {
                 let f: Vec<&str> = l.split_whitespace().collect();
                 matches!(f[..], ["blacklist", m] if m == driver)
@@ -746,7 +760,14 @@ fn limits_checks(
             ok(sh.soft) && ok(sh.hard)
         };
         let name = item.conf_name();
-        let eff = limits::effective(root, item);
+        let eff = limits::effective(root, item).unwrap_or_else(|e| {
+            // Once for both items.
+            let e = e.to_string();
+            if !warnings.contains(&e) {
+                warnings.push(e);
+            }
+            None
+        });
         c.verdict(format!("limits.{name}.effective"), "LIMITS", format!("for {name} {want_text} in this session"), (eff.is_some_and(meets), Status::Warn), Some(eff.map_or("cannot read /proc/self/limits".to_owned(), |sh| {
                 // memlock is in bytes in /proc and KiB in limits.conf; show what /proc says.
                 show(sh)

@@ -16,7 +16,9 @@
 //! to contribute; containers get their device nodes only.
 //!
 //! Missing files are normal (a compute-only host has no graphics libraries) and are skipped
-//! silently; unreadable directories and a garbled linker cache are warnings.
+//! silently; unreadable directories and a garbled linker cache are warnings. Files are read
+//! with [`Root::read_bounded`] (the linker cache) and [`Root::read_head`] (an ELF header): a
+//! FIFO or a link to a device where a file should be is never read.
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;
@@ -27,6 +29,7 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use xpu_core::driver::{Capabilities, Capability, DriverFile, DriverFiles, DriverVendor, FileKind};
 
 use crate::Root;
+use crate::root::{ReadError, TEXT_MAX};
 
 /// NVIDIA's libraries by capability (the stem before the version: `libcuda.so`).
 const NVIDIA_LIBRARIES: &[(Capability, &[&str])] = &[
@@ -185,7 +188,7 @@ pub fn find_for(root: &Root, driver_version: Option<&str>, caps: Capabilities) -
             // The program itself, not a shell wrapper in front of it (some images put a script
             // in /usr/bin that execs /usr/local/nvidia/bin/nvidia-smi): a wrapper bound into a
             // container execs a path the container does not have.
-            let elf = found.iter().find(|p| is_elf(&s.root.path(s.resolve(p))));
+            let elf = found.iter().find(|p| is_elf(s.root, &s.root.path(s.resolve(p))));
             if let Some(path) = elf.or(found.first()).cloned() {
                 files.push(DriverFile {
                     vendor: DriverVendor::Nvidia,
@@ -264,7 +267,16 @@ impl<'a> Search<'a> {
 
     fn load_cache(&mut self) -> Option<LdCache> {
         let path = self.root.path(LD_SO_CACHE);
-        let bytes = std::fs::read(&path).ok()?;
+        let bytes = match self.root.read_bounded(&path, TEXT_MAX) {
+            Ok(b) => b,
+            Err(ReadError::Missing) => return None,
+            Err(e) => {
+                self.warnings.push(format!(
+                    "{LD_SO_CACHE}: {e}; searching the usual library directories only"
+                ));
+                return None;
+            }
+        };
         match LdCache::parse(&bytes) {
             Ok(c) => Some(c),
             Err(e) => {
@@ -382,7 +394,7 @@ impl<'a> Search<'a> {
             links.sort();
             let path = format!("{dir}/{file}");
             // A 64-bit search must not pick up a 32-bit build from /usr/lib and the reverse.
-            if !elf_class_matches(&self.root.path(&path), bits32) {
+            if !elf_class_matches(self.root, &self.root.path(&path), bits32) {
                 continue;
             }
             let mut container_paths = vec![path.clone()];
@@ -452,12 +464,9 @@ impl Search<'_> {
     }
 }
 
-/// Whether the file starts with the ELF magic number.
-fn is_elf(path: &Path) -> bool {
-    use std::io::Read as _;
-    let mut magic = [0u8; 4];
-    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok()
-        && magic == *b"\x7fELF"
+/// Whether the file (a regular one) starts with the ELF magic number.
+fn is_elf(root: &Root, path: &Path) -> bool {
+    root.read_head(path, 4).is_ok_and(|magic| magic == *b"\x7fELF")
 }
 
 /// The regular file in `listing` that is the build of `stem`: `stem.<version>` when the driver
@@ -497,14 +506,13 @@ fn resolves_to(listing: &Listing, name: &str, file: &str, depth: u8) -> bool {
 
 /// ELF class check (byte 4: 1 = 32-bit, 2 = 64-bit). Files that are not ELF (fixtures, scripts)
 /// are accepted: only a real mismatch is skipped.
-fn elf_class_matches(path: &Path, bits32: bool) -> bool {
-    use std::io::Read;
-    let mut head = [0u8; 5];
-    let read = std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head));
-    if read.is_err() || &head[..4] != b"\x7fELF" {
-        return true;
+fn elf_class_matches(root: &Root, path: &Path, bits32: bool) -> bool {
+    match root.read_head(path, 5) {
+        Ok(head) if head.len() == 5 && head[..4] == *b"\x7fELF" => {
+            head[4] == if bits32 { 1 } else { 2 }
+        }
+        _ => true,
     }
-    head[4] == if bits32 { 1 } else { 2 }
 }
 
 /// The dynamic linker's cache (`/etc/ld.so.cache`, glibc's `glibc-ld.so.cache1.1` format):

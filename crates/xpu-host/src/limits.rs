@@ -18,9 +18,8 @@
 //! A configuration file that exists but cannot be read is an error naming the file: a readiness
 //! verdict built on a file we could not read would be a guess.
 
-use std::path::{Path, PathBuf};
-
 use crate::Root;
+use crate::root::{MAX_READ, ReadError, TEXT_MAX};
 
 /// One limit value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -98,10 +97,12 @@ pub fn parse_proc_limits(text: &str, item: Item) -> Option<SoftHard> {
 }
 
 /// The effective limits of the running process, or under a fixture root the file the fixture
-/// provides at `ROOT/proc/self/limits`. `None` when there is no such file.
-pub fn effective(root: &Root, item: Item) -> Option<SoftHard> {
-    let text = std::fs::read_to_string(root.path("/proc/self/limits")).ok()?;
-    parse_proc_limits(&text, item)
+/// provides at `ROOT/proc/self/limits`. `None` when there is no such file or no such line; an
+/// error when the file is there but cannot be read (a FIFO, a link to a device, too large).
+pub fn effective(root: &Root, item: Item) -> Result<Option<SoftHard>, LimitsError> {
+    const PROC_LIMITS: &str = "/proc/self/limits";
+    let Some(text) = read_text(PROC_LIMITS, root, TEXT_MAX)? else { return Ok(None) };
+    Ok(parse_proc_limits(&text, item))
 }
 
 /// A configuration file that exists but cannot be read.
@@ -145,14 +146,17 @@ pub struct LimitsConfig {
 pub const LIMITS_CONF: &str = "/etc/security/limits.conf";
 pub const LIMITS_D: &str = "/etc/security/limits.d";
 
-fn read_text(host_path: &str, real: &Path) -> Result<Option<String>, LimitsError> {
-    match std::fs::read(real) {
+/// Host file `host_path` under `root`, at most `limit` bytes; `None` when it does not exist. A
+/// link to `/dev/null` (a masked file) is empty, as pam_limits reads it.
+fn read_text(host_path: &str, root: &Root, limit: u64) -> Result<Option<String>, LimitsError> {
+    match root.read_bounded(&root.path(host_path), limit) {
         Ok(bytes) => String::from_utf8(bytes).map(Some).map_err(|e| LimitsError {
             path: host_path.to_owned(),
             error: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
         }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(LimitsError { path: host_path.to_owned(), error: source }),
+        Err(ReadError::Missing) => Ok(None),
+        Err(e) if e.is_null_device() => Ok(Some(String::new())),
+        Err(e) => Err(LimitsError { path: host_path.to_owned(), error: e.into() }),
     }
 }
 
@@ -160,8 +164,7 @@ impl LimitsConfig {
     /// Reads limits.conf and limits.d under `root`. Missing files are fine (no configuration).
     pub fn load(root: &Root) -> Result<LimitsConfig, LimitsError> {
         let mut cfg = LimitsConfig::default();
-        let mut paths: Vec<(String, PathBuf)> =
-            vec![(LIMITS_CONF.to_owned(), root.path(LIMITS_CONF))];
+        let mut paths: Vec<String> = vec![LIMITS_CONF.to_owned()];
         match std::fs::read_dir(root.path(LIMITS_D)) {
             Ok(entries) => {
                 let mut names: Vec<String> = entries
@@ -171,16 +174,13 @@ impl LimitsConfig {
                     .collect();
                 // pam_limits sorts with the C locale: byte order.
                 names.sort();
-                for n in names {
-                    let host = format!("{LIMITS_D}/{n}");
-                    paths.push((host.clone(), root.path(&host)));
-                }
+                paths.extend(names.into_iter().map(|n| format!("{LIMITS_D}/{n}")));
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(source) => return Err(LimitsError { path: LIMITS_D.to_owned(), error: source }),
         }
-        for (host, real) in paths {
-            if let Some(text) = read_text(&host, &real)? {
+        for host in paths {
+            if let Some(text) = read_text(&host, root, MAX_READ)? {
                 cfg.parse_file(&host, &text);
                 cfg.files.push(host);
             }

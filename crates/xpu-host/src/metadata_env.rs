@@ -139,8 +139,10 @@ pub fn convert(yaml: &str, path: &str) -> Result<String, MetadataEnvError> {
 /// directory renamed into place, mode 0644). Returns the number of variables written.
 pub fn run(input: &Path, output: &Path) -> Result<usize, MetadataEnvError> {
     let shown_in = input.display().to_string();
-    let bytes = std::fs::read(input)
-        .map_err(|source| MetadataEnvError::Read { path: shown_in.clone(), error: source })?;
+    // The metadata is someone else's: a regular file of configuration size, never a FIFO to
+    // block on or a device to read for ever.
+    let bytes = crate::root::read_bounded(input, crate::root::MAX_READ)
+        .map_err(|e| MetadataEnvError::Read { path: shown_in.clone(), error: e.into() })?;
     let text = String::from_utf8(bytes).map_err(|e| MetadataEnvError::Read {
         path: shown_in.clone(),
         error: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use crate::Root;
+use crate::root::TEXT_MAX;
 
 /// Parsed `pci:` aliases.
 #[derive(Debug, Default, Clone)]
@@ -27,8 +28,10 @@ pub fn find(root: &Root, release: &str) -> Option<PathBuf> {
 }
 
 impl ModuleAliases {
+    /// Reads `path` (a regular file of at most [`TEXT_MAX`] bytes: a distribution kernel's is
+    /// about 1.5 MB).
     pub fn load(path: &Path) -> std::io::Result<Self> {
-        let data = std::fs::read(path)?;
+        let data = crate::root::read_bounded(path, TEXT_MAX)?;
         Ok(Self::parse(&String::from_utf8_lossy(&data)))
     }
 

@@ -11,6 +11,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use crate::Root;
+use crate::root::TEXT_MAX;
 
 /// Where `pci.ids` lives on the distributions we know.
 pub const SEARCH_PATHS: [&str; 4] = [
@@ -54,8 +55,9 @@ impl PciNames {
 
     /// Reads `path` and keeps the names of the `devices` (vendor, device) pairs, their vendors
     /// and every class.
+    /// The file is a regular file of at most [`TEXT_MAX`] bytes (it is about 1.5 MB).
     pub fn load(path: &Path, devices: &HashSet<(u16, u16)>) -> std::io::Result<Self> {
-        let data = std::fs::read(path)?;
+        let data = crate::root::read_bounded(path, TEXT_MAX)?;
         Ok(Self::parse(&data, devices))
     }
 

@@ -23,10 +23,21 @@
 //!
 //! [`write_atomic_in`] gives paths outside any root (`xpu host metadata-env --output`) the same
 //! temporary-file rules.
+//!
+//! Everything else read under a root (sysfs attributes, `/proc` files, `pci.ids`,
+//! `modules.alias`, the linker cache, configuration files) goes through one bounded reader,
+//! [`Root::read_bounded`]: the tree is untrusted, and a FIFO would block a plain `read` for
+//! ever, a link to `/dev/zero` or a sparse 3 GB file would fill memory. It follows links (sysfs
+//! is made of them), opens with `O_NONBLOCK | O_NOCTTY`, takes only a regular file (by `fstat`
+//! of what it opened; under a root other than `/` it also looks before opening, so that a
+//! planted link never opens a device: opening `/dev/watchdog` arms it), and reads at most a
+//! limit, never trusting `st_size` (sysfs says 4096 for every attribute, `/proc` says 0):
+//! [`ATTR_MAX`] for an attribute, [`TEXT_MAX`] for a database or a large `/proc` file. Beyond
+//! it the file is refused ([`ReadError::TooLarge`]), not cut.
 
 use std::collections::VecDeque;
 use std::io::{Read as _, Write as _};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
@@ -53,6 +64,58 @@ const MAX_LINKS: usize = 40;
 /// The largest file [`Root::read_file`] reads: the files it feeds (configuration files, the
 /// VFIO state) are a few kilobytes, and an image may hold anything.
 pub const MAX_READ: u64 = 4 << 20;
+
+/// The most a sysfs attribute or a small `/proc` file holds: the one page the kernel fills for
+/// it (`sysfs_emit`; <https://docs.kernel.org/filesystems/sysfs.html>, "Reading/Writing
+/// Attribute Data").
+pub const ATTR_MAX: u64 = 4096;
+
+/// The most a host database or a large `/proc` file is read: `pci.ids` and `modules.alias` are
+/// about 1.5 MB, `/proc/cpuinfo` of a thousand CPUs as much, the linker cache far less.
+pub const TEXT_MAX: u64 = 16 << 20;
+
+/// Why [`Root::read_bounded`] gave no content. It does not name the file: the caller does
+/// (`/sys/bus/pci/devices/0000:25:00.0/vendor: is a FIFO, not a regular file`).
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("does not exist")]
+    Missing,
+    #[error("is {what}, not a regular file")]
+    NotAFile {
+        /// `a FIFO`, `a character device`, ...
+        what: &'static str,
+        /// Whether it is the null device (`/dev/null`, 1:3): a link to it is how systemd
+        /// masks a configuration file (modprobe.d(5)), which reads as empty.
+        null_device: bool,
+    },
+    #[error("is too large: more than {limit} bytes")]
+    TooLarge { limit: u64 },
+    #[error(transparent)]
+    Io(std::io::Error),
+}
+
+impl ReadError {
+    pub fn is_missing(&self) -> bool {
+        matches!(self, ReadError::Missing)
+    }
+
+    /// Whether the file is a link to `/dev/null` (a masked configuration file).
+    pub fn is_null_device(&self) -> bool {
+        matches!(self, ReadError::NotAFile { null_device: true, .. })
+    }
+}
+
+impl From<ReadError> for std::io::Error {
+    fn from(e: ReadError) -> Self {
+        use std::io::ErrorKind;
+        match e {
+            ReadError::Io(e) => e,
+            ReadError::Missing => Errno::NOENT.into(),
+            ReadError::NotAFile { .. } => std::io::Error::new(ErrorKind::InvalidInput, e),
+            ReadError::TooLarge { .. } => std::io::Error::new(ErrorKind::FileTooLarge, e),
+        }
+    }
+}
 
 /// A path under a root that cannot be read or written safely. Paths are shown as they are on
 /// this machine (`ROOT/etc/default/grub`).
@@ -316,6 +379,29 @@ impl Root {
         Ok(Some(RootFile { bytes, mode: st.st_mode & 0o7777 }))
     }
 
+    /// The regular file at `real` (a path from [`Root::path`]; links followed), at most `limit`
+    /// bytes: anything else is refused, never read (see the module documentation).
+    pub fn read_bounded(&self, real: &Path, limit: u64) -> Result<Vec<u8>, ReadError> {
+        read_in(rustix::fs::CWD, real, limit, Cut::Refuse, !self.is_host())
+    }
+
+    /// [`Root::read_bounded`] of `name` in directory `dir` (a descriptor opened under this
+    /// root; `O_PATH` will do), for many reads from one directory.
+    pub fn read_bounded_at(
+        &self,
+        dir: impl AsFd,
+        name: &str,
+        limit: u64,
+    ) -> Result<Vec<u8>, ReadError> {
+        read_in(dir, name, limit, Cut::Refuse, !self.is_host())
+    }
+
+    /// The first `len` bytes (fewer when the file is shorter) of the regular file at `real`,
+    /// with [`Root::read_bounded`]'s checks: for a magic number.
+    pub fn read_head(&self, real: &Path, len: u64) -> Result<Vec<u8>, ReadError> {
+        read_in(rustix::fs::CWD, real, len, Cut::Keep, !self.is_host())
+    }
+
     /// Whether anything (a link included, not followed) is at host path `path`.
     pub fn exists(&self, path: &str) -> Result<bool, PathError> {
         let Some(p) = self.parent(path, false)? else { return Ok(false) };
@@ -378,6 +464,110 @@ pub fn write_atomic_in(dir: &Path, name: &str, content: &[u8], mode: u32) -> Res
         rustix::fs::open(dir, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
             .map_err(|e| io("open the directory", shown.clone(), e))?;
     replace_in_named(&fd, &shown, name, &format!(".{name}.xpu-tmp"), content, mode)
+}
+
+/// [`Root::read_bounded`] for a path outside any root (a file named on the command line): the
+/// same checks, the entry always looked at before it is opened.
+pub fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ReadError> {
+    read_in(rustix::fs::CWD, path, limit, Cut::Refuse, true)
+}
+
+/// What a bounded read does past its limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    /// Refuse the file ([`ReadError::TooLarge`]).
+    Refuse,
+    /// Keep what was read up to the limit (a file's head).
+    Keep,
+}
+
+/// The bounded read: `name` in `dir`, links followed. `look`: `stat` it first and open only a
+/// regular file, so that no device is ever opened (for trees someone else made).
+fn read_in<P: rustix::path::Arg + Copy>(
+    dir: impl AsFd,
+    name: P,
+    limit: u64,
+    cut: Cut,
+    look: bool,
+) -> Result<Vec<u8>, ReadError> {
+    let dir = dir.as_fd();
+    if look {
+        match rustix::fs::statat(dir, name, AtFlags::empty()) {
+            Ok(st) => regular(&st)?,
+            Err(Errno::NOENT) => return Err(ReadError::Missing),
+            Err(e) => return Err(ReadError::Io(e.into())),
+        }
+    }
+    // O_NONBLOCK: opening a FIFO without a writer returns at once (and the fstat refuses it);
+    // O_NOCTTY: a terminal never becomes ours.
+    let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let fd = match rustix::fs::openat(dir, name, flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Err(ReadError::Missing),
+        // A socket, or a device without a driver: say which, when a look can tell.
+        Err(e @ Errno::NXIO) => {
+            return Err(match rustix::fs::statat(dir, name, AtFlags::empty()) {
+                Ok(st) => regular(&st).err().unwrap_or(ReadError::Io(e.into())),
+                Err(_) => ReadError::Io(e.into()),
+            });
+        }
+        Err(e) => return Err(ReadError::Io(e.into())),
+    };
+    let st = rustix::fs::fstat(&fd).map_err(|e| ReadError::Io(e.into()))?;
+    regular(&st)?;
+    read_to_limit(fd, u64::try_from(st.st_size).unwrap_or(0), limit, cut)
+}
+
+/// `Ok` for a regular file; what it is otherwise.
+fn regular(st: &rustix::fs::Stat) -> Result<(), ReadError> {
+    let what = match FileType::from_raw_mode(st.st_mode) {
+        FileType::RegularFile => return Ok(()),
+        FileType::Fifo => "a FIFO",
+        FileType::CharacterDevice => "a character device",
+        FileType::BlockDevice => "a block device",
+        FileType::Socket => "a socket",
+        FileType::Directory => "a directory",
+        FileType::Symlink => "a symbolic link",
+        FileType::Unknown => "of an unknown type",
+    };
+    let null_device = FileType::from_raw_mode(st.st_mode) == FileType::CharacterDevice
+        && (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev)) == (1, 3);
+    Err(ReadError::NotAFile { what, null_device })
+}
+
+/// Reads an open regular file to its end, at most `limit` bytes. The first page goes through a
+/// buffer on the stack, so a sysfs attribute (a few bytes, `st_size` 4096) costs one small
+/// allocation and two `read`s; a longer file continues into a vector sized from `size`
+/// (`st_size`, a hint only, never more than the limit).
+fn read_to_limit(fd: OwnedFd, size: u64, limit: u64, cut: Cut) -> Result<Vec<u8>, ReadError> {
+    let mut page = [0u8; 4096];
+    // One byte past the limit tells a file of exactly `limit` bytes from a longer one.
+    let want = match cut {
+        Cut::Refuse => limit.saturating_add(1),
+        Cut::Keep => limit,
+    };
+    let first = usize::try_from(want).unwrap_or(usize::MAX).min(page.len());
+    let mut filled = 0;
+    while filled < first {
+        match rustix::io::read(&fd, &mut page[filled..first]) {
+            Ok(0) => return Ok(page[..filled].to_vec()),
+            Ok(n) => filled += n,
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(ReadError::Io(e.into())),
+        }
+    }
+    let mut out = Vec::with_capacity(
+        usize::try_from(size.clamp(filled as u64, limit)).unwrap_or(filled).saturating_add(1),
+    );
+    out.extend_from_slice(&page[..filled]);
+    std::fs::File::from(fd)
+        .take(want - filled as u64)
+        .read_to_end(&mut out)
+        .map_err(ReadError::Io)?;
+    if out.len() as u64 > limit {
+        return Err(ReadError::TooLarge { limit });
+    }
+    Ok(out)
 }
 
 /// Opens one component of a directory, never following a symlink.
@@ -574,6 +764,67 @@ mod tests {
         assert_eq!(std::fs::read(dir.path().join("env")).unwrap(), b"A=1\n");
         assert_eq!(std::fs::read(&victim).unwrap(), b"victim");
         assert_eq!(mode(&victim), 0o600);
+    }
+
+    /// Issue 11: what is not a regular file is refused without being read (a FIFO would
+    /// block, `/dev/zero` never ends), whether the entry is looked at first (a root other than
+    /// `/`) or only the opened descriptor is (`/`); and nothing past the limit is read.
+    #[test]
+    fn bounded_reads_take_only_regular_files_within_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let fifo = d.join("fifo");
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, FileType::Fifo, Mode::from_raw_mode(0o644), 0)
+            .unwrap();
+        symlink("/dev/zero", d.join("zero")).unwrap();
+        symlink("/dev/null", d.join("null")).unwrap();
+        symlink("fifo", d.join("to-fifo")).unwrap();
+        std::fs::create_dir(d.join("dir")).unwrap();
+        let _sock = std::os::unix::net::UnixListener::bind(d.join("sock")).unwrap();
+        let huge = std::fs::File::create(d.join("huge")).unwrap();
+        // Sparse: 3 GB that cost no disk.
+        huge.set_len(3 << 30).unwrap();
+        std::fs::write(d.join("page"), vec![b'x'; ATTR_MAX as usize]).unwrap();
+        std::fs::write(d.join("page+1"), vec![b'x'; ATTR_MAX as usize + 1]).unwrap();
+        std::fs::write(d.join("small"), "0x10de\n").unwrap();
+
+        for look in [false, true] {
+            let read = |name: &str, limit| {
+                read_in(rustix::fs::CWD, &d.join(name), limit, Cut::Refuse, look)
+            };
+            for (name, what) in [
+                ("fifo", "a FIFO"),
+                ("to-fifo", "a FIFO"),
+                ("zero", "a character device"),
+                ("dir", "a directory"),
+                ("sock", "a socket"),
+            ] {
+                let e = read(name, ATTR_MAX).unwrap_err();
+                assert!(
+                    matches!(e, ReadError::NotAFile { what: w, null_device: false } if w == what),
+                    "{name} (look {look}): {e:?}"
+                );
+                assert_eq!(e.to_string(), format!("is {what}, not a regular file"));
+            }
+            assert!(read("null", ATTR_MAX).unwrap_err().is_null_device());
+            let e = read("huge", TEXT_MAX).unwrap_err();
+            assert!(matches!(e, ReadError::TooLarge { limit: TEXT_MAX }), "{e:?}");
+            assert!(e.to_string().starts_with("is too large: more than 16777216 bytes"), "{e}");
+            assert_eq!(read("page", ATTR_MAX).unwrap().len(), ATTR_MAX as usize);
+            assert!(matches!(read("page+1", ATTR_MAX), Err(ReadError::TooLarge { .. })));
+            assert_eq!(read("page+1", 2 * ATTR_MAX).unwrap().len(), ATTR_MAX as usize + 1);
+            assert_eq!(read("small", ATTR_MAX).unwrap(), b"0x10de\n");
+            assert!(read("absent", ATTR_MAX).unwrap_err().is_missing());
+            let head = read_in(rustix::fs::CWD, &d.join("huge"), 4, Cut::Keep, look).unwrap();
+            assert_eq!(head, [0; 4]);
+        }
+        let root = Root::new(d).unwrap();
+        assert_eq!(root.read_bounded_at(root.open_base().unwrap(), "small", 8).unwrap().len(), 7);
+        let e = std::io::Error::from(root.read_bounded(&d.join("fifo"), ATTR_MAX).unwrap_err());
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        assert_eq!(e.to_string(), "is a FIFO, not a regular file");
+        let e = std::io::Error::from(read_bounded(&d.join("huge"), ATTR_MAX).unwrap_err());
+        assert_eq!(e.kind(), std::io::ErrorKind::FileTooLarge);
     }
 
     #[test]

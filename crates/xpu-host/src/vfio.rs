@@ -138,9 +138,10 @@ pub fn read_dev_state(root: &Root, addr: &PciAddress) -> DevState {
     let driver = std::fs::read_link(root.path(format!("{dir}/driver")))
         .ok()
         .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()));
-    let driver_override = std::fs::read_to_string(root.path(format!("{dir}/driver_override")))
+    let driver_override = root
+        .read_bounded(&root.path(format!("{dir}/driver_override")), crate::root::ATTR_MAX)
         .ok()
-        .map(|s| s.trim().to_owned())
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
         .filter(|s| !s.is_empty() && s != "(null)");
     DevState { driver, driver_override }
 }

@@ -35,6 +35,8 @@ pub struct HostReader {
     /// Whether the last inventory came from the snapshot, so the driver files come from the
     /// same place.
     from_snapshot: std::cell::Cell<bool>,
+    /// The shim's log (`log_file`), for the snapshots passed over.
+    log_file: Option<std::path::PathBuf>,
 }
 
 impl HostReader {
@@ -49,6 +51,7 @@ impl HostReader {
             cdi_dirs: cfg.cdi_dirs.clone(),
             snapshot: std::cell::OnceCell::new(),
             from_snapshot: std::cell::Cell::new(false),
+            log_file: cfg.log_file.clone(),
         })
     }
 
@@ -63,7 +66,18 @@ impl HostReader {
                 if self.cdi_dirs.is_empty() {
                     return None;
                 }
-                let (_, snap) = xpu_container::snapshot::load(&self.cdi_dirs)?;
+                // A file at the snapshot's name that is not one (a FIFO, a link to a device,
+                // a huge file) is passed over at once: the start discovers, and says why on
+                // stderr and in the log, where the engine's and the admin's eyes are.
+                let mut passed_over = Vec::new();
+                let found = xpu_container::snapshot::load_noting(&self.cdi_dirs, &mut passed_over);
+                for w in &passed_over {
+                    eprintln!("xpu: warning: {w}");
+                    if let Some(log) = &self.log_file {
+                        xpu_container::config::append_log(log, &format!("warning: {w}"));
+                    }
+                }
+                let (_, snap) = found?;
                 (snap.key == xpu_host::host_key(&self.root)).then_some(snap)
             })
             .as_ref()
@@ -234,6 +248,81 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// `f()` on a thread; the test fails if it has not returned within a minute (it blocks).
+    fn promptly<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // The receiver is gone only when the test already failed.
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .expect("reading the host blocked: the snapshot was opened as a FIFO")
+    }
+
+    /// Issue 12: a FIFO named `xpu-host.snapshot` in a CDI directory (or a link to a device, a
+    /// huge file) does not block the shim or the hook (both read the host through
+    /// `HostReader`): it is passed over with a warning in the log, the host is discovered, and a
+    /// current snapshot in a later directory still answers.
+    #[test]
+    fn a_snapshot_that_is_a_fifo_is_passed_over_and_the_host_discovered() {
+        let fixture = xpu_testkit::hosts::a100_8x().build();
+        let root = Root::new(fixture.root()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (etc, run) = (dir.path().join("etc-cdi"), dir.path().join("run-cdi"));
+        std::fs::create_dir_all(&etc).unwrap();
+        std::fs::create_dir_all(&run).unwrap();
+        let trap = etc.join(xpu_container::snapshot::FILE_NAME);
+        let snap = host_snapshot(&root, xpu_host::host_key(&root)).unwrap();
+        std::fs::write(run.join(xpu_container::snapshot::FILE_NAME), snap.to_json()).unwrap();
+        type Plant = fn(&std::path::Path);
+        let traps: [(Plant, &str); 3] = [
+            (
+                |p| {
+                    let mode = rustix::fs::Mode::from_raw_mode(0o644);
+                    let fifo = rustix::fs::FileType::Fifo;
+                    rustix::fs::mknodat(rustix::fs::CWD, p, fifo, mode, 0).unwrap();
+                },
+                "is a FIFO, not a regular file",
+            ),
+            (
+                |p| std::os::unix::fs::symlink("/dev/zero", p).unwrap(),
+                "is a character device, not a regular file",
+            ),
+            (|p| std::fs::File::create(p).unwrap().set_len(3 << 30).unwrap(), "is too large"),
+        ];
+        for (plant, said) in traps {
+            let _ = std::fs::remove_file(&trap);
+            plant(&trap);
+            let log = dir.path().join("xpu.log");
+            let _ = std::fs::remove_file(&log);
+            for (dirs, from_snapshot) in
+                [(vec![etc.clone()], false), (vec![etc.clone(), run.clone()], true)]
+            {
+                let cfg = RuntimeConfig {
+                    root: fixture.root().to_owned(),
+                    cdi_dirs: dirs,
+                    log_file: Some(log.clone()),
+                    ..RuntimeConfig::default()
+                };
+                let (gpus, used) = promptly(move || {
+                    let host = HostReader::new(&cfg).unwrap();
+                    let inv = host.inventory(None).unwrap();
+                    (inv.of_kind(xpu_core::DeviceKind::Gpu).count(), host.used_snapshot())
+                });
+                assert_eq!((gpus, used), (8, from_snapshot), "{said}");
+            }
+            let logged = std::fs::read_to_string(&log).unwrap();
+            let lines: Vec<&str> = logged.lines().collect();
+            assert_eq!(lines.len(), 2, "a warning per start: {logged}");
+            for l in lines {
+                assert!(
+                    l.contains(&format!("warning: host snapshot {}: {said}", trap.display())),
+                    "{l}"
+                );
+            }
+        }
+    }
 
     /// The snapshot file leaves out `null` fields and empty objects, and reads back as exactly
     /// what was written, on every fixture host (with NVIDIA's driver files where it has them).
