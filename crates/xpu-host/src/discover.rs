@@ -165,7 +165,7 @@ fn read(
     let host = read_host(root, detail, &mut w);
     let release = host.kernel_release.as_deref().filter(|_| detail == Detail::Full);
     let aliases = release.and_then(|rel| {
-        let path = modalias::find(root, rel)?;
+        let path = modalias::find_noting(root, rel, &mut w.0)?;
         match ModuleAliases::load(&path) {
             Ok(a) => Some(a),
             Err(e) => {
@@ -727,7 +727,7 @@ pub fn nvidia_version(text: &str) -> Option<String> {
 fn add_names(root: &Root, opts: &DiscoverOptions, devices: &mut [PciDevice], w: &mut Warnings) {
     let path = match &opts.pci_ids {
         Some(p) => Some(p.clone()),
-        None => pciids::find(root),
+        None => pciids::find_noting(root, &mut w.0),
     };
     let Some(path) = path else {
         w.push("no pci.ids found (install pciutils or hwdata); names left null".to_owned());

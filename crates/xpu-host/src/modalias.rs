@@ -21,10 +21,15 @@ pub struct ModuleAliases {
 
 /// `modules.alias` for `release` under `root` (also the merged-/usr location).
 pub fn find(root: &Root, release: &str) -> Option<PathBuf> {
-    ["/lib/modules", "/usr/lib/modules"]
+    find_noting(root, release, &mut Vec::new())
+}
+
+/// [`find`], with a warning in `w` for a candidate that is there but is not a regular file.
+pub fn find_noting(root: &Root, release: &str, w: &mut Vec<String>) -> Option<PathBuf> {
+    let candidates = ["/lib/modules", "/usr/lib/modules"]
         .iter()
-        .map(|d| root.path(format!("{d}/{release}/modules.alias")))
-        .find(|p| p.is_file())
+        .map(|d| root.path(format!("{d}/{release}/modules.alias")));
+    crate::root::first_regular(candidates, |p| root.display(p), w)
 }
 
 impl ModuleAliases {

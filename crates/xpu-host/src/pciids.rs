@@ -23,9 +23,15 @@ pub const SEARCH_PATHS: [&str; 4] = [
 
 /// The first `pci.ids` found under `root`, then on the running host.
 pub fn find(root: &Root) -> Option<PathBuf> {
+    find_noting(root, &mut Vec::new())
+}
+
+/// [`find`], with a warning in `w` for a candidate that is there but is not a regular file (a
+/// FIFO, a link to a device): it is passed over, never read.
+pub fn find_noting(root: &Root, w: &mut Vec<String>) -> Option<PathBuf> {
     let under_root = SEARCH_PATHS.iter().map(|p| root.path(p));
-    let on_host = SEARCH_PATHS.iter().map(PathBuf::from);
-    under_root.chain(on_host).find(|p| p.is_file())
+    let on_host = SEARCH_PATHS.iter().filter(|_| !root.is_host()).map(PathBuf::from);
+    crate::root::first_regular(under_root.chain(on_host), |p| p.display().to_string(), w)
 }
 
 /// Names for a set of vendors, devices and classes.

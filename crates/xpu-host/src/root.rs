@@ -472,6 +472,34 @@ pub fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ReadError> {
     read_in(rustix::fs::CWD, path, limit, Cut::Refuse, true)
 }
 
+/// `Ok` when `path` (links followed) is a regular file; else what it is, or
+/// [`ReadError::Missing`]. A `stat`, nothing opened: for choosing among candidate files
+/// (`pci.ids` under the root or on the host) before reading one.
+pub fn regular_file(path: &Path) -> Result<(), ReadError> {
+    match rustix::fs::stat(path) {
+        Ok(st) => regular(&st),
+        Err(Errno::NOENT | Errno::NOTDIR) => Err(ReadError::Missing),
+        Err(e) => Err(ReadError::Io(e.into())),
+    }
+}
+
+/// The first of `candidates` that is a regular file; each that is there but is not one (a FIFO,
+/// a link to a device, a directory) is passed over with a warning in `w` naming it.
+pub(crate) fn first_regular(
+    candidates: impl IntoIterator<Item = PathBuf>,
+    shown: impl Fn(&Path) -> String,
+    w: &mut Vec<String>,
+) -> Option<PathBuf> {
+    candidates.into_iter().find(|p| match regular_file(p) {
+        Ok(()) => true,
+        Err(ReadError::Missing) => false,
+        Err(e) => {
+            w.push(format!("{}: {e}; passed over", shown(p)));
+            false
+        }
+    })
+}
+
 /// What a bounded read does past its limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Cut {

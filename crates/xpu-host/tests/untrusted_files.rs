@@ -115,10 +115,7 @@ fn discovery_warns_about_fifos_device_links_and_huge_files_and_returns() {
         for p in DISCOVERY_FILES {
             assert_named(&inv.warnings, p, trap);
         }
-        if matches!(trap, Trap::Huge) {
-            // The alias file is looked for as a regular file, which the others are not.
-            assert_named(&inv.warnings, &aliases, trap);
-        }
+        assert_named(&inv.warnings, &aliases, trap);
         // The host is still listed: the GPU without a vendor and the one without a class are
         // told by what they have left.
         assert_eq!(inv.of_kind(xpu_core::DeviceKind::Gpu).count(), 8, "{trap:?}");
@@ -149,13 +146,15 @@ fn names_and_amdgpu_values_warn_and_return() {
         let ids = at(&f, "/usr/share/misc/pci.ids");
         trap.plant(&ids);
         let root = Root::new(f.root()).unwrap();
-        let r = root.clone();
-        let named = ids.clone();
-        let inv = returns(&format!("discover with pci.ids {trap:?}"), move || {
-            xpu_host::discover(&r, &DiscoverOptions { pci_ids: Some(named), ..Default::default() })
-        })
-        .unwrap();
-        assert_named(&inv.warnings, "usr/share/misc/pci.ids", trap);
+        // Named with --pci-ids, and found under the root.
+        for named in [Some(ids.clone()), None] {
+            let r = root.clone();
+            let inv = returns(&format!("discover with pci.ids {trap:?}"), move || {
+                xpu_host::discover(&r, &DiscoverOptions { pci_ids: named, ..Default::default() })
+            })
+            .unwrap();
+            assert_named(&inv.warnings, "usr/share/misc/pci.ids", trap);
+        }
 
         let f = hosts::mi300x().build();
         let addr = f.spec.devices.iter().find(|d| d.vendor == 0x1002).unwrap().address;
