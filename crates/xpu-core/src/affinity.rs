@@ -55,6 +55,25 @@ pub enum Operator {
     Lt,
 }
 
+impl std::str::FromStr for Operator {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "In" => Self::In,
+            "NotIn" => Self::NotIn,
+            "Exists" => Self::Exists,
+            "DoesNotExist" => Self::DoesNotExist,
+            "Gt" => Self::Gt,
+            "Lt" => Self::Lt,
+            _ => {
+                return Err(format!(
+                    "unknown operator {s:?}; expected In, NotIn, Exists, DoesNotExist, Gt or Lt"
+                ));
+            }
+        })
+    }
+}
+
 /// One `matchExpressions` (or `matchFields`) entry.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Requirement {
@@ -65,6 +84,11 @@ pub struct Requirement {
 }
 
 impl Requirement {
+    /// Whether `labels` (a node's, or a pod's) meet the requirement.
+    pub fn matches_labels(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.matches(labels.get(&self.key).map(String::as_str))
+    }
+
     /// Whether `value` (the key's value, `None` when the key is absent) meets the requirement.
     pub fn matches(&self, value: Option<&str>) -> bool {
         match self.operator {
@@ -128,10 +152,7 @@ impl NodeSelectorTerm {
     /// Whether the node named `node_name` with `labels` matches; an empty term matches none.
     pub fn matches(&self, node_name: &str, labels: &BTreeMap<String, String>) -> bool {
         (!self.match_expressions.is_empty() || !self.match_fields.is_empty())
-            && self
-                .match_expressions
-                .iter()
-                .all(|r| r.matches(labels.get(&r.key).map(String::as_str)))
+            && self.match_expressions.iter().all(|r| r.matches_labels(labels))
             && self.match_fields.iter().all(|r| r.matches(Some(node_name)))
     }
 }
@@ -607,14 +628,13 @@ fn requirement(r: &At<'_>, node: bool) -> Result<Requirement, JobError> {
         Some(k) if !k.is_empty() => k.to_owned(),
         _ => return Err(err(r.field("key"), "required")),
     };
-    let operator = match (r.str("operator")?, node) {
-        (Some("In"), _) => Operator::In,
-        (Some("NotIn"), _) => Operator::NotIn,
-        (Some("Exists"), _) => Operator::Exists,
-        (Some("DoesNotExist"), _) => Operator::DoesNotExist,
-        (Some("Gt"), true) => Operator::Gt,
-        (Some("Lt"), true) => Operator::Lt,
-        (op, _) => {
+    let op = r.str("operator")?;
+    let operator = op
+        .and_then(|o| o.parse::<Operator>().ok())
+        .filter(|o| node || !matches!(o, Operator::Gt | Operator::Lt));
+    let operator = match operator {
+        Some(o) => o,
+        None => {
             let allowed = if node {
                 "In, NotIn, Exists, DoesNotExist, Gt or Lt"
             } else {

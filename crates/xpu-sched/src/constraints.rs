@@ -13,67 +13,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// `NodeSelectorRequirement.operator`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum Operator {
-    In,
-    NotIn,
-    Exists,
-    DoesNotExist,
-    Gt,
-    Lt,
-}
-
-impl std::str::FromStr for Operator {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(match s {
-            "In" => Self::In,
-            "NotIn" => Self::NotIn,
-            "Exists" => Self::Exists,
-            "DoesNotExist" => Self::DoesNotExist,
-            "Gt" => Self::Gt,
-            "Lt" => Self::Lt,
-            _ => {
-                return Err(format!(
-                    "unknown operator {s:?}; expected In, NotIn, Exists, DoesNotExist, Gt or Lt"
-                ));
-            }
-        })
-    }
-}
-
-/// One `matchExpressions` entry (node labels) or `matchFields` entry (`metadata.name`, passed
-/// as the pseudo-label [`NODE_NAME_FIELD`]).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Requirement {
-    pub key: String,
-    pub operator: Operator,
-    #[serde(default)]
-    pub values: Vec<String>,
-}
-
-/// The key a `matchFields` requirement on `metadata.name` is evaluated against.
-pub const NODE_NAME_FIELD: &str = "metadata.name";
-
-impl Requirement {
-    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
-        let v = labels.get(&self.key);
-        match self.operator {
-            Operator::In => v.is_some_and(|v| self.values.iter().any(|x| x == v)),
-            Operator::NotIn => v.is_none_or(|v| !self.values.iter().any(|x| x == v)),
-            Operator::Exists => v.is_some(),
-            Operator::DoesNotExist => v.is_none(),
-            Operator::Gt | Operator::Lt => {
-                let (Some(v), [bound]) = (v, self.values.as_slice()) else { return false };
-                let (Ok(v), Ok(bound)) = (v.parse::<i64>(), bound.parse::<i64>()) else {
-                    return false;
-                };
-                if self.operator == Operator::Gt { v > bound } else { v < bound }
-            }
-        }
-    }
-}
+/// `NodeSelectorRequirement`: the operator and one `matchExpressions` entry (node labels) or
+/// `matchFields` entry (`metadata.name`, passed as the pseudo-label [`NODE_NAME_FIELD`]), the
+/// same types the job parser reads a pod's required node affinity into.
+pub use xpu_core::affinity::{NODE_NAME_FIELD, Operator, Requirement};
 
 /// `Taint.effect` / `Toleration.effect`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -147,7 +90,8 @@ pub fn tolerated(taints: &[Taint], tolerations: &[Toleration]) -> bool {
 /// Required node affinity: empty matches every node; otherwise any term whose requirements all
 /// match. A term with no requirements matches nothing (as in Kubernetes).
 pub fn affinity_matches(terms: &[Vec<Requirement>], labels: &BTreeMap<String, String>) -> bool {
-    terms.is_empty() || terms.iter().any(|t| !t.is_empty() && t.iter().all(|r| r.matches(labels)))
+    terms.is_empty()
+        || terms.iter().any(|t| !t.is_empty() && t.iter().all(|r| r.matches_labels(labels)))
 }
 
 #[cfg(test)]
@@ -169,16 +113,19 @@ mod tests {
     #[test]
     fn every_operator_follows_the_api_reference() {
         let l = labels(&[("zone", "a"), ("gpus", "8")]);
-        assert!(req("zone", Operator::In, &["a", "b"]).matches(&l));
-        assert!(!req("zone", Operator::In, &["b"]).matches(&l));
-        assert!(req("zone", Operator::NotIn, &["b"]).matches(&l));
-        assert!(req("absent", Operator::NotIn, &["b"]).matches(&l), "NotIn holds when unset");
-        assert!(req("zone", Operator::Exists, &[]).matches(&l));
-        assert!(req("absent", Operator::DoesNotExist, &[]).matches(&l));
-        assert!(req("gpus", Operator::Gt, &["4"]).matches(&l));
-        assert!(!req("gpus", Operator::Lt, &["4"]).matches(&l));
-        assert!(!req("zone", Operator::Gt, &["1"]).matches(&l), "not an integer: no match");
-        assert!(!req("gpus", Operator::Gt, &["1", "2"]).matches(&l), "Gt takes one value");
+        assert!(req("zone", Operator::In, &["a", "b"]).matches_labels(&l));
+        assert!(!req("zone", Operator::In, &["b"]).matches_labels(&l));
+        assert!(req("zone", Operator::NotIn, &["b"]).matches_labels(&l));
+        assert!(
+            req("absent", Operator::NotIn, &["b"]).matches_labels(&l),
+            "NotIn holds when unset"
+        );
+        assert!(req("zone", Operator::Exists, &[]).matches_labels(&l));
+        assert!(req("absent", Operator::DoesNotExist, &[]).matches_labels(&l));
+        assert!(req("gpus", Operator::Gt, &["4"]).matches_labels(&l));
+        assert!(!req("gpus", Operator::Lt, &["4"]).matches_labels(&l));
+        assert!(!req("zone", Operator::Gt, &["1"]).matches_labels(&l), "not an integer: no match");
+        assert!(!req("gpus", Operator::Gt, &["1", "2"]).matches_labels(&l), "Gt takes one value");
     }
 
     #[test]
