@@ -98,50 +98,21 @@ pub fn root_problem(path: &Path) -> Option<String> {
 /// The largest bundle `config.json` read (runc's own are a few KiB).
 const MAX_CONFIG: u64 = 4 << 20;
 
-/// A file a job names, read the way every such file is: opened without blocking (a FIFO would
-/// otherwise hold the thread until a writer comes) and without taking a terminal, checked to be
-/// a regular file, and read to at most `cap` bytes (checked again at every use: the file may
-/// have been swapped for another since the job was submitted). Callers run it off the async
-/// threads. `Err` says what is wrong in words that follow the path.
+/// A file a job names, read the way every such file is
+/// ([`xpu_host::root::read_bounded`]): looked at before it is opened, so no device is ever
+/// opened, opened without blocking (a FIFO would otherwise hold the thread until a writer
+/// comes), checked to be a regular file, and read to at most
+/// `cap` bytes (checked again at every use: the file may have been swapped for another since
+/// the job was submitted). Callers run it off the async threads. `Err` says what is wrong in
+/// words that follow the path.
 pub fn read_bounded(path: &Path, cap: u64) -> Result<Vec<u8>, String> {
-    use rustix::fs::OFlags;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags((OFlags::NONBLOCK | OFlags::NOCTTY).bits() as i32)
-        .open(path)
-        .map_err(|e| format!("cannot be opened ({e})"))?;
-    let meta = f.metadata().map_err(|e| format!("cannot be read ({e})"))?;
-    if !meta.file_type().is_file() {
-        return Err(format!("is a {}, not a regular file", kind_of(&meta.file_type())));
-    }
-    if meta.len() > cap {
-        return Err(format!("is larger than {cap} bytes"));
-    }
-    let mut text = Vec::new();
-    std::io::Read::read_to_end(&mut std::io::Read::take(f, cap + 1), &mut text)
-        .map_err(|e| format!("cannot be read ({e})"))?;
-    if text.len() as u64 > cap {
-        return Err(format!("is larger than {cap} bytes"));
-    }
-    Ok(text)
-}
-
-/// A file type in words.
-fn kind_of(t: &std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_fifo() {
-        "FIFO"
-    } else if t.is_char_device() {
-        "character device"
-    } else if t.is_block_device() {
-        "block device"
-    } else if t.is_socket() {
-        "socket"
-    } else if t.is_dir() {
-        "directory"
-    } else {
-        "special file"
-    }
+    use xpu_host::root::ReadError;
+    xpu_host::root::read_bounded(path, cap).map_err(|e| match e {
+        ReadError::Missing => "cannot be opened (it does not exist)".to_owned(),
+        ReadError::TooLarge { limit } => format!("is larger than {limit} bytes"),
+        ReadError::NotAFile { .. } => e.to_string(),
+        ReadError::Io(e) => format!("cannot be read ({e})"),
+    })
 }
 
 /// Why `dir` cannot be run as a bundle, or `None`: it must be a directory whose `config.json`

@@ -138,8 +138,8 @@ impl RunAs {
         if o.uid == rustix::process::geteuid().as_raw() {
             return None;
         }
-        let (name, home) =
-            passwd_entry(o.uid).unwrap_or_else(|| (o.uid.to_string(), PathBuf::from("/")));
+        let (name, home) = crate::users::by_uid(o.uid)
+            .map_or_else(|| (o.uid.to_string(), PathBuf::from("/")), |a| (a.name, a.home));
         Some(RunAs { uid: o.uid, gid: o.gid, name, home })
     }
 
@@ -165,18 +165,6 @@ impl RunAs {
     fn give(&self, path: &Path) -> std::io::Result<()> {
         std::os::unix::fs::lchown(path, Some(self.uid), Some(self.gid))
     }
-}
-
-/// The name and home directory of `uid` in `/etc/passwd`, read with a cap (it is a small file).
-fn passwd_entry(uid: u32) -> Option<(String, PathBuf)> {
-    let mut text = String::new();
-    let f = std::fs::File::open("/etc/passwd").ok()?;
-    std::io::Read::read_to_string(&mut std::io::Read::take(f, 4 << 20), &mut text).ok()?;
-    let want = uid.to_string();
-    text.lines().find_map(|line| {
-        let f: Vec<&str> = line.split(':').collect();
-        (f.len() >= 7 && f[2] == want).then(|| (f[0].to_owned(), PathBuf::from(f[5])))
-    })
 }
 
 /// A file of a `downwardAPI` volume.

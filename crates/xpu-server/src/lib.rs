@@ -28,6 +28,7 @@ pub mod listen;
 pub mod metrics;
 pub mod node;
 pub mod store;
+pub mod users;
 pub mod view;
 pub mod wire;
 
@@ -301,15 +302,7 @@ fn user_ids(user: &str) -> Option<store::Owner> {
     if let Some((u, g)) = user.split_once(':') {
         return Some(store::Owner { uid: u.parse().ok()?, gid: g.parse().ok()? });
     }
-    let text = container::read_bounded(Path::new("/etc/passwd"), 4 << 20).ok()?;
-    String::from_utf8_lossy(&text).lines().find_map(|line| {
-        let f: Vec<&str> = line.split(':').collect();
-        if f.len() >= 4 && f[0] == user {
-            Some(store::Owner { uid: f[2].parse().ok()?, gid: f[3].parse().ok()? })
-        } else {
-            None
-        }
-    })
+    users::by_name(user).map(|a| store::Owner { uid: a.uid, gid: a.gid })
 }
 
 /// Reads `<data-dir>/token`, creating it (mode 0600, 32 random bytes in hex) when missing.
