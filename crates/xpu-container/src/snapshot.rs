@@ -158,8 +158,7 @@ fn read(path: &Path, warnings: &mut Vec<String>) -> Option<HostSnapshot> {
 mod tests {
     use super::*;
 
-    use std::sync::mpsc;
-    use std::time::Duration;
+    use xpu_testkit::traps::Trap;
 
     fn snapshot() -> HostSnapshot {
         HostSnapshot {
@@ -173,14 +172,11 @@ mod tests {
     /// `load_noting(dirs)` on a thread: the test fails if it blocks (a FIFO without a writer
     /// blocks a plain `open` for ever), rather than hanging.
     fn load_promptly(dirs: Vec<PathBuf>) -> (Option<(PathBuf, HostSnapshot)>, Vec<String>) {
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
+        xpu_testkit::traps::returns("loading the snapshot", move || {
             let mut w = Vec::new();
             let found = load_noting(&dirs, &mut w);
-            // The receiver is gone only when the test already failed.
-            let _ = tx.send((found, w));
-        });
-        rx.recv_timeout(Duration::from_secs(60)).expect("loading the snapshot blocked")
+            (found, w)
+        })
     }
 
     /// Issue 12: a FIFO (or a link to a device, a directory, a huge file) where the snapshot
@@ -194,24 +190,10 @@ mod tests {
         let at = first.path().join(FILE_NAME);
         type Plant = fn(&Path);
         let traps: [(Plant, &str); 5] = [
-            (
-                |p| {
-                    let mode = rustix::fs::Mode::from_raw_mode(0o644);
-                    let fifo = rustix::fs::FileType::Fifo;
-                    rustix::fs::mknodat(rustix::fs::CWD, p, fifo, mode, 0).unwrap();
-                },
-                "is a FIFO, not a regular file",
-            ),
-            (
-                |p| std::os::unix::fs::symlink("/dev/zero", p).unwrap(),
-                "is a character device, not a regular file",
-            ),
+            (|p| Trap::Fifo.plant(p), "is a FIFO, not a regular file"),
+            (|p| Trap::DevZero.plant(p), "is a character device, not a regular file"),
             (|p| std::fs::create_dir(p).unwrap(), "is a directory, not a regular file"),
-            // Sparse: 3 GB that cost no disk.
-            (
-                |p| std::fs::File::create(p).unwrap().set_len(3 << 30).unwrap(),
-                "is too large: more than 4194304 bytes",
-            ),
+            (|p| Trap::Huge.plant(p), "is too large: more than 4194304 bytes"),
             (
                 |p| {
                     let l = std::os::unix::net::UnixListener::bind(p).unwrap();

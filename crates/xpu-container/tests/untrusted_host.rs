@@ -8,16 +8,15 @@
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 use std::path::Path;
-use std::sync::mpsc;
-use std::time::Duration;
 
 use container_device_interface as cdi_ref;
 use xpu_container::cdi::{self, CdiKind, GenerateOptions, Generated};
 use xpu_host::{DiscoverOptions, Root, Scope};
+use xpu_testkit::traps::{Trap, returns};
 use xpu_testkit::{BuildOptions, Fixture, hosts};
 
 fn not_root() -> bool {
-    if rustix::process::geteuid().is_root() {
+    if xpu_testkit::is_root() {
         return false;
     }
     eprintln!("skipping: the fixture's device nodes need mknod, which needs root");
@@ -34,8 +33,7 @@ fn a100() -> Fixture {
 /// test fails if it has not returned within a minute (it blocks) rather than hanging.
 fn generate(root: &Path) -> (Generated, Vec<String>) {
     let root = Root::new(root).unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
+    returns("CDI generation", move || {
         let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
         let inv = xpu_host::discover(&root, &opts).unwrap();
         let version = inv.host.nvidia_driver_version.clone();
@@ -49,28 +47,8 @@ fn generate(root: &Path) -> (Generated, Vec<String>) {
         let mut warnings = inv.warnings;
         warnings.extend(files.warnings);
         warnings.extend(g.warnings.iter().cloned());
-        // The receiver is gone only when the test already failed.
-        let _ = tx.send((g, warnings));
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .unwrap_or_else(|_| panic!("CDI generation did not return within a minute: it blocks"))
-}
-
-fn plant_fifo(p: &Path) {
-    let _ = std::fs::remove_file(p);
-    let mode = rustix::fs::Mode::from_raw_mode(0o644);
-    rustix::fs::mknodat(rustix::fs::CWD, p, rustix::fs::FileType::Fifo, mode, 0).unwrap();
-}
-
-fn plant_dev_zero(p: &Path) {
-    let _ = std::fs::remove_file(p);
-    std::os::unix::fs::symlink("/dev/zero", p).unwrap();
-}
-
-fn plant_huge(p: &Path) {
-    let _ = std::fs::remove_file(p);
-    // Sparse: 3 GB that cost no disk.
-    std::fs::File::create(p).unwrap().set_len(3 << 30).unwrap();
+        (g, warnings)
+    })
 }
 
 #[test]
@@ -80,9 +58,9 @@ fn cdi_generation_warns_about_fifos_device_links_and_huge_files_and_returns_need
     }
     type Plant = fn(&Path);
     let traps: [(Plant, &str); 3] = [
-        (plant_fifo, "is a FIFO, not a regular file"),
-        (plant_dev_zero, "is a character device, not a regular file"),
-        (plant_huge, "is too large"),
+        (|p| Trap::Fifo.plant(p), "is a FIFO, not a regular file"),
+        (|p| Trap::DevZero.plant(p), "is a character device, not a regular file"),
+        (|p| Trap::Huge.plant(p), "is too large"),
     ];
     let files = [
         "/sys/bus/pci/devices/0000:2b:00.0/numa_node",

@@ -9,65 +9,14 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::path::PathBuf;
 
 use xpu_host::doctor::{self, Report};
 use xpu_host::profile::Profile;
 use xpu_host::{DiscoverOptions, Root, Scope};
 use xpu_testkit::readiness::Readiness;
+use xpu_testkit::traps::{Trap, returns};
 use xpu_testkit::{Fixture, hosts};
-
-/// `f()` on a thread; the test fails, naming `what`, if it has not returned in a minute.
-fn returns<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        // The receiver is gone only when the test already failed.
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .unwrap_or_else(|_| panic!("{what} did not return within a minute: it blocks"))
-}
-
-/// The traps, and the words a warning about each must hold.
-#[derive(Debug, Clone, Copy)]
-enum Trap {
-    Fifo,
-    DevZero,
-    Huge,
-}
-
-impl Trap {
-    const ALL: [Trap; 3] = [Trap::Fifo, Trap::DevZero, Trap::Huge];
-
-    fn said(self) -> &'static str {
-        match self {
-            Trap::Fifo => "is a FIFO, not a regular file",
-            Trap::DevZero => "is a character device, not a regular file",
-            Trap::Huge => "is too large",
-        }
-    }
-
-    /// Replaces `path` (whatever is there) with the trap.
-    fn plant(self, path: &Path) {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        let _ = std::fs::remove_file(path);
-        match self {
-            Trap::Fifo => rustix::fs::mknodat(
-                rustix::fs::CWD,
-                path,
-                rustix::fs::FileType::Fifo,
-                rustix::fs::Mode::from_raw_mode(0o644),
-                0,
-            )
-            .unwrap(),
-            Trap::DevZero => std::os::unix::fs::symlink("/dev/zero", path).unwrap(),
-            // Sparse: 3 GB that cost no disk.
-            Trap::Huge => std::fs::File::create(path).unwrap().set_len(3 << 30).unwrap(),
-        }
-    }
-}
 
 /// Files discovery reads on the 8xA100 fixture, as warnings show them (host paths).
 const DISCOVERY_FILES: [&str; 8] = [

@@ -248,17 +248,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-
-    /// `f()` on a thread; the test fails if it has not returned within a minute (it blocks).
-    fn promptly<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            // The receiver is gone only when the test already failed.
-            let _ = tx.send(f());
-        });
-        rx.recv_timeout(std::time::Duration::from_secs(60))
-            .expect("reading the host blocked: the snapshot was opened as a FIFO")
-    }
+    use xpu_testkit::traps::{Trap, returns};
 
     /// Issue 12: a FIFO named `xpu-host.snapshot` in a CDI directory (or a link to a device, a
     /// huge file) does not block the shim or the hook (both read the host through
@@ -277,24 +267,14 @@ mod tests {
         std::fs::write(run.join(xpu_container::snapshot::FILE_NAME), snap.to_json()).unwrap();
         type Plant = fn(&std::path::Path);
         let traps: [(Plant, &str); 3] = [
-            (
-                |p| {
-                    let mode = rustix::fs::Mode::from_raw_mode(0o644);
-                    let fifo = rustix::fs::FileType::Fifo;
-                    rustix::fs::mknodat(rustix::fs::CWD, p, fifo, mode, 0).unwrap();
-                },
-                "is a FIFO, not a regular file",
-            ),
-            (
-                |p| std::os::unix::fs::symlink("/dev/zero", p).unwrap(),
-                "is a character device, not a regular file",
-            ),
-            (|p| std::fs::File::create(p).unwrap().set_len(3 << 30).unwrap(), "is too large"),
+            (|p| Trap::Fifo.plant(p), "is a FIFO, not a regular file"),
+            (|p| Trap::DevZero.plant(p), "is a character device, not a regular file"),
+            (|p| Trap::Huge.plant(p), "is too large"),
         ];
         for (plant, said) in traps {
-            let _ = std::fs::remove_file(&trap);
             plant(&trap);
             let log = dir.path().join("xpu.log");
+            // Each trap's starts are counted in a log of their own; the first has none yet.
             let _ = std::fs::remove_file(&log);
             for (dirs, from_snapshot) in
                 [(vec![etc.clone()], false), (vec![etc.clone(), run.clone()], true)]
@@ -305,7 +285,7 @@ mod tests {
                     log_file: Some(log.clone()),
                     ..RuntimeConfig::default()
                 };
-                let (gpus, used) = promptly(move || {
+                let (gpus, used) = returns("reading the host", move || {
                     let host = HostReader::new(&cfg).unwrap();
                     let inv = host.inventory(None).unwrap();
                     (inv.of_kind(xpu_core::DeviceKind::Gpu).count(), host.used_snapshot())

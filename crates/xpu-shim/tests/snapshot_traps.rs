@@ -9,10 +9,10 @@
 
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use xpu_testkit::bundle::TestHost;
 use xpu_testkit::hosts;
+use xpu_testkit::traps::{Trap, exits};
 
 const LEAN: &str = env!("CARGO_BIN_EXE_xpu-container-runtime");
 
@@ -51,29 +51,12 @@ fn lean_shim_passes_over_a_snapshot_that_is_a_fifo_a_device_link_or_huge_needs_r
     let runtime = text.lines().find(|l| l.starts_with("runtime =")).unwrap();
     std::fs::write(&config, text.replace(runtime, "runtime = \"/bin/true\"")).unwrap();
 
-    type Plant = fn(&Path);
-    let traps: [(Plant, &str); 3] = [
-        (
-            |p| {
-                let mode = rustix::fs::Mode::from_raw_mode(0o644);
-                let fifo = rustix::fs::FileType::Fifo;
-                rustix::fs::mknodat(rustix::fs::CWD, p, fifo, mode, 0).unwrap();
-            },
-            "is a FIFO, not a regular file",
-        ),
-        (
-            |p| std::os::unix::fs::symlink("/dev/zero", p).unwrap(),
-            "is a character device, not a regular file",
-        ),
-        // Sparse: 3 GB that cost no disk.
-        (|p| std::fs::File::create(p).unwrap().set_len(3 << 30).unwrap(), "is too large"),
-    ];
-    for (i, (plant, said)) in traps.into_iter().enumerate() {
-        let _ = std::fs::remove_file(&snapshot);
-        plant(&snapshot);
+    for (i, trap) in Trap::ALL.into_iter().enumerate() {
+        let said = trap.said();
+        trap.plant(&snapshot);
         let b = host.dir.path().join(format!("bundle-{i}"));
         bundle(&b);
-        let mut child = Command::new(LEAN)
+        let child = Command::new(LEAN)
             .args(["create", "--bundle"])
             .arg(&b)
             .arg(format!("snapshot-trap-{i}"))
@@ -83,17 +66,7 @@ fn lean_shim_passes_over_a_snapshot_that_is_a_fifo_a_device_link_or_huge_needs_r
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        // A hang detector, not a timing assertion: a start takes milliseconds.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while child.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                child.kill().unwrap();
-                child.wait().unwrap();
-                panic!("the shim blocked on {} ({said})", snapshot.display());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let out = child.wait_with_output().unwrap();
+        let out = exits(child, &format!("the shim with {} ({said})", snapshot.display()));
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{said}: {stderr}");
         let warning = format!("host snapshot {}: {said}", snapshot.display());

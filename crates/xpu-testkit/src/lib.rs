@@ -24,8 +24,15 @@ pub mod kubelet;
 pub mod lspci;
 pub mod readiness;
 pub mod sysfs;
+pub mod traps;
 
 pub use sysfs::{BuildOptions, Fixture};
+
+/// Whether the tests run as root (the effective uid is 0): what `mknod`, runc and becoming
+/// another user need.
+pub fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
 
 use xpu_core::PciAddress;
 

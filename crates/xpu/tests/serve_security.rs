@@ -17,11 +17,6 @@ use serve_support::{Daemon, xpu_bin};
 
 const NOBODY: u32 = 65534;
 
-fn is_root() -> bool {
-    let out = Command::new("id").arg("-u").output().unwrap();
-    String::from_utf8_lossy(&out.stdout).trim() == "0"
-}
-
 /// A data dir under a directory other users may enter (a test's temporary directory is 0700).
 fn open_tempdir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -50,7 +45,7 @@ fn status_answers(d: &Daemon) {
 
 #[test]
 fn a_local_user_gets_no_root_job_and_runs_jobs_as_itself() {
-    if !is_root() {
+    if !xpu_testkit::is_root() {
         eprintln!("skipped: needs root to run the daemon and become another user");
         return;
     }

@@ -8,65 +8,26 @@
 #![allow(clippy::unwrap_used, clippy::print_stderr)]
 
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 use xpu_testkit::readiness::Readiness;
+use xpu_testkit::traps::{Trap, exits};
 use xpu_testkit::{BuildOptions, Fixture, hosts};
 
-/// `xpu args`, killed (and the test failed) if it has not exited within a minute: a hang
-/// detector, not a timing assertion (the commands take milliseconds).
+/// `xpu args`, killed (and the test failed) if it has not exited within a minute.
 fn xpu(args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_xpu"))
+    let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            child.kill().unwrap();
-            child.wait().unwrap();
-            panic!("xpu {args:?} did not exit within a minute: it blocks");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
+    exits(child, &format!("xpu {args:?}"))
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Trap {
-    Fifo,
-    DevZero,
-    Huge,
-}
-
-impl Trap {
-    const ALL: [Trap; 3] = [Trap::Fifo, Trap::DevZero, Trap::Huge];
-
-    fn said(self) -> &'static str {
-        match self {
-            Trap::Fifo => "is a FIFO, not a regular file",
-            Trap::DevZero => "is a character device, not a regular file",
-            Trap::Huge => "is too large",
-        }
-    }
-
-    fn plant(self, f: &Fixture, host_path: &str) {
-        let path = f.root().join(host_path.trim_start_matches('/'));
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        let _ = std::fs::remove_file(&path);
-        match self {
-            Trap::Fifo => {
-                let made = Command::new("mkfifo").arg(&path).status().unwrap();
-                assert!(made.success(), "mkfifo {}", path.display());
-            }
-            Trap::DevZero => std::os::unix::fs::symlink("/dev/zero", &path).unwrap(),
-            // Sparse: 3 GB that cost no disk.
-            Trap::Huge => std::fs::File::create(&path).unwrap().set_len(3 << 30).unwrap(),
-        }
-    }
+/// Plants `trap` at `host_path` in the fixture's tree.
+fn plant(trap: Trap, f: &Fixture, host_path: &str) {
+    trap.plant(&f.root().join(host_path.trim_start_matches('/')));
 }
 
 fn assert_warned(out: &Output, what: &str, paths: &[&str], trap: Trap) {
@@ -99,7 +60,7 @@ fn discover_and_doctor_warn_about_fifos_device_links_and_huge_files_and_exit() {
         let f = hosts::a100_8x_vfio().build();
         Readiness::ready_vfio_host().write(f.root());
         for p in attrs.iter().chain(&host_files) {
-            trap.plant(&f, p);
+            plant(trap, &f, p);
         }
         let out = xpu(&["discover", "--root", root_of(&f), "--format", "json"]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -120,7 +81,7 @@ fn doctor_names_a_limits_file_that_is_a_fifo_a_device_link_or_huge_and_fails() {
     for trap in Trap::ALL {
         let f = hosts::a100_8x_vfio().build();
         Readiness::ready_vfio_host().write(f.root());
-        trap.plant(&f, "/etc/security/limits.conf");
+        plant(trap, &f, "/etc/security/limits.conf");
         let out = xpu(&["doctor", "--root", root_of(&f), "--profile", "vfio-host"]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_ne!(out.status.code(), Some(0), "{stderr}");
@@ -133,7 +94,7 @@ fn doctor_names_a_limits_file_that_is_a_fifo_a_device_link_or_huge_and_fails() {
 
 #[test]
 fn cdi_generate_warns_about_fifos_device_links_and_huge_files_and_exits_needs_root() {
-    if !is_root() {
+    if !xpu_testkit::is_root() {
         eprintln!("skipping: cdi generate needs device nodes with numbers (mknod needs root)");
         return;
     }
@@ -147,7 +108,7 @@ fn cdi_generate_warns_about_fifos_device_links_and_huge_files_and_exits_needs_ro
             hosts::a100_8x().build_with(&BuildOptions { char_devices: true, ..Default::default() });
         xpu_testkit::driver::install_nvidia(f.root(), "535.104.05");
         for p in files {
-            trap.plant(&f, p);
+            plant(trap, &f, p);
         }
         let out_dir = tempfile::tempdir().unwrap();
         let out = xpu(&[
@@ -177,16 +138,4 @@ fn cdi_generate_warns_about_fifos_device_links_and_huge_files_and_exits_needs_ro
         assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
         assert!(std::fs::symlink_metadata(&snapshot).unwrap().is_file());
     }
-}
-
-/// Whether the effective uid is 0 (from `/proc/self/status`: this crate has no `rustix`).
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(2).map(|u| u == "0"))
-        })
-        .unwrap_or(false)
 }
