@@ -142,8 +142,31 @@ fn credit(octets: u32) -> Vec<u8> {
     if octets == 0 { Vec::new() } else { frame(WINDOW_UPDATE, 0, 0, &octets.to_be_bytes()) }
 }
 
-fn frame_len(head: &[u8; 9]) -> usize {
-    usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2])
+/// A frame's 9-octet header (RFC 9113 section 4.1), as read and as parsed.
+struct FrameHead {
+    raw: [u8; 9],
+    len: usize,
+    kind: u8,
+    flags: u8,
+    /// The reserved bit cleared.
+    stream: u32,
+}
+
+/// The next frame's header, or `None` when the connection ended between frames.
+async fn read_head(from: &mut (impl AsyncRead + Unpin)) -> io::Result<Option<FrameHead>> {
+    let mut raw = [0u8; 9];
+    match from.read_exact(&mut raw).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    Ok(Some(FrameHead {
+        len: usize::from(raw[0]) << 16 | usize::from(raw[1]) << 8 | usize::from(raw[2]),
+        kind: raw[3],
+        flags: raw[4],
+        stream: u32::from_be_bytes([raw[5], raw[6], raw[7], raw[8]]) & 0x7fff_ffff,
+        raw,
+    }))
 }
 
 /// The client's frames towards the server.
@@ -168,15 +191,10 @@ where
     let mut pending: Option<(u32, u8, Vec<u8>, Vec<u8>)> = None;
     let mut told = Told::default();
     loop {
-        let mut head = [0u8; 9];
-        match from.read_exact(&mut head).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
-            Err(e) => return Err(e),
-        }
-        let len = frame_len(&head);
-        let (kind, flags) = (head[3], head[4]);
-        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        let Some(FrameHead { raw: head, len, kind, flags, stream }) = read_head(&mut from).await?
+        else {
+            break;
+        };
         if len > MAX_FRAME {
             return Err(bad(&format!(
                 "a frame of {len} octets, over the {MAX_FRAME} the server accepts"
@@ -285,15 +303,10 @@ where
     let mut first_settings = true;
     let mut buf = vec![0u8; MAX_FRAME];
     loop {
-        let mut head = [0u8; 9];
-        match from.read_exact(&mut head).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
-            Err(e) => return Err(e),
-        }
-        let len = frame_len(&head);
-        let (kind, flags) = (head[3], head[4]);
-        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        let Some(FrameHead { raw: head, len, kind, flags, stream }) = read_head(&mut from).await?
+        else {
+            break;
+        };
         if kind == SETTINGS && flags & ACK == 0 && stream == 0 && len <= MAX_FRAME {
             let payload = &mut buf[..len];
             from.read_exact(payload).await?;
