@@ -260,6 +260,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
     }
     let moved_aside = fresh_dir(&l.dir)?;
     let (log, log2) = open_log(&l.dir)?;
+    let run_as = RunAs::for_owner(l.user);
     if let Some(c) = &l.container {
         let p = crate::container::Process {
             job: l.job_id,
@@ -267,7 +268,7 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
             env: &l.env,
             working_dir: l.working_dir.as_deref(),
             mounts: &[],
-            user: RunAs::for_owner(l.user).map(|r| (r.uid, r.gid)),
+            user: run_as.as_ref().map(|r| (r.uid, r.gid)),
         };
         crate::container::write_bundle(&l.dir, c, &p)?;
         let argv = crate::container::run_argv(c, &l.dir);
@@ -281,7 +282,6 @@ pub fn spawn(l: &Launch) -> Result<Spawned, ExecError> {
         cmd.current_dir(&l.dir);
         return finish_spawn(cmd, l, "xpu runtime", moved_aside);
     }
-    let run_as = RunAs::for_owner(l.user);
     let cwd = working_dir(l, l.working_dir.as_deref(), run_as.as_ref())?;
     tracing::debug!(job_id = l.job_id, task = l.idx, attempt = l.attempt, argv = ?l.argv, user = ?l.user, "starting a process");
     let mut argv: Vec<String> = Vec::new();
