@@ -438,15 +438,7 @@ impl FromRequestParts<Arc<Shared>> for Caller {
             }
             Some(Peer::Tcp(_)) | None => {}
         }
-        let token = presented_tokens(&parts.headers).find_map(|t| {
-            if constant_time_eq(t.as_bytes(), s.token.as_bytes()) {
-                return Some(s.me);
-            }
-            s.user_tokens
-                .iter()
-                .find(|(k, _)| constant_time_eq(t.as_bytes(), k.as_bytes()))
-                .map(|(_, o)| *o)
-        });
+        let token = presented_tokens(&parts.headers).find_map(|t| token_owner(s, t));
         token.map(Caller).ok_or_else(|| {
             Refusal::new(
                 StatusCode::UNAUTHORIZED,
@@ -454,6 +446,18 @@ impl FromRequestParts<Arc<Shared>> for Caller {
             )
         })
     }
+}
+
+/// The user `token` belongs to: the daemon's own for its token, a user's for a line of
+/// `<data-dir>/tokens`; `None` for any other string. Compared in constant time.
+fn token_owner(s: &Shared, token: &str) -> Option<Owner> {
+    if constant_time_eq(token.as_bytes(), s.token.as_bytes()) {
+        return Some(s.me);
+    }
+    s.user_tokens
+        .iter()
+        .find(|(k, _)| constant_time_eq(token.as_bytes(), k.as_bytes()))
+        .map(|(_, o)| *o)
 }
 
 /// The tokens a request presents: its bearer token and the dashboard's cookie.
@@ -477,10 +481,7 @@ fn presented_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
 const COOKIE: &str = "xpu_token";
 
 async fn auth(State(s): S, req: Request, next: Next) -> Response {
-    let ok = presented_tokens(req.headers()).any(|t| {
-        constant_time_eq(t.as_bytes(), s.token.as_bytes())
-            || s.user_tokens.iter().any(|(k, _)| constant_time_eq(t.as_bytes(), k.as_bytes()))
-    });
+    let ok = presented_tokens(req.headers()).any(|t| token_owner(&s, t).is_some());
     // `/login` checks the token it is given itself.
     if ok || req.uri().path() == "/login" {
         next.run(req).await
@@ -511,11 +512,7 @@ pub(crate) async fn login(
     State(s): S,
     Params(q): Params<LoginParams>,
 ) -> Result<Response, Refusal> {
-    let known = |t: &str| {
-        constant_time_eq(t.as_bytes(), s.token.as_bytes())
-            || s.user_tokens.iter().any(|(k, _)| constant_time_eq(t.as_bytes(), k.as_bytes()))
-    };
-    let Some(token) = q.token.filter(|t| known(t.trim())) else {
+    let Some(token) = q.token.filter(|t| token_owner(&s, t.trim()).is_some()) else {
         return Err(Refusal::new(
             StatusCode::UNAUTHORIZED,
             "missing or wrong token; open /login?token=<contents of <data-dir>/token>",
