@@ -726,7 +726,9 @@ pub(crate) async fn submit(
     // All or nothing: one job the node cannot run refuses the whole file. The check opens the
     // files the jobs name (a bundle's config.json): on the blocking pool, never here.
     let multi = parsed.jobs.len() > 1;
-    let run_as = (owner != s.me).then_some((owner.uid, owner.gid));
+    // As the executor decides ([`crate::executor::RunAs::for_owner`]): by the user alone, so a
+    // bundle is checked at submit against the same rules its start applies.
+    let run_as = (owner.uid != s.me.uid).then_some((owner.uid, owner.gid));
     let (parsed, checked) = {
         let s = s.clone();
         tokio::task::spawn_blocking(move || {
