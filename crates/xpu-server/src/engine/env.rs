@@ -205,21 +205,11 @@ pub(super) fn pod_identity(job: &Job, idx: u32) -> PodIdentity {
     let spec = &job.spec;
     let uid_of = |n: u64| format!("{:08x}-0000-4000-8000-{:012x}", job.id, n);
     let job_uid = uid_of(0);
-    let mut labels = spec.pod.labels.clone();
+    // The labels the Job controller sets, as affinity terms see them too.
+    let labels = spec.pod_labels(idx, &job_uid);
     let mut annotations = spec.pod.annotations.clone();
-    if spec.source == xpu_core::job::Source::Kubernetes {
-        for (k, v) in [
-            ("batch.kubernetes.io/job-name", job.name.clone()),
-            ("job-name", job.name.clone()),
-            ("batch.kubernetes.io/controller-uid", job_uid.clone()),
-            ("controller-uid", job_uid.clone()),
-        ] {
-            labels.insert(k.to_owned(), v);
-        }
-    }
     if spec.completion_mode == CompletionMode::Indexed {
-        let key = "batch.kubernetes.io/job-completion-index";
-        labels.insert(key.to_owned(), idx.to_string());
+        let key = xpu_core::affinity::COMPLETION_INDEX_LABEL;
         annotations.insert(key.to_owned(), idx.to_string());
     }
     PodIdentity {
