@@ -201,10 +201,15 @@ pub(super) struct PodIdentity {
     annotations: BTreeMap<String, String>,
 }
 
+/// The uid of job `id` as its pods' `controller-uid` label and the downward API give it.
+pub(super) fn controller_uid(id: i64) -> String {
+    format!("{id:08x}-0000-4000-8000-{:012x}", 0)
+}
+
 pub(super) fn pod_identity(job: &Job, idx: u32) -> PodIdentity {
     let spec = &job.spec;
     let uid_of = |n: u64| format!("{:08x}-0000-4000-8000-{:012x}", job.id, n);
-    let job_uid = uid_of(0);
+    let job_uid = controller_uid(job.id);
     // The labels the Job controller sets, as affinity terms see them too.
     let labels = spec.pod_labels(idx, &job_uid);
     let mut annotations = spec.pod.annotations.clone();

@@ -376,6 +376,10 @@ pub struct Machine {
     health_holds: BTreeMap<u32, JobId>,
     /// Unhealthy devices whose hold the scheduler refused, said once each.
     hold_refused: BTreeSet<u32>,
+    /// Jobs kept out of the scheduler because their required pod (anti-)affinity, or a placed
+    /// job's, does not allow them on the host yet ([`Machine::affinity_blocks`]), in
+    /// submission order; tried again at every pass.
+    affinity_held: BTreeSet<i64>,
     /// Broken scheduler invariants already logged.
     broken_reported: u64,
     history: VecDeque<(i64, u32)>,
@@ -406,6 +410,7 @@ impl Machine {
             sched_idx,
             health_holds: BTreeMap::new(),
             hold_refused: BTreeSet::new(),
+            affinity_held: BTreeSet::new(),
             broken_reported: 0,
             history: VecDeque::new(),
             dirty: true,
@@ -684,7 +689,6 @@ impl Machine {
 
     fn try_register(&mut self, now: Now, id: i64) -> Result<(), String> {
         let t = now.secs();
-        let node = &self.config.node;
         let Some(job) = self.jobs.get_mut(&id) else { return Ok(()) };
         let remaining = job.idx.iter().filter(|s| **s != Idx::Done).count() as u32;
         if remaining == 0 && job.tasks.is_empty() && job.restarts.is_empty() {
@@ -694,6 +698,16 @@ impl Machine {
             self.end_job(now, id, JobState::Succeeded, m);
             return Ok(());
         }
+        let fresh = job.tasks.is_empty() && job.restarts.is_empty();
+        if fresh && let Some(why) = self.affinity_blocks(id) {
+            if let Some(job) = self.jobs.get_mut(&id) {
+                job.reason = format!("waiting for the host's pods to allow it: {why}");
+            }
+            self.affinity_held.insert(id);
+            return Ok(());
+        }
+        let node = &self.config.node;
+        let Some(job) = self.jobs.get_mut(&id) else { return Ok(()) };
         let mut sj = xpu_sched::job_from_spec(&job.spec, &|v, k| node.models(v, k))
             .map_err(|e| format!("not schedulable: {e}"))?;
         // Slots: as many as may run at once, and at least what already runs.
@@ -766,6 +780,65 @@ impl Machine {
             self.drain(sid, t);
         }
         Ok(())
+    }
+
+    /// Why job `id` may not be placed on the host while the jobs the scheduler holds (running,
+    /// or placed any moment) are there: kube-scheduler's inter-pod affinity filter
+    /// ([`xpu_core::affinity::pod_fits`]) with the host as the one topology domain, each job
+    /// seen as its first task's pod. The job's own tasks are its `tasks_at_once` bound's
+    /// business, not this. `None` when it may.
+    fn affinity_blocks(&self, id: i64) -> Option<String> {
+        use xpu_core::affinity::{PodRef, pod_fits};
+        let job = self.jobs.get(&id)?;
+        let has_terms = |a: &xpu_core::affinity::Affinity| {
+            !a.pod_affinity.is_empty() || !a.pod_anti_affinity.is_empty()
+        };
+        let incoming_terms = has_terms(&job.spec.affinity);
+        // Only what can decide: every placed job when this one has terms, else those whose
+        // anti-affinity could keep it out.
+        let others: Vec<&Job> = self
+            .jobs
+            .values()
+            .filter(|j| j.id != id && j.sched.is_some() && j.ending.is_none())
+            .filter(|j| incoming_terms || !j.spec.affinity.pod_anti_affinity.is_empty())
+            .collect();
+        if !incoming_terms && others.is_empty() {
+            return None;
+        }
+        let labels_of = |j: &Job| j.spec.pod_labels(0, &super::env::controller_uid(j.id));
+        let other_labels: Vec<_> = others.iter().map(|j| labels_of(j)).collect();
+        let running: Vec<PodRef<'_>> = others
+            .iter()
+            .zip(&other_labels)
+            .map(|(j, labels)| PodRef {
+                namespace: j.spec.pod_namespace(),
+                labels,
+                affinity: &j.spec.affinity,
+            })
+            .collect();
+        let labels = labels_of(job);
+        let incoming = PodRef {
+            namespace: job.spec.pod_namespace(),
+            labels: &labels,
+            affinity: &job.spec.affinity,
+        };
+        pod_fits(&self.config.node.labels, &incoming, &running).err()
+    }
+
+    /// Gives the scheduler each held job that the host's pods now allow, oldest first.
+    fn release_affinity_held(&mut self, now: Now) {
+        let held: Vec<i64> = self.affinity_held.iter().copied().collect();
+        for id in held {
+            let gone = self.jobs.get(&id).is_none_or(|j| j.ending.is_some() || j.sched.is_some());
+            if gone {
+                self.affinity_held.remove(&id);
+                continue;
+            }
+            if self.affinity_blocks(id).is_none() {
+                self.affinity_held.remove(&id);
+                self.register(now, id);
+            }
+        }
     }
 
     /// The container an attempt of a job runs in, when the job names a rootfs or a bundle.
@@ -1097,6 +1170,9 @@ impl Machine {
         if !self.dirty {
             return;
         }
+        if !self.affinity_held.is_empty() {
+            self.release_affinity_held(now);
+        }
         // Restarts in place first: they already hold their devices. Those still in their
         // back-off wait; the tick brings the loop back here.
         let mut restarts: Vec<(i64, Restart)> = Vec::new();
@@ -1301,6 +1377,21 @@ impl Machine {
                 position: queued.len() + 1,
                 reason,
             });
+        }
+        // After the scheduler's queue: the jobs held for the host's pods, each with why.
+        for j in self.affinity_held.iter().filter_map(|id| self.jobs.get(id)) {
+            queued_total += 1;
+            if queued.len() < QUEUE_VIEW {
+                queued.push(QueuedView {
+                    id: j.id,
+                    name: j.name.clone(),
+                    queue: j.queue.clone(),
+                    priority: j.priority,
+                    submitted_at_ms: j.submitted_ms,
+                    position: queued.len() + 1,
+                    reason: j.reason.clone(),
+                });
+            }
         }
         let running = self
             .jobs

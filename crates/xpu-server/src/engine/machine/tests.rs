@@ -821,3 +821,55 @@ fn the_machine_reads_no_clock_and_does_no_io() {
         }
     }
 }
+
+/// Required pod anti-affinity (and affinity) between jobs on the one host, as kube-scheduler's
+/// inter-pod affinity filter has it: a job the running or placed jobs' terms keep out, or whose
+/// own terms they do not meet, waits (shown in the queue with why) and starts once they allow.
+#[test]
+fn pod_affinity_between_jobs_holds_a_job_until_the_host_allows_it() {
+    let mut s = Sim::new(&["nvidia-a100:4"]);
+    let job = |name: &str, app: &str, affinity: &str| {
+        format!(
+            "apiVersion: batch/v1\nkind: Job\nmetadata: {{name: {name}}}\nspec:\n  template:\n    metadata: {{labels: {{app: {app}}}}}\n    spec:\n      restartPolicy: Never\n{affinity}      containers: [{{name: c, image: x, command: [\"true\"]}}]\n"
+        )
+    };
+    let apart = |app: &str| {
+        format!(
+            "      affinity:\n        podAntiAffinity:\n          requiredDuringSchedulingIgnoredDuringExecution:\n          - labelSelector: {{matchLabels: {{app: {app}}}}}\n            topologyKey: kubernetes.io/hostname\n"
+        )
+    };
+    // A job that keeps `db` pods off its host; then a `db` job, which waits for it.
+    let web = s.submit(&job("web", "web", &apart("db")));
+    assert_eq!(s.tasks(web).len(), 1);
+    let db = s.submit(&job("db", "db", ""));
+    assert!(s.tasks(db).is_empty(), "the running job's anti-affinity keeps it out");
+    let q = s.view.queued.iter().find(|q| q.id == db).unwrap();
+    assert!(q.reason.contains("existing pods anti-affinity"), "{}", q.reason);
+    // A job whose own anti-affinity selects a running job's pods waits too.
+    let cache = s.submit(&job("cache", "cache", &apart("web")));
+    assert!(s.tasks(cache).is_empty());
+    let q = s.view.queued.iter().find(|q| q.id == cache).unwrap();
+    assert!(q.reason.contains("podAntiAffinity"), "{}", q.reason);
+    // A job with no terms that no term selects runs beside them.
+    let other = s.submit(&job("other", "other", ""));
+    assert_eq!(s.tasks(other).len(), 1);
+    // When web ends, both start.
+    s.exit(web, 0, 0, 0);
+    assert_eq!(s.tasks(db).len(), 1, "{:?}", s.view.queued);
+    assert_eq!(s.tasks(cache).len(), 1, "{:?}", s.view.queued);
+    // Pod affinity: a job that must share the host with `db` pods starts while one runs, and
+    // one that must share it with pods nobody runs waits.
+    let near = |app: &str| {
+        format!(
+            "      affinity:\n        podAffinity:\n          requiredDuringSchedulingIgnoredDuringExecution:\n          - labelSelector: {{matchLabels: {{app: {app}}}}}\n            topologyKey: kubernetes.io/hostname\n"
+        )
+    };
+    let with_db = s.submit(&job("with-db", "x", &near("db")));
+    assert_eq!(s.tasks(with_db).len(), 1);
+    let lonely = s.submit(&job("lonely", "y", &near("nobody")));
+    assert!(s.tasks(lonely).is_empty());
+    // A held job can be cancelled.
+    s.cancel(lonely);
+    assert_eq!(s.state(lonely).map(|(st, _)| st), Some(JobState::Cancelled));
+    assert!(s.view.queued.iter().all(|q| q.id != lonely));
+}
