@@ -177,7 +177,14 @@ pub async fn serve<L: Accept>(
         };
         ConnStats::at(&stats.accepted, kind).fetch_add(1, Ordering::Relaxed);
         ConnStats::at(&stats.open, kind).fetch_add(1, Ordering::Relaxed);
-        let app = app.clone().layer(axum::Extension(peer));
+        // Each request of the connection carries its peer; the router is shared, not rebuilt.
+        let app = tower::ServiceExt::map_request(
+            app.clone(),
+            move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(peer);
+                req
+            },
+        );
         let stats = stats.clone();
         tokio::spawn(async move {
             let io = TokioIo::new(SendTimeout::new(io, limits.send_timeout));
