@@ -204,10 +204,32 @@ impl Root {
 
     /// The real path of host path `p` (`/sys/bus/pci` or `sys/bus/pci`) under this root. For
     /// reading sysfs and the like; writes go through [`Root::write_file`] and its siblings.
+    ///
+    /// A `..` in `p` never climbs above the root: host paths built from what the root holds (a
+    /// mount point in its `/proc/self/mounts`, a cgroup in `/proc/self/cgroup`) are untrusted,
+    /// and `/..` is `/` on the host too. (Links inside the root are the readers' business.)
     pub fn path(&self, p: impl AsRef<Path>) -> PathBuf {
         let p = p.as_ref();
         let rel = p.strip_prefix("/").unwrap_or(p);
-        self.base.join(rel)
+        if !rel.as_os_str().as_encoded_bytes().windows(2).any(|w| w == b"..") {
+            return self.base.join(rel);
+        }
+        let mut out = self.base.clone();
+        let mut depth = 0usize;
+        for c in rel.components() {
+            match c {
+                std::path::Component::Normal(name) => {
+                    out.push(name);
+                    depth += 1;
+                }
+                std::path::Component::ParentDir if depth > 0 => {
+                    out.pop();
+                    depth -= 1;
+                }
+                _ => {}
+            }
+        }
+        out
     }
 
     /// The host path of a real path under this root, for messages (`/sys/...`).
@@ -686,6 +708,15 @@ fn replace_in_named(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_path_never_leads_above_the_root() {
+        let root = Root::new("/tmp").unwrap();
+        assert_eq!(root.path("/sys/fs/cgroup"), Path::new("/tmp/sys/fs/cgroup"));
+        assert_eq!(root.path("/sys/../../../etc/shadow"), Path::new("/tmp/etc/shadow"));
+        assert_eq!(root.path("../../x/./y/../z"), Path::new("/tmp/x/z"));
+        assert_eq!(root.path("/a..b/..c"), Path::new("/tmp/a..b/..c"), "names with dots stay");
+    }
 
     #[test]
     fn joins_absolute_paths_under_base() {
