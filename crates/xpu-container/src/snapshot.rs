@@ -204,6 +204,7 @@ mod tests {
             ),
         ];
         for (plant, said) in traps {
+            // The last trap left a file or a directory (one of the two fails), the first none.
             let _ = std::fs::remove_file(&at);
             let _ = std::fs::remove_dir(&at);
             plant(&at);
