@@ -698,8 +698,8 @@ impl Cluster {
         };
         let id = self.nodes.len() as NodeId;
         self.ranks.push(id);
-        self.capacity.cpu_milli += spec.cpu_milli;
-        self.capacity.memory_mib += spec.memory_mib;
+        self.capacity.cpu_milli = self.capacity.cpu_milli.saturating_add(spec.cpu_milli);
+        self.capacity.memory_mib = self.capacity.memory_mib.saturating_add(spec.memory_mib);
         for d in &devices {
             self.capacity.device_milli[kind_index(d.kind)] += u64::from(MILLI);
         }
@@ -807,8 +807,8 @@ impl Cluster {
         }
         n.tag_counts[usize::from(p.tag & 15)] += 1;
         n.tasks += 1;
-        self.used.cpu_milli += p.cpu_milli;
-        self.used.memory_mib += p.memory_mib;
+        self.used.cpu_milli = self.used.cpu_milli.saturating_add(p.cpu_milli);
+        self.used.memory_mib = self.used.memory_mib.saturating_add(p.memory_mib);
         self.reclass(p.node);
         Ok(())
     }
@@ -841,8 +841,8 @@ impl Cluster {
         }
         n.tag_counts[usize::from(p.tag & 15)] -= 1;
         n.tasks -= 1;
-        self.used.cpu_milli -= p.cpu_milli;
-        self.used.memory_mib -= p.memory_mib;
+        self.used.cpu_milli = self.used.cpu_milli.saturating_sub(p.cpu_milli);
+        self.used.memory_mib = self.used.memory_mib.saturating_sub(p.memory_mib);
         self.reclass(p.node);
         Ok(())
     }

@@ -512,6 +512,38 @@ impl Scheduler {
         spec.demand(&mut self.cluster)
     }
 
+    /// Counts work that runs outside this scheduler's books (pods another cycle or another
+    /// scheduler placed) on `queue`'s fair-share account, so the fair queue orders queues by
+    /// all they hold, not only by what this scheduler started. Sums saturate.
+    pub fn charge_queue(
+        &mut self,
+        queue: &str,
+        cpu_milli: u64,
+        memory_mib: u64,
+        device_milli: u64,
+    ) {
+        let q = self.queue_index(queue);
+        let u = &mut self.queue_usage[q];
+        u[0] = u[0].saturating_add(cpu_milli);
+        u[1] = u[1].saturating_add(memory_mib);
+        u[2] = u[2].saturating_add(device_milli);
+    }
+
+    /// The index of queue `name` (`default` when empty), registered on first use.
+    fn queue_index(&mut self, name: &str) -> usize {
+        let qname = if name.is_empty() { "default" } else { name };
+        match self.queue_names.iter().position(|q| q == qname) {
+            Some(q) => q,
+            None => {
+                self.queue_names.push(qname.to_owned());
+                self.by_queue.push(BTreeSet::new());
+                self.by_lane.push(BTreeMap::new());
+                self.queue_usage.push([0; 3]);
+                self.queue_names.len() - 1
+            }
+        }
+    }
+
     /// Adds a node (a host that joined). Its name must be new.
     pub fn add_node(&mut self, spec: NodeSpec) -> Result<NodeId, SchedError> {
         let id = self.cluster.add_node(spec)?;
@@ -613,17 +645,7 @@ impl Scheduler {
                 });
             }
         }
-        let qname = if job.queue.is_empty() { "default" } else { job.queue.as_str() };
-        let queue = match self.queue_names.iter().position(|q| q == qname) {
-            Some(q) => q,
-            None => {
-                self.queue_names.push(qname.to_owned());
-                self.by_queue.push(BTreeSet::new());
-                self.by_lane.push(BTreeMap::new());
-                self.queue_usage.push([0; 3]);
-                self.queue_names.len() - 1
-            }
-        };
+        let queue = self.queue_index(&job.queue);
         self.seq += 1;
         let mut e = Entry {
             job,
@@ -1344,9 +1366,9 @@ impl Scheduler {
             let e = &mut self.jobs[id as usize];
             starts.push(TaskStart { task: e.tasks[ti].task, placement: p.clone() });
             let u = &mut self.queue_usage[e.queue];
-            u[0] += p.cpu_milli;
-            u[1] += p.memory_mib;
-            u[2] += p.device_milli();
+            u[0] = u[0].saturating_add(p.cpu_milli);
+            u[1] = u[1].saturating_add(p.memory_mib);
+            u[2] = u[2].saturating_add(p.device_milli());
             e.tasks[ti].placement = Some(p);
         }
         let e = &mut self.jobs[id as usize];
