@@ -1,8 +1,15 @@
 //! Leader election on a `coordination.k8s.io/v1` Lease, as kube-scheduler does it: the holder
-//! renews `renewTime` every `retry_period`; a candidate takes the lease once `renewTime +
-//! leaseDurationSeconds` has passed, with the lease's `resourceVersion` as the precondition so
-//! two candidates cannot both win; a holder that cannot renew within `renew_deadline` stops
-//! leading. On a clean stop the holder gives the lease up so a standby takes over at once.
+//! renews every `retry_period`; a candidate takes the lease once it has seen the same record
+//! (holder, times, transitions) unchanged for the lease duration, with the lease's
+//! `resourceVersion` as the precondition so two candidates cannot both win; a holder that
+//! cannot renew within `renew_deadline` stops leading. On a clean stop the holder gives the
+//! lease up so a standby takes over at once.
+//!
+//! Expiry is timed on this replica's own monotonic clock, from when it last saw the record
+//! change, as client-go's leader election does, never from the timestamps in the record: a
+//! holder whose clock runs ahead, or a damaged `renewTime` (year 2999, say), costs at most one
+//! lease duration. The duration is the record's `leaseDurationSeconds`, at most this replica's
+//! own (a garbage duration cannot hold it off either).
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +34,28 @@ pub struct LeaseConfig {
 pub struct Elector {
     api: Api<Lease>,
     cfg: LeaseConfig,
+    observed: std::sync::Mutex<Observed>,
+}
+
+/// Another holder's record as last read, and when this replica first saw it so.
+#[derive(Default)]
+struct Observed(Option<(LeaseSpec, Instant)>);
+
+impl Observed {
+    /// Whether `spec` has stood unchanged, as seen from here, for its lease duration (at most
+    /// `ours`), at `now`.
+    fn expired(&mut self, spec: &LeaseSpec, ours: Duration, now: Instant) -> bool {
+        let since = match &self.0 {
+            Some((last, at)) if last == spec => *at,
+            _ => {
+                self.0 = Some((spec.clone(), now));
+                return false;
+            }
+        };
+        let theirs = u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0);
+        let dur = Duration::from_secs(theirs).min(ours).max(Duration::from_secs(1));
+        now.saturating_duration_since(since) >= dur
+    }
 }
 
 enum Try {
@@ -36,7 +65,7 @@ enum Try {
 
 impl Elector {
     pub fn new(client: Client, cfg: LeaseConfig) -> Self {
-        Self { api: Api::namespaced(client, &cfg.namespace), cfg }
+        Self { api: Api::namespaced(client, &cfg.namespace), cfg, observed: Default::default() }
     }
 
     /// Waits until this candidate holds the lease.
@@ -96,6 +125,13 @@ impl Elector {
         }
     }
 
+    /// Whether another holder's record `spec` has stood unchanged, as this replica has seen
+    /// it, for its lease duration.
+    fn expired(&self, spec: &LeaseSpec) -> bool {
+        let mut seen = self.observed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        seen.expired(spec, self.cfg.lease_duration, Instant::now())
+    }
+
     async fn try_once(&self) -> Result<Try, kube::Error> {
         let now = Timestamp::now();
         let secs = i32::try_from(self.cfg.lease_duration.as_secs()).unwrap_or(i32::MAX).max(1);
@@ -125,13 +161,8 @@ impl Elector {
         let spec = lease.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.as_deref().filter(|h| !h.is_empty());
         let ours = holder == Some(self.cfg.identity.as_str());
-        if !ours && holder.is_some() {
-            let renewed = spec.renew_time.as_ref().or(spec.acquire_time.as_ref()).map(|t| t.0);
-            let dur = i64::from(spec.lease_duration_seconds.unwrap_or(15));
-            let expired = renewed.is_none_or(|r| r.as_second() + dur <= now.as_second());
-            if !expired {
-                return Ok(Try::HeldByOther);
-            }
+        if !ours && holder.is_some() && !self.expired(&spec) {
+            return Ok(Try::HeldByOther);
         }
         let next = if ours {
             LeaseSpec {
@@ -148,6 +179,48 @@ impl Elector {
             Ok(_) => Ok(Try::Acquired),
             Err(kube::Error::Api(e)) if e.code == 409 => Ok(Try::HeldByOther),
             Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(holder: &str, renew: &str, secs: i32) -> LeaseSpec {
+        let t: Timestamp = renew.parse().unwrap();
+        LeaseSpec {
+            holder_identity: Some(holder.into()),
+            lease_duration_seconds: Some(secs),
+            acquire_time: Some(MicroTime(t)),
+            renew_time: Some(MicroTime(t)),
+            ..LeaseSpec::default()
+        }
+    }
+
+    /// A record renewed "in 2999" expires one lease duration after it was first seen, and a
+    /// record that keeps changing (a live holder) never does, whatever its timestamps say.
+    #[test]
+    fn expiry_is_timed_from_when_the_record_last_changed_here() {
+        let ours = Duration::from_secs(15);
+        let t0 = Instant::now();
+        let mut seen = Observed::default();
+        let future = record("ghost", "2999-01-01T00:00:00Z", 15);
+        assert!(!seen.expired(&future, ours, t0));
+        assert!(!seen.expired(&future, ours, t0 + Duration::from_secs(14)));
+        assert!(seen.expired(&future, ours, t0 + Duration::from_secs(15)));
+
+        // A garbage duration is capped at this replica's own.
+        let mut seen = Observed::default();
+        let long = record("ghost", "2999-01-01T00:00:00Z", i32::MAX);
+        assert!(!seen.expired(&long, ours, t0));
+        assert!(seen.expired(&long, ours, t0 + ours));
+
+        // A holder renewing (with a clock far behind) stays the holder.
+        let mut seen = Observed::default();
+        for i in 0..20u64 {
+            let r = record("alive", &format!("1999-01-01T00:00:{i:02}Z"), 15);
+            assert!(!seen.expired(&r, ours, t0 + Duration::from_secs(2 * i)));
         }
     }
 }
