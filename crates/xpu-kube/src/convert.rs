@@ -35,7 +35,7 @@ pub const MILLI_PER_GPU: u64 = xpu_integrations::deviceplugin::SHARE_UNITS as u6
 pub const GANG_LABEL: &str = "xpu.dev/gang";
 /// Label (or annotation) with the number of pods in the gang.
 pub const GANG_SIZE: &str = "xpu.dev/gang-size";
-/// Label choosing the fair-share queue; the namespace when absent.
+/// Label choosing one of the fair-share queues the pod's namespace owns ([`crate::queues`]).
 pub const QUEUE_LABEL: &str = "xpu.dev/queue";
 /// GKE's node-pool label: nodes of one pool form one TPU slice.
 pub const GKE_NODEPOOL: &str = "cloud.google.com/gke-nodepool";
@@ -252,52 +252,68 @@ fn container_sum(c: &Container, path: &str) -> Result<Sum, Unsupported> {
 }
 
 /// What a pod holds on its node: the effective request as kube-scheduler computes it, every
-/// device resource counted. `Err` only for a malformed quantity, which the API server never
-/// stores.
+/// device resource counted. `Err` names the field for a quantity that does not parse, and for
+/// requests whose sum does not fit 64 bits (the API server stores such quantities: each is
+/// valid alone), so that a sum never wraps into a small number.
 pub fn usage(p: &Pod) -> Result<Usage, Unsupported> {
     let Some(spec) = p.spec.as_ref() else { return Ok(Usage::default()) };
     let mut total = Sum::default();
     for (i, c) in spec.containers.iter().enumerate() {
-        let s = container_sum(c, &format!("spec.containers[{i}]"))?;
-        total.cpu += s.cpu;
-        total.mem += s.mem;
-        for (k, v) in s.dev {
-            *total.dev.entry(k).or_default() += v;
-        }
+        let path = format!("spec.containers[{i}]");
+        total.add(&container_sum(c, &path)?, &path)?;
     }
     // Init containers run one after another: the largest counts, plus sidecars started before it.
     let mut sidecars = Sum::default();
     for (i, c) in spec.init_containers.iter().flatten().enumerate() {
-        let s = container_sum(c, &format!("spec.initContainers[{i}]"))?;
+        let path = format!("spec.initContainers[{i}]");
+        let mut s = container_sum(c, &path)?;
         if c.restart_policy.as_deref() == Some("Always") {
-            sidecars.cpu += s.cpu;
-            sidecars.mem += s.mem;
-            for (k, v) in s.dev {
-                *sidecars.dev.entry(k).or_default() += v;
-            }
+            sidecars.add(&s, &path)?;
             continue;
         }
-        total.cpu = total.cpu.max(s.cpu + sidecars.cpu);
-        total.mem = total.mem.max(s.mem + sidecars.mem);
+        s.add(&sidecars, &path)?;
+        total.cpu = total.cpu.max(s.cpu);
+        total.mem = total.mem.max(s.mem);
         for (k, v) in s.dev {
             let e = total.dev.entry(k).or_default();
-            *e = (*e).max(v + sidecars.dev.get(k).copied().unwrap_or(0));
+            *e = (*e).max(v);
         }
     }
-    total.cpu += sidecars.cpu;
-    total.mem += sidecars.mem;
-    for (k, v) in sidecars.dev {
-        *total.dev.entry(k).or_default() += v;
-    }
+    total.add(&sidecars, "spec.initContainers")?;
     if let Some(o) = spec.overhead.as_ref() {
-        total.cpu += q(Some(o), "cpu", 1000.0).map_err(|e| unsupported("spec.overhead", &e))?;
-        total.mem += q(Some(o), "memory", 1.0).map_err(|e| unsupported("spec.overhead", &e))?;
+        let overhead = Sum {
+            cpu: q(Some(o), "cpu", 1000.0).map_err(|e| unsupported("spec.overhead", &e))?,
+            mem: q(Some(o), "memory", 1.0).map_err(|e| unsupported("spec.overhead", &e))?,
+            dev: BTreeMap::new(),
+        };
+        total.add(&overhead, "spec.overhead")?;
     }
     Ok(Usage {
         cpu_milli: total.cpu,
         memory_mib: (total.mem as f64 * MIB).ceil() as u64,
         devices: total.dev,
     })
+}
+
+impl Sum {
+    /// Adds `other` (from the field at `path`), refusing a sum that does not fit 64 bits.
+    fn add(&mut self, other: &Sum, path: &str) -> Result<(), Unsupported> {
+        let over = |what: &str| {
+            unsupported(
+                &format!("{path}.resources"),
+                &format!(
+                    "the pod's {what} requests add up to more than xpu can count (2^64 units); ask for less"
+                ),
+            )
+        };
+        self.cpu = self.cpu.checked_add(other.cpu).ok_or_else(|| over("cpu"))?;
+        self.mem = self.mem.checked_add(other.mem).ok_or_else(|| over("memory"))?;
+        for (k, v) in &other.dev {
+            let e = self.dev.entry(k).or_default();
+            *e = e.checked_add(*v).ok_or_else(|| over(k))?;
+        }
+        Ok(())
+    }
 }
 
 /// What a pod uses on its node.
@@ -578,9 +594,29 @@ pub fn pod(p: &Pod) -> Result<PodAsk, Unsupported> {
         }
         _ => None,
     };
-    let ns = p.metadata.namespace.clone().unwrap_or_else(|| "default".into());
-    let queue = p.metadata.labels.as_ref().and_then(|l| l.get(QUEUE_LABEL)).cloned().unwrap_or(ns);
+    // The namespace's own queue; the cycle puts the pod in the queue the admin's mapping
+    // gives it ([`crate::queues`]), never where its own label alone says.
+    let queue = crate::queues::own_queue(p.metadata.namespace.as_deref().unwrap_or("default"));
     Ok(PodAsk { task, resources, priority: spec.priority.unwrap_or(0), queue, tpu })
+}
+
+/// Whether a `LabelSelector` selects `labels` (an empty selector selects everything).
+pub fn selects(
+    sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    let by_labels = sel.match_labels.iter().flatten().all(|(k, v)| labels.get(k) == Some(v));
+    let by_exprs = sel.match_expressions.iter().flatten().all(|r| {
+        let values = r.values.as_deref().unwrap_or(&[]);
+        match r.operator.as_str() {
+            "In" => labels.get(&r.key).is_some_and(|v| values.contains(v)),
+            "NotIn" => labels.get(&r.key).is_none_or(|v| !values.contains(v)),
+            "Exists" => labels.contains_key(&r.key),
+            "DoesNotExist" => !labels.contains_key(&r.key),
+            _ => false,
+        }
+    });
+    by_labels && by_exprs
 }
 
 #[cfg(test)]
@@ -600,6 +636,34 @@ mod tests {
         assert_eq!(quantity("1Zi", 1.0), None);
         assert_eq!(quantity("-1", 1.0), None);
         assert_eq!(quantity("abc", 1.0), None);
+    }
+
+    fn two_containers(res: &str, a: &str, b: &str) -> Pod {
+        let c = |n: &str, q: &str| serde_json::json!({ "name": n, "resources": { "requests": { res: q }, "limits": { res: q } } });
+        serde_json::from_value(serde_json::json!({
+            "metadata": { "name": "p", "namespace": "default", "uid": "u" },
+            "spec": { "containers": [c("a", a), c("b", b)] }
+        }))
+        .unwrap()
+    }
+
+    /// Requests each valid alone that overflow 64 bits when summed are refused naming the
+    /// field; they never wrap into a small request (2 CPUs) or into none (a CPU-only pod).
+    #[test]
+    fn sums_that_overflow_are_refused_not_wrapped() {
+        let cpu = two_containers("cpu", "9223372036854775808m", "9223372036854777856m");
+        let e = usage(&cpu).unwrap_err();
+        assert_eq!(e.field, "spec.containers[1].resources");
+        assert!(e.why.contains("cpu requests add up to more than xpu can count"), "{e}");
+        assert!(pod(&cpu).is_err());
+        let gpus = two_containers("nvidia.com/gpu", "9223372036854775808", "9223372036854775808");
+        let e = pod(&gpus).unwrap_err();
+        assert!(e.why.contains("nvidia.com/gpu requests add up"), "{e}");
+        let mem = two_containers("memory", "8Ei", "8Ei");
+        assert!(usage(&mem).unwrap_err().why.contains("memory"));
+        // Large but countable: a request, not an error.
+        let big = two_containers("cpu", "4611686018427387904m", "1");
+        assert_eq!(usage(&big).unwrap().cpu_milli, 4_611_686_018_427_388_904);
     }
 
     fn share_pod(milli: &str, containers: usize) -> Pod {

@@ -19,6 +19,7 @@ use xpu_sched::{Cluster, Decision, Job, NodeStatus, Scheduler, SchedulerConfig, 
 
 use crate::convert::{self, GangRef, PodAsk, SHARE_RESOURCE};
 use crate::flex::{self, ProvisioningRequest};
+use crate::queues::{Amounts, Queues};
 use crate::share;
 
 /// Internal node label (never a real one: `~` is not allowed in label keys) saying which device
@@ -78,6 +79,9 @@ pub struct Plan {
     pub provisions: Vec<flex::Provision>,
     /// An invariant of xpu-sched broke while planning (a bug): the last one, to log.
     pub broken_invariant: Option<String>,
+    /// Bound pods whose requests xpu cannot read, each counted as using its whole node, with
+    /// the warning to give.
+    pub unreadable: Vec<(PodKey, String)>,
     /// Units keep what they submitted (set while planning when preemption is on).
     preemption_on: bool,
 }
@@ -110,6 +114,10 @@ pub struct Snapshot<'a> {
     pub provisioning: Option<&'a [Arc<ProvisioningRequest>]>,
     /// Seconds before asking again after a request ended: first wait, and the most.
     pub provisioning_backoff: (u64, u64),
+    /// The admin's mapping of namespaces to queues, with quotas.
+    pub queues: &'a Queues,
+    /// Namespace labels by name (queues may select namespaces by label).
+    pub namespace_labels: &'a HashMap<String, BTreeMap<String, String>>,
 }
 
 impl<'a> Snapshot<'a> {
@@ -125,6 +133,9 @@ impl<'a> Snapshot<'a> {
             std::sync::LazyLock::new(HashMap::new);
         static NONE: std::sync::LazyLock<std::collections::HashSet<String>> =
             std::sync::LazyLock::new(Default::default);
+        static NO_QUEUES: std::sync::LazyLock<Queues> = std::sync::LazyLock::new(Queues::default);
+        static NO_LABELS: std::sync::LazyLock<HashMap<String, BTreeMap<String, String>>> =
+            std::sync::LazyLock::new(HashMap::new);
         Self {
             scheduler_name,
             nodes,
@@ -139,6 +150,8 @@ impl<'a> Snapshot<'a> {
             hold_out: None,
             provisioning: None,
             provisioning_backoff: (30, 900),
+            queues: &NO_QUEUES,
+            namespace_labels: &NO_LABELS,
         }
     }
 }
@@ -174,23 +187,34 @@ struct Used {
     dev: BTreeMap<&'static str, u64>,
     /// [`SHARE_RESOURCE`] pods: what each asks and the GPUs recorded for it.
     shares: Vec<(u64, Option<Vec<u16>>)>,
+    /// A pod on the node whose requests xpu cannot read: the node counts as full.
+    unreadable: bool,
 }
 
 impl Used {
-    /// Adds what `p` holds (a GPU share on `gpus`, when recorded). Quantities are validated by
-    /// the API server, so `usage` does not fail on a stored pod.
-    fn add(&mut self, p: &Pod, gpus: Option<Vec<u16>>) {
-        let r = convert::usage(p).unwrap_or_default();
-        self.cpu += r.cpu_milli;
-        self.mem += r.memory_mib;
+    /// Adds what `p` holds (a GPU share on `gpus`, when recorded). A pod whose requests do not
+    /// parse or overflow when summed is counted as holding the whole node, never as nothing:
+    /// `Err` says why, for a warning.
+    fn add(&mut self, p: &Pod, gpus: Option<Vec<u16>>) -> Result<(), convert::Unsupported> {
         self.pods += 1;
+        let r = match convert::usage(p) {
+            Ok(r) => r,
+            Err(e) => {
+                self.unreadable = true;
+                return Err(e);
+            }
+        };
+        self.cpu = self.cpu.saturating_add(r.cpu_milli);
+        self.mem = self.mem.saturating_add(r.memory_mib);
         for (res, n) in r.devices {
             if res == SHARE_RESOURCE {
                 self.shares.push((n, gpus.clone()));
             } else {
-                *self.dev.entry(res).or_default() += n;
+                let e = self.dev.entry(res).or_default();
+                *e = e.saturating_add(n);
             }
         }
+        Ok(())
     }
 }
 
@@ -218,6 +242,9 @@ struct Unit {
     /// Flex-start: the request to make if it does not start, and what to add to its message.
     flex: Option<flex::Provision>,
     note: String,
+    /// Its queue, and what its pods hold together once bound (for the queue's quota).
+    queue: String,
+    amounts: Amounts,
 }
 
 /// What flex-start says about a unit before it is submitted.
@@ -382,8 +409,10 @@ pub fn plan(
 ) -> Plan {
     let mut out = Plan::default();
 
-    let Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved } = cluster_of(snap);
+    let Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved, unreadable } =
+        cluster_of(snap);
     out.bad_nodes = bad_nodes;
+    out.unreadable = unreadable;
     out.preemption_on = snap.preemption;
     let job_shape = |uid: &str| snap.jobs.get(uid).copied();
     let scheduler_name = snap.scheduler_name;
@@ -409,6 +438,9 @@ pub fn plan(
     let pod_of: HashMap<&str, &Pod> =
         pending.iter().filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref()))).collect();
 
+    let mut config = config.clone();
+    config.queue_weights.extend(snap.queues.weights());
+    let config = &config;
     let mut sched = match Scheduler::new(cluster, config.clone()) {
         Ok(s) => s,
         Err(e) => {
@@ -420,6 +452,13 @@ pub fn plan(
             return out;
         }
     };
+
+    // What each queue holds now: its fair-share account and what counts against its quota.
+    let mut books = Books { queues: snap.queues, used: queue_usage(snap) };
+    for (queue, held) in &books.used {
+        let (cpu, mem, dev) = held.fair_share();
+        sched.charge_queue(queue, cpu, mem, dev);
+    }
 
     let mut units: Vec<Unit> = Vec::new();
     let mut gangs: BTreeMap<String, (GangRef, Members)> = BTreeMap::new();
@@ -446,6 +485,14 @@ pub fn plan(
                 continue;
             }
         };
+        let ns = key.namespace.as_str();
+        match snap.queues.resolve(ns, snap.namespace_labels.get(ns), queue_label(p)) {
+            Ok(q) => ask.queue = q,
+            Err(msg) => {
+                say(&mut out, key, msg, explain);
+                continue;
+            }
+        }
         if ask.resources.device_resource == Some(SHARE_RESOURCE) && !snap.shares {
             let msg = format!(
                 "{SHARE_RESOURCE} is placed only by a scheduler started with --share-key FILE (the key xpu's device plugins check its GPU choices with)"
@@ -491,7 +538,9 @@ pub fn plan(
                     }
                     FlexGate::Place(provision, note) => {
                         let n = units.len();
-                        submit_pod(&mut sched, &mut units, key, &ask, now, &mut out, explain);
+                        submit_pod(
+                            &mut sched, &mut units, &books, key, &ask, now, &mut out, explain,
+                        );
                         if let Some(u) = units.get_mut(n) {
                             (u.flex, u.note) = (provision, note);
                         }
@@ -512,7 +561,7 @@ pub fn plan(
         if need == 0 {
             // Replacements for members of a running gang: each on its own.
             for (key, ask) in members {
-                submit_pod(&mut sched, &mut units, key, &ask, now, &mut out, explain);
+                submit_pod(&mut sched, &mut units, &books, key, &ask, now, &mut out, explain);
             }
             continue;
         }
@@ -583,15 +632,17 @@ pub fn plan(
         let keys = members.into_iter().map(|(k, _)| k).collect();
         let resource = first.resources.device_resource;
         let ask = share_ask(&first);
+        let amounts = amounts(&first).times(need as u64);
         let n = units.len();
         submit(
             &mut sched,
             &mut units,
+            &books,
             job,
             keys,
             Some(gkey),
             resource,
-            ask,
+            (ask, amounts),
             now,
             &mut out,
             explain,
@@ -630,6 +681,21 @@ pub fn plan(
         match d {
             Decision::Start { job, tasks } => {
                 let Some(unit) = by_job.get(&job).map(|&i| &mut units[i]) else { continue };
+                unit.job = None;
+                // Units that each fit their queue's quota alone may not fit it together: in
+                // the order xpu-sched started them, a unit that would pass it waits. (It held
+                // room in this plan; the next cycle counts the ones bound now.)
+                if let Some(why) =
+                    books.queues.over_quota(&unit.queue, books.used.get(&unit.queue), &unit.amounts)
+                {
+                    for k in &unit.pods {
+                        if explain(&k.uid) {
+                            out.waiting.push((k.clone(), why.clone()));
+                        }
+                    }
+                    continue;
+                }
+                books.used.entry(unit.queue.clone()).or_default().add(&unit.amounts);
                 for t in tasks {
                     let (Some(pod), Some(node)) = (
                         unit.pods.get(t.task.index as usize),
@@ -647,7 +713,6 @@ pub fn plan(
                         share,
                     });
                 }
-                unit.job = None;
             }
             Decision::Fail { job, error } => {
                 let Some(unit) = by_job.get(&job).map(|&i| &mut units[i]) else { continue };
@@ -706,6 +771,8 @@ pub(crate) struct Built {
     pub separate: bool,
     /// Preemptors held on their nominated node while their victims end: uid → node.
     pub reserved: HashMap<String, String>,
+    /// Bound pods whose requests xpu cannot read, each counted as using its whole node.
+    pub unreadable: Vec<(PodKey, String)>,
 }
 
 /// Nodes in name order with what every bound (or assumed, or reserved) pod uses taken.
@@ -714,6 +781,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     // What bound pods use, per node, and which gang members are already bound where.
     let mut used: HashMap<&str, Used> = HashMap::new();
     let mut gang_bound: HashMap<String, (u32, Option<String>)> = HashMap::new();
+    let mut unreadable = Vec::new();
     let job_shape = |uid: &str| snap.jobs.get(uid).copied();
     // Per node, the lowest priority among its pods being deleted (preemption victims, say).
     let mut terminating: HashMap<&str, i32> = HashMap::new();
@@ -741,7 +809,11 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
                 .and_then(|a| a.get(share::GPUS_ANNOTATION))
                 .and_then(|g| share::parse_gpus(g))
         });
-        used.entry(node).or_default().add(p, gpus);
+        if let Err(e) = used.entry(node).or_default().add(p, gpus)
+            && let Some(key) = PodKey::of(p)
+        {
+            unreadable.push((key, format!("counted as using all of node {node}: {e}")));
+        }
         // A malformed gang label only matters for a pending pod, which is told about it.
         if let Ok(Some(g)) = convert::gang(p, job_shape) {
             let e = gang_bound.entry(g.key).or_insert((0, None));
@@ -781,7 +853,11 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         let Some((&node, _)) = terminating.get_key_value(node).filter(|(_, m)| **m < prio) else {
             continue;
         };
-        used.entry(node).or_default().add(p, None);
+        if let Err(e) = used.entry(node).or_default().add(p, None)
+            && let Some(key) = PodKey::of(p)
+        {
+            unreadable.push((key, format!("counted as using all of node {node}: {e}")));
+        }
         reserved.insert(p.metadata.uid.clone().unwrap_or_default(), node.to_owned());
     }
     // Only a cluster that offers more than one device resource needs to keep them apart.
@@ -799,6 +875,9 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
             }
         }
         let u = used.remove(spec.name.as_str()).unwrap_or_default();
+        if u.unreadable {
+            (spec.cpu_milli, spec.memory_mib) = (0, 0);
+        }
         spec.cpu_milli = spec.cpu_milli.saturating_sub(u.cpu);
         spec.memory_mib = spec.memory_mib.saturating_sub(u.mem);
         let status = if view.ready && u.pods < view.max_pods {
@@ -809,6 +888,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         pool_of.insert(spec.name.clone(), spec.pool.clone());
         let name = spec.name.clone();
         match cluster.add_node_with_status(spec, status) {
+            Ok(id) if u.unreadable => hold_all(&mut cluster, id),
             Ok(id) => {
                 hold_whole(&mut cluster, id, &u.dev);
                 hold_shares(&mut cluster, id, &u.shares);
@@ -817,7 +897,27 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         }
     }
 
-    Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved }
+    Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved, unreadable }
+}
+
+/// Takes every device of node `id`: a pod there holds what xpu cannot count.
+fn hold_all(cluster: &mut Cluster, id: xpu_sched::NodeId) {
+    let Some(node) = cluster.node(id) else { return };
+    let devices: Vec<DeviceShare> = node
+        .devices
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.free_milli() > 0)
+        .map(|(i, d)| DeviceShare { index: i as u16, milli: d.free_milli() })
+        .collect();
+    if devices.is_empty() {
+        return;
+    }
+    let p = Placement { node: id, cpu_milli: 0, memory_mib: 0, devices, tag: 0 };
+    // Every device was free to this extent an instant ago; a failure means a bug here.
+    if let Err(e) = cluster.allocate(&p) {
+        tracing::warn!(node = id, error = %e, "could not hold a node's devices");
+    }
 }
 
 /// xpu-sched says `Insufficient gpu`; Kubernetes users read resource names.
@@ -875,9 +975,11 @@ fn tpu_group(
 }
 
 /// One pod on its own.
+#[allow(clippy::too_many_arguments)]
 fn submit_pod(
     sched: &mut Scheduler,
     units: &mut Vec<Unit>,
+    books: &Books<'_>,
     key: PodKey,
     ask: &PodAsk,
     now: u64,
@@ -888,7 +990,61 @@ fn submit_pod(
         .priority(ask.priority)
         .queue(ask.queue.clone());
     let resource = ask.resources.device_resource;
-    submit(sched, units, job, vec![key], None, resource, share_ask(ask), now, out, explain);
+    let asks = (share_ask(ask), amounts(ask));
+    submit(sched, units, books, job, vec![key], None, resource, asks, now, out, explain);
+}
+
+/// What one pod asking `ask` holds once bound, in a quota's units.
+fn amounts(ask: &PodAsk) -> Amounts {
+    let mut devices = BTreeMap::new();
+    if let Some(res) = ask.resources.device_resource {
+        let n =
+            if res == SHARE_RESOURCE { share_ask(ask) } else { u64::from(ask.resources.devices) };
+        devices.insert(res, n);
+    }
+    Amounts {
+        cpu_milli: ask.resources.cpu_milli,
+        memory_mib: ask.resources.memory_mib,
+        pods: 1,
+        devices,
+    }
+}
+
+/// The `xpu.dev/queue` label of a pod.
+fn queue_label(p: &Pod) -> Option<&str> {
+    p.metadata.labels.as_ref()?.get(convert::QUEUE_LABEL).map(String::as_str)
+}
+
+/// The queues, and what each holds (bound, assumed, and started in this cycle).
+struct Books<'a> {
+    queues: &'a Queues,
+    used: HashMap<String, Amounts>,
+}
+
+/// What every queue holds: each bound (or assumed) pod on the queue its namespace and label
+/// give it, or, where the label names a queue the namespace does not own, on its namespace's
+/// default queue: never on another tenant's.
+fn queue_usage(snap: &Snapshot<'_>) -> HashMap<String, Amounts> {
+    let mut used: HashMap<String, Amounts> = HashMap::new();
+    for p in snap.pods {
+        if terminal(p) || bound_node(p, snap.assumed).is_none() {
+            continue;
+        }
+        if snap.hold_out.is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u))) {
+            continue;
+        }
+        // A pod whose requests xpu cannot read holds its whole node (see `cluster_of`); its
+        // queue is not charged an amount nobody can state.
+        let Ok(u) = convert::usage(p) else { continue };
+        let ns = p.metadata.namespace.as_deref().unwrap_or("default");
+        let labels = snap.namespace_labels.get(ns);
+        let queue = snap
+            .queues
+            .resolve(ns, labels, queue_label(p))
+            .unwrap_or_else(|_| snap.queues.default_for(ns, labels));
+        used.entry(queue).or_default().add(&Amounts::of(&u));
+    }
+    used
 }
 
 /// What a pod asks of [`SHARE_RESOURCE`], 0 for any other pod.
@@ -965,19 +1121,31 @@ fn hold_shares(cluster: &mut Cluster, id: xpu_sched::NodeId, shares: &[(u64, Opt
     }
 }
 
+/// Submits one unit, unless its queue's quota cannot take it even alone. `asks`: what each
+/// pod asks of [`SHARE_RESOURCE`] (0: none), and what the unit holds once bound.
 #[allow(clippy::too_many_arguments)]
 fn submit(
     sched: &mut Scheduler,
     units: &mut Vec<Unit>,
+    books: &Books<'_>,
     job: Job,
     pods: Vec<PodKey>,
     gang: Option<String>,
     resource: Option<&'static str>,
-    share_ask: u64,
+    (share_ask, amounts): (u64, Amounts),
     now: u64,
     out: &mut Plan,
     explain: &mut dyn FnMut(&str) -> bool,
 ) {
+    let queue = job.queue.clone();
+    if let Some(why) = books.queues.over_quota(&queue, books.used.get(&queue), &amounts) {
+        for k in pods {
+            if explain(&k.uid) {
+                out.waiting.push((k, why.clone()));
+            }
+        }
+        return;
+    }
     let preemption = out.preemption_on;
     let spec = preemption.then(|| job.clone());
     match sched.submit(job, now) {
@@ -990,6 +1158,8 @@ fn submit(
             spec,
             flex: None,
             note: String::new(),
+            queue,
+            amounts,
         }),
         Err(e) => {
             for k in pods {
@@ -1358,5 +1528,163 @@ mod tests {
         let plan = super::plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
         assert!(plan.binds.is_empty());
         assert!(plan.waiting[0].1.contains("--share-key"), "{:?}", plan.waiting);
+    }
+
+    /// A pod in `ns` asking `gpus` whole GPUs, bound to `node` or pending, with labels.
+    fn tenant_pod(
+        ns: &str,
+        name: &str,
+        gpus: u32,
+        node: Option<&str>,
+        labels: serde_json::Value,
+    ) -> Arc<Pod> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": name, "namespace": ns, "uid": format!("u-{ns}-{name}"),
+                              "labels": labels,
+                              "creationTimestamp": format!("2026-01-01T00:00:{:02}Z", name.len()) },
+                "spec": { "schedulerName": "xpu", "nodeName": node,
+                    "containers": [{ "name": "c", "resources": {
+                        "requests": { "cpu": "100m" },
+                        "limits": { "nvidia.com/gpu": gpus.to_string() } } }] },
+                "status": { "phase": if node.is_some() { "Running" } else { "Pending" } }
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn gpu_node(name: &str, gpus: u32) -> Arc<Node> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": name },
+                "status": { "allocatable": { "cpu": "32", "memory": "64Gi", "nvidia.com/gpu": gpus.to_string() },
+                            "conditions": [{ "type": "Ready", "status": "True" }] }
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn fair() -> SchedulerConfig {
+        SchedulerConfig {
+            queue: xpu_sched::QueuePolicy::Fair,
+            lanes: true,
+            fit_per_task: true,
+            ..SchedulerConfig::default()
+        }
+    }
+
+    /// A label naming another namespace's queue is refused on the pod, and the pod it would have
+    /// held up binds; a bound pod with such a label is charged to its own namespace.
+    #[test]
+    fn a_tenant_cannot_join_or_charge_another_tenants_queue() {
+        let nodes = vec![gpu_node("n", 8)];
+        let pods = vec![
+            tenant_pod("team-x", "running", 5, Some("n"), json!({})),
+            // Asks for 4 of the 3 free GPUs, in team-b's queue by its label.
+            tenant_pod("team-a", "big", 4, None, json!({ "xpu.dev/queue": "team-b" })),
+            tenant_pod("team-b", "small-one", 1, None, json!({})),
+        ];
+        let (jobs, assumed) = (HashMap::new(), HashMap::new());
+        let snap = Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed);
+        let plan = plan(&snap, &fair(), 0, &mut |_| true);
+        assert_eq!(plan.binds.len(), 1, "{plan:?}");
+        assert_eq!(plan.binds[0].pod.name, "small-one");
+        let (k, why) = &plan.waiting[0];
+        assert_eq!(k.name, "big");
+        assert!(
+            why.contains(
+                "metadata.labels[xpu.dev/queue]: namespace team-a may not use queue \"team-b\""
+            ),
+            "{why}"
+        );
+
+        // Bound with a forged label, the usage lands on team-a's own account.
+        let forged =
+            tenant_pod("team-a", "held", 1, Some("n"), json!({ "xpu.dev/queue": "team-b" }));
+        let used = queue_usage(&Snapshot::new("xpu", &nodes, &[forged], &jobs, &assumed));
+        assert_eq!(used.keys().collect::<Vec<_>>(), ["namespace/team-a"]);
+    }
+
+    /// Fair share counts what each queue already holds bound: with one GPU free, the queue
+    /// holding nothing gets it before the queue holding four, whichever pod came first.
+    #[test]
+    fn fair_share_counts_what_queues_hold_bound() {
+        let nodes = vec![gpu_node("n", 5)];
+        let pods = vec![
+            tenant_pod("team-a", "a-running", 4, Some("n"), json!({})),
+            tenant_pod("team-a", "a", 1, None, json!({})),
+            tenant_pod("team-b", "b-later", 1, None, json!({})),
+        ];
+        let (jobs, assumed) = (HashMap::new(), HashMap::new());
+        let snap = Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed);
+        let plan = plan(&snap, &fair(), 0, &mut |_| true);
+        assert_eq!(plan.binds.iter().map(|b| b.pod.name.as_str()).collect::<Vec<_>>(), ["b-later"]);
+    }
+
+    /// A queue's quota holds against what its pods hold bound, and against pods placed in the
+    /// same cycle that each fit it alone.
+    #[test]
+    fn queue_quotas_hold_across_bound_pods_and_within_a_cycle() {
+        let mapping = Queues::parse(
+            "queues: [{ name: research, namespaces: [team-a, team-b], quota: { nvidia.com/gpu: 3 } }]",
+            "xpu-system/xpu-queues",
+        )
+        .unwrap();
+        let nodes = vec![gpu_node("n", 8)];
+        let pods = vec![
+            tenant_pod("team-a", "running", 1, Some("n"), json!({})),
+            tenant_pod("team-a", "two", 2, None, json!({})),
+            tenant_pod("team-b", "three", 3, None, json!({})),
+            tenant_pod("team-b", "one-b", 1, None, json!({})),
+            tenant_pod("team-c", "free", 1, None, json!({})),
+        ];
+        let (jobs, assumed) = (HashMap::new(), HashMap::new());
+        let snap =
+            Snapshot { queues: &mapping, ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed) };
+        let plan = plan(&snap, &fair(), 0, &mut |_| true);
+        let mut bound: Vec<&str> = plan.binds.iter().map(|b| b.pod.name.as_str()).collect();
+        bound.sort_unstable();
+        // 1 bound + 2 = 3; `three` never fits the quota; `one-b` fits alone but not after `two`.
+        assert_eq!(bound, ["free", "two"], "{:?}", plan.waiting);
+        let says = |name: &str| {
+            plan.waiting.iter().find(|(k, _)| k.name == name).map(|(_, m)| m.clone()).unwrap()
+        };
+        assert!(says("three").contains("queue research is at its quota of 3 nvidia.com/gpu: 1 nvidia.com/gpu bound, this asks 3"), "{}", says("three"));
+        assert!(
+            says("one-b")
+                .contains("quota of 3 nvidia.com/gpu: 3 nvidia.com/gpu bound, this asks 1"),
+            "{}",
+            says("one-b")
+        );
+    }
+
+    /// A bound pod whose requests overflow is counted as using its whole node, with a warning.
+    #[test]
+    fn a_bound_pod_with_unreadable_requests_fills_its_node() {
+        let nodes = vec![gpu_node("n", 8)];
+        let bad: Arc<Pod> = Arc::new(
+            serde_json::from_value(json!({
+                "metadata": { "name": "bad", "namespace": "team-a", "uid": "u-bad" },
+                "spec": { "nodeName": "n", "containers": [
+                    { "name": "a", "resources": { "requests": { "cpu": "9223372036854775808m" } } },
+                    { "name": "b", "resources": { "requests": { "cpu": "9223372036854775808m" } } }] },
+                "status": { "phase": "Running" }
+            }))
+            .unwrap(),
+        );
+        let pods = vec![bad, tenant_pod("team-b", "p", 1, None, json!({}))];
+        let (jobs, assumed) = (HashMap::new(), HashMap::new());
+        let snap = Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed);
+        let plan = plan(&snap, &fair(), 0, &mut |_| true);
+        assert!(plan.binds.is_empty(), "{:?}", plan.binds);
+        assert!(plan.waiting[0].1.contains("Insufficient"), "{:?}", plan.waiting);
+        assert_eq!(plan.unreadable.len(), 1);
+        assert!(
+            plan.unreadable[0]
+                .1
+                .contains("counted as using all of node n: spec.containers[1].resources"),
+            "{:?}",
+            plan.unreadable
+        );
     }
 }

@@ -5,6 +5,8 @@
 //! - [`scheduler`]: the driver: watch caches, binding, `PodScheduled` conditions, Events.
 //! - [`share`]: GPU shares: the scheduler's signed choice on the pod, the device plugin's lookup.
 //! - [`preempt`]: preemption planned by xpu-sched on a what-if cluster (pure).
+//! - [`queues`]: which queue a pod is in (its namespace, or the admin's mapping) and quotas.
+//! - [`status`]: waiting pods' conditions and Events, written off the scheduling loop.
 //! - [`leader`]: Lease leader election, as kube-scheduler does it.
 //! - [`metrics`]: Prometheus counters and `/metrics`.
 //! - [`dra`]: the DRA driver `xpu k8s dra-driver`: ResourceSlices, the kubelet DRA plugin.
@@ -19,8 +21,10 @@ pub mod flex;
 pub mod leader;
 pub mod metrics;
 pub mod preempt;
+pub mod queues;
 pub mod scheduler;
 pub mod share;
+pub mod status;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -121,7 +125,7 @@ pub async fn run_scheduler(
         });
     }
     let changed = Arc::new(Notify::new());
-    let caches = scheduler::watch(&client, changed.clone()).await;
+    let caches = scheduler::watch(&client, changed.clone(), &args.options.queue_config).await;
     info!(
         scheduler = %args.options.scheduler_name,
         policy = ?args.options.policy,

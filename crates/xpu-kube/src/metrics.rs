@@ -54,6 +54,13 @@ pub struct Metrics {
     pub attempts_unschedulable: AtomicU64,
     pub bind_errors: AtomicU64,
     pub status_errors: AtomicU64,
+    /// `PodScheduled` updates written.
+    pub status_writes: AtomicU64,
+    /// Status writes and Events refused because the writer's table was full (tried again
+    /// on a later cycle).
+    pub status_dropped: AtomicU64,
+    /// Status writes and Events waiting for the writer.
+    pub status_queue: AtomicU64,
     pub nodes_skipped: AtomicU64,
     /// Preemptions carried out (victims evicted for one waiting unit).
     pub preemptions: AtomicU64,
@@ -61,8 +68,11 @@ pub struct Metrics {
     pub provisioning_requests: AtomicU64,
     pub pending: AtomicU64,
     pub leader: AtomicBool,
-    /// One planning cycle.
+    /// One pass of the scheduling loop: planning, assuming, handing binds and status writes
+    /// off, preemptions and flex-start requests.
     pub cycle_seconds: Histogram,
+    /// The planning part of a pass alone.
+    pub plan_seconds: Histogram,
     /// Pod creation to bound (second resolution at the start: `creationTimestamp`).
     pub e2e_seconds: Histogram,
 }
@@ -74,12 +84,16 @@ impl Default for Metrics {
             attempts_unschedulable: AtomicU64::new(0),
             bind_errors: AtomicU64::new(0),
             status_errors: AtomicU64::new(0),
+            status_writes: AtomicU64::new(0),
+            status_dropped: AtomicU64::new(0),
+            status_queue: AtomicU64::new(0),
             nodes_skipped: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             provisioning_requests: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             leader: AtomicBool::new(false),
             cycle_seconds: Histogram::new(LATENCY),
+            plan_seconds: Histogram::new(LATENCY),
             e2e_seconds: Histogram::new(LATENCY),
         }
     }
@@ -115,6 +129,24 @@ impl Metrics {
         );
         let _ = writeln!(
             s,
+            "# HELP xpu_scheduler_status_updates_total PodScheduled updates written.\n\
+             # TYPE xpu_scheduler_status_updates_total counter\nxpu_scheduler_status_updates_total {}",
+            c(&self.status_writes)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_status_dropped_total Status writes and Events not queued because the writer was full (tried again later).\n\
+             # TYPE xpu_scheduler_status_dropped_total counter\nxpu_scheduler_status_dropped_total {}",
+            c(&self.status_dropped)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_status_queue Status writes and Events waiting to be written.\n\
+             # TYPE xpu_scheduler_status_queue gauge\nxpu_scheduler_status_queue {}",
+            c(&self.status_queue)
+        );
+        let _ = writeln!(
+            s,
             "# HELP xpu_scheduler_nodes_skipped_total Times a node was left out for a malformed field.\n\
              # TYPE xpu_scheduler_nodes_skipped_total counter\nxpu_scheduler_nodes_skipped_total {}",
             c(&self.nodes_skipped)
@@ -146,7 +178,12 @@ impl Metrics {
         self.cycle_seconds.render(
             &mut s,
             "xpu_scheduler_cycle_duration_seconds",
-            "Time one scheduling cycle took to plan.",
+            "Time one pass of the scheduling loop took, from waking to waiting again (binds and status writes are handed off, not awaited).",
+        );
+        self.plan_seconds.render(
+            &mut s,
+            "xpu_scheduler_plan_duration_seconds",
+            "Time the planning part of a pass took.",
         );
         self.e2e_seconds.render(
             &mut s,

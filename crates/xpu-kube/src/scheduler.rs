@@ -1,8 +1,9 @@
 //! `xpu k8s scheduler`: the driver around [`crate::cycle`]. It keeps watch caches of Nodes,
-//! Pods and Jobs, runs a cycle whenever something changed, binds through the `pods/binding`
-//! subresource (as kube-scheduler, Volcano and KAI do), tells waiting pods why
-//! (`PodScheduled=False`, reason `Unschedulable`, and a `FailedScheduling` Event, rate-limited
-//! per pod), and counts what it does for `/metrics`.
+//! Pods, Jobs, Namespaces and the admin's queue mapping ([`crate::queues`]), runs a cycle
+//! whenever something changed, binds through the `pods/binding` subresource (as
+//! kube-scheduler, Volcano and KAI do), tells waiting pods why (`PodScheduled=False`, reason
+//! `Unschedulable`, and a `FailedScheduling` Event, rate-limited per pod, written off the loop
+//! by [`crate::status`]), and counts what it does for `/metrics`.
 //!
 //! A pod it bound stays *assumed* on its node until the watch shows the binding (or the bind
 //! fails), so the next cycle neither places it twice nor gives its capacity away. Only the
@@ -15,8 +16,10 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use k8s_openapi::api::batch::v1::Job as KubeJob;
-use k8s_openapi::api::core::v1::{Event, Node, ObjectReference, Pod, PodTemplate};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Time};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Event, Namespace, Node, ObjectReference, Pod, PodTemplate,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -28,6 +31,8 @@ use xpu_sched::{QueuePolicy, SchedulerConfig};
 use crate::cycle::{self, Bind, PodKey, Snapshot};
 use crate::flex::{self, ProvisioningRequest};
 use crate::metrics::Metrics;
+use crate::queues::Queues;
+use crate::status::Writer;
 
 /// How the scheduler runs.
 #[derive(Debug, Clone)]
@@ -54,6 +59,8 @@ pub struct Options {
     /// Flex-start: the wait before asking again after a ProvisioningRequest ended, doubled per
     /// attempt up to [`PROVISIONING_BACKOFF_MAX`].
     pub provisioning_backoff: Duration,
+    /// The ConfigMap (namespace, name) that maps namespaces to queues ([`crate::queues`]).
+    pub queue_config: (String, String),
 }
 
 /// The longest wait between two ProvisioningRequests for one gang.
@@ -72,6 +79,7 @@ impl Default for Options {
             seed: 0,
             preemption: true,
             provisioning_backoff: Duration::from_secs(30),
+            queue_config: ("xpu-system".into(), "xpu-queues".into()),
         }
     }
 }
@@ -82,14 +90,27 @@ pub struct Caches {
     pub nodes: Store<Node>,
     pub pods: Store<Pod>,
     pub jobs: Store<KubeJob>,
+    /// Namespaces, for their labels (queues may select namespaces by label).
+    pub namespaces: Store<Namespace>,
+    /// The admin's queue mapping: the one ConfigMap [`Options::queue_config`] names.
+    pub queue_config: Store<ConfigMap>,
     /// ProvisioningRequests, once the API server is found to serve them (probed until it does).
     pub provisioning: Arc<std::sync::OnceLock<Store<ProvisioningRequest>>>,
 }
 
 /// Starts the watches; `changed` is notified on every event. Returns once every cache has its
-/// first full list.
-pub async fn watch(client: &Client, changed: Arc<Notify>) -> Caches {
-    fn spawn<K>(api: Api<K>, changed: Arc<Notify>, trim: fn(&mut K)) -> Store<K>
+/// first full list. `queue_config` is the ConfigMap (namespace, name) of the queue mapping.
+pub async fn watch(
+    client: &Client,
+    changed: Arc<Notify>,
+    queue_config: &(String, String),
+) -> Caches {
+    fn spawn<K>(
+        api: Api<K>,
+        config: watcher::Config,
+        changed: Arc<Notify>,
+        trim: fn(&mut K),
+    ) -> Store<K>
     where
         K: kube::Resource<DynamicType = ()>
             + Clone
@@ -100,10 +121,8 @@ pub async fn watch(client: &Client, changed: Arc<Notify>) -> Caches {
             + 'static,
     {
         let (reader, writer) = reflector::store();
-        let stream = reflector::reflector(
-            writer,
-            watcher(api, watcher::Config::default()).modify(trim).default_backoff(),
-        );
+        let stream =
+            reflector::reflector(writer, watcher(api, config).modify(trim).default_backoff());
         tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
             while let Some(ev) = stream.next().await {
@@ -116,9 +135,36 @@ pub async fn watch(client: &Client, changed: Arc<Notify>) -> Caches {
         reader
     }
     let caches = Caches {
-        nodes: spawn(Api::<Node>::all(client.clone()), changed.clone(), trim_node),
-        pods: spawn(Api::<Pod>::all(client.clone()), changed.clone(), trim_pod),
-        jobs: spawn(Api::<KubeJob>::all(client.clone()), changed.clone(), trim_job),
+        nodes: spawn(
+            Api::<Node>::all(client.clone()),
+            watcher::Config::default(),
+            changed.clone(),
+            trim_node,
+        ),
+        pods: spawn(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default(),
+            changed.clone(),
+            trim_pod,
+        ),
+        jobs: spawn(
+            Api::<KubeJob>::all(client.clone()),
+            watcher::Config::default(),
+            changed.clone(),
+            trim_job,
+        ),
+        namespaces: spawn(
+            Api::<Namespace>::all(client.clone()),
+            watcher::Config::default(),
+            changed.clone(),
+            trim_namespace,
+        ),
+        queue_config: spawn(
+            Api::<ConfigMap>::namespaced(client.clone(), &queue_config.0),
+            watcher::Config::default().fields(&format!("metadata.name={}", queue_config.1)),
+            changed.clone(),
+            |c| c.metadata.managed_fields = None,
+        ),
         provisioning: Arc::default(),
     };
     // The ProvisioningRequest API is a CRD the cluster autoscaler brings; look for it now and
@@ -132,7 +178,8 @@ pub async fn watch(client: &Client, changed: Arc<Notify>) -> Caches {
         loop {
             match api.list(&ListParams::default().limit(1)).await {
                 Ok(_) => {
-                    let store = spawn(api, changed.clone(), trim_request);
+                    let store =
+                        spawn(api, watcher::Config::default(), changed.clone(), trim_request);
                     if store.wait_until_ready().await.is_ok() {
                         info!(
                             "watching ProvisioningRequests (autoscaling.x-k8s.io/v1) for flex-start"
@@ -164,6 +211,8 @@ pub async fn watch(client: &Client, changed: Arc<Notify>) -> Caches {
         ("nodes", caches.nodes.wait_until_ready().await),
         ("pods", caches.pods.wait_until_ready().await),
         ("jobs", caches.jobs.wait_until_ready().await),
+        ("namespaces", caches.namespaces.wait_until_ready().await),
+        ("the queue mapping", caches.queue_config.wait_until_ready().await),
     ] {
         if r.is_err() {
             warn!(what, "watch cache closed before its first list");
@@ -202,7 +251,10 @@ fn trim_pod(p: &mut Pod) {
         s.container_statuses = None;
         s.init_container_statuses = None;
         s.ephemeral_container_statuses = None;
-        s.conditions = None;
+        // PodScheduled only: what a new leader reads to leave an unchanged reason unwritten.
+        if let Some(c) = s.conditions.as_mut() {
+            c.retain(|c| c.type_ == "PodScheduled");
+        }
     }
     if let Some(s) = p.spec.as_mut() {
         for c in s.containers.iter_mut().chain(s.init_containers.iter_mut().flatten()) {
@@ -217,6 +269,13 @@ fn trim_pod(p: &mut Pod) {
         }
         s.volumes = None;
     }
+}
+
+fn trim_namespace(n: &mut Namespace) {
+    n.metadata.managed_fields = None;
+    n.metadata.annotations = None;
+    n.spec = None;
+    n.status = None;
 }
 
 fn trim_request(r: &mut ProvisioningRequest) {
@@ -268,6 +327,9 @@ pub async fn run(
     let binds = Arc::new(Semaphore::new(opts.bind_concurrency.max(1)));
     let mut said = Said::default();
     let mut warned_nodes: HashMap<String, String> = HashMap::new();
+    let mut warned_pods: HashMap<String, String> = HashMap::new();
+    let mut mapping = Mapping::default();
+    let writer = Writer::start(client.clone(), metrics.clone());
     let started = Instant::now();
     let mut stop = std::pin::pin!(stop);
     let mut events = EventBudget::new(opts.events_per_second);
@@ -280,6 +342,7 @@ pub async fn run(
         }
         // Let a burst of watch events land before planning.
         tokio::time::sleep(Duration::from_millis(5)).await;
+        let pass = Instant::now();
 
         let nodes = caches.nodes.state();
         let pods = caches.pods.state();
@@ -323,7 +386,16 @@ pub async fn run(
         let excluded: std::collections::HashSet<String> = refused.keys().cloned().collect();
         let requests = caches.provisioning.get().map(Store::state);
         asked.retain(|_, at| at.elapsed() < ASKED_FOR);
+        let queues = mapping.current(&caches.queue_config, &opts.queue_config, &writer, &opts);
+        let namespace_labels: HashMap<String, std::collections::BTreeMap<String, String>> = caches
+            .namespaces
+            .state()
+            .iter()
+            .filter_map(|n| Some((n.metadata.name.clone()?, n.metadata.labels.clone()?)))
+            .collect();
         let snap = Snapshot {
+            queues: &queues,
+            namespace_labels: &namespace_labels,
             provisioning: requests.as_deref(),
             provisioning_backoff: (
                 opts.provisioning_backoff.as_secs(),
@@ -342,7 +414,7 @@ pub async fn run(
         let mut explain =
             |uid: &str| said.at.get(uid).is_none_or(|(at, _)| at.elapsed() >= interval);
         let plan = cycle::plan(&snap, &config, now, &mut explain);
-        metrics.cycle_seconds.observe(t0.elapsed().as_secs_f64());
+        metrics.plan_seconds.observe(t0.elapsed().as_secs_f64());
         metrics
             .pending
             .store(plan.pending.saturating_sub(plan.binds.len()) as u64, Ordering::Relaxed);
@@ -361,16 +433,28 @@ pub async fn run(
                 warn!(node = %node, reason = %why, "node skipped");
                 metrics.nodes_skipped.fetch_add(1, Ordering::Relaxed);
                 if events.take() {
-                    let ev = event_for_node(node, why, &opts.scheduler_name);
-                    let api: Api<Event> = Api::namespaced(client.clone(), "default");
-                    if let Err(e) = api.create(&PostParams::default(), &ev).await {
-                        warn!(node = %node, error = %e, "could not record the node's Event");
-                    }
+                    writer.event(event_for_node(node, why, &opts.scheduler_name));
                 }
                 warned_nodes.insert(node.clone(), why.clone());
             }
         }
         warned_nodes.retain(|n, _| plan.bad_nodes.iter().any(|(b, _)| b == n));
+        for (pod, why) in &plan.unreadable {
+            if warned_pods.get(&pod.uid) != Some(why) {
+                warn!(pod = %pod, reason = %why, "a bound pod's requests cannot be read");
+                if events.take() {
+                    let msg = format!("xpu scheduler: this pod's requests cannot be read; {why}");
+                    writer.event(event_for_pod(
+                        pod,
+                        "XpuRequestsUnreadable",
+                        &msg,
+                        &opts.scheduler_name,
+                    ));
+                }
+                warned_pods.insert(pod.uid.clone(), why.clone());
+            }
+        }
+        warned_pods.retain(|uid, _| plan.unreadable.iter().any(|(p, _)| p.uid == *uid));
 
         // Assume first, then bind in the background.
         {
@@ -427,9 +511,7 @@ pub async fn run(
                     }
                     for (pod, _) in &p.nominate {
                         let msg = format!("preemption: {why}; looking for other victims");
-                        if let Err(e) = mark_unschedulable(&client, pod, &msg).await {
-                            debug!(pod = %pod, error = %e, "could not update PodScheduled");
-                        }
+                        writer.unschedulable(pod.clone(), msg, None);
                     }
                     changed.notify_one();
                 }
@@ -454,30 +536,29 @@ pub async fn run(
             }
         }
 
+        // Reasons are handed to the writer, never awaited here: binding does not wait for
+        // them. A reason the pod already shows (a restart, a new leader) is not written again.
         for (pod, msg) in plan.waiting {
             metrics.attempts_unschedulable.fetch_add(1, Ordering::Relaxed);
-            let same = said.at.get(&pod.uid).is_some_and(|(_, m)| *m == msg);
-            said.at.insert(pod.uid.clone(), (Instant::now(), msg.clone()));
-            if same {
+            if said.at.get(&pod.uid).is_some_and(|(_, m)| *m == msg) {
+                said.at.insert(pod.uid.clone(), (Instant::now(), msg));
                 continue;
             }
-            info!(pod = %pod, reason = %msg, "unschedulable");
-            if let Err(e) = mark_unschedulable(&client, &pod, &msg).await {
-                metrics.status_errors.fetch_add(1, Ordering::Relaxed);
-                warn!(pod = %pod, error = %e, "could not update PodScheduled");
-            }
-            if events.take() {
-                let api: Api<Event> = Api::namespaced(client.clone(), &pod.namespace);
-                if let Err(e) = api
-                    .create(
-                        &PostParams::default(),
-                        &event_for_pod(&pod, "FailedScheduling", &msg, &opts.scheduler_name),
-                    )
-                    .await
-                {
-                    debug!(pod = %pod, error = %e, "could not record FailedScheduling");
+            let shown = caches
+                .pods
+                .get(&ObjectRef::new(&pod.name).within(&pod.namespace))
+                .is_some_and(|p| crate::status::already_says(&p, &msg));
+            if !shown {
+                let event = events
+                    .take()
+                    .then(|| event_for_pod(&pod, "FailedScheduling", &msg, &opts.scheduler_name));
+                if !writer.unschedulable(pod.clone(), msg.clone(), event) {
+                    // The writer is full: said on a later cycle.
+                    continue;
                 }
+                debug!(pod = %pod, reason = %msg, "unschedulable");
             }
+            said.at.insert(pod.uid.clone(), (Instant::now(), msg));
         }
         // Forget pods that are gone.
         if said.at.len() > 4 * pods.len().max(1024) {
@@ -485,6 +566,68 @@ pub async fn run(
                 pods.iter().filter_map(|p| p.metadata.uid.as_deref()).collect();
             said.at.retain(|u, _| live.contains(u.as_str()));
         }
+        metrics.cycle_seconds.observe(pass.elapsed().as_secs_f64());
+    }
+}
+
+/// The queue mapping as last read: parsed again only when the ConfigMap changes; a mapping
+/// that does not parse leaves the last good one in force, and is reported once.
+#[derive(Default)]
+struct Mapping {
+    version: Option<String>,
+    queues: Arc<Queues>,
+}
+
+impl Mapping {
+    fn current(
+        &mut self,
+        store: &Store<ConfigMap>,
+        at: &(String, String),
+        writer: &Writer,
+        opts: &Options,
+    ) -> Arc<Queues> {
+        let source = format!("{}/{}", at.0, at.1);
+        let cm = store.get(&ObjectRef::new(&at.1).within(&at.0));
+        let version = cm.as_ref().map(|c| c.metadata.resource_version.clone().unwrap_or_default());
+        if version == self.version {
+            return self.queues.clone();
+        }
+        self.version = version;
+        let Some(cm) = cm else {
+            if !self.queues.source().is_empty() {
+                info!(config = %source, "the queue mapping is gone: each namespace is its own queue again");
+            }
+            self.queues = Arc::default();
+            return self.queues.clone();
+        };
+        let text = cm.data.as_ref().and_then(|d| d.get(crate::queues::CONFIG_KEY));
+        match Queues::parse(text.map_or("", String::as_str), &source) {
+            Ok(q) => {
+                info!(config = %source, "queue mapping read");
+                self.queues = Arc::new(q);
+            }
+            Err(e) => {
+                error!(config = %source, error = %e, "the queue mapping cannot be used; the last good one stays in force");
+                let target = ObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("ConfigMap".into()),
+                    name: Some(at.1.clone()),
+                    namespace: Some(at.0.clone()),
+                    uid: cm.metadata.uid.clone(),
+                    ..ObjectReference::default()
+                };
+                let msg = format!("{e}; the last good mapping stays in force");
+                writer.event(warning(
+                    &at.0,
+                    &at.1,
+                    target,
+                    "XpuQueuesInvalid",
+                    &msg,
+                    &opts.scheduler_name,
+                ));
+            }
+        }
+        self.queues.clone()
     }
 }
 
@@ -584,7 +727,7 @@ async fn preempt(
             let covered: Vec<&PodKey> = p
                 .victims
                 .iter()
-                .filter(|v| v.namespace == ns && selects(sel, &labels_of(v)))
+                .filter(|v| v.namespace == ns && crate::convert::selects(sel, &labels_of(v)))
                 .collect();
             if covered.is_empty() {
                 continue;
@@ -637,25 +780,6 @@ async fn preempt(
         }
     }
     Ok(())
-}
-
-/// Whether a `LabelSelector` selects `labels` (an empty selector selects everything).
-fn selects(
-    sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
-    labels: &std::collections::BTreeMap<String, String>,
-) -> bool {
-    let by_labels = sel.match_labels.iter().flatten().all(|(k, v)| labels.get(k) == Some(v));
-    let by_exprs = sel.match_expressions.iter().flatten().all(|r| {
-        let values = r.values.as_deref().unwrap_or(&[]);
-        match r.operator.as_str() {
-            "In" => labels.get(&r.key).is_some_and(|v| values.contains(v)),
-            "NotIn" => labels.get(&r.key).is_none_or(|v| !values.contains(v)),
-            "Exists" => labels.contains_key(&r.key),
-            "DoesNotExist" => !labels.contains_key(&r.key),
-            _ => false,
-        }
-    });
-    by_labels && by_exprs
 }
 
 /// A token bucket for Events, so a thousand waiting pods do not flood the API server.
@@ -712,21 +836,6 @@ pub async fn bind(
         &body,
     )
     .await?;
-    Ok(())
-}
-
-async fn mark_unschedulable(client: &Client, pod: &PodKey, msg: &str) -> Result<(), kube::Error> {
-    let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);
-    let patch = serde_json::json!({
-        "status": { "conditions": [{
-            "type": "PodScheduled",
-            "status": "False",
-            "reason": "Unschedulable",
-            "message": msg,
-            "lastTransitionTime": Time(k8s_openapi::jiff::Timestamp::now()),
-        }]}
-    });
-    api.patch_status(&pod.name, &PatchParams::default(), &Patch::Strategic(&patch)).await?;
     Ok(())
 }
 

@@ -317,6 +317,25 @@ impl ControlPlane {
         client_from_kubeconfig(&path, &self.server_url).await
     }
 
+    /// A client that acts as `user` in `groups` (plus `system:authenticated`) through the
+    /// admin's right to impersonate (`Impersonate-User` and `Impersonate-Group` headers): the
+    /// API server authorizes every request as that user, so RBAC applies as it would to a
+    /// tenant with its own credentials.
+    pub async fn impersonating(&self, user: &str, groups: &[&str]) -> Result<Client, HarnessError> {
+        let path = &self.admin_kubeconfig;
+        let kubeconfig = Kubeconfig::read_from(path)
+            .map_err(|source| HarnessError::Kubeconfig { path: path.clone(), source })?;
+        let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .map_err(|source| HarnessError::Kubeconfig { path: path.clone(), source })?;
+        config.auth_info.impersonate = Some(user.to_owned());
+        let mut all: Vec<String> = groups.iter().map(|g| (*g).to_owned()).collect();
+        all.push("system:authenticated".into());
+        config.auth_info.impersonate_groups = Some(all);
+        Client::try_from(config)
+            .map_err(|source| HarnessError::Client { server: self.server_url.clone(), source })
+    }
+
     /// Write a kubeconfig that authenticates as ServiceAccount `namespace/name`, with a token
     /// from the TokenRequest API. The namespace and the ServiceAccount are created when missing.
     pub async fn service_account_kubeconfig(

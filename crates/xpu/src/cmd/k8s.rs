@@ -129,6 +129,11 @@ pub struct SchedulerArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 30,
           value_parser = clap::value_parser!(u64).range(1..=900))]
     pub provisioning_backoff: u64,
+    /// The ConfigMap (NAMESPACE/NAME, key queues.yaml) in which the admin maps namespaces to
+    /// fair-share queues and sets their quotas; without it each namespace is its own queue.
+    /// Keep it where tenants cannot write.
+    #[arg(long, value_name = "NAMESPACE/NAME", default_value = xpu_kube::queues::DEFAULT_CONFIG)]
+    pub queue_config: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -260,6 +265,20 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
             a.leader_elect_lease_duration
         )));
     }
+    let queue_config = match a.queue_config.split_once('/') {
+        Some((ns, name))
+            if xpu_core::job::is_dns_label(ns) && xpu_core::job::is_dns_subdomain(name) =>
+        {
+            (ns.to_owned(), name.to_owned())
+        }
+        _ => {
+            return Err(CliError::input(anyhow::anyhow!(
+                "--queue-config {:?}: expected NAMESPACE/NAME of a ConfigMap, like {}",
+                a.queue_config,
+                xpu_kube::queues::DEFAULT_CONFIG
+            )));
+        }
+    };
     let share_key = match &a.share_key {
         Some(path) => Some(std::sync::Arc::new(
             xpu_kube::share::ShareKey::load(path).map_err(CliError::input)?,
@@ -286,6 +305,7 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
             seed: a.seed,
             preemption: !a.no_preemption,
             provisioning_backoff: Duration::from_secs(a.provisioning_backoff),
+            queue_config,
             ..xpu_kube::scheduler::Options::default()
         },
         leader_elect: a.leader_elect.then(|| xpu_kube::leader::LeaseConfig {
