@@ -64,6 +64,7 @@
 pub mod assignment;
 pub mod cluster;
 pub mod constraints;
+pub mod dra;
 mod hash;
 pub mod inventory;
 pub mod manifest;

@@ -1,0 +1,850 @@
+//! Dynamic Resource Allocation with structured parameters, as a pure function: ResourceSlices,
+//! DeviceClasses, the claims of one pod and what the cluster has allocated already in; per claim
+//! the devices allocated on one node out, or why the claims do not fit there. No I/O and no
+//! clock; selectors are behind [`Selector`] (the Kubernetes side compiles CEL into it), so this
+//! module carries no expression engine.
+//!
+//! The semantics follow upstream's allocator (`k8s.io/dynamic-resource-allocation/structured`,
+//! Kubernetes 1.37):
+//! - **Pools**: the slices of one `(driver, pool)` with the highest generation seen; a pool
+//!   with fewer such slices than its `resourceSliceCount` is *incomplete* and none of its
+//!   devices is used (a request for `All` devices fails outright, as it cannot know them all);
+//!   two devices of one name in a pool make it invalid, and it is not used either.
+//! - **Node**: a slice offers its devices on its node, on nodes its selector matches, or on all
+//!   nodes.
+//! - **Requests**, in order: `exactly` (a count, or `All` matching devices), or `firstAvailable`
+//!   sub-requests tried in order. A device must match its class's selectors and the request's,
+//!   tolerate its taints (`NoSchedule`, `NoExecute`), and be free: not allocated in the cluster
+//!   nor to an earlier request, unless the request has `adminAccess` (which allocates without
+//!   taking it). Constraints (`matchAttribute`, `distinctAttribute`) hold over the devices of
+//!   the requests they name (all requests when none). Partitionable devices take their
+//!   `consumesCounters` from their pool's shared counter sets, which are never over-drawn; a
+//!   device that allows multiple allocations gives out capacity, never more than it has.
+//! - **Search**: depth first, devices in pool and slice order, backtracking when a later
+//!   request cannot be met, bounded by [`Limits::steps`] so that no claim costs unbounded time.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+
+use xpu_core::affinity::NodeSelectorTerm;
+
+/// An attribute value (`device.attributes["domain"].name`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Value {
+    Int(i64),
+    Bool(bool),
+    String(String),
+    /// A semantic version, as written.
+    Version(String),
+}
+
+/// A taint on a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceTaint {
+    pub key: String,
+    pub value: String,
+    /// `NoSchedule` or `NoExecute` (anything else is ignored, as upstream's `None` effect).
+    pub effect: String,
+}
+
+/// A claim's toleration of device taints.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DeviceToleration {
+    /// Empty with `exists`: every key.
+    pub key: String,
+    pub exists: bool,
+    pub value: String,
+    /// Empty: every effect.
+    pub effect: String,
+}
+
+impl DeviceToleration {
+    fn tolerates(&self, t: &DeviceTaint) -> bool {
+        (self.effect.is_empty() || self.effect == t.effect)
+            && (self.key.is_empty() && self.exists || self.key == t.key)
+            && (self.exists || self.value == t.value)
+    }
+}
+
+/// One device of a slice.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Device {
+    pub name: String,
+    /// Fully qualified names (`gpu.nvidia.com/productName`; a bare name belongs to the driver).
+    pub attributes: BTreeMap<String, Value>,
+    /// Capacity by fully qualified name, in the quantity's base units.
+    pub capacity: BTreeMap<String, u64>,
+    /// Counter set name → counter → amount this device draws when allocated.
+    pub consumes: BTreeMap<String, BTreeMap<String, u64>>,
+    pub taints: Vec<DeviceTaint>,
+    /// Consumable capacity: the device can be allocated to several requests, each taking
+    /// capacity, until it has none left.
+    pub allow_multiple: bool,
+}
+
+/// Where a slice's devices are available.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NodeScope {
+    Node(String),
+    /// Any term matches.
+    Selector(Vec<NodeSelectorTerm>),
+    AllNodes,
+}
+
+impl NodeScope {
+    fn admits(&self, node: &str, labels: &BTreeMap<String, String>) -> bool {
+        match self {
+            NodeScope::Node(n) => n == node,
+            NodeScope::Selector(terms) => terms.iter().any(|t| t.matches(node, labels)),
+            NodeScope::AllNodes => true,
+        }
+    }
+}
+
+/// One ResourceSlice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Slice {
+    pub driver: String,
+    pub pool: String,
+    pub generation: i64,
+    pub slice_count: i64,
+    pub scope: NodeScope,
+    pub devices: Vec<Device>,
+    /// Counter set name → counter → amount available.
+    pub shared_counters: BTreeMap<String, BTreeMap<String, u64>>,
+}
+
+/// A device by name: driver, pool, device.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DeviceId {
+    pub driver: String,
+    pub pool: String,
+    pub device: String,
+}
+
+/// A compiled device selector (CEL on the Kubernetes side). `Err` is the expression's run-time
+/// error, which fails the claim with the expression named.
+pub trait Selector: Send + Sync + std::fmt::Debug {
+    fn matches(&self, driver: &str, device: &Device) -> Result<bool, String>;
+}
+
+/// A DeviceClass: its selectors.
+#[derive(Debug, Clone, Default)]
+pub struct Class {
+    pub name: String,
+    pub selectors: Vec<Arc<dyn Selector>>,
+}
+
+/// How many devices a request wants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Count(u32),
+    All,
+}
+
+/// An `exactly` request, or one `firstAvailable` sub-request.
+#[derive(Debug, Clone)]
+pub struct Exact {
+    pub class: String,
+    pub selectors: Vec<Arc<dyn Selector>>,
+    pub mode: Mode,
+    pub admin_access: bool,
+    pub tolerations: Vec<DeviceToleration>,
+    /// Capacity asked of each device: taken from one that allows multiple allocations (a
+    /// capacity not named is taken whole); on any other device a lower bound on what it has.
+    pub capacity: BTreeMap<String, u64>,
+}
+
+/// One request of a claim.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub name: String,
+    /// One alternative for `exactly`; the sub-requests (with their names) in order for
+    /// `firstAvailable`.
+    pub alternatives: Vec<(Option<String>, Exact)>,
+}
+
+/// A claim constraint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConstraintKind {
+    MatchAttribute(String),
+    DistinctAttribute(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Constraint {
+    /// Request names it covers (a sub-request's parent name covers it); empty: all.
+    pub requests: Vec<String>,
+    pub kind: ConstraintKind,
+}
+
+/// A claim to allocate.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// `namespace/name`, for messages.
+    pub name: String,
+    pub requests: Vec<Request>,
+    pub constraints: Vec<Constraint>,
+}
+
+/// What the cluster has allocated already.
+#[derive(Debug, Clone, Default)]
+pub struct InUse {
+    /// Devices held whole (not through admin access).
+    pub devices: HashSet<DeviceId>,
+    /// Capacity given out of devices that allow multiple allocations.
+    pub capacity: HashMap<DeviceId, BTreeMap<String, u64>>,
+}
+
+impl InUse {
+    /// Records an allocation result as the cluster's.
+    pub fn add(&mut self, r: &Allocation) {
+        for d in &r.devices {
+            if d.admin_access {
+                continue;
+            }
+            match &d.consumed {
+                Some(c) => {
+                    let have = self.capacity.entry(d.id.clone()).or_default();
+                    for (k, v) in c {
+                        let e = have.entry(k.clone()).or_default();
+                        *e = e.saturating_add(*v);
+                    }
+                }
+                None => {
+                    self.devices.insert(d.id.clone());
+                }
+            }
+        }
+    }
+}
+
+/// One allocated device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocated {
+    /// `request` or `request/subrequest`.
+    pub request: String,
+    pub id: DeviceId,
+    pub admin_access: bool,
+    /// Capacity taken from a device that allows multiple allocations.
+    pub consumed: Option<BTreeMap<String, u64>>,
+}
+
+/// A claim's allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocation {
+    pub devices: Vec<Allocated>,
+}
+
+/// Bounds on one allocation.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Devices tried, over the whole search.
+    pub steps: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { steps: 200_000 }
+    }
+}
+
+/// Why the claims do not fit on the node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unfit {
+    #[error("claim {claim}, request {request}: {why}")]
+    Request { claim: String, request: String, why: String },
+    #[error("claim {claim}: no set of devices meets every request and constraint together")]
+    Together { claim: String },
+    #[error("claim {claim}, request {request}: device class {class} does not exist")]
+    NoClass { claim: String, request: String, class: String },
+    #[error("claim {claim}, request {request}: a selector failed: {why}")]
+    Selector { claim: String, request: String, why: String },
+    #[error(
+        "gave up after trying {0} devices; the claims' requests and constraints are too many to search"
+    )]
+    Budget(u64),
+}
+
+/// A pool usable on one node.
+struct Pool<'a> {
+    driver: &'a str,
+    pool: &'a str,
+    /// Devices in slice order, with their slice.
+    devices: Vec<(&'a Device, &'a Slice)>,
+    /// Counters of the pool's shared counter sets, summed over its slices.
+    counters: BTreeMap<(&'a str, &'a str), u64>,
+    incomplete: bool,
+    invalid: bool,
+}
+
+/// The pools of `slices` that offer devices on node `node` (with `labels`), sorted by driver
+/// and pool name.
+fn pools<'a>(slices: &'a [Slice], node: &str, labels: &BTreeMap<String, String>) -> Vec<Pool<'a>> {
+    let mut latest: BTreeMap<(&str, &str), i64> = BTreeMap::new();
+    for s in slices {
+        let e = latest.entry((s.driver.as_str(), s.pool.as_str())).or_insert(s.generation);
+        *e = (*e).max(s.generation);
+    }
+    let mut out: BTreeMap<(&str, &str), (Pool<'a>, i64, usize)> = BTreeMap::new();
+    for s in slices {
+        let key = (s.driver.as_str(), s.pool.as_str());
+        if latest.get(&key) != Some(&s.generation) {
+            continue;
+        }
+        let entry = out.entry(key).or_insert_with(|| {
+            let pool = Pool {
+                driver: &s.driver,
+                pool: &s.pool,
+                devices: Vec::new(),
+                counters: BTreeMap::new(),
+                incomplete: false,
+                invalid: false,
+            };
+            (pool, s.slice_count, 0)
+        });
+        entry.2 += 1;
+        for (set, counters) in &s.shared_counters {
+            for (name, v) in counters {
+                let e = entry.0.counters.entry((set.as_str(), name.as_str())).or_default();
+                *e = e.saturating_add(*v);
+            }
+        }
+        if s.scope.admits(node, labels) {
+            entry.0.devices.extend(s.devices.iter().map(|d| (d, s)));
+        }
+    }
+    out.into_values()
+        .filter(|(p, _, _)| !p.devices.is_empty())
+        .map(|(mut p, count, seen)| {
+            p.incomplete = i64::try_from(seen).unwrap_or(i64::MAX) < count;
+            let mut names = HashSet::new();
+            p.invalid = !p.devices.iter().all(|(d, _)| names.insert(d.name.as_str()));
+            p
+        })
+        .collect()
+}
+
+/// One slot of the search: one device for one request.
+struct Slot<'a> {
+    claim: usize,
+    request: usize,
+    /// Index of this device among the request's.
+    nth: u32,
+    req: &'a Request,
+}
+
+/// A device taken for a request: pool index, device index, capacity taken (shareable devices).
+type Taken = (usize, usize, Option<BTreeMap<String, u64>>);
+
+/// The search's state.
+struct Search<'a> {
+    claims: &'a [Claim],
+    classes: &'a HashMap<String, Class>,
+    pools: Vec<Pool<'a>>,
+    in_use: &'a InUse,
+    /// Devices taken whole in this allocation.
+    taken: HashSet<DeviceId>,
+    /// Capacity taken in this allocation.
+    capacity: HashMap<DeviceId, BTreeMap<String, u64>>,
+    /// Counters drawn in this allocation and by the cluster's allocations, per pool.
+    drawn: HashMap<(usize, &'a str, &'a str), u64>,
+    /// Per (claim, request): the alternative chosen and the devices so far.
+    chosen: HashMap<(usize, usize), (usize, Vec<Taken>)>,
+    steps: u64,
+    limits: Limits,
+    /// The first hard error met (a missing class, a failing selector).
+    error: Option<Unfit>,
+    /// Why the deepest request that failed found nothing.
+    deepest: Option<(usize, Unfit)>,
+}
+
+/// Allocates `claims` (those of one pod not yet allocated) on node `node` with `labels`.
+/// Returns one [`Allocation`] per claim, in order.
+pub fn allocate(
+    claims: &[Claim],
+    classes: &HashMap<String, Class>,
+    slices: &[Slice],
+    in_use: &InUse,
+    node: &str,
+    labels: &BTreeMap<String, String>,
+    limits: Limits,
+) -> Result<Vec<Allocation>, Unfit> {
+    let pools = pools(slices, node, labels);
+    let mut search = Search {
+        claims,
+        classes,
+        pools,
+        in_use,
+        taken: HashSet::new(),
+        capacity: HashMap::new(),
+        drawn: HashMap::new(),
+        chosen: HashMap::new(),
+        steps: 0,
+        limits,
+        error: None,
+        deepest: None,
+    };
+    search.draw_cluster_counters();
+    // `All` requests are resolved up front: their count is the number of matching devices.
+    let mut counts: HashMap<(usize, usize, usize), u32> = HashMap::new();
+    for (ci, c) in claims.iter().enumerate() {
+        for (ri, r) in c.requests.iter().enumerate() {
+            for (ai, (_, exact)) in r.alternatives.iter().enumerate() {
+                let n = match exact.mode {
+                    Mode::Count(n) => n,
+                    Mode::All => search.count_all(ci, r, exact)?,
+                };
+                counts.insert((ci, ri, ai), n);
+            }
+        }
+    }
+    let mut slots = Vec::new();
+    for (ci, c) in claims.iter().enumerate() {
+        for (ri, r) in c.requests.iter().enumerate() {
+            // The slots of a request: as many as its first alternative wants; alternatives with
+            // another count are handled by `Search::place` (the request's slots follow the
+            // alternative chosen at its first slot).
+            let most = (0..r.alternatives.len())
+                .map(|ai| counts.get(&(ci, ri, ai)).copied().unwrap_or(0))
+                .max()
+                .unwrap_or(0);
+            for nth in 0..most.max(1) {
+                slots.push(Slot { claim: ci, request: ri, nth, req: r });
+            }
+        }
+    }
+    if search.place(&slots, 0, &counts) {
+        return Ok(search.results());
+    }
+    if let Some(e) = search.error.take() {
+        return Err(e);
+    }
+    if search.steps >= search.limits.steps {
+        return Err(Unfit::Budget(search.steps));
+    }
+    Err(search.deepest.map(|(_, e)| e).unwrap_or_else(|| Unfit::Together {
+        claim: claims.first().map(|c| c.name.clone()).unwrap_or_default(),
+    }))
+}
+
+impl<'a> Search<'a> {
+    fn id(&self, pi: usize, di: usize) -> DeviceId {
+        let p = &self.pools[pi];
+        DeviceId {
+            driver: p.driver.to_owned(),
+            pool: p.pool.to_owned(),
+            device: p.devices[di].0.name.clone(),
+        }
+    }
+
+    /// Counts what the cluster's allocations draw from the pools' counters.
+    fn draw_cluster_counters(&mut self) {
+        for pi in 0..self.pools.len() {
+            for di in 0..self.pools[pi].devices.len() {
+                let id = self.id(pi, di);
+                let held = self.in_use.devices.contains(&id)
+                    || self.in_use.capacity.get(&id).is_some_and(|c| !c.is_empty());
+                if held {
+                    let device = self.pools[pi].devices[di].0;
+                    for (set, counters) in &device.consumes {
+                        for (name, v) in counters {
+                            let e =
+                                self.drawn.entry((pi, set.as_str(), name.as_str())).or_default();
+                            *e = e.saturating_add(*v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether `device` passes the class's and the request's selectors. A hard error is kept.
+    fn selected(
+        &mut self,
+        ci: usize,
+        r: &Request,
+        exact: &Exact,
+        driver: &str,
+        device: &Device,
+    ) -> bool {
+        let claim = &self.claims[ci].name;
+        let Some(class) = self.classes.get(&exact.class) else {
+            self.error.get_or_insert(Unfit::NoClass {
+                claim: claim.clone(),
+                request: r.name.clone(),
+                class: exact.class.clone(),
+            });
+            return false;
+        };
+        for s in class.selectors.iter().chain(&exact.selectors) {
+            match s.matches(driver, device) {
+                Ok(true) => {}
+                Ok(false) => return false,
+                Err(why) => {
+                    self.error.get_or_insert(Unfit::Selector {
+                        claim: claim.clone(),
+                        request: r.name.clone(),
+                        why,
+                    });
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    fn tolerated(exact: &Exact, device: &Device) -> bool {
+        device.taints.iter().all(|t| {
+            !matches!(t.effect.as_str(), "NoSchedule" | "NoExecute")
+                || exact.tolerations.iter().any(|tol| tol.tolerates(t))
+        })
+    }
+
+    /// The number of devices an `All` request takes: every matching device on the node.
+    fn count_all(&mut self, ci: usize, r: &Request, exact: &Exact) -> Result<u32, Unfit> {
+        let mut n = 0u32;
+        for pi in 0..self.pools.len() {
+            let (driver, incomplete) = (self.pools[pi].driver, self.pools[pi].incomplete);
+            for di in 0..self.pools[pi].devices.len() {
+                let device = self.pools[pi].devices[di].0;
+                if !self.selected(ci, r, exact, driver, device) || !Self::tolerated(exact, device) {
+                    continue;
+                }
+                if incomplete || self.pools[pi].invalid {
+                    return Err(Unfit::Request {
+                        claim: self.claims[ci].name.clone(),
+                        request: r.name.clone(),
+                        why: format!(
+                            "asks for all devices, but resource pool {}/{} is being updated or invalid",
+                            driver, self.pools[pi].pool
+                        ),
+                    });
+                }
+                n += 1;
+            }
+        }
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(Unfit::Request {
+                claim: self.claims[ci].name.clone(),
+                request: r.name.clone(),
+                why: "asks for all devices, and none on this node matches".into(),
+            });
+        }
+        Ok(n)
+    }
+
+    /// Capacity a request takes of a shareable device, or `None` if it does not fit.
+    fn capacity_fit(
+        &self,
+        id: &DeviceId,
+        device: &Device,
+        exact: &Exact,
+    ) -> Option<BTreeMap<String, u64>> {
+        let mut take = BTreeMap::new();
+        for (name, &total) in &device.capacity {
+            let want = exact.capacity.get(name).copied().unwrap_or(total);
+            let used = |m: Option<&BTreeMap<String, u64>>| {
+                m.and_then(|c| c.get(name)).copied().unwrap_or(0)
+            };
+            let held =
+                used(self.in_use.capacity.get(id)).saturating_add(used(self.capacity.get(id)));
+            if held.saturating_add(want) > total {
+                return None;
+            }
+            take.insert(name.clone(), want);
+        }
+        // A capacity asked for that the device does not have cannot be given.
+        if exact.capacity.keys().any(|k| !device.capacity.contains_key(k)) {
+            return None;
+        }
+        Some(take)
+    }
+
+    /// Whether taking `device` keeps every counter of its pool within bounds.
+    fn counters_fit(&self, pi: usize, device: &Device) -> bool {
+        device.consumes.iter().all(|(set, counters)| {
+            counters.iter().all(|(name, v)| {
+                let have = self.pools[pi].counters.get(&(set.as_str(), name.as_str())).copied();
+                let drawn =
+                    self.drawn.get(&(pi, set.as_str(), name.as_str())).copied().unwrap_or(0);
+                have.is_some_and(|h| drawn.saturating_add(*v) <= h)
+            })
+        })
+    }
+
+    fn draw(&mut self, pi: usize, device: &'a Device, sign: bool) {
+        for (set, counters) in &device.consumes {
+            for (name, v) in counters {
+                let e = self.drawn.entry((pi, set.as_str(), name.as_str())).or_default();
+                *e = if sign { e.saturating_add(*v) } else { e.saturating_sub(*v) };
+            }
+        }
+    }
+
+    /// Whether the claim's constraints still hold with `device` added for request `ri`.
+    fn constraints_hold(&self, ci: usize, ri: usize, device: &Device, driver: &str) -> bool {
+        let claim = &self.claims[ci];
+        let name = &claim.requests[ri].name;
+        claim.constraints.iter().all(|c| {
+            if !c.requests.is_empty() && !c.requests.contains(name) {
+                return true;
+            }
+            let attr = match &c.kind {
+                ConstraintKind::MatchAttribute(a) | ConstraintKind::DistinctAttribute(a) => a,
+            };
+            let Some(v) = attribute(device, driver, attr) else { return false };
+            let others = claim
+                .requests
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| c.requests.is_empty() || c.requests.contains(&r.name));
+            let mut values = others.flat_map(|(rj, _)| {
+                self.chosen.get(&(ci, rj)).into_iter().flat_map(|(_, ds)| ds.iter()).map(
+                    |(pi, di, _)| {
+                        let (d, _) = self.pools[*pi].devices[*di];
+                        attribute(d, self.pools[*pi].driver, attr)
+                    },
+                )
+            });
+            match c.kind {
+                ConstraintKind::MatchAttribute(_) => values.all(|o| o == Some(v)),
+                ConstraintKind::DistinctAttribute(_) => values.all(|o| o != Some(v)),
+            }
+        })
+    }
+
+    /// Fills `slots[at..]`; true when all are filled.
+    fn place(
+        &mut self,
+        slots: &[Slot<'a>],
+        at: usize,
+        counts: &HashMap<(usize, usize, usize), u32>,
+    ) -> bool {
+        let Some(slot) = slots.get(at) else { return true };
+        let (ci, ri) = (slot.claim, slot.request);
+        // Later slots of a request follow the alternative chosen at its first slot; slots
+        // beyond that alternative's count are skipped.
+        let alternatives: Vec<usize> = match self.chosen.get(&(ci, ri)) {
+            Some((ai, _)) if slot.nth > 0 => vec![*ai],
+            _ => (0..slot.req.alternatives.len()).collect(),
+        };
+        for ai in alternatives {
+            let want = counts.get(&(ci, ri, ai)).copied().unwrap_or(0);
+            if slot.nth >= want {
+                // This alternative needs no more devices: go on.
+                if self.place(slots, at + 1, counts) {
+                    return true;
+                }
+                continue;
+            }
+            let exact = &slot.req.alternatives[ai].1;
+            let mut tried_any = false;
+            for pi in 0..self.pools.len() {
+                if self.pools[pi].incomplete || self.pools[pi].invalid {
+                    continue;
+                }
+                for di in 0..self.pools[pi].devices.len() {
+                    self.steps += 1;
+                    if self.steps >= self.limits.steps || self.error.is_some() {
+                        return false;
+                    }
+                    let (device, _) = self.pools[pi].devices[di];
+                    let driver = self.pools[pi].driver;
+                    let id = self.id(pi, di);
+                    if self
+                        .chosen
+                        .get(&(ci, ri))
+                        .is_some_and(|(_, ds)| ds.iter().any(|(p, d, _)| (*p, *d) == (pi, di)))
+                    {
+                        continue;
+                    }
+                    let consumed = if exact.admin_access {
+                        None
+                    } else if device.allow_multiple {
+                        match self.capacity_fit(&id, device, exact) {
+                            Some(c) => Some(c),
+                            None => continue,
+                        }
+                    } else {
+                        // A capacity asked of a device taken whole is a bound on what it has.
+                        let short = exact
+                            .capacity
+                            .iter()
+                            .any(|(k, want)| device.capacity.get(k).is_none_or(|have| have < want));
+                        if short
+                            || self.in_use.devices.contains(&id)
+                            || self.taken.contains(&id)
+                            || self.in_use.capacity.get(&id).is_some_and(|c| !c.is_empty())
+                            || self.capacity.get(&id).is_some_and(|c| !c.is_empty())
+                        {
+                            continue;
+                        }
+                        None
+                    };
+                    if !Self::tolerated(exact, device)
+                        || !self.selected(ci, slot.req, exact, driver, device)
+                        || !self.constraints_hold(ci, ri, device, driver)
+                    {
+                        continue;
+                    }
+                    let draws = !exact.admin_access && !self.holds(&id);
+                    if draws && !self.counters_fit(pi, device) {
+                        continue;
+                    }
+                    tried_any = true;
+                    // Take it.
+                    if draws {
+                        self.draw(pi, device, true);
+                    }
+                    match &consumed {
+                        Some(c) => {
+                            let have = self.capacity.entry(id.clone()).or_default();
+                            for (k, v) in c {
+                                *have.entry(k.clone()).or_default() += v;
+                            }
+                        }
+                        None if !exact.admin_access => {
+                            self.taken.insert(id.clone());
+                        }
+                        None => {}
+                    }
+                    let entry = self.chosen.entry((ci, ri)).or_insert((ai, Vec::new()));
+                    entry.0 = ai;
+                    entry.1.push((pi, di, consumed.clone()));
+                    if self.place(slots, at + 1, counts) {
+                        return true;
+                    }
+                    // Undo.
+                    if let Some((_, ds)) = self.chosen.get_mut(&(ci, ri)) {
+                        ds.pop();
+                        if ds.is_empty() {
+                            self.chosen.remove(&(ci, ri));
+                        }
+                    }
+                    match &consumed {
+                        Some(c) => {
+                            if let Some(have) = self.capacity.get_mut(&id) {
+                                for (k, v) in c {
+                                    if let Some(e) = have.get_mut(k) {
+                                        *e = e.saturating_sub(*v);
+                                    }
+                                }
+                                have.retain(|_, v| *v > 0);
+                                if have.is_empty() {
+                                    self.capacity.remove(&id);
+                                }
+                            }
+                        }
+                        None => {
+                            self.taken.remove(&id);
+                        }
+                    }
+                    if draws {
+                        self.draw(pi, device, false);
+                    }
+                    if self.steps >= self.limits.steps || self.error.is_some() {
+                        return false;
+                    }
+                }
+            }
+            if !tried_any && self.deepest.as_ref().is_none_or(|(d, _)| *d < at) {
+                let why = if slot.nth == 0 {
+                    "no device on this node matches and is free".to_owned()
+                } else {
+                    format!(
+                        "only {} of the {want} devices it asks for match and are free",
+                        slot.nth
+                    )
+                };
+                let e = Unfit::Request {
+                    claim: self.claims[ci].name.clone(),
+                    request: slot.req.name.clone(),
+                    why,
+                };
+                self.deepest = Some((at, e));
+            }
+        }
+        false
+    }
+
+    /// Whether the device is held already in this allocation or the cluster's (its counters
+    /// are drawn already: a shareable device draws once).
+    fn holds(&self, id: &DeviceId) -> bool {
+        self.in_use.capacity.get(id).is_some_and(|c| !c.is_empty())
+            || self.capacity.get(id).is_some_and(|c| !c.is_empty())
+    }
+
+    fn results(&self) -> Vec<Allocation> {
+        let mut out = Vec::with_capacity(self.claims.len());
+        for (ci, c) in self.claims.iter().enumerate() {
+            let mut devices = Vec::new();
+            for (ri, r) in c.requests.iter().enumerate() {
+                let Some((ai, ds)) = self.chosen.get(&(ci, ri)) else { continue };
+                let (sub, exact) = &r.alternatives[*ai];
+                let request = match sub {
+                    Some(s) => format!("{}/{s}", r.name),
+                    None => r.name.clone(),
+                };
+                for (pi, di, consumed) in ds {
+                    devices.push(Allocated {
+                        request: request.clone(),
+                        id: self.id(*pi, *di),
+                        admin_access: exact.admin_access,
+                        consumed: consumed.clone(),
+                    });
+                }
+            }
+            out.push(Allocation { devices });
+        }
+        out
+    }
+}
+
+/// A device's attribute by fully qualified name; a name in the driver's own domain may be
+/// written bare on the device.
+fn attribute<'d>(device: &'d Device, driver: &str, name: &str) -> Option<&'d Value> {
+    device.attributes.get(name).or_else(|| {
+        let (domain, bare) = name.split_once('/')?;
+        (domain == driver).then(|| device.attributes.get(bare)).flatten()
+    })
+}
+
+/// The devices of `slices` in any node's pools, by id (for checkers and the driver).
+pub fn devices_by_id(slices: &[Slice]) -> BTreeMap<DeviceId, &Device> {
+    slices
+        .iter()
+        .flat_map(|s| {
+            s.devices.iter().map(move |d| {
+                (
+                    DeviceId {
+                        driver: s.driver.clone(),
+                        pool: s.pool.clone(),
+                        device: d.name.clone(),
+                    },
+                    d,
+                )
+            })
+        })
+        .collect()
+}
+
+/// Devices named twice across allocations (a checker's test: none may be).
+pub fn double_booked<'r>(allocs: impl IntoIterator<Item = &'r Allocation>) -> BTreeSet<DeviceId> {
+    let mut seen = HashSet::new();
+    let mut twice = BTreeSet::new();
+    for a in allocs {
+        for d in &a.devices {
+            if !d.admin_access && d.consumed.is_none() && !seen.insert(d.id.clone()) {
+                twice.insert(d.id.clone());
+            }
+        }
+    }
+    twice
+}
+
+#[cfg(test)]
+mod tests;
