@@ -521,12 +521,6 @@ pub fn pod(p: &Pod) -> Result<PodAsk, Unsupported> {
             "topology spread (whenUnsatisfiable: DoNotSchedule) is not supported by the xpu scheduler; use ScheduleAnyway or kube-scheduler",
         ));
     }
-    if spec.resource_claims.as_ref().is_some_and(|c| !c.is_empty()) {
-        return Err(unsupported(
-            "spec.resourceClaims",
-            "resource claims (DRA) are allocated by kube-scheduler; leave schedulerName unset for this pod",
-        ));
-    }
     let resources = resources(p)?;
     let mut task = TaskSpec::cpu(resources.cpu_milli, resources.memory_mib);
     if resources.share_milli > 0 {

@@ -27,6 +27,10 @@ use crate::share;
 /// and as shares, a pod only lands on the kind of GPU it asked for.
 const OFFERS: &str = "xpu.dev~offers/";
 
+/// Internal node label (never a real one) holding the node's name, so that a pod can be kept
+/// to the nodes its DRA claims can be allocated on.
+const NODE_NAME: &str = "xpu.dev~node";
+
 /// A pod by name and uid.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PodKey {
@@ -52,7 +56,7 @@ impl std::fmt::Display for PodKey {
 }
 
 /// A pod to bind, and where.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Bind {
     pub pod: PodKey,
     pub node: String,
@@ -60,6 +64,36 @@ pub struct Bind {
     pub gang: Option<String>,
     /// For a [`SHARE_RESOURCE`] pod: the GPU indices chosen on the node, and what it asks.
     pub share: Option<(Vec<u16>, u64)>,
+    /// The pod's ResourceClaims to write before it binds: allocated in this cycle, or
+    /// allocated before and to be reserved for it.
+    pub claims: Vec<ClaimWrite>,
+}
+
+/// A ResourceClaim to allocate and reserve for a pod before binding it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimWrite {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    /// `status.allocation` to write, when allocated in this cycle; `None`: allocated already,
+    /// only reserved for the pod.
+    pub allocation: Option<serde_json::Value>,
+    /// The devices, for the scheduler's books until the watch shows the allocation.
+    pub devices: Option<xpu_sched::dra::Allocation>,
+}
+
+/// What the cycle knows of Dynamic Resource Allocation.
+#[derive(Clone, Copy)]
+pub struct Dra<'a> {
+    pub slices: &'a [xpu_sched::dra::Slice],
+    pub classes: &'a HashMap<String, xpu_sched::dra::Class>,
+    /// DeviceClass objects (their `config` goes into allocations).
+    pub class_objects: &'a HashMap<String, k8s_openapi::api::resource::v1::DeviceClass>,
+    /// ResourceClaims by (namespace, name).
+    pub claims: &'a HashMap<(String, String), Arc<k8s_openapi::api::resource::v1::ResourceClaim>>,
+    pub compiled: &'a crate::claims::Compiled,
+    /// Devices allocated in the cluster (and by this scheduler, not yet seen by the watch).
+    pub in_use: &'a xpu_sched::dra::InUse,
 }
 
 /// What one cycle decided.
@@ -118,6 +152,8 @@ pub struct Snapshot<'a> {
     pub queues: &'a Queues,
     /// Namespace labels by name (queues may select namespaces by label).
     pub namespace_labels: &'a HashMap<String, BTreeMap<String, String>>,
+    /// Dynamic Resource Allocation: slices, classes, claims. `None`: pods with claims wait.
+    pub dra: Option<Dra<'a>>,
 }
 
 impl<'a> Snapshot<'a> {
@@ -152,6 +188,7 @@ impl<'a> Snapshot<'a> {
             provisioning_backoff: (30, 900),
             queues: &NO_QUEUES,
             namespace_labels: &NO_LABELS,
+            dra: None,
         }
     }
 }
@@ -245,6 +282,185 @@ struct Unit {
     /// Its queue, and what its pods hold together once bound (for the queue's quota).
     queue: String,
     amounts: Amounts,
+}
+
+/// A pending pod's ResourceClaims.
+#[derive(Clone)]
+struct PodClaims {
+    /// Allocated already: reserved for the pod when it binds.
+    allocated: Vec<Arc<k8s_openapi::api::resource::v1::ResourceClaim>>,
+    /// To allocate on the node the pod is placed on.
+    pending: Vec<(Arc<k8s_openapi::api::resource::v1::ResourceClaim>, xpu_sched::dra::Claim)>,
+}
+
+/// The most pods one ResourceClaim may be reserved for (the API's limit).
+const MAX_RESERVED: usize = 256;
+
+/// A pending pod's claims and the nodes they can be allocated on, or why the pod waits.
+/// `Ok(None)`: the pod has no claims.
+fn dra_nodes(snap: &Snapshot<'_>, p: &Pod) -> Result<Option<(Vec<String>, PodClaims)>, String> {
+    let names = crate::claims::pod_claims(p)?;
+    if names.is_empty() {
+        return Ok(None);
+    }
+    let Some(dra) = snap.dra else {
+        return Err(
+            "spec.resourceClaims: this scheduler does not see the resource.k8s.io/v1 API".into()
+        );
+    };
+    let ns = p.metadata.namespace.as_deref().unwrap_or("default");
+    let uid = p.metadata.uid.as_deref().unwrap_or("");
+    let mut claims = PodClaims { allocated: Vec::new(), pending: Vec::new() };
+    let mut nodes: Vec<(&str, &BTreeMap<String, String>)> = Vec::new();
+    static NO_LABELS: std::sync::LazyLock<BTreeMap<String, String>> =
+        std::sync::LazyLock::new(BTreeMap::new);
+    for n in snap.nodes {
+        if let Some(name) = n.metadata.name.as_deref() {
+            nodes.push((name, n.metadata.labels.as_ref().unwrap_or(&NO_LABELS)));
+        }
+    }
+    for name in names {
+        let Some(c) = dra.claims.get(&(ns.to_owned(), name.clone())) else {
+            return Err(format!("waiting for ResourceClaim {ns}/{name}: it does not exist"));
+        };
+        if c.metadata.deletion_timestamp.is_some() {
+            return Err(format!("ResourceClaim {ns}/{name} is being deleted"));
+        }
+        let status = c.status.as_ref();
+        let reserved = status.and_then(|s| s.reserved_for.as_ref());
+        match status.and_then(|s| s.allocation.as_ref()) {
+            Some(a) => {
+                let mine = reserved.is_some_and(|r| r.iter().any(|r| r.uid == uid));
+                if !mine && reserved.is_some_and(|r| r.len() >= MAX_RESERVED) {
+                    return Err(format!(
+                        "ResourceClaim {ns}/{name} is reserved for {MAX_RESERVED} pods already, the most it may be"
+                    ));
+                }
+                // The pod goes where the claim's devices are.
+                if let Some(sel) = &a.node_selector {
+                    let terms = crate::claims::node_terms(sel).map_err(|e| {
+                        format!("ResourceClaim {ns}/{name}: status.allocation.nodeSelector: {e}")
+                    })?;
+                    nodes.retain(|(n, l)| terms.iter().any(|t| t.matches(n, l)));
+                }
+                claims.allocated.push(c.clone());
+            }
+            None => {
+                let claim = crate::claims::claim(c, dra.compiled)?;
+                claims.pending.push((c.clone(), claim));
+            }
+        }
+    }
+    if claims.pending.is_empty() {
+        let names: Vec<String> = nodes.iter().map(|(n, _)| (*n).to_owned()).collect();
+        if names.is_empty() {
+            return Err("its allocated ResourceClaims are on no node that exists".into());
+        }
+        return Ok(Some((names, claims)));
+    }
+    let wanted: Vec<xpu_sched::dra::Claim> =
+        claims.pending.iter().map(|(_, c)| c.clone()).collect();
+    let mut feasible = Vec::new();
+    // Why nodes fail, with how many fail so and the first of them.
+    let mut reasons: BTreeMap<String, (usize, &str)> = BTreeMap::new();
+    for (node, labels) in &nodes {
+        let got = xpu_sched::dra::allocate(
+            &wanted,
+            dra.classes,
+            dra.slices,
+            dra.in_use,
+            node,
+            labels,
+            Default::default(),
+        );
+        match got {
+            Ok(_) => feasible.push((*node).to_owned()),
+            // A failing selector or a missing class fails the same on every node.
+            Err(
+                e
+                @ (xpu_sched::dra::Unfit::Selector { .. } | xpu_sched::dra::Unfit::NoClass { .. }),
+            ) => return Err(e.to_string()),
+            Err(e) => reasons.entry(e.to_string()).or_insert((0, node)).0 += 1,
+        }
+    }
+    if feasible.is_empty() {
+        let mut said: Vec<(usize, String)> = reasons
+            .into_iter()
+            .map(|(why, (n, first))| (n, format!("{n} like node {first}: {why}")))
+            .collect();
+        said.sort_by_key(|s| std::cmp::Reverse(s.0));
+        let shown: Vec<String> = said.into_iter().take(3).map(|(_, s)| s).collect();
+        return Err(format!(
+            "0/{} nodes can allocate the pod's ResourceClaims ({})",
+            nodes.len(),
+            if shown.is_empty() { "no nodes".to_owned() } else { shown.join("; ") }
+        ));
+    }
+    Ok(Some((feasible, claims)))
+}
+
+/// Keeps a task to the nodes in `names` (ANDed with its own node affinity).
+fn keep_to_nodes(task: &mut xpu_sched::TaskSpec, names: Vec<String>) {
+    use xpu_sched::constraints::{Operator, Requirement};
+    let req = Requirement { key: NODE_NAME.into(), operator: Operator::In, values: names };
+    if task.affinity.is_empty() {
+        task.affinity.push(vec![req]);
+    } else {
+        for term in &mut task.affinity {
+            term.push(req.clone());
+        }
+    }
+}
+
+/// Allocates `pc`'s pending claims on `node` (with what this cycle allocated before in
+/// `in_use`); the writes to make before the pod binds, or why it cannot.
+fn allocate_on(
+    dra: &Dra<'_>,
+    pod_uid: &str,
+    pc: &PodClaims,
+    node: &str,
+    labels: &BTreeMap<String, String>,
+    in_use: &xpu_sched::dra::InUse,
+) -> Result<Vec<ClaimWrite>, String> {
+    let key = |c: &k8s_openapi::api::resource::v1::ResourceClaim| {
+        (
+            c.metadata.namespace.clone().unwrap_or_default(),
+            c.metadata.name.clone().unwrap_or_default(),
+            c.metadata.uid.clone().unwrap_or_default(),
+        )
+    };
+    let mut out = Vec::new();
+    for c in &pc.allocated {
+        let mine = c
+            .status
+            .as_ref()
+            .and_then(|s| s.reserved_for.as_ref())
+            .is_some_and(|r| r.iter().any(|r| r.uid == pod_uid));
+        if !mine {
+            let (namespace, name, uid) = key(c);
+            out.push(ClaimWrite { namespace, name, uid, allocation: None, devices: None });
+        }
+    }
+    if pc.pending.is_empty() {
+        return Ok(out);
+    }
+    let wanted: Vec<xpu_sched::dra::Claim> = pc.pending.iter().map(|(_, c)| c.clone()).collect();
+    let allocs = xpu_sched::dra::allocate(
+        &wanted,
+        dra.classes,
+        dra.slices,
+        in_use,
+        node,
+        labels,
+        Default::default(),
+    )
+    .map_err(|e| format!("node {node}: {e}"))?;
+    for ((c, _), a) in pc.pending.iter().zip(allocs) {
+        let (namespace, name, uid) = key(c);
+        let json = crate::claims::allocation_json(&a, c, dra.class_objects, node);
+        out.push(ClaimWrite { namespace, name, uid, allocation: Some(json), devices: Some(a) });
+    }
+    Ok(out)
 }
 
 /// What flex-start says about a unit before it is submitted.
@@ -461,6 +677,9 @@ pub fn plan(
     }
 
     let mut units: Vec<Unit> = Vec::new();
+    // DRA: each pending pod's claims, and for gang members the nodes their claims allow.
+    let mut pod_claims: HashMap<String, PodClaims> = HashMap::new();
+    let mut member_nodes: HashMap<String, Vec<String>> = HashMap::new();
     let mut gangs: BTreeMap<String, (GangRef, Members)> = BTreeMap::new();
     let mut gang_order: Vec<String> = Vec::new();
     let say = |out: &mut Plan, k: PodKey, msg: String, explain: &mut dyn FnMut(&str) -> bool| {
@@ -493,6 +712,18 @@ pub fn plan(
                 continue;
             }
         }
+        // DRA: the nodes the pod's claims can be allocated on.
+        let feasible = match dra_nodes(snap, p) {
+            Ok(None) => None,
+            Ok(Some((nodes, pc))) => {
+                pod_claims.insert(key.uid.clone(), pc);
+                Some(nodes)
+            }
+            Err(msg) => {
+                say(&mut out, key, msg, explain);
+                continue;
+            }
+        };
         if ask.resources.device_resource == Some(SHARE_RESOURCE) && !snap.shares {
             let msg = format!(
                 "{SHARE_RESOURCE} is placed only by a scheduler started with --share-key FILE (the key xpu's device plugins check its GPU choices with)"
@@ -509,6 +740,9 @@ pub fn plan(
         match convert::gang(p, job_shape) {
             Err(u) => say(&mut out, key, format!("{u}"), explain),
             Ok(Some(g)) => {
+                if let Some(nodes) = feasible {
+                    member_nodes.insert(key.uid.clone(), nodes);
+                }
                 let e = gangs.entry(g.key.clone()).or_insert_with(|| {
                     gang_order.push(g.key.clone());
                     (g.clone(), Vec::new())
@@ -516,6 +750,9 @@ pub fn plan(
                 e.1.push((g.index.unwrap_or(u32::MAX), key, ask));
             }
             Ok(None) => {
+                if let Some(nodes) = feasible {
+                    keep_to_nodes(&mut ask.task, nodes);
+                }
                 if let Some((acc, topo)) = &ask.tpu
                     && let Ok(shape) = xpu_core::tpu::slice(acc, topo)
                     && shape.hosts > 1
@@ -577,7 +814,7 @@ pub fn plan(
             continue;
         }
         members.truncate(need);
-        let first = members[0].1.clone();
+        let mut first = members[0].1.clone();
         if let Some((key, _)) = members.iter().find(|(_, a)| a.task != first.task) {
             let msg = format!(
                 "pods of gang {gkey} ask for different resources or node constraints ({key} differs from {}); xpu places a gang of identical pods",
@@ -587,6 +824,19 @@ pub fn plan(
                 say(&mut out, key, msg.clone(), explain);
             }
             continue;
+        }
+        // Every member goes where its own claims can be allocated: the gang, where all can.
+        let mut allowed: Option<Vec<String>> = None;
+        for (k, _) in &members {
+            if let Some(nodes) = member_nodes.get(&k.uid) {
+                allowed = Some(match allowed {
+                    None => nodes.clone(),
+                    Some(a) => a.into_iter().filter(|n| nodes.contains(n)).collect(),
+                });
+            }
+        }
+        if let Some(nodes) = allowed {
+            keep_to_nodes(&mut first.task, nodes);
         }
         let group = match &first.tpu {
             Some((acc, topo)) => match tpu_group(
@@ -677,6 +927,13 @@ pub fn plan(
 
     let by_job: HashMap<u32, usize> =
         units.iter().enumerate().filter_map(|(i, u)| Some((u.job?, i))).collect();
+    // DRA: what this cycle allocates is counted for the pods placed after it.
+    let mut cycle_in_use = snap.dra.map(|d| d.in_use.clone()).unwrap_or_default();
+    let node_labels: HashMap<&str, &BTreeMap<String, String>> = snap
+        .nodes
+        .iter()
+        .filter_map(|n| Some((n.metadata.name.as_deref()?, n.metadata.labels.as_ref()?)))
+        .collect();
     for d in sched.schedule(now) {
         match d {
             Decision::Start { job, tasks } => {
@@ -695,8 +952,57 @@ pub fn plan(
                     }
                     continue;
                 }
+                // Claims are allocated for every pod of the unit before any binds; one that
+                // cannot be leaves the whole unit waiting (and allocates nothing).
+                let mut writes: Vec<Vec<ClaimWrite>> = Vec::with_capacity(tasks.len());
+                let mut trial = cycle_in_use.clone();
+                let mut failed = None;
+                for t in &tasks {
+                    let (Some(pod), Some(node)) = (
+                        unit.pods.get(t.task.index as usize),
+                        sched.cluster().node(t.placement.node),
+                    ) else {
+                        writes.push(Vec::new());
+                        continue;
+                    };
+                    let (Some(pc), Some(dra)) = (pod_claims.get(&pod.uid), snap.dra.as_ref())
+                    else {
+                        writes.push(Vec::new());
+                        continue;
+                    };
+                    static NONE: std::sync::LazyLock<BTreeMap<String, String>> =
+                        std::sync::LazyLock::new(BTreeMap::new);
+                    let labels = node_labels.get(node.name.as_str()).copied().unwrap_or(&NONE);
+                    match allocate_on(dra, &pod.uid, pc, &node.name, labels, &trial) {
+                        Ok(w) => {
+                            for a in w.iter().filter_map(|w| w.devices.as_ref()) {
+                                trial.add(a);
+                            }
+                            writes.push(w);
+                        }
+                        Err(e) => {
+                            failed = Some(format!("{pod}: ResourceClaims: {e}"));
+                            break;
+                        }
+                    }
+                }
+                if let Some(why) = failed {
+                    let msg = match &unit.gang {
+                        Some(g) => format!("gang {g} waits: {why}"),
+                        None => why,
+                    };
+                    for k in &unit.pods {
+                        if explain(&k.uid) {
+                            out.waiting.push((k.clone(), msg.clone()));
+                        }
+                    }
+                    continue;
+                }
+                cycle_in_use = trial;
                 books.used.entry(unit.queue.clone()).or_default().add(&unit.amounts);
+                let mut writes = writes.into_iter();
                 for t in tasks {
+                    let claims = writes.next().unwrap_or_default();
                     let (Some(pod), Some(node)) = (
                         unit.pods.get(t.task.index as usize),
                         sched.cluster().node(t.placement.node),
@@ -711,6 +1017,7 @@ pub fn plan(
                         node: node.name.clone(),
                         gang: unit.gang.clone(),
                         share,
+                        claims,
                     });
                 }
             }
@@ -862,10 +1169,22 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     }
     // Only a cluster that offers more than one device resource needs to keep them apart.
     let separate = offered.len() > 1;
+    // Nodes carry their name as a label only when a waiting pod has DRA claims (a label
+    // unique to each node gives every node a shape of its own in xpu-sched).
+    let by_name = snap.pods.iter().any(|p| {
+        waits_for(p, snap.scheduler_name, snap.assumed)
+            && p.spec
+                .as_ref()
+                .and_then(|s| s.resource_claims.as_ref())
+                .is_some_and(|c| !c.is_empty())
+    });
     let mut cluster = Cluster::new();
     let mut pool_of: HashMap<String, Option<String>> = HashMap::new();
     for view in views {
         let mut spec = view.spec;
+        if by_name {
+            spec.labels.insert(NODE_NAME.into(), spec.name.clone());
+        }
         if separate {
             for res in &offered {
                 let prefix = format!("{res}/");

@@ -14,6 +14,8 @@
 //! Placement itself stays in `xpu-sched`: the policy `xpu sim` measures is the one a cluster
 //! gets.
 
+pub mod cel;
+pub mod claims;
 pub mod convert;
 pub mod cycle;
 pub mod dra;

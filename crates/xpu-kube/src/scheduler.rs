@@ -19,6 +19,7 @@ use k8s_openapi::api::batch::v1::Job as KubeJob;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Event, Namespace, Node, ObjectReference, Pod, PodTemplate,
 };
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -94,6 +95,10 @@ pub struct Caches {
     pub namespaces: Store<Namespace>,
     /// The admin's queue mapping: the one ConfigMap [`Options::queue_config`] names.
     pub queue_config: Store<ConfigMap>,
+    /// Dynamic Resource Allocation (`resource.k8s.io/v1`).
+    pub slices: Store<ResourceSlice>,
+    pub classes: Store<DeviceClass>,
+    pub claims: Store<ResourceClaim>,
     /// ProvisioningRequests, once the API server is found to serve them (probed until it does).
     pub provisioning: Arc<std::sync::OnceLock<Store<ProvisioningRequest>>>,
 }
@@ -165,6 +170,24 @@ pub async fn watch(
             changed.clone(),
             |c| c.metadata.managed_fields = None,
         ),
+        slices: spawn(
+            Api::<ResourceSlice>::all(client.clone()),
+            watcher::Config::default(),
+            changed.clone(),
+            |s| s.metadata.managed_fields = None,
+        ),
+        classes: spawn(
+            Api::<DeviceClass>::all(client.clone()),
+            watcher::Config::default(),
+            changed.clone(),
+            |c| c.metadata.managed_fields = None,
+        ),
+        claims: spawn(
+            Api::<ResourceClaim>::all(client.clone()),
+            watcher::Config::default(),
+            changed.clone(),
+            |c| c.metadata.managed_fields = None,
+        ),
         provisioning: Arc::default(),
     };
     // The ProvisioningRequest API is a CRD the cluster autoscaler brings; look for it now and
@@ -213,6 +236,9 @@ pub async fn watch(
         ("jobs", caches.jobs.wait_until_ready().await),
         ("namespaces", caches.namespaces.wait_until_ready().await),
         ("the queue mapping", caches.queue_config.wait_until_ready().await),
+        ("resourceslices", caches.slices.wait_until_ready().await),
+        ("deviceclasses", caches.classes.wait_until_ready().await),
+        ("resourceclaims", caches.claims.wait_until_ready().await),
     ] {
         if r.is_err() {
             warn!(what, "watch cache closed before its first list");
@@ -330,6 +356,11 @@ pub async fn run(
     let mut warned_pods: HashMap<String, String> = HashMap::new();
     let mut mapping = Mapping::default();
     let writer = Writer::start(client.clone(), metrics.clone());
+    // DRA: selectors compiled once; claims this scheduler allocated that the watch has not
+    // shown allocated yet (uid → devices), counted as in use meanwhile.
+    let compiled = crate::claims::Compiled::default();
+    let assumed_claims: Arc<Mutex<HashMap<String, xpu_sched::dra::Allocation>>> = Arc::default();
+    let mut warned_slices: HashMap<String, String> = HashMap::new();
     let started = Instant::now();
     let mut stop = std::pin::pin!(stop);
     let mut events = EventBudget::new(opts.events_per_second);
@@ -393,7 +424,64 @@ pub async fn run(
             .iter()
             .filter_map(|n| Some((n.metadata.name.clone()?, n.metadata.labels.clone()?)))
             .collect();
+        // DRA state, from the caches.
+        let claim_objects = caches.claims.state();
+        let dra_claims: HashMap<(String, String), Arc<ResourceClaim>> = claim_objects
+            .iter()
+            .filter_map(|c| {
+                Some(((c.metadata.namespace.clone()?, c.metadata.name.clone()?), c.clone()))
+            })
+            .collect();
+        let mut in_use = crate::claims::in_use(claim_objects.iter().map(|c| c.as_ref()));
+        {
+            let mut a = assumed_claims.lock().await;
+            a.retain(|uid, _| {
+                !claim_objects.iter().any(|c| {
+                    c.metadata.uid.as_deref() == Some(uid.as_str())
+                        && c.status.as_ref().is_some_and(|s| s.allocation.is_some())
+                }) && claim_objects.iter().any(|c| c.metadata.uid.as_deref() == Some(uid.as_str()))
+            });
+            for alloc in a.values() {
+                in_use.add(alloc);
+            }
+        }
+        let mut dra_slices = Vec::new();
+        for sl in caches.slices.state() {
+            let name = sl.metadata.name.clone().unwrap_or_default();
+            match crate::claims::slice(&sl) {
+                Ok(x) => {
+                    warned_slices.remove(&name);
+                    dra_slices.push(x);
+                }
+                Err(e) => {
+                    if warned_slices.get(&name) != Some(&e) {
+                        warn!(slice = %name, reason = %e, "ResourceSlice left out");
+                        warned_slices.insert(name, e);
+                    }
+                }
+            }
+        }
+        let class_objects: HashMap<String, DeviceClass> = caches
+            .classes
+            .state()
+            .iter()
+            .filter_map(|c| Some((c.metadata.name.clone()?, c.as_ref().clone())))
+            .collect();
+        // A class whose selectors do not compile is left out: claims naming it wait, told so.
+        let dra_classes: HashMap<String, xpu_sched::dra::Class> = class_objects
+            .values()
+            .filter_map(|c| crate::claims::class(c, &compiled).ok().map(|x| (x.name.clone(), x)))
+            .collect();
+        let dra = cycle::Dra {
+            slices: &dra_slices,
+            classes: &dra_classes,
+            class_objects: &class_objects,
+            claims: &dra_claims,
+            compiled: &compiled,
+            in_use: &in_use,
+        };
         let snap = Snapshot {
+            dra: Some(dra),
             queues: &queues,
             namespace_labels: &namespace_labels,
             provisioning: requests.as_deref(),
@@ -459,14 +547,73 @@ pub async fn run(
         // Assume first, then bind in the background.
         {
             let mut a = assumed.lock().await;
+            let mut ac = assumed_claims.lock().await;
             for b in &plan.binds {
                 a.insert(b.pod.uid.clone(), b.node.clone());
                 if let Some((gpus, _)) = &b.share {
                     assumed_gpus.insert(b.pod.uid.clone(), gpus.clone());
                 }
+                for w in &b.claims {
+                    if let Some(d) = &w.devices {
+                        ac.insert(w.uid.clone(), d.clone());
+                    }
+                }
             }
         }
-        for b in plan.binds {
+        // Pods with claims bind in batches (a gang together): every claim of the batch is
+        // allocated and reserved first, and released again if any write fails.
+        let (with_claims, plain): (Vec<Bind>, Vec<Bind>) =
+            plan.binds.into_iter().partition(|b| !b.claims.is_empty());
+        let mut batches: Vec<Vec<Bind>> = Vec::new();
+        for b in with_claims {
+            match batches.iter_mut().find(|x| b.gang.is_some() && x[0].gang == b.gang) {
+                Some(x) => x.push(b),
+                None => batches.push(vec![b]),
+            }
+        }
+        for batch in batches {
+            for b in &batch {
+                said.at.remove(&b.pod.uid);
+            }
+            let permit = binds.clone().acquire_owned().await;
+            let (client, assumed, metrics, changed, ac) = (
+                client.clone(),
+                assumed.clone(),
+                metrics.clone(),
+                changed.clone(),
+                assumed_claims.clone(),
+            );
+            let key = opts.share_key.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                let ok = match reserve_claims(&client, &batch).await {
+                    Ok(()) => true,
+                    Err(e) => {
+                        warn!(pods = batch.len(), first = %batch[0].pod, error = %e, "ResourceClaims not written; the pods go back to the queue");
+                        false
+                    }
+                };
+                for b in &batch {
+                    let bound = ok && bind(&client, b, key.as_deref()).await.is_ok();
+                    if bound {
+                        metrics.attempts_scheduled.fetch_add(1, Ordering::Relaxed);
+                        info!(pod = %b.pod, node = %b.node, gang = b.gang.as_deref().unwrap_or(""), claims = b.claims.len(), "bound");
+                    } else {
+                        if ok {
+                            metrics.bind_errors.fetch_add(1, Ordering::Relaxed);
+                            warn!(pod = %b.pod, node = %b.node, "bind failed; the pod goes back to the queue");
+                        }
+                        assumed.lock().await.remove(&b.pod.uid);
+                        let mut a = ac.lock().await;
+                        for w in &b.claims {
+                            a.remove(&w.uid);
+                        }
+                    }
+                }
+                changed.notify_one();
+            });
+        }
+        for b in plain {
             said.at.remove(&b.pod.uid);
             // Creation time, for the scheduling-latency histogram: one cache lookup per bind.
             let created = caches
@@ -805,6 +952,89 @@ impl EventBudget {
             false
         }
     }
+}
+
+/// The finalizer kube-scheduler puts on a claim it allocates, so the claim is not deleted
+/// while its allocation stands.
+const CLAIM_FINALIZER: &str = "resource.kubernetes.io/delete-protection";
+
+/// DRA's binding protocol for a batch of pods (one pod, or a gang): for each claim, the
+/// finalizer, then `status.allocation` (when allocated in this cycle) with the pod in
+/// `status.reservedFor`, each write on the claim's current `resourceVersion`, so a claim
+/// another scheduler allocated meanwhile is a conflict, never a double allocation. Any
+/// failure releases what the batch wrote before it is reported.
+async fn reserve_claims(client: &Client, batch: &[Bind]) -> Result<(), String> {
+    let mut done: Vec<(&cycle::ClaimWrite, &Bind)> = Vec::new();
+    for b in batch {
+        for w in &b.claims {
+            if let Err(e) = reserve_one(client, b, w).await {
+                for (w, b) in done.into_iter().rev() {
+                    if let Err(e) = release_one(client, b, w).await {
+                        warn!(claim = %format!("{}/{}", w.namespace, w.name), error = %e, "could not release a ResourceClaim; it stays reserved until the pod is gone");
+                    }
+                }
+                return Err(format!("ResourceClaim {}/{}: {e}", w.namespace, w.name));
+            }
+            done.push((w, b));
+        }
+    }
+    Ok(())
+}
+
+fn consumer(b: &Bind) -> k8s_openapi::api::resource::v1::ResourceClaimConsumerReference {
+    k8s_openapi::api::resource::v1::ResourceClaimConsumerReference {
+        api_group: None,
+        resource: "pods".into(),
+        name: b.pod.name.clone(),
+        uid: b.pod.uid.clone(),
+    }
+}
+
+async fn reserve_one(client: &Client, b: &Bind, w: &cycle::ClaimWrite) -> Result<(), String> {
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &w.namespace);
+    let pp = PostParams::default();
+    let mut c = api.get(&w.name).await.map_err(|e| e.to_string())?;
+    if c.metadata.uid.as_deref() != Some(w.uid.as_str()) {
+        return Err("replaced by another claim of the same name".into());
+    }
+    if let Some(alloc) = &w.allocation {
+        if c.status.as_ref().is_some_and(|s| s.allocation.is_some()) {
+            return Err("allocated by someone else meanwhile".into());
+        }
+        let f = c.metadata.finalizers.get_or_insert_default();
+        if !f.iter().any(|x| x == CLAIM_FINALIZER) {
+            f.push(CLAIM_FINALIZER.into());
+            c = api.replace(&w.name, &pp, &c).await.map_err(|e| e.to_string())?;
+        }
+        let allocation = serde_json::from_value(alloc.clone()).map_err(|e| e.to_string())?;
+        c.status.get_or_insert_default().allocation = Some(allocation);
+    } else if c.status.as_ref().is_none_or(|s| s.allocation.is_none()) {
+        return Err("its allocation is gone".into());
+    }
+    let reserved = c.status.get_or_insert_default().reserved_for.get_or_insert_default();
+    if !reserved.iter().any(|r| r.uid == b.pod.uid) {
+        reserved.push(consumer(b));
+    }
+    api.replace_status(&w.name, &pp, &c).await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Takes the pod out of the claim's `reservedFor`, and the allocation away when this batch
+/// made it and nobody else holds the claim.
+async fn release_one(client: &Client, b: &Bind, w: &cycle::ClaimWrite) -> Result<(), String> {
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &w.namespace);
+    let mut c = api.get(&w.name).await.map_err(|e| e.to_string())?;
+    let status = c.status.get_or_insert_default();
+    if let Some(r) = status.reserved_for.as_mut() {
+        r.retain(|r| r.uid != b.pod.uid);
+    }
+    let unheld = status.reserved_for.as_ref().is_none_or(Vec::is_empty);
+    if w.allocation.is_some() && unheld {
+        status.allocation = None;
+        status.reserved_for = None;
+    }
+    api.replace_status(&w.name, &PostParams::default(), &c).await.map_err(|e| e.to_string())?;
+    Ok(())
 }
 
 /// `POST pods/{name}/binding`. A GPU-share choice goes in the Binding's annotations, which the

@@ -36,6 +36,8 @@ pub enum Value {
     String(String),
     /// A semantic version, as written.
     Version(String),
+    /// A list-type attribute (`ints`, `strings`, ...).
+    List(Vec<Value>),
 }
 
 /// A taint on a device.
@@ -72,7 +74,7 @@ pub struct Device {
     pub name: String,
     /// Fully qualified names (`gpu.nvidia.com/productName`; a bare name belongs to the driver).
     pub attributes: BTreeMap<String, Value>,
-    /// Capacity by fully qualified name, in the quantity's base units.
+    /// Capacity by name (as the slice writes it), in thousandths of the quantity's unit.
     pub capacity: BTreeMap<String, u64>,
     /// Counter set name → counter → amount this device draws when allocated.
     pub consumes: BTreeMap<String, BTreeMap<String, u64>>,
@@ -80,6 +82,9 @@ pub struct Device {
     /// Consumable capacity: the device can be allocated to several requests, each taking
     /// capacity, until it has none left.
     pub allow_multiple: bool,
+    /// Where this device is available, when its slice says per device
+    /// (`perDeviceNodeSelection`); `None`: the slice's scope.
+    pub scope: Option<NodeScope>,
 }
 
 /// Where a slice's devices are available.
@@ -292,6 +297,12 @@ fn pools<'a>(slices: &'a [Slice], node: &str, labels: &BTreeMap<String, String>)
         if latest.get(&key) != Some(&s.generation) {
             continue;
         }
+        // As upstream: a slice counts towards its pool's completeness on the nodes it serves
+        // (a slice that places each device itself serves every node).
+        let per_device = s.devices.iter().any(|d| d.scope.is_some());
+        if !per_device && !s.scope.admits(node, labels) {
+            continue;
+        }
         let entry = out.entry(key).or_insert_with(|| {
             let pool = Pool {
                 driver: &s.driver,
@@ -310,9 +321,8 @@ fn pools<'a>(slices: &'a [Slice], node: &str, labels: &BTreeMap<String, String>)
                 *e = e.saturating_add(*v);
             }
         }
-        if s.scope.admits(node, labels) {
-            entry.0.devices.extend(s.devices.iter().map(|d| (d, s)));
-        }
+        let here = |d: &Device| d.scope.as_ref().unwrap_or(&s.scope).admits(node, labels);
+        entry.0.devices.extend(s.devices.iter().filter(|d| here(d)).map(|d| (d, s)));
     }
     out.into_values()
         .filter(|(p, _, _)| !p.devices.is_empty())
@@ -643,6 +653,8 @@ impl<'a> Search<'a> {
             }
             let exact = &slot.req.alternatives[ai].1;
             let mut tried_any = false;
+            // Devices that matched and were free but broke a constraint of the claim.
+            let mut constrained = false;
             for pi in 0..self.pools.len() {
                 if self.pools[pi].incomplete || self.pools[pi].invalid {
                     continue;
@@ -687,8 +699,11 @@ impl<'a> Search<'a> {
                     };
                     if !Self::tolerated(exact, device)
                         || !self.selected(ci, slot.req, exact, driver, device)
-                        || !self.constraints_hold(ci, ri, device, driver)
                     {
+                        continue;
+                    }
+                    if !self.constraints_hold(ci, ri, device, driver) {
+                        constrained = true;
                         continue;
                     }
                     let draws = !exact.admin_access && !self.holds(&id);
@@ -752,7 +767,23 @@ impl<'a> Search<'a> {
                 }
             }
             if !tried_any && self.deepest.as_ref().is_none_or(|(d, _)| *d < at) {
-                let why = if slot.nth == 0 {
+                let why = if constrained {
+                    let names: Vec<String> = self.claims[ci]
+                        .constraints
+                        .iter()
+                        .map(|c| match &c.kind {
+                            ConstraintKind::MatchAttribute(a) => format!("matchAttribute {a}"),
+                            ConstraintKind::DistinctAttribute(a) => {
+                                format!("distinctAttribute {a}")
+                            }
+                        })
+                        .collect();
+                    format!(
+                        "{} of the {want} devices it asks for can be found that also meet the claim's constraints ({})",
+                        slot.nth,
+                        names.join(", ")
+                    )
+                } else if slot.nth == 0 {
                     "no device on this node matches and is free".to_owned()
                 } else {
                     format!(

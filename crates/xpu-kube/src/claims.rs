@@ -1,0 +1,593 @@
+//! DRA on the scheduler's side: `resource.k8s.io/v1` ResourceSlices, DeviceClasses and
+//! ResourceClaims in [`xpu_sched::dra`]'s terms, with CEL selectors compiled once per
+//! expression ([`crate::cel`]), and an allocation written back as the claim's
+//! `status.allocation`. Pure: objects in, terms or the field that is wrong out.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use k8s_openapi::api::core::v1::{NodeSelector, Pod};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, DeviceSelector, DeviceToleration, ExactDeviceRequest, ResourceClaim, ResourceSlice,
+};
+use xpu_core::affinity::{NODE_NAME_FIELD, NodeSelectorTerm, Operator, Requirement};
+use xpu_sched::dra;
+
+use crate::cel::{self, Key, Program};
+
+/// Capacity and counters are kept in thousandths of their quantity's unit.
+const MILLI: f64 = 1000.0;
+
+fn milli(q: &str) -> Option<u64> {
+    crate::convert::quantity(q, MILLI)
+}
+
+/// A compiled CEL device selector.
+#[derive(Debug)]
+pub struct CelSelector {
+    expression: String,
+    program: Program,
+}
+
+impl dra::Selector for CelSelector {
+    fn matches(&self, driver: &str, device: &dra::Device) -> Result<bool, String> {
+        let value = device_value(driver, device);
+        match self.program.eval(&[("device", value)]) {
+            Ok(cel::Value::Bool(b)) => Ok(b),
+            Ok(other) => Err(format!(
+                "CEL selector {:?} gave {other:?}, not a bool",
+                shorten(&self.expression)
+            )),
+            Err(e) => Err(format!("CEL selector {:?}: {e}", shorten(&self.expression))),
+        }
+    }
+}
+
+/// An expression as messages quote it: at most 200 characters.
+fn shorten(s: &str) -> String {
+    if s.chars().count() <= 200 {
+        return s.to_owned();
+    }
+    format!("{}...", s.chars().take(200).collect::<String>())
+}
+
+/// The CEL `device` a selector sees.
+fn device_value(driver: &str, d: &dra::Device) -> cel::Value {
+    let mut attrs: BTreeMap<Key, BTreeMap<Key, cel::Value>> = BTreeMap::new();
+    for (name, v) in &d.attributes {
+        let (domain, id) = name.split_once('/').unwrap_or((driver, name));
+        attrs
+            .entry(Key::String(domain.into()))
+            .or_default()
+            .insert(Key::String(id.into()), attr(v));
+    }
+    let mut caps: BTreeMap<Key, BTreeMap<Key, cel::Value>> = BTreeMap::new();
+    for (name, v) in &d.capacity {
+        let (domain, id) = name.split_once('/').unwrap_or((driver, name));
+        let nanos = i128::from(*v) * 1_000_000;
+        caps.entry(Key::String(domain.into()))
+            .or_default()
+            .insert(Key::String(id.into()), cel::Value::Quantity(nanos));
+    }
+    let domains = |m: BTreeMap<Key, BTreeMap<Key, cel::Value>>| {
+        cel::Value::Domains(Arc::new(
+            m.into_iter().map(|(k, v)| (k, cel::Value::Map(Arc::new(v)))).collect(),
+        ))
+    };
+    cel::Value::Map(Arc::new(BTreeMap::from([
+        (Key::String("driver".into()), cel::Value::String(driver.into())),
+        (Key::String("attributes".into()), domains(attrs)),
+        (Key::String("capacity".into()), domains(caps)),
+        (Key::String("allowMultipleAllocations".into()), cel::Value::Bool(d.allow_multiple)),
+    ])))
+}
+
+fn attr(v: &dra::Value) -> cel::Value {
+    match v {
+        dra::Value::Int(i) => cel::Value::Int(*i),
+        dra::Value::Bool(b) => cel::Value::Bool(*b),
+        dra::Value::String(s) => cel::Value::String(s.as_str().into()),
+        dra::Value::Version(s) => match cel::Semver::parse(s) {
+            Some(v) => cel::Value::Semver(Arc::new(v)),
+            None => cel::Value::String(s.as_str().into()),
+        },
+        dra::Value::List(l) => cel::Value::List(Arc::new(l.iter().map(attr).collect())),
+    }
+}
+
+/// Compiled selectors by expression, kept across cycles (bounded: a tenant can write many).
+#[derive(Default)]
+pub struct Compiled {
+    cache: Mutex<HashMap<String, Result<Arc<CelSelector>, String>>>,
+}
+
+/// Expressions kept compiled at most.
+const CACHE: usize = 4096;
+
+impl Compiled {
+    fn get(&self, expression: &str) -> Result<Arc<CelSelector>, String> {
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(r) = cache.get(expression) {
+            return r.clone();
+        }
+        let r = Program::compile(expression)
+            .map(|program| Arc::new(CelSelector { expression: expression.to_owned(), program }))
+            .map_err(|e| format!("CEL selector {:?} does not compile: {e}", shorten(expression)));
+        if cache.len() >= CACHE {
+            cache.clear();
+        }
+        cache.insert(expression.to_owned(), r.clone());
+        r
+    }
+
+    fn selectors(
+        &self,
+        list: Option<&Vec<DeviceSelector>>,
+        path: &str,
+    ) -> Result<Vec<Arc<dyn dra::Selector>>, String> {
+        let mut out: Vec<Arc<dyn dra::Selector>> = Vec::new();
+        for (i, s) in list.into_iter().flatten().enumerate() {
+            let Some(c) = &s.cel else { return Err(format!("{path}[{i}]: no cel selector")) };
+            out.push(self.get(&c.expression).map_err(|e| format!("{path}[{i}]: {e}"))?);
+        }
+        Ok(out)
+    }
+}
+
+pub fn node_terms(ns: &NodeSelector) -> Result<Vec<NodeSelectorTerm>, String> {
+    let req = |r: &k8s_openapi::api::core::v1::NodeSelectorRequirement| {
+        Ok::<_, String>(Requirement {
+            key: r.key.clone(),
+            operator: r.operator.parse::<Operator>()?,
+            values: r.values.clone().unwrap_or_default(),
+        })
+    };
+    ns.node_selector_terms
+        .iter()
+        .map(|t| {
+            Ok(NodeSelectorTerm {
+                match_expressions: t
+                    .match_expressions
+                    .iter()
+                    .flatten()
+                    .map(req)
+                    .collect::<Result<_, _>>()?,
+                match_fields: t
+                    .match_fields
+                    .iter()
+                    .flatten()
+                    .map(|r| {
+                        if r.key != NODE_NAME_FIELD {
+                            return Err(format!(
+                                "matchFields key {:?}; only {NODE_NAME_FIELD}",
+                                r.key
+                            ));
+                        }
+                        req(r)
+                    })
+                    .collect::<Result<_, _>>()?,
+            })
+        })
+        .collect()
+}
+
+fn scope(
+    node: Option<&String>,
+    selector: Option<&NodeSelector>,
+    all: Option<bool>,
+) -> Result<Option<dra::NodeScope>, String> {
+    Ok(match (node, selector, all) {
+        (Some(n), _, _) if !n.is_empty() => Some(dra::NodeScope::Node(n.clone())),
+        (_, Some(s), _) => Some(dra::NodeScope::Selector(node_terms(s)?)),
+        (_, _, Some(true)) => Some(dra::NodeScope::AllNodes),
+        _ => None,
+    })
+}
+
+/// A ResourceSlice. `Err` names the field.
+pub fn slice(s: &ResourceSlice) -> Result<dra::Slice, String> {
+    let name = s.metadata.name.as_deref().unwrap_or("");
+    let at = |f: &str| format!("ResourceSlice {name}: {f}");
+    let spec = &s.spec;
+    let per_device = spec.per_device_node_selection == Some(true);
+    let slice_scope =
+        match scope(spec.node_name.as_ref(), spec.node_selector.as_ref(), spec.all_nodes)
+            .map_err(|e| at(&format!("spec.nodeSelector: {e}")))?
+        {
+            Some(sc) => sc,
+            // Per-device selection: each device says; the slice itself serves nowhere.
+            None if per_device => dra::NodeScope::Selector(Vec::new()),
+            None => {
+                return Err(at(
+                    "spec: none of nodeName, nodeSelector, allNodes, perDeviceNodeSelection",
+                ));
+            }
+        };
+    let mut devices = Vec::new();
+    for (i, d) in spec.devices.iter().flatten().enumerate() {
+        let mut attributes = BTreeMap::new();
+        for (k, a) in d.attributes.iter().flatten() {
+            let v = if let Some(i) = a.int {
+                dra::Value::Int(i)
+            } else if let Some(b) = a.bool {
+                dra::Value::Bool(b)
+            } else if let Some(s) = &a.string {
+                dra::Value::String(s.clone())
+            } else if let Some(v) = &a.version {
+                dra::Value::Version(v.clone())
+            } else if let Some(l) = &a.ints {
+                dra::Value::List(l.iter().map(|i| dra::Value::Int(*i)).collect())
+            } else if let Some(l) = &a.strings {
+                dra::Value::List(l.iter().map(|s| dra::Value::String(s.clone())).collect())
+            } else if let Some(l) = &a.bools {
+                dra::Value::List(l.iter().map(|b| dra::Value::Bool(*b)).collect())
+            } else if let Some(l) = &a.versions {
+                dra::Value::List(l.iter().map(|s| dra::Value::Version(s.clone())).collect())
+            } else {
+                continue;
+            };
+            attributes.insert(qualified(k, &spec.driver), v);
+        }
+        let mut capacity = BTreeMap::new();
+        for (k, c) in d.capacity.iter().flatten() {
+            let v = milli(&c.value.0).ok_or_else(|| {
+                at(&format!("spec.devices[{i}].capacity[{k}]: {:?} is not a quantity", c.value.0))
+            })?;
+            capacity.insert(qualified(k, &spec.driver), v);
+        }
+        let mut consumes = BTreeMap::new();
+        for (j, c) in d.consumes_counters.iter().flatten().enumerate() {
+            let mut m = BTreeMap::new();
+            for (k, v) in &c.counters {
+                let q = milli(&v.value.0).ok_or_else(|| {
+                    at(&format!(
+                        "spec.devices[{i}].consumesCounters[{j}].counters[{k}]: not a quantity"
+                    ))
+                })?;
+                m.insert(k.clone(), q);
+            }
+            consumes.insert(c.counter_set.clone(), m);
+        }
+        let taints = d
+            .taints
+            .iter()
+            .flatten()
+            .map(|t| dra::DeviceTaint {
+                key: t.key.clone(),
+                value: t.value.clone().unwrap_or_default(),
+                effect: t.effect.clone(),
+            })
+            .collect();
+        let device_scope = if per_device {
+            scope(d.node_name.as_ref(), d.node_selector.as_ref(), d.all_nodes)
+                .map_err(|e| at(&format!("spec.devices[{i}].nodeSelector: {e}")))?
+                .or(Some(dra::NodeScope::Selector(Vec::new())))
+        } else {
+            None
+        };
+        devices.push(dra::Device {
+            name: d.name.clone(),
+            attributes,
+            capacity,
+            consumes,
+            taints,
+            allow_multiple: d.allow_multiple_allocations == Some(true),
+            scope: device_scope,
+        });
+    }
+    let mut shared_counters = BTreeMap::new();
+    for (i, set) in spec.shared_counters.iter().flatten().enumerate() {
+        let mut m = BTreeMap::new();
+        for (k, v) in &set.counters {
+            let q = milli(&v.value.0).ok_or_else(|| {
+                at(&format!("spec.sharedCounters[{i}].counters[{k}]: not a quantity"))
+            })?;
+            m.insert(k.clone(), q);
+        }
+        shared_counters.insert(set.name.clone(), m);
+    }
+    Ok(dra::Slice {
+        driver: spec.driver.clone(),
+        pool: spec.pool.name.clone(),
+        generation: spec.pool.generation,
+        slice_count: spec.pool.resource_slice_count,
+        scope: slice_scope,
+        devices,
+        shared_counters,
+    })
+}
+
+/// An attribute or capacity name as the allocator keys it: qualified by the driver's domain
+/// when written bare.
+fn qualified(name: &str, driver: &str) -> String {
+    if name.contains('/') { name.to_owned() } else { format!("{driver}/{name}") }
+}
+
+/// A DeviceClass.
+pub fn class(c: &DeviceClass, compiled: &Compiled) -> Result<dra::Class, String> {
+    let name = c.metadata.name.clone().unwrap_or_default();
+    let selectors = compiled.selectors(
+        c.spec.as_ref().and_then(|s| s.selectors.as_ref()),
+        &format!("DeviceClass {name}: spec.selectors"),
+    )?;
+    Ok(dra::Class { name, selectors })
+}
+
+fn tolerations(list: Option<&Vec<DeviceToleration>>) -> Vec<dra::DeviceToleration> {
+    list.into_iter()
+        .flatten()
+        .map(|t| dra::DeviceToleration {
+            key: t.key.clone().unwrap_or_default(),
+            exists: t.operator.as_deref() == Some("Exists"),
+            value: t.value.clone().unwrap_or_default(),
+            effect: t.effect.clone().unwrap_or_default(),
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn exact(
+    class: &str,
+    selectors: Option<&Vec<DeviceSelector>>,
+    mode: Option<&str>,
+    count: Option<i64>,
+    admin: Option<bool>,
+    tols: Option<&Vec<DeviceToleration>>,
+    capacity: Option<&k8s_openapi::api::resource::v1::CapacityRequirements>,
+    path: &str,
+    compiled: &Compiled,
+) -> Result<dra::Exact, String> {
+    let mode = match mode.unwrap_or("ExactCount") {
+        "All" => dra::Mode::All,
+        "ExactCount" => {
+            let n = count.unwrap_or(1);
+            dra::Mode::Count(
+                u32::try_from(n).ok().filter(|n| (1..=128).contains(n)).ok_or_else(|| {
+                    format!("{path}.count: {n}; a request takes 1 to 128 devices")
+                })?,
+            )
+        }
+        other => return Err(format!("{path}.allocationMode: {other:?}; use ExactCount or All")),
+    };
+    let mut cap = BTreeMap::new();
+    for (k, q) in capacity.and_then(|c| c.requests.as_ref()).into_iter().flatten() {
+        let v =
+            milli(&q.0).ok_or_else(|| format!("{path}.capacity.requests[{k}]: not a quantity"))?;
+        cap.insert(k.clone(), v);
+    }
+    Ok(dra::Exact {
+        class: class.to_owned(),
+        selectors: compiled.selectors(selectors, &format!("{path}.selectors"))?,
+        mode,
+        admin_access: admin == Some(true),
+        tolerations: tolerations(tols),
+        capacity: cap,
+    })
+}
+
+/// A ResourceClaim's requests and constraints. `Err` names the field (a selector that does not
+/// compile among them).
+pub fn claim(c: &ResourceClaim, compiled: &Compiled) -> Result<dra::Claim, String> {
+    let name = format!(
+        "{}/{}",
+        c.metadata.namespace.as_deref().unwrap_or("default"),
+        c.metadata.name.as_deref().unwrap_or("")
+    );
+    let devices = &c.spec.as_ref().and_then(|s| s.devices.clone());
+    let mut requests = Vec::new();
+    for (i, r) in
+        devices.as_ref().and_then(|d| d.requests.as_ref()).into_iter().flatten().enumerate()
+    {
+        let path = format!("ResourceClaim {name}: spec.devices.requests[{i}]");
+        let alternatives = match (&r.exactly, &r.first_available) {
+            (Some(e), _) => {
+                let ExactDeviceRequest {
+                    device_class_name,
+                    selectors,
+                    allocation_mode,
+                    count,
+                    admin_access,
+                    tolerations,
+                    capacity,
+                    ..
+                } = e;
+                let p = format!("{path}.exactly");
+                vec![(
+                    None,
+                    exact(
+                        device_class_name,
+                        selectors.as_ref(),
+                        allocation_mode.as_deref(),
+                        *count,
+                        *admin_access,
+                        tolerations.as_ref(),
+                        capacity.as_ref(),
+                        &p,
+                        compiled,
+                    )?,
+                )]
+            }
+            (None, Some(subs)) if !subs.is_empty() => subs
+                .iter()
+                .enumerate()
+                .map(|(j, s)| {
+                    let p = format!("{path}.firstAvailable[{j}]");
+                    Ok((
+                        Some(s.name.clone()),
+                        exact(
+                            &s.device_class_name,
+                            s.selectors.as_ref(),
+                            s.allocation_mode.as_deref(),
+                            s.count,
+                            None,
+                            s.tolerations.as_ref(),
+                            s.capacity.as_ref(),
+                            &p,
+                            compiled,
+                        )?,
+                    ))
+                })
+                .collect::<Result<_, String>>()?,
+            _ => return Err(format!("{path}: neither exactly nor firstAvailable")),
+        };
+        requests.push(dra::Request { name: r.name.clone(), alternatives });
+    }
+    let mut constraints = Vec::new();
+    for (i, k) in
+        devices.as_ref().and_then(|d| d.constraints.as_ref()).into_iter().flatten().enumerate()
+    {
+        let kind = match (&k.match_attribute, &k.distinct_attribute) {
+            (Some(a), None) => dra::ConstraintKind::MatchAttribute(a.clone()),
+            (None, Some(a)) => dra::ConstraintKind::DistinctAttribute(a.clone()),
+            _ => {
+                return Err(format!(
+                    "ResourceClaim {name}: spec.devices.constraints[{i}]: one of matchAttribute, distinctAttribute"
+                ));
+            }
+        };
+        constraints
+            .push(dra::Constraint { requests: k.requests.clone().unwrap_or_default(), kind });
+    }
+    Ok(dra::Claim { name, requests, constraints })
+}
+
+/// What every allocated claim of the cluster holds.
+pub fn in_use<'a>(claims: impl IntoIterator<Item = &'a ResourceClaim>) -> dra::InUse {
+    let mut out = dra::InUse::default();
+    for c in claims {
+        let Some(results) = c
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref())
+        else {
+            continue;
+        };
+        let devices = results
+            .iter()
+            .map(|r| dra::Allocated {
+                request: r.request.clone(),
+                id: dra::DeviceId {
+                    driver: r.driver.clone(),
+                    pool: r.pool.clone(),
+                    device: r.device.clone(),
+                },
+                admin_access: r.admin_access == Some(true),
+                consumed: r.consumed_capacity.as_ref().map(|m| {
+                    m.iter().filter_map(|(k, q)| Some((k.clone(), milli(&q.0)?))).collect()
+                }),
+            })
+            .collect();
+        out.add(&dra::Allocation { devices });
+    }
+    out
+}
+
+/// The names of the ResourceClaims a pod uses, in `spec.resourceClaims` order: the claim it
+/// names, or the one made from its template (`status.resourceClaimStatuses`). `Err` for a
+/// template whose claim does not exist yet.
+pub fn pod_claims(p: &Pod) -> Result<Vec<String>, String> {
+    let Some(spec) = p.spec.as_ref() else { return Ok(Vec::new()) };
+    let made: HashMap<&str, Option<&String>> = p
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|s| (s.name.as_str(), s.resource_claim_name.as_ref()))
+        .collect();
+    let mut out = Vec::new();
+    for c in spec.resource_claims.iter().flatten() {
+        if let Some(n) = &c.resource_claim_name {
+            out.push(n.clone());
+        } else if c.resource_claim_template_name.is_some() {
+            match made.get(c.name.as_str()) {
+                Some(Some(n)) => out.push((*n).clone()),
+                Some(None) => {}
+                None => {
+                    return Err(format!(
+                        "waiting for the ResourceClaim of spec.resourceClaims[{}] to be made from its template",
+                        c.name
+                    ));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The claim's `status.allocation` for allocation `a` made on `node`, as JSON for a patch.
+/// The node selector pins node-local devices to the node (as kube-scheduler writes it).
+pub fn allocation_json(
+    a: &dra::Allocation,
+    claim: &ResourceClaim,
+    classes: &HashMap<String, DeviceClass>,
+    node: &str,
+) -> serde_json::Value {
+    let results: Vec<serde_json::Value> = a
+        .devices
+        .iter()
+        .map(|d| {
+            let mut r = serde_json::json!({
+                "request": d.request,
+                "driver": d.id.driver,
+                "pool": d.id.pool,
+                "device": d.id.device,
+            });
+            if d.admin_access {
+                r["adminAccess"] = true.into();
+            }
+            if let Some(c) = &d.consumed {
+                let m: serde_json::Map<String, serde_json::Value> =
+                    c.iter().map(|(k, v)| (k.clone(), format!("{v}m").into())).collect();
+                r["consumedCapacity"] = m.into();
+            }
+            r
+        })
+        .collect();
+    // Class configuration first, then the claim's, each for the requests it names.
+    let mut config = Vec::new();
+    let spec_devices = claim.spec.as_ref().and_then(|s| s.devices.as_ref());
+    let requests = spec_devices.and_then(|d| d.requests.as_ref());
+    let mut class_names: Vec<&str> = requests
+        .into_iter()
+        .flatten()
+        .flat_map(|r| {
+            r.exactly
+                .iter()
+                .map(|e| e.device_class_name.as_str())
+                .chain(r.first_available.iter().flatten().map(|s| s.device_class_name.as_str()))
+        })
+        .collect();
+    class_names.dedup();
+    for name in class_names {
+        let class_config =
+            classes.get(name).and_then(|c| c.spec.as_ref()).and_then(|s| s.config.as_ref());
+        for c in class_config.into_iter().flatten() {
+            if let Some(o) = &c.opaque {
+                config.push(serde_json::json!({ "source": "FromClass", "opaque": o }));
+            }
+        }
+    }
+    for c in spec_devices.and_then(|d| d.config.as_ref()).into_iter().flatten() {
+        if let Some(o) = &c.opaque {
+            let mut v = serde_json::json!({ "source": "FromClaim", "opaque": o });
+            if let Some(r) = &c.requests {
+                v["requests"] = serde_json::json!(r);
+            }
+            config.push(v);
+        }
+    }
+    let mut devices = serde_json::json!({ "results": results });
+    if !config.is_empty() {
+        devices["config"] = config.into();
+    }
+    serde_json::json!({
+        "devices": devices,
+        "nodeSelector": { "nodeSelectorTerms": [{ "matchFields": [
+            { "key": NODE_NAME_FIELD, "operator": "In", "values": [node] }
+        ] }] },
+        "allocationTimestamp": k8s_openapi::jiff::Timestamp::now().to_string(),
+    })
+}

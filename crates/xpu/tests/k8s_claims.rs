@@ -1,0 +1,274 @@
+//! `xpu k8s scheduler` allocates DRA claims (`resource.k8s.io/v1`) on a real control plane:
+//! etcd, kube-apiserver and kube-controller-manager's resourceclaim controller (claims from
+//! templates), with ResourceSlices published as a driver would and the scheduler running with
+//! the token of the ServiceAccount `deploy/kubernetes` binds. The tenant is a user with rights
+//! only in its namespace.
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+mod k8s_support;
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
+use kube::Client;
+use kube::api::{Api, PostParams};
+use serde_json::{Value, json};
+use xpu_testkit::kube::ControlPlaneOptions;
+
+use k8s_support::*;
+
+const DRIVER: &str = "gpu.example.com";
+const NS: &str = "team-a";
+
+/// A node's slice: GPUs `(name, nvlink domain, model)`.
+fn slice(node: &str, gpus: &[(&str, i64, &str)]) -> ResourceSlice {
+    let devices: Vec<Value> = gpus
+        .iter()
+        .map(|(name, domain, model)| {
+            json!({ "name": name, "attributes": {
+                "nvlinkDomain": { "int": domain }, "model": { "string": model },
+                "driverVersion": { "version": "550.54.15" } },
+                "capacity": { "memory": { "value": "80Gi" } } })
+        })
+        .collect();
+    serde_json::from_value(json!({
+        "metadata": { "name": format!("{node}-{DRIVER}") },
+        "spec": { "driver": DRIVER, "nodeName": node,
+                  "pool": { "name": node, "generation": 1, "resourceSliceCount": 1 },
+                  "devices": devices }
+    }))
+    .unwrap()
+}
+
+fn template(name: &str, count: u32, selector: &str) -> ResourceClaimTemplate {
+    serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": { "spec": { "devices": {
+            "requests": [{ "name": "gpus", "exactly": {
+                "deviceClassName": "gpu", "count": count,
+                "selectors": [{ "cel": { "expression": selector } }] } }],
+            "constraints": [{ "matchAttribute": format!("{DRIVER}/nvlinkDomain") }] } } }
+    }))
+    .unwrap()
+}
+
+fn claim_pod(name: &str, template: &str, labels: &[(&str, &str)]) -> Pod {
+    let mut p = pod(name, "", 0, labels);
+    let spec = p.spec.as_mut().unwrap();
+    spec.resource_claims = Some(vec![
+        serde_json::from_value(json!({ "name": "gpus", "resourceClaimTemplateName": template }))
+            .unwrap(),
+    ]);
+    spec.containers[0].resources.as_mut().unwrap().claims =
+        Some(vec![serde_json::from_value(json!({ "name": "gpus" })).unwrap()]);
+    p
+}
+
+async fn tenant(cp: &xpu_testkit::kube::ControlPlane) -> Client {
+    let admin = cp.admin_client();
+    let pp = PostParams::default();
+    let n: Namespace = serde_json::from_value(json!({ "metadata": { "name": NS } })).unwrap();
+    Api::<Namespace>::all(admin.clone()).create(&pp, &n).await.unwrap();
+    let sa: ServiceAccount =
+        serde_json::from_value(json!({ "metadata": { "name": "default" } })).unwrap();
+    let _ = Api::<ServiceAccount>::namespaced(admin.clone(), NS).create(&pp, &sa).await;
+    let role: Role = serde_json::from_value(json!({
+        "metadata": { "name": "tenant" },
+        "rules": [{ "apiGroups": ["", "resource.k8s.io"],
+                    "resources": ["pods", "resourceclaims", "resourceclaimtemplates"],
+                    "verbs": ["get", "list", "watch", "create", "delete"] }],
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(admin.clone(), NS).create(&pp, &role).await.unwrap();
+    let rb: RoleBinding = serde_json::from_value(json!({
+        "metadata": { "name": "alice" },
+        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant" },
+        "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "alice" }],
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(admin, NS).create(&pp, &rb).await.unwrap();
+    cp.impersonating("alice", &[]).await.unwrap()
+}
+
+/// The claim made for `pod` from its template, once the controller has made it.
+async fn claim_of(admin: &Client, pod: &str) -> Option<ResourceClaim> {
+    let p = Api::<Pod>::namespaced(admin.clone(), NS).get(pod).await.ok()?;
+    let name = p.status?.resource_claim_statuses?.first()?.resource_claim_name.clone()?;
+    Api::<ResourceClaim>::namespaced(admin.clone(), NS).get(&name).await.ok()
+}
+
+fn reason(p: &Pod) -> Option<String> {
+    p.status.as_ref()?.conditions.as_ref()?.iter().find_map(|c| {
+        (c.type_ == "PodScheduled" && c.status == "False").then(|| c.message.clone()).flatten()
+    })
+}
+
+async fn get(admin: &Client, name: &str) -> Pod {
+    Api::<Pod>::namespaced(admin.clone(), NS).get(name).await.unwrap()
+}
+
+/// A pod whose claim template asks for 2 A100s in one NVLink domain binds to the one node that
+/// has them, its claim allocated with both devices, reserved for it and protected by the
+/// finalizer; a selector failing at run time and a gang that cannot fit whole leave their pods
+/// waiting, told why, with no claim allocated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_are_allocated_reserved_and_bound_by_xpu() {
+    let _turn = TURN.lock().await;
+    let cp = plane(
+        ControlPlaneOptions::default()
+            .with_controller_manager()
+            .controllers(["serviceaccount-controller", "resourceclaim-controller"]),
+    )
+    .await;
+    let admin = cp.admin_client();
+    let kubeconfig = install_scheduler_rbac(&cp).await;
+    let alice = tenant(&cp).await;
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": "gpu" },
+        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }] }
+    }))
+    .unwrap();
+    Api::<DeviceClass>::all(admin.clone()).create(&PostParams::default(), &class).await.unwrap();
+    for n in ["n1", "n2"] {
+        add_node(&admin, &NodeDef::new(n)).await;
+    }
+    // n1: two A100s split across domains; n2: two H100s in domain 0, two A100s in domain 1.
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let pp = PostParams::default();
+    slices.create(&pp, &slice("n1", &[("g0", 0, "A100"), ("g1", 1, "A100")])).await.unwrap();
+    slices
+        .create(
+            &pp,
+            &slice(
+                "n2",
+                &[("g0", 0, "H100"), ("g1", 0, "H100"), ("g2", 1, "A100"), ("g3", 1, "A100")],
+            ),
+        )
+        .await
+        .unwrap();
+    let sched = XpuScheduler::start(&cp, &kubeconfig, "claims", &[]);
+
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(alice.clone(), NS);
+    let a100 = format!(
+        "device.attributes['{DRIVER}'].model == 'A100' && device.capacity['{DRIVER}'].memory.compareTo(quantity('40Gi')) >= 0 && device.attributes['{DRIVER}'].driverVersion.isGreaterThan(semver('535.0.0'))"
+    );
+    templates.create(&pp, &template("two-a100", 2, &a100)).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(alice.clone(), NS);
+    pods.create(&pp, &claim_pod("trainer", "two-a100", &[])).await.unwrap();
+    let bound = wait_until(Duration::from_secs(30), || async {
+        node_of(&get(&admin, "trainer").await).is_some()
+    })
+    .await;
+    let p = get(&admin, "trainer").await;
+    assert!(bound, "trainer binds: {:?}\n{}", reason(&p), sched.log_text());
+    assert_eq!(node_of(&p), Some("n2"));
+    let claim = claim_of(&admin, "trainer").await.unwrap();
+    let status = claim.status.clone().unwrap();
+    let alloc = status.allocation.unwrap();
+    let mut devices: Vec<String> = alloc
+        .devices
+        .unwrap()
+        .results
+        .unwrap()
+        .iter()
+        .map(|r| format!("{}/{}/{}", r.driver, r.pool, r.device))
+        .collect();
+    devices.sort();
+    assert_eq!(devices, [format!("{DRIVER}/n2/g2"), format!("{DRIVER}/n2/g3")]);
+    let reserved = status.reserved_for.unwrap();
+    assert_eq!(reserved.len(), 1);
+    assert_eq!(Some(&reserved[0].uid), p.metadata.uid.as_ref());
+    assert!(
+        claim
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .iter()
+            .any(|f| f == "resource.kubernetes.io/delete-protection")
+    );
+
+    // The same ask again: n2's A100s are taken, n1's are in two domains: it waits.
+    pods.create(&pp, &claim_pod("second", "two-a100", &[])).await.unwrap();
+    let told = wait_until(Duration::from_secs(30), || async {
+        reason(&get(&admin, "second").await)
+            .is_some_and(|m| m.contains("nodes can allocate the pod's ResourceClaims"))
+    })
+    .await;
+    assert!(
+        told,
+        "second waits, told why: {:?}\n{}",
+        reason(&get(&admin, "second").await),
+        sched.log_text()
+    );
+
+    // A selector that fails at run time is named in the pod's condition.
+    templates
+        .create(
+            &pp,
+            &template("broken", 1, &format!("device.attributes['{DRIVER}'].noSuchAttribute == 1")),
+        )
+        .await
+        .unwrap();
+    pods.create(&pp, &claim_pod("broken", "broken", &[])).await.unwrap();
+    let named = wait_until(Duration::from_secs(30), || async {
+        reason(&get(&admin, "broken").await)
+            .is_some_and(|m| m.contains("noSuchAttribute") && m.contains("no such key"))
+    })
+    .await;
+    assert!(named, "{:?}\n{}", reason(&get(&admin, "broken").await), sched.log_text());
+
+    // A gang of two pods, each with one H100: n2 has 2 H100s, so both bind; a gang of three
+    // A100 pods cannot fit (n1 has 2 free A100s only... one per domain, each claim needs one):
+    // none binds and no claim of it is allocated.
+    templates
+        .create(
+            &pp,
+            &template("one-h100", 1, &format!("device.attributes['{DRIVER}'].model == 'H100'")),
+        )
+        .await
+        .unwrap();
+    for i in 0..2 {
+        let labels = [("xpu.dev/gang", "h100s"), ("xpu.dev/gang-size", "2")];
+        pods.create(&pp, &claim_pod(&format!("h100-{i}"), "one-h100", &labels)).await.unwrap();
+    }
+    let both = wait_until(Duration::from_secs(30), || async {
+        node_of(&get(&admin, "h100-0").await).is_some()
+            && node_of(&get(&admin, "h100-1").await).is_some()
+    })
+    .await;
+    assert!(both, "the H100 gang binds whole\n{}", sched.log_text());
+    templates.create(&pp, &template("one-a100", 1, &a100)).await.unwrap();
+    for i in 0..3 {
+        let labels = [("xpu.dev/gang", "a100s"), ("xpu.dev/gang-size", "3")];
+        pods.create(&pp, &claim_pod(&format!("a100-{i}"), "one-a100", &labels)).await.unwrap();
+    }
+    let waiting = wait_until(Duration::from_secs(30), || async {
+        let mut n = 0;
+        for i in 0..3 {
+            if reason(&get(&admin, &format!("a100-{i}")).await)
+                .is_some_and(|m| m.contains("gang team-a/a100s waits"))
+            {
+                n += 1;
+            }
+        }
+        n == 3
+    })
+    .await;
+    assert!(waiting, "{}", sched.log_text());
+    eprintln!("second: {:?}", reason(&get(&admin, "second").await));
+    eprintln!("broken: {:?}", reason(&get(&admin, "broken").await));
+    eprintln!("a100-0: {:?}", reason(&get(&admin, "a100-0").await));
+    for i in 0..3 {
+        let name = format!("a100-{i}");
+        assert!(node_of(&get(&admin, &name).await).is_none(), "{name} must not bind alone");
+        let c = claim_of(&admin, &name).await;
+        assert!(
+            c.as_ref().is_none_or(|c| c.status.as_ref().is_none_or(|s| s.allocation.is_none())),
+            "{name}'s claim stays unallocated: {c:?}"
+        );
+    }
+}
