@@ -180,10 +180,12 @@ async fn run_probe_pod(
     let p = pods.get(name).await.unwrap();
     let status = serde_json::to_string_pretty(&p.status).unwrap();
     assert!(done, "pod {name} finished\n{status}\n{}", diag());
-    assert_eq!(node_of(&p), Some(NODE_NAME), "bound by kube-scheduler: {status}");
+    assert_eq!(node_of(&p), Some(NODE_NAME), "bound by its scheduler: {status}");
     let conditions = p.status.as_ref().unwrap().conditions.as_ref().unwrap();
     assert!(conditions.iter().any(|c| c.type_ == "PodScheduled" && c.status == "True"), "{status}");
-    assert_eq!(p.spec.as_ref().unwrap().scheduler_name.as_deref(), Some("default-scheduler"));
+    let scheduler =
+        spec.get("schedulerName").and_then(Value::as_str).unwrap_or("default-scheduler");
+    assert_eq!(p.spec.as_ref().unwrap().scheduler_name.as_deref(), Some(scheduler));
     let phase = p.status.as_ref().unwrap().phase.as_deref();
     assert_eq!(phase, Some("Succeeded"), "{status}\n{}", diag());
 
@@ -389,13 +391,34 @@ async fn device_plugin_serves_a_kubelet_that_sends_the_socket_path_as_authority_
 /// sees exactly the claim's GPUs; deleting the pod makes the kubelet unprepare the claim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dra_driver_on_a_real_kubelet_gives_a_claim_its_devices_through_cdi_needs_root_and_runc() {
+    dra_claim_on_a_real_kubelet(false).await;
+}
+
+/// The same with `xpu k8s scheduler` (no kube-scheduler running) allocating the claim: the
+/// kubelet prepares what xpu wrote, and the container sees exactly those GPUs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_xpu_allocated_runs_on_a_real_kubelet_with_exactly_its_devices_needs_root_and_runc()
+{
+    dra_claim_on_a_real_kubelet(true).await;
+}
+
+async fn dra_claim_on_a_real_kubelet(by_xpu: bool) {
     if skip_container_tests() {
         return;
     }
     let _turn = TURN.lock().await;
-    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let opts = ControlPlaneOptions::default();
+    let cp = plane(if by_xpu { opts } else { opts.with_scheduler() }).await;
     let admin = cp.admin_client();
-    install_dra(&admin).await;
+    // Every manifest for xpu's scheduler (the DRA ones among them), only the DRA ones for
+    // kube-scheduler.
+    let xpu = if by_xpu {
+        let kubeconfig = install_scheduler_rbac(&cp).await;
+        Some(XpuScheduler::start(&cp, &kubeconfig, "dra", &[]))
+    } else {
+        install_dra(&admin).await;
+        None
+    };
     let spec = four_gpu_host();
     let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
     let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
@@ -421,7 +444,10 @@ async fn dra_driver_on_a_real_kubelet_gives_a_claim_its_devices_through_cdi_need
         node.cdi_dir().into(),
     ];
     let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
-    let diag = || format!("{}\n{}", driver.log_text(), node.log_tails());
+    let diag = || {
+        let sched = xpu.as_ref().map(|x| x.log_text()).unwrap_or_default();
+        format!("{}\n{}\n{sched}", driver.log_text(), node.log_tails())
+    };
     let registered = wait_until(Duration::from_secs(30), || async {
         driver.log_text().contains("registered with the kubelet")
     })
@@ -449,14 +475,14 @@ async fn dra_driver_on_a_real_kubelet_gives_a_claim_its_devices_through_cdi_need
     .unwrap();
     claims.create(&PostParams::default(), &claim).await.unwrap();
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
-    let (_, gpu, plain) = run_probe_pod(
-        &pods,
-        "claimed",
-        json!({ "resourceClaims": [{ "name": "gpus", "resourceClaimName": "pair" }] }),
-        json!({ "claims": [{ "name": "gpus" }] }),
-        diag,
-    )
-    .await;
+    let mut pod_spec =
+        json!({ "resourceClaims": [{ "name": "gpus", "resourceClaimName": "pair" }] });
+    if by_xpu {
+        pod_spec["schedulerName"] = json!("xpu");
+    }
+    let (_, gpu, plain) =
+        run_probe_pod(&pods, "claimed", pod_spec, json!({ "claims": [{ "name": "gpus" }] }), diag)
+            .await;
 
     // The claim's devices, by the UUIDs the slices give them.
     let claim = claims.get("pair").await.unwrap();
