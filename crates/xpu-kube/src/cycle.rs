@@ -298,7 +298,11 @@ const MAX_RESERVED: usize = 256;
 
 /// A pending pod's claims and the nodes they can be allocated on, or why the pod waits.
 /// `Ok(None)`: the pod has no claims.
-fn dra_nodes(snap: &Snapshot<'_>, p: &Pod) -> Result<Option<(Vec<String>, PodClaims)>, String> {
+fn dra_nodes(
+    snap: &Snapshot<'_>,
+    p: &Pod,
+    excluded: Option<&Vec<String>>,
+) -> Result<Option<(Vec<String>, PodClaims)>, String> {
     let names = crate::claims::pod_claims(p)?;
     if names.is_empty() {
         return Ok(None);
@@ -315,7 +319,9 @@ fn dra_nodes(snap: &Snapshot<'_>, p: &Pod) -> Result<Option<(Vec<String>, PodCla
     static NO_LABELS: std::sync::LazyLock<BTreeMap<String, String>> =
         std::sync::LazyLock::new(BTreeMap::new);
     for n in snap.nodes {
-        if let Some(name) = n.metadata.name.as_deref() {
+        if let Some(name) = n.metadata.name.as_deref()
+            && !excluded.is_some_and(|x| x.iter().any(|e| e == name))
+        {
             nodes.push((name, n.metadata.labels.as_ref().unwrap_or(&NO_LABELS)));
         }
     }
@@ -623,7 +629,36 @@ pub fn plan(
     now: u64,
     explain: &mut dyn FnMut(&str) -> bool,
 ) -> Plan {
+    // xpu-sched places a pod with DRA claims on one of the nodes its claims fit alone; pods
+    // placed earlier in the same cycle may take those devices. Such a pod is planned again
+    // without that node (a few rounds at most), so that it goes where its claims still fit
+    // before later pods take the devices there.
+    let mut excluded: DraExcluded = HashMap::new();
+    let mut round = 0;
+    loop {
+        let (plan, conflicts) = plan_once(snap, config, now, explain, &excluded);
+        round += 1;
+        if conflicts.is_empty() || round == 3 {
+            return plan;
+        }
+        for (uid, node) in conflicts {
+            excluded.entry(uid).or_default().push(node);
+        }
+    }
+}
+
+/// Per pod uid, nodes an earlier round found its claims no longer fit in this cycle.
+type DraExcluded = HashMap<String, Vec<String>>;
+
+fn plan_once(
+    snap: &Snapshot<'_>,
+    config: &SchedulerConfig,
+    now: u64,
+    explain: &mut dyn FnMut(&str) -> bool,
+    excluded: &DraExcluded,
+) -> (Plan, Vec<(String, String)>) {
     let mut out = Plan::default();
+    let mut conflicts = Vec::new();
 
     let Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved, unreadable } =
         cluster_of(snap);
@@ -665,7 +700,7 @@ pub fn plan(
                     out.waiting.push((k, format!("scheduler: {e}")));
                 }
             }
-            return out;
+            return (out, conflicts);
         }
     };
 
@@ -713,7 +748,7 @@ pub fn plan(
             }
         }
         // DRA: the nodes the pod's claims can be allocated on.
-        let feasible = match dra_nodes(snap, p) {
+        let feasible = match dra_nodes(snap, p, excluded.get(&key.uid)) {
             Ok(None) => None,
             Ok(Some((nodes, pc))) => {
                 pod_claims.insert(key.uid.clone(), pc);
@@ -982,6 +1017,7 @@ pub fn plan(
                         }
                         Err(e) => {
                             failed = Some(format!("{pod}: ResourceClaims: {e}"));
+                            conflicts.push((pod.uid.clone(), node.name.clone()));
                             break;
                         }
                     }
@@ -1063,7 +1099,7 @@ pub fn plan(
                 crate::preempt::plan(snap, config, &waiting, &out.binds, &excluded, &mix_tasks);
         }
     }
-    out
+    (out, conflicts)
 }
 
 /// The cluster a cycle places on, and what it learned building it.

@@ -241,18 +241,28 @@ pub struct Allocation {
     pub devices: Vec<Allocated>,
 }
 
-/// Bounds on one allocation.
+/// Bounds on one allocation, and how devices are chosen.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Devices tried, over the whole search.
     pub steps: u64,
+    /// Choose devices to keep topology domains whole ([`TOPOLOGY`]): among the devices that
+    /// fit, those of the domain with the fewest free devices that still holds the request
+    /// first. Off: upstream's order (pools by name, devices in slice order, first fit).
+    pub pack: bool,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { steps: 200_000 }
+        Self { steps: 200_000, pack: true }
     }
 }
+
+/// Attributes (by their name within any domain) that group devices into interconnect or
+/// locality domains: NVLink domains and cliques, PCIe roots, NUMA nodes. A claim's own
+/// `matchAttribute` attributes group first.
+pub const TOPOLOGY: [&str; 6] =
+    ["nvlinkDomain", "cliqueId", "pcieRoot", "pciRoot", "numaNode", "numa"];
 
 /// Why the claims do not fit on the node.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -403,7 +413,12 @@ pub fn allocate(
             for (ai, (_, exact)) in r.alternatives.iter().enumerate() {
                 let n = match exact.mode {
                     Mode::Count(n) => n,
-                    Mode::All => search.count_all(ci, r, exact)?,
+                    Mode::All => match search.count_all(ci, r, exact) {
+                        Ok(n) => n,
+                        // One sub-request that cannot be met leaves the others to try.
+                        Err(Unfit::Request { .. }) if r.alternatives.len() > 1 => 0,
+                        Err(e) => return Err(e),
+                    },
                 };
                 counts.insert((ci, ri, ai), n);
             }
@@ -644,6 +659,10 @@ impl<'a> Search<'a> {
         };
         for ai in alternatives {
             let want = counts.get(&(ci, ri, ai)).copied().unwrap_or(0);
+            if want == 0 {
+                // An `All` sub-request that nothing on this node meets.
+                continue;
+            }
             if slot.nth >= want {
                 // This alternative needs no more devices: go on.
                 if self.place(slots, at + 1, counts) {
@@ -655,11 +674,9 @@ impl<'a> Search<'a> {
             let mut tried_any = false;
             // Devices that matched and were free but broke a constraint of the claim.
             let mut constrained = false;
-            for pi in 0..self.pools.len() {
-                if self.pools[pi].incomplete || self.pools[pi].invalid {
-                    continue;
-                }
-                for di in 0..self.pools[pi].devices.len() {
+            let order = self.order(ci, want - slot.nth);
+            {
+                for (pi, di) in order {
                     self.steps += 1;
                     if self.steps >= self.limits.steps || self.error.is_some() {
                         return false;
@@ -800,6 +817,55 @@ impl<'a> Search<'a> {
             }
         }
         false
+    }
+
+    /// The usable devices in the order to try them for `need` more devices of claim `ci`.
+    fn order(&self, ci: usize, need: u32) -> Vec<(usize, usize)> {
+        let mut all: Vec<(usize, usize)> = Vec::new();
+        for (pi, p) in self.pools.iter().enumerate() {
+            if !p.incomplete && !p.invalid {
+                all.extend((0..p.devices.len()).map(|di| (pi, di)));
+            }
+        }
+        if !self.limits.pack {
+            return all;
+        }
+        // The grouping attribute: the claim's first matchAttribute, else a topology one.
+        let claim = &self.claims[ci];
+        let matched = claim.constraints.iter().find_map(|c| match &c.kind {
+            ConstraintKind::MatchAttribute(a) => Some(a.as_str()),
+            ConstraintKind::DistinctAttribute(_) => None,
+        });
+        let group = |pi: usize, di: usize| -> Option<&Value> {
+            let (d, _) = self.pools[pi].devices[di];
+            let driver = self.pools[pi].driver;
+            if let Some(a) = matched {
+                return attribute(d, driver, a);
+            }
+            TOPOLOGY.iter().find_map(|t| {
+                d.attributes.iter().find(|(k, _)| k.rsplit('/').next() == Some(t)).map(|(_, v)| v)
+            })
+        };
+        let free = |pi: usize, di: usize| {
+            let id = self.id(pi, di);
+            !self.in_use.devices.contains(&id)
+                && !self.taken.contains(&id)
+                && !self.in_use.capacity.contains_key(&id)
+                && !self.capacity.contains_key(&id)
+        };
+        let mut free_in: HashMap<(usize, Option<&Value>), u32> = HashMap::new();
+        for &(pi, di) in &all {
+            if free(pi, di) {
+                *free_in.entry((pi, group(pi, di))).or_default() += 1;
+            }
+        }
+        // Domains that can hold what is still needed, smallest first; then the others.
+        let key = |&(pi, di): &(usize, usize)| {
+            let n = free_in.get(&(pi, group(pi, di))).copied().unwrap_or(0);
+            (n < need, n, pi, di)
+        };
+        all.sort_by_key(key);
+        all
     }
 
     /// Whether the device is held already in this allocation or the cluster's (its counters

@@ -272,3 +272,89 @@ async fn claims_are_allocated_reserved_and_bound_by_xpu() {
         );
     }
 }
+
+/// Hostile selectors a tenant writes: huge, deep, slow, failing at run time. Whatever the API
+/// server lets through is named in the pod's condition, and costs the scheduler a bounded
+/// time: another tenant's claim pod still binds within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_selectors_are_named_and_cost_a_bounded_time() {
+    let _turn = TURN.lock().await;
+    let cp = plane(
+        ControlPlaneOptions::default()
+            .with_controller_manager()
+            .controllers(["serviceaccount-controller", "resourceclaim-controller"]),
+    )
+    .await;
+    let admin = cp.admin_client();
+    let kubeconfig = install_scheduler_rbac(&cp).await;
+    let alice = tenant(&cp).await;
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": "gpu" },
+        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }] }
+    }))
+    .unwrap();
+    Api::<DeviceClass>::all(admin.clone()).create(&PostParams::default(), &class).await.unwrap();
+    add_node(&admin, &NodeDef::new("n1")).await;
+    let gpus: Vec<(String, i64, &str)> = (0..8).map(|i| (format!("g{i}"), i / 4, "A100")).collect();
+    let gpus: Vec<(&str, i64, &str)> = gpus.iter().map(|(n, d, m)| (n.as_str(), *d, *m)).collect();
+    Api::<ResourceSlice>::all(admin.clone())
+        .create(&PostParams::default(), &slice("n1", &gpus))
+        .await
+        .unwrap();
+    let sched = XpuScheduler::start(&cp, &kubeconfig, "hostile", &[]);
+
+    let list = format!("[{}]", (0..300).map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+    let attr = format!("device.attributes['{DRIVER}']");
+    let hostile = [
+        ("slow", format!("{list}.all(a, {list}.all(b, {list}.all(c, a + b + c >= 0)))")),
+        ("deep", format!("{}true{}", "(".repeat(400), ")".repeat(400))),
+        ("huge", format!("{}true", format!("{attr}.model == 'x' || ").repeat(700))),
+        (
+            "failing",
+            format!("{attr}.model.size() / ({attr}.nvlinkDomain - {attr}.nvlinkDomain) == 1"),
+        ),
+        ("wrong-type", format!("{attr}.model")),
+    ];
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(alice.clone(), NS);
+    let pods: Api<Pod> = Api::namespaced(alice.clone(), NS);
+    let pp = PostParams::default();
+    let mut admitted = Vec::new();
+    for (name, expr) in &hostile {
+        match templates.create(&pp, &template(name, 1, expr)).await {
+            Ok(_) => {
+                pods.create(&pp, &claim_pod(name, name, &[])).await.unwrap();
+                admitted.push(*name);
+            }
+            Err(kube::Error::Api(e)) => {
+                eprintln!(
+                    "the API server refused the {name} selector ({}): {}",
+                    e.code,
+                    e.message.chars().take(200).collect::<String>()
+                );
+            }
+            Err(e) => panic!("{name}: {e}"),
+        }
+    }
+    eprintln!("admitted by the API server: {admitted:?}");
+    assert!(admitted.contains(&"failing") && admitted.contains(&"wrong-type"), "{admitted:?}");
+    // A sound pod binds while the hostile ones wait.
+    templates.create(&pp, &template("sound", 2, &format!("{attr}.model == 'A100'"))).await.unwrap();
+    let t = std::time::Instant::now();
+    pods.create(&pp, &claim_pod("sound", "sound", &[])).await.unwrap();
+    let bound = wait_until(Duration::from_secs(20), || async {
+        node_of(&get(&admin, "sound").await).is_some()
+    })
+    .await;
+    eprintln!("the sound pod bound in {:?}", t.elapsed());
+    assert!(bound && t.elapsed() < Duration::from_secs(10), "{}", sched.log_text());
+    for name in &admitted {
+        let said = wait_until(Duration::from_secs(20), || async {
+            reason(&get(&admin, name).await).is_some_and(|m| m.contains("CEL selector"))
+        })
+        .await;
+        let why = reason(&get(&admin, name).await);
+        eprintln!("{name}: {why:?}");
+        assert!(said, "{name} is told which selector failed: {why:?}");
+        assert!(node_of(&get(&admin, name).await).is_none());
+    }
+}

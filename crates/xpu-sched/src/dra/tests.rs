@@ -343,7 +343,7 @@ fn an_impossible_claim_gives_up_within_its_budget() {
         &InUse::default(),
         "n1",
         &BTreeMap::new(),
-        Limits { steps: 10_000 },
+        Limits { steps: 10_000, ..Limits::default() },
     )
     .unwrap_err();
     assert!(t.elapsed() < std::time::Duration::from_secs(2));
@@ -357,7 +357,7 @@ fn an_impossible_claim_gives_up_within_its_budget() {
 fn random_claims_agree_with_brute_force_and_every_allocation_checks() {
     use crate::rng::Rng;
     let mut found = 0;
-    for seed in 0..1500u64 {
+    for (seed, pack) in (0..1500u64).flat_map(|s| [(s, false), (s, true)]) {
         let mut rng = Rng::new(seed);
         let case = Case::random(&mut rng);
         let got = allocate(
@@ -367,7 +367,7 @@ fn random_claims_agree_with_brute_force_and_every_allocation_checks() {
             &case.in_use,
             "n1",
             &BTreeMap::new(),
-            Limits { steps: 1_000_000 },
+            Limits { steps: 1_000_000, pack },
         );
         let brute = case.brute_force();
         match got {
@@ -385,7 +385,7 @@ fn random_claims_agree_with_brute_force_and_every_allocation_checks() {
             Err(e) => assert!(!brute, "seed {seed}: brute force found one, the allocator said {e}"),
         }
     }
-    assert!(found > 200, "the generator makes enough cases that fit: {found}");
+    assert!(found > 400, "the generator makes enough cases that fit: {found}");
 }
 
 struct Case {
@@ -679,4 +679,48 @@ fn subsets(n: usize, k: usize) -> Vec<Vec<usize>> {
         out.push(s);
     }
     out
+}
+
+/// xpu's order keeps interconnect domains whole: a one-GPU claim goes to the domain with the
+/// fewest free GPUs, so a later four-GPU claim that needs one whole domain still fits; the
+/// upstream order (first fit) breaks the whole domain and the second claim fails.
+#[test]
+fn packing_keeps_whole_domains_for_the_claims_that_follow() {
+    let devices: Vec<Device> =
+        (0..8).map(|i| gpu(&format!("g{i}"), if i < 4 { 1 } else { 0 })).collect();
+    let slices = [slice("n1", devices)];
+    let mut in_use = InUse::default();
+    in_use.devices.insert(DeviceId {
+        driver: DRIVER.into(),
+        pool: "n1".into(),
+        device: "g7".into(),
+    });
+    let mut four = claim("big", vec![("r", exact(4))]);
+    four.constraints.push(Constraint {
+        requests: Vec::new(),
+        kind: ConstraintKind::MatchAttribute(format!("{DRIVER}/nvlinkDomain")),
+    });
+    for (pack, fits) in [(true, true), (false, false)] {
+        let limits = Limits { pack, ..Limits::default() };
+        let run = |c: &Claim, u: &InUse| {
+            allocate(
+                std::slice::from_ref(c),
+                &classes(),
+                &slices,
+                u,
+                "n1",
+                &BTreeMap::new(),
+                limits,
+            )
+        };
+        let one = run(&claim("small", vec![("r", exact(1))]), &in_use).unwrap();
+        let mut after = in_use.clone();
+        after.add(&one[0]);
+        assert_eq!(
+            run(&four, &after).is_ok(),
+            fits,
+            "pack {pack}: the small claim took {:?}",
+            names(&one[0])
+        );
+    }
 }
