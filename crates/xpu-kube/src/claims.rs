@@ -22,15 +22,43 @@ fn milli(q: &str) -> Option<u64> {
     crate::convert::quantity(q, MILLI)
 }
 
-/// A compiled CEL device selector.
+/// A compiled CEL device selector. It remembers its result per device for one cycle
+/// ([`Compiled::next_cycle`]): the same class and template selectors meet the same devices for
+/// every waiting pod and every node.
 #[derive(Debug)]
 pub struct CelSelector {
     expression: String,
     program: Program,
+    cycle: Arc<std::sync::atomic::AtomicU64>,
+    memo: Mutex<(u64, Results)>,
 }
 
+/// A selector's results by device, for one cycle.
+type Results = HashMap<dra::DeviceId, Result<bool, String>>;
+
 impl dra::Selector for CelSelector {
-    fn matches(&self, driver: &str, device: &dra::Device) -> Result<bool, String> {
+    fn matches(&self, id: &dra::DeviceId, device: &dra::Device) -> Result<bool, String> {
+        let now = self.cycle.load(std::sync::atomic::Ordering::Relaxed);
+        {
+            let mut memo = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
+            if memo.0 != now {
+                *memo = (now, HashMap::new());
+            }
+            if let Some(r) = memo.1.get(id) {
+                return r.clone();
+            }
+        }
+        let r = self.evaluate(&id.driver, device);
+        let mut memo = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
+        if memo.0 == now {
+            memo.1.insert(id.clone(), r.clone());
+        }
+        r
+    }
+}
+
+impl CelSelector {
+    fn evaluate(&self, driver: &str, device: &dra::Device) -> Result<bool, String> {
         let value = device_value(driver, device);
         match self.program.eval(&[("device", value)]) {
             Ok(cel::Value::Bool(b)) => Ok(b),
@@ -99,19 +127,33 @@ fn attr(v: &dra::Value) -> cel::Value {
 #[derive(Default)]
 pub struct Compiled {
     cache: Mutex<HashMap<String, Result<Arc<CelSelector>, String>>>,
+    /// The cycle selectors remember their results for.
+    cycle: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Expressions kept compiled at most.
 const CACHE: usize = 4096;
 
 impl Compiled {
+    /// Starts a cycle: slices may have changed, so results remembered so far are dropped.
+    pub fn next_cycle(&self) {
+        self.cycle.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn get(&self, expression: &str) -> Result<Arc<CelSelector>, String> {
         let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(r) = cache.get(expression) {
             return r.clone();
         }
         let r = Program::compile(expression)
-            .map(|program| Arc::new(CelSelector { expression: expression.to_owned(), program }))
+            .map(|program| {
+                Arc::new(CelSelector {
+                    expression: expression.to_owned(),
+                    program,
+                    cycle: self.cycle.clone(),
+                    memo: Mutex::default(),
+                })
+            })
             .map_err(|e| format!("CEL selector {:?} does not compile: {e}", shorten(expression)));
         if cache.len() >= CACHE {
             cache.clear();

@@ -82,10 +82,41 @@ pub struct ClaimWrite {
     pub devices: Option<xpu_sched::dra::Allocation>,
 }
 
+/// ResourceSlices by the node they serve: a node's own slices, and those that serve several
+/// nodes (a node selector, all nodes, per-device placement), so that a node's allocation reads
+/// only its own and the shared ones.
+#[derive(Default)]
+pub struct SliceIndex<'a> {
+    by_node: HashMap<&'a str, Vec<&'a xpu_sched::dra::Slice>>,
+    shared: Vec<&'a xpu_sched::dra::Slice>,
+}
+
+impl<'a> SliceIndex<'a> {
+    pub fn new(slices: &'a [xpu_sched::dra::Slice]) -> Self {
+        let mut out = Self::default();
+        for s in slices {
+            match &s.scope {
+                xpu_sched::dra::NodeScope::Node(n)
+                    if s.devices.iter().all(|d| d.scope.is_none()) =>
+                {
+                    out.by_node.entry(n.as_str()).or_default().push(s);
+                }
+                _ => out.shared.push(s),
+            }
+        }
+        out
+    }
+
+    fn for_node(&self, node: &str) -> Vec<&'a xpu_sched::dra::Slice> {
+        let own = self.by_node.get(node).map(Vec::as_slice).unwrap_or_default();
+        self.shared.iter().chain(own).copied().collect()
+    }
+}
+
 /// What the cycle knows of Dynamic Resource Allocation.
 #[derive(Clone, Copy)]
 pub struct Dra<'a> {
-    pub slices: &'a [xpu_sched::dra::Slice],
+    pub slices: &'a SliceIndex<'a>,
     pub classes: &'a HashMap<String, xpu_sched::dra::Class>,
     /// DeviceClass objects (their `config` goes into allocations).
     pub class_objects: &'a HashMap<String, k8s_openapi::api::resource::v1::DeviceClass>,
@@ -94,6 +125,8 @@ pub struct Dra<'a> {
     pub compiled: &'a crate::claims::Compiled,
     /// Devices allocated in the cluster (and by this scheduler, not yet seen by the watch).
     pub in_use: &'a xpu_sched::dra::InUse,
+    /// Claims (by uid) this scheduler allocated whose write the watch has not shown yet.
+    pub in_flight: &'a std::collections::HashSet<String>,
 }
 
 /// What one cycle decided.
@@ -302,6 +335,7 @@ fn dra_nodes(
     snap: &Snapshot<'_>,
     p: &Pod,
     excluded: Option<&Vec<String>>,
+    room: &dyn Fn(&str) -> bool,
 ) -> Result<Option<(Vec<String>, PodClaims)>, String> {
     let names = crate::claims::pod_claims(p)?;
     if names.is_empty() {
@@ -351,6 +385,11 @@ fn dra_nodes(
                 }
                 claims.allocated.push(c.clone());
             }
+            None if c.metadata.uid.as_ref().is_some_and(|u| dra.in_flight.contains(u)) => {
+                return Err(format!(
+                    "waiting for ResourceClaim {ns}/{name}: its allocation for another pod is being written"
+                ));
+            }
             None => {
                 let claim = crate::claims::claim(c, dra.compiled)?;
                 claims.pending.push((c.clone(), claim));
@@ -373,14 +412,19 @@ fn dra_nodes(
         let got = xpu_sched::dra::allocate(
             &wanted,
             dra.classes,
-            dra.slices,
+            &dra.slices.for_node(node),
             dra.in_use,
             node,
             labels,
             Default::default(),
         );
         match got {
-            Ok(_) => feasible.push((*node).to_owned()),
+            Ok(allocs) => {
+                // Devices the node would have left free after this pod's claims.
+                let taken: usize = allocs.iter().map(|a| a.devices.len()).sum();
+                let free = free_devices(&dra, node, labels).saturating_sub(taken);
+                feasible.push(((*node).to_owned(), free));
+            }
             // A failing selector or a missing class fails the same on every node.
             Err(
                 e
@@ -402,7 +446,37 @@ fn dra_nodes(
             if shown.is_empty() { "no nodes".to_owned() } else { shown.join("; ") }
         ));
     }
-    Ok(Some((feasible, claims)))
+    // xpu's edge over devices across nodes: best fit. Among the nodes that can take the pod
+    // (its CPU and memory too), those left with the fewest free devices, so nodes with many
+    // free devices stay whole for the larger claims that follow.
+    let best = feasible.iter().filter(|(n, _)| room(n)).map(|(_, f)| *f).min();
+    let nodes = feasible
+        .into_iter()
+        .filter(|(n, f)| best.is_none_or(|b| *f == b && room(n)))
+        .map(|(n, _)| n)
+        .collect();
+    Ok(Some((nodes, claims)))
+}
+
+/// Devices of `node`'s pools not allocated in the cluster.
+fn free_devices(dra: &Dra<'_>, node: &str, labels: &BTreeMap<String, String>) -> usize {
+    let mut n = 0;
+    for s in dra.slices.for_node(node) {
+        for d in &s.devices {
+            if !d.scope.as_ref().unwrap_or(&s.scope).admits(node, labels) {
+                continue;
+            }
+            let id = xpu_sched::dra::DeviceId {
+                driver: s.driver.clone(),
+                pool: s.pool.clone(),
+                device: d.name.clone(),
+            };
+            if !dra.in_use.devices.contains(&id) && !dra.in_use.capacity.contains_key(&id) {
+                n += 1;
+            }
+        }
+    }
+    n
 }
 
 /// Keeps a task to the nodes in `names` (ANDed with its own node affinity).
@@ -454,7 +528,7 @@ fn allocate_on(
     let allocs = xpu_sched::dra::allocate(
         &wanted,
         dra.classes,
-        dra.slices,
+        &dra.slices.for_node(node),
         in_use,
         node,
         labels,
@@ -748,7 +822,15 @@ fn plan_once(
             }
         }
         // DRA: the nodes the pod's claims can be allocated on.
-        let feasible = match dra_nodes(snap, p, excluded.get(&key.uid)) {
+        let room = |name: &str| {
+            let c = sched.cluster();
+            c.node_id(name).and_then(|id| c.node(id)).is_some_and(|n| {
+                n.status() == NodeStatus::Ready
+                    && n.cpu_free() >= ask.resources.cpu_milli
+                    && n.memory_free() >= ask.resources.memory_mib
+            })
+        };
+        let feasible = match dra_nodes(snap, p, excluded.get(&key.uid), &room) {
             Ok(None) => None,
             Ok(Some((nodes, pc))) => {
                 pod_claims.insert(key.uid.clone(), pc);
@@ -964,6 +1046,8 @@ fn plan_once(
         units.iter().enumerate().filter_map(|(i, u)| Some((u.job?, i))).collect();
     // DRA: what this cycle allocates is counted for the pods placed after it.
     let mut cycle_in_use = snap.dra.map(|d| d.in_use.clone()).unwrap_or_default();
+    // Claims allocated in this cycle, by uid.
+    let mut claimed: std::collections::HashSet<String> = std::collections::HashSet::new();
     let node_labels: HashMap<&str, &BTreeMap<String, String>> = snap
         .nodes
         .iter()
@@ -1008,6 +1092,18 @@ fn plan_once(
                     static NONE: std::sync::LazyLock<BTreeMap<String, String>> =
                         std::sync::LazyLock::new(BTreeMap::new);
                     let labels = node_labels.get(node.name.as_str()).copied().unwrap_or(&NONE);
+                    // A claim shared by pods waiting together is allocated for the first.
+                    if let Some((c, _)) = pc
+                        .pending
+                        .iter()
+                        .find(|(c, _)| c.metadata.uid.as_ref().is_some_and(|u| claimed.contains(u)))
+                    {
+                        failed = Some(format!(
+                            "{pod}: ResourceClaim {} is being allocated for another pod",
+                            c.metadata.name.as_deref().unwrap_or("")
+                        ));
+                        break;
+                    }
                     match allocate_on(dra, &pod.uid, pc, &node.name, labels, &trial) {
                         Ok(w) => {
                             for a in w.iter().filter_map(|w| w.devices.as_ref()) {
@@ -1035,6 +1131,11 @@ fn plan_once(
                     continue;
                 }
                 cycle_in_use = trial;
+                for w in writes.iter().flatten() {
+                    if w.allocation.is_some() {
+                        claimed.insert(w.uid.clone());
+                    }
+                }
                 books.used.entry(unit.queue.clone()).or_default().add(&unit.amounts);
                 let mut writes = writes.into_iter();
                 for t in tasks {

@@ -425,6 +425,7 @@ pub async fn run(
             .filter_map(|n| Some((n.metadata.name.clone()?, n.metadata.labels.clone()?)))
             .collect();
         // DRA state, from the caches.
+        compiled.next_cycle();
         let claim_objects = caches.claims.state();
         let dra_claims: HashMap<(String, String), Arc<ResourceClaim>> = claim_objects
             .iter()
@@ -472,8 +473,12 @@ pub async fn run(
             .values()
             .filter_map(|c| crate::claims::class(c, &compiled).ok().map(|x| (x.name.clone(), x)))
             .collect();
+        let slice_index = cycle::SliceIndex::new(&dra_slices);
+        let in_flight: std::collections::HashSet<String> =
+            assumed_claims.lock().await.keys().cloned().collect();
         let dra = cycle::Dra {
-            slices: &dra_slices,
+            in_flight: &in_flight,
+            slices: &slice_index,
             classes: &dra_classes,
             class_objects: &class_objects,
             claims: &dra_claims,

@@ -97,7 +97,8 @@ pub enum NodeScope {
 }
 
 impl NodeScope {
-    fn admits(&self, node: &str, labels: &BTreeMap<String, String>) -> bool {
+    /// Whether the node named `node` with `labels` is in scope.
+    pub fn admits(&self, node: &str, labels: &BTreeMap<String, String>) -> bool {
         match self {
             NodeScope::Node(n) => n == node,
             NodeScope::Selector(terms) => terms.iter().any(|t| t.matches(node, labels)),
@@ -128,9 +129,10 @@ pub struct DeviceId {
 }
 
 /// A compiled device selector (CEL on the Kubernetes side). `Err` is the expression's run-time
-/// error, which fails the claim with the expression named.
+/// error, which fails the claim with the expression named. `id` names the device (its driver
+/// is `id.driver`), so an implementation may remember results per device.
 pub trait Selector: Send + Sync + std::fmt::Debug {
-    fn matches(&self, driver: &str, device: &Device) -> Result<bool, String>;
+    fn matches(&self, id: &DeviceId, device: &Device) -> Result<bool, String>;
 }
 
 /// A DeviceClass: its selectors.
@@ -295,14 +297,14 @@ struct Pool<'a> {
 
 /// The pools of `slices` that offer devices on node `node` (with `labels`), sorted by driver
 /// and pool name.
-fn pools<'a>(slices: &'a [Slice], node: &str, labels: &BTreeMap<String, String>) -> Vec<Pool<'a>> {
+fn pools<'a>(slices: &[&'a Slice], node: &str, labels: &BTreeMap<String, String>) -> Vec<Pool<'a>> {
     let mut latest: BTreeMap<(&str, &str), i64> = BTreeMap::new();
     for s in slices {
         let e = latest.entry((s.driver.as_str(), s.pool.as_str())).or_insert(s.generation);
         *e = (*e).max(s.generation);
     }
     let mut out: BTreeMap<(&str, &str), (Pool<'a>, i64, usize)> = BTreeMap::new();
-    for s in slices {
+    for &s in slices {
         let key = (s.driver.as_str(), s.pool.as_str());
         if latest.get(&key) != Some(&s.generation) {
             continue;
@@ -379,12 +381,14 @@ struct Search<'a> {
     deepest: Option<(usize, Unfit)>,
 }
 
-/// Allocates `claims` (those of one pod not yet allocated) on node `node` with `labels`.
-/// Returns one [`Allocation`] per claim, in order.
+/// Allocates `claims` (those of one pod not yet allocated) on node `node` with `labels`, from
+/// `slices` (every slice that may serve the node: the caller may leave out other nodes'
+/// node-local slices, which the allocator would skip anyway). Returns one [`Allocation`] per
+/// claim, in order.
 pub fn allocate(
     claims: &[Claim],
     classes: &HashMap<String, Class>,
-    slices: &[Slice],
+    slices: &[&Slice],
     in_use: &InUse,
     node: &str,
     labels: &BTreeMap<String, String>,
@@ -490,7 +494,7 @@ impl<'a> Search<'a> {
         ci: usize,
         r: &Request,
         exact: &Exact,
-        driver: &str,
+        id: &DeviceId,
         device: &Device,
     ) -> bool {
         let claim = &self.claims[ci].name;
@@ -503,7 +507,7 @@ impl<'a> Search<'a> {
             return false;
         };
         for s in class.selectors.iter().chain(&exact.selectors) {
-            match s.matches(driver, device) {
+            match s.matches(id, device) {
                 Ok(true) => {}
                 Ok(false) => return false,
                 Err(why) => {
@@ -533,7 +537,8 @@ impl<'a> Search<'a> {
             let (driver, incomplete) = (self.pools[pi].driver, self.pools[pi].incomplete);
             for di in 0..self.pools[pi].devices.len() {
                 let device = self.pools[pi].devices[di].0;
-                if !self.selected(ci, r, exact, driver, device) || !Self::tolerated(exact, device) {
+                let id = self.id(pi, di);
+                if !self.selected(ci, r, exact, &id, device) || !Self::tolerated(exact, device) {
                     continue;
                 }
                 if incomplete || self.pools[pi].invalid {
@@ -715,7 +720,7 @@ impl<'a> Search<'a> {
                         None
                     };
                     if !Self::tolerated(exact, device)
-                        || !self.selected(ci, slot.req, exact, driver, device)
+                        || !self.selected(ci, slot.req, exact, &id, device)
                     {
                         continue;
                     }

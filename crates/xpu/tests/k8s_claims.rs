@@ -336,7 +336,7 @@ async fn hostile_selectors_are_named_and_cost_a_bounded_time() {
         }
     }
     eprintln!("admitted by the API server: {admitted:?}");
-    assert!(admitted.contains(&"failing") && admitted.contains(&"wrong-type"), "{admitted:?}");
+    assert!(admitted.contains(&"failing"), "{admitted:?}");
     // A sound pod binds while the hostile ones wait.
     templates.create(&pp, &template("sound", 2, &format!("{attr}.model == 'A100'"))).await.unwrap();
     let t = std::time::Instant::now();

@@ -15,6 +15,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
+use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::Client;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
@@ -254,7 +255,19 @@ impl Case {
             claims.create(&pp, &obj).await.unwrap();
         }
         let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
-        for p in &self.pods {
+        // Creation timestamps have a resolution of one second, so a scheduler's queue order
+        // among pods made together is arbitrary; a priority per pod (without preemption) gives
+        // both schedulers the generator's order, and the comparison is of allocation alone.
+        let classes: Api<PriorityClass> = Api::all(admin.clone());
+        for i in 0..self.pods.len() {
+            let pc: PriorityClass = serde_json::from_value(json!({
+                "metadata": { "name": format!("diff-{i:02}") },
+                "value": 1000 - i as i32, "preemptionPolicy": "Never"
+            }))
+            .unwrap();
+            classes.create(&pp, &pc).await.unwrap();
+        }
+        for (i, p) in self.pods.iter().enumerate() {
             let mut rc = Vec::new();
             for (j, t) in p.templates.iter().enumerate() {
                 rc.push(json!({ "name": format!("c{j}"), "resourceClaimTemplateName": format!("t{t}") }));
@@ -272,6 +285,7 @@ impl Case {
             let obj: Pod = serde_json::from_value(json!({
                 "metadata": { "name": p.name },
                 "spec": { "schedulerName": scheduler, "restartPolicy": "Never",
+                    "priorityClassName": format!("diff-{i:02}"),
                     "resourceClaims": rc,
                     "containers": [{ "name": "c", "image": "busybox",
                         "resources": { "requests": { "cpu": "100m" }, "limits": limits, "claims": refs } }] }
@@ -444,19 +458,71 @@ async fn settle(admin: &Client, total: usize, quiet: Duration) -> usize {
 /// Bound count, the checker's verdict, and a report: each pod's node or waiting reason (and the
 /// scheduler's log for xpu).
 async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
-    let opts = ControlPlaneOptions::default()
-        .with_controller_manager()
-        .controllers(["serviceaccount-controller", "resourceclaim-controller"]);
-    let cp = plane(if xpu { opts } else { opts.with_scheduler() }).await;
+    let cp = plane(
+        ControlPlaneOptions::default()
+            .with_controller_manager()
+            .controllers(["serviceaccount-controller", "resourceclaim-controller"]),
+    )
+    .await;
     let admin = cp.admin_client();
-    let sched = if xpu {
-        let kubeconfig = install_scheduler_rbac(&cp).await;
-        Some(XpuScheduler::start(&cp, &kubeconfig, "diff", &[]))
-    } else {
-        None
-    };
+    let kubeconfig = if xpu { Some(install_scheduler_rbac(&cp).await) } else { None };
+    let mut kube: Option<std::process::Child> = None;
     case.create(&admin, if xpu { "xpu" } else { "default-scheduler" }).await;
-    let n = settle(&admin, case.pods.len(), Duration::from_secs(8)).await;
+    // Both schedulers start on the same complete state: every pod, and every claim made from
+    // a template, exists.
+    let made = wait_until(Duration::from_secs(60), || async {
+        let pods = Api::<Pod>::namespaced(admin.clone(), "default")
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items;
+        pods.iter().all(|p| {
+            let want = case
+                .pods
+                .iter()
+                .find(|s| Some(&s.name) == p.metadata.name.as_ref())
+                .map_or(0, |s| s.templates.len());
+            let have = p
+                .status
+                .as_ref()
+                .and_then(|s| s.resource_claim_statuses.as_ref())
+                .map_or(0, Vec::len);
+            have >= want
+        })
+    })
+    .await;
+    assert!(made, "the resourceclaim controller made every pod's claims");
+    let sched = match &kubeconfig {
+        Some(k) => Some(XpuScheduler::start(&cp, k, "diff", &["--no-preemption"])),
+        None => {
+            let cfg = cp.dir().join("kube-scheduler.yaml");
+            std::fs::write(
+                &cfg,
+                format!(
+                    "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n\
+                     clientConnection:\n  kubeconfig: {}\nleaderElection:\n  leaderElect: false\n",
+                    cp.admin_kubeconfig().display()
+                ),
+            )
+            .unwrap();
+            let bin = xpu_testkit::kube::bin_dir().unwrap().join("kube-scheduler");
+            let log = std::fs::File::create(cp.dir().join("kube-scheduler-diff.log")).unwrap();
+            kube = Some(
+                std::process::Command::new(bin)
+                    .arg(format!("--config={}", cfg.display()))
+                    .args(["--secure-port=0", "--v=0"])
+                    .stdin(std::process::Stdio::null())
+                    .stdout(log.try_clone().unwrap())
+                    .stderr(log)
+                    .spawn()
+                    .unwrap(),
+            );
+            None
+        }
+    };
+    // Quiet for longer than a waiting pod's reason may stay unwritten (10 s), so that every
+    // reason is current.
+    let n = settle(&admin, case.pods.len(), Duration::from_secs(12)).await;
     let checked = case.check(&admin, if xpu { "xpu" } else { "kube-scheduler" }).await;
     let pods = Api::<Pod>::namespaced(admin.clone(), "default")
         .list(&ListParams::default())
@@ -481,6 +547,11 @@ async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
     }
     if let Some(s) = sched {
         report.push_str(&s.log_text());
+    }
+    if let Some(mut k) = kube {
+        // Killing fails only if it exited already; wait reaps it either way.
+        let _ = k.kill();
+        let _ = k.wait();
     }
     (n, checked, report)
 }

@@ -5,8 +5,8 @@ use super::*;
 struct AttrIs(&'static str, Value);
 
 impl Selector for AttrIs {
-    fn matches(&self, driver: &str, device: &Device) -> Result<bool, String> {
-        Ok(attribute(device, driver, self.0) == Some(&self.1))
+    fn matches(&self, id: &DeviceId, device: &Device) -> Result<bool, String> {
+        Ok(attribute(device, &id.driver, self.0) == Some(&self.1))
     }
 }
 
@@ -15,7 +15,7 @@ impl Selector for AttrIs {
 struct Fails;
 
 impl Selector for Fails {
-    fn matches(&self, _: &str, _: &Device) -> Result<bool, String> {
+    fn matches(&self, _: &DeviceId, _: &Device) -> Result<bool, String> {
         Err("device.attributes[\"x\"].y: no such key".into())
     }
 }
@@ -67,12 +67,16 @@ fn claim(name: &str, requests: Vec<(&str, Exact)>) -> Claim {
     }
 }
 
+fn refs(s: &[Slice]) -> Vec<&Slice> {
+    s.iter().collect()
+}
+
 fn classes() -> HashMap<String, Class> {
     HashMap::from([("gpu".to_owned(), Class { name: "gpu".into(), selectors: Vec::new() })])
 }
 
 fn run(claims: &[Claim], slices: &[Slice], in_use: &InUse) -> Result<Vec<Allocation>, Unfit> {
-    allocate(claims, &classes(), slices, in_use, "n1", &BTreeMap::new(), Limits::default())
+    allocate(claims, &classes(), &refs(slices), in_use, "n1", &BTreeMap::new(), Limits::default())
 }
 
 fn names(a: &Allocation) -> Vec<&str> {
@@ -213,7 +217,7 @@ fn shared_counters_are_never_overdrawn() {
 struct Never(&'static str);
 
 impl Selector for Never {
-    fn matches(&self, _: &str, device: &Device) -> Result<bool, String> {
+    fn matches(&self, _: &DeviceId, device: &Device) -> Result<bool, String> {
         Ok(device.name != self.0)
     }
 }
@@ -305,7 +309,7 @@ fn slices_for_a_node_selector_or_all_nodes_are_offered_there() {
     let got = allocate(
         &[claim("a", vec![("r", exact(2))])],
         &classes(),
-        &slices,
+        &refs(&slices),
         &InUse::default(),
         "n9",
         &labels,
@@ -316,7 +320,7 @@ fn slices_for_a_node_selector_or_all_nodes_are_offered_there() {
     let got = allocate(
         &[claim("a", vec![("r", exact(2))])],
         &classes(),
-        &slices,
+        &refs(&slices),
         &InUse::default(),
         "n9",
         &BTreeMap::new(),
@@ -339,7 +343,7 @@ fn an_impossible_claim_gives_up_within_its_budget() {
     let e = allocate(
         &[c],
         &classes(),
-        &slices,
+        &refs(&slices),
         &InUse::default(),
         "n1",
         &BTreeMap::new(),
@@ -363,7 +367,7 @@ fn random_claims_agree_with_brute_force_and_every_allocation_checks() {
         let got = allocate(
             &case.claims,
             &case.classes,
-            &case.slices,
+            &refs(&case.slices),
             &case.in_use,
             "n1",
             &BTreeMap::new(),
@@ -706,7 +710,7 @@ fn packing_keeps_whole_domains_for_the_claims_that_follow() {
             allocate(
                 std::slice::from_ref(c),
                 &classes(),
-                &slices,
+                &refs(&slices),
                 u,
                 "n1",
                 &BTreeMap::new(),

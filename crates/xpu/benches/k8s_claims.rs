@@ -1,0 +1,295 @@
+//! scheduler_perf's DRA shape (`SchedulingWithResourceClaimTemplate`) on real control planes:
+//! N Node objects, each with a ResourceSlice of 8 GPUs in two NVLink domains, then pods
+//! created as fast as the API server takes them, each with one claim from a template, and
+//! kube-scheduler of the same release and `xpu k8s scheduler` each scheduling them on a fresh
+//! plane (with kube-controller-manager's resourceclaim controller making the claims), side by
+//! side in one run. Three mixes: one device per claim; one device with a CEL selector on an
+//! attribute; two devices with `matchAttribute` on the NVLink domain. Prints pods bound per
+//! second (first create to last bind, as a watch sees it), p50/p99 create-to-bound latency and
+//! each scheduler's peak RSS.
+//!
+//!   cargo bench -p xpu --bench k8s_claims
+//!   XPU_BENCH_NODES=100 XPU_BENCH_PODS=400 (defaults; scheduler_perf runs 500 and 5000)
+//!   XPU_BENCH_SCHEDULERS=kube,xpu XPU_BENCH_MIXES=template,cel,match
+//!
+//! kube-scheduler runs with `clientConnection.qps/burst` 5000 (as scheduler_perf sets it); xpu's
+//! client has no limiter. Pods tolerate the `not-ready` taint admission puts on every new Node.
+#![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate, ResourceSlice};
+use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::json;
+use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
+
+const DRIVER: &str = "gpu.example.com";
+
+fn env_num(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn node(i: usize) -> Node {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": { "name": format!("node-{i:05}"), "labels": { "kubernetes.io/hostname": format!("node-{i:05}") } },
+        "status": {
+            "capacity": { "cpu": "64", "memory": "512Gi", "pods": "110" },
+            "allocatable": { "cpu": "64", "memory": "512Gi", "pods": "110" },
+            "conditions": [{ "type": "Ready", "status": "True", "reason": "KubeletReady",
+                             "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z" }],
+        },
+    }))
+    .unwrap()
+}
+
+fn slice(i: usize) -> ResourceSlice {
+    let node = format!("node-{i:05}");
+    let devices: Vec<serde_json::Value> = (0..8)
+        .map(|d| {
+            json!({ "name": format!("gpu-{d}"), "attributes": {
+                "model": { "string": "A100" }, "nvlinkDomain": { "int": d / 4 } },
+                "capacity": { "memory": { "value": "80Gi" } } })
+        })
+        .collect();
+    serde_json::from_value(json!({
+        "metadata": { "name": format!("{node}-gpus") },
+        "spec": { "driver": DRIVER, "nodeName": node, "devices": devices,
+                  "pool": { "name": node, "generation": 1, "resourceSliceCount": 1 } }
+    }))
+    .unwrap()
+}
+
+fn template(mix: &str) -> ResourceClaimTemplate {
+    let mut exactly =
+        json!({ "deviceClassName": "gpu", "count": if mix == "match" { 2 } else { 1 } });
+    if mix == "cel" {
+        exactly["selectors"] = json!([{ "cel": { "expression": format!("device.attributes['{DRIVER}'].model == 'A100'") } }]);
+    }
+    let mut devices = json!({ "requests": [{ "name": "gpus", "exactly": exactly }] });
+    if mix == "match" {
+        devices["constraints"] = json!([{ "matchAttribute": format!("{DRIVER}/nvlinkDomain") }]);
+    }
+    serde_json::from_value(
+        json!({ "metadata": { "name": "claim" }, "spec": { "spec": { "devices": devices } } }),
+    )
+    .unwrap()
+}
+
+fn pod(name: &str, scheduler: &str) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name },
+        "spec": {
+            "schedulerName": scheduler,
+            "tolerations": [{ "key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule" }],
+            "resourceClaims": [{ "name": "gpus", "resourceClaimTemplateName": "claim" }],
+            "containers": [{ "name": "c", "image": "pause",
+                             "resources": { "requests": { "cpu": "100m", "memory": "200Mi" }, "claims": [{ "name": "gpus" }] } }],
+        },
+    }))
+    .unwrap()
+}
+
+async fn create_all<T, F>(api: &Api<T>, n: usize, make: F)
+where
+    T: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+    F: Fn(usize) -> T,
+{
+    let pp = PostParams::default();
+    let objs: Vec<T> = (0..n).map(make).collect();
+    let mut s =
+        futures_util::stream::iter(objs.iter().map(|o| api.create(&pp, o))).buffer_unordered(32);
+    while let Some(r) = s.next().await {
+        r.unwrap();
+    }
+}
+
+fn peak_rss_mib(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn start_scheduler(which: &str, cp: &ControlPlane) -> Child {
+    let dir = cp.dir();
+    let log = std::fs::File::create(dir.join(format!("bench-{which}.log"))).unwrap();
+    match which {
+        "kube" => {
+            let cfg = dir.join("bench-scheduler.yaml");
+            std::fs::write(
+                &cfg,
+                format!(
+                    "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n\
+                     clientConnection:\n  kubeconfig: {}\n  qps: 5000\n  burst: 5000\n\
+                     leaderElection:\n  leaderElect: false\n",
+                    cp.admin_kubeconfig().display()
+                ),
+            )
+            .unwrap();
+            let bin = xpu_testkit::kube::bin_dir().unwrap().join("kube-scheduler");
+            Command::new(bin)
+                .arg(format!("--config={}", cfg.display()))
+                .args(["--secure-port=0", "--v=0"])
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap()
+        }
+        _ => Command::new(env!("CARGO_BIN_EXE_xpu"))
+            .args(["k8s", "scheduler", "--kubeconfig"])
+            .arg(cp.admin_kubeconfig())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    }
+}
+
+struct Figures {
+    pods_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    rss_mib: f64,
+}
+
+async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> Figures {
+    let cp = ControlPlane::start(
+        ControlPlaneOptions::default()
+            .with_controller_manager()
+            .controllers(["serviceaccount-controller", "resourceclaim-controller"]),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("control plane: {e}"));
+    let client = cp.admin_client();
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": "gpu" },
+        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }] }
+    }))
+    .unwrap();
+    Api::<DeviceClass>::all(client.clone()).create(&PostParams::default(), &class).await.unwrap();
+    create_all(&Api::<Node>::all(client.clone()), nodes, node).await;
+    create_all(&Api::<ResourceSlice>::all(client.clone()), nodes, slice).await;
+    Api::<ResourceClaimTemplate>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &template(mix))
+        .await
+        .unwrap();
+    let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let seen2 = seen.clone();
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let watch = tokio::spawn(async move {
+        let mut s = std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
+        while let Some(Ok(p)) = s.next().await {
+            if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
+                seen2
+                    .lock()
+                    .unwrap()
+                    .entry(p.metadata.name.clone().unwrap())
+                    .or_insert_with(Instant::now);
+            }
+        }
+    });
+    let mut child = start_scheduler(which, &cp);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let sched = if which == "kube" { "default-scheduler" } else { "xpu" };
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let names: Vec<String> = (0..pods).map(|i| format!("p-{i:05}")).collect();
+    let t0 = Instant::now();
+    let pp = PostParams::default();
+    let mut s = futures_util::stream::iter(names.iter().map(|n| {
+        let (api, pp, created) = (&api, &pp, created.clone());
+        let p = pod(n, sched);
+        async move {
+            let sent = Instant::now();
+            api.create(pp, &p).await.unwrap();
+            created.lock().unwrap().insert(p.metadata.name.clone().unwrap(), sent);
+        }
+    }))
+    .buffer_unordered(32);
+    while s.next().await.is_some() {}
+    let limit = Instant::now() + Duration::from_secs(900);
+    loop {
+        let done = seen.lock().unwrap().len();
+        if done >= pods {
+            break;
+        }
+        assert!(
+            Instant::now() < limit,
+            "{which} {mix}: only {done}/{pods} pods bound after 15 minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let rss_mib = peak_rss_mib(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    watch.abort();
+    let seen = seen.lock().unwrap();
+    let created = created.lock().unwrap();
+    let last = seen.values().max().copied().unwrap_or(t0);
+    let mut lat: Vec<f64> = names
+        .iter()
+        .filter_map(|n| {
+            Some(seen.get(n)?.saturating_duration_since(*created.get(n)?).as_secs_f64() * 1e3)
+        })
+        .collect();
+    lat.sort_by(f64::total_cmp);
+    let pct = |q: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(f64::NAN)
+    };
+    Figures {
+        pods_per_s: pods as f64 / last.duration_since(t0).as_secs_f64(),
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+        rss_mib,
+    }
+}
+
+fn main() {
+    let nodes = env_num("XPU_BENCH_NODES", 100);
+    let pods = env_num("XPU_BENCH_PODS", 400);
+    let which = std::env::var("XPU_BENCH_SCHEDULERS").unwrap_or_else(|_| "kube,xpu".into());
+    let mixes = std::env::var("XPU_BENCH_MIXES").unwrap_or_else(|_| "template,cel,match".into());
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "k8s DRA bench: {nodes} nodes with 8 GPUs each (a ResourceSlice per node, two NVLink domains), {pods} pods per mix, one claim each from a template; load before: {}",
+        load.trim()
+    );
+    println!(
+        "{:<16} {:<9} {:>9} {:>10} {:>10} {:>10}",
+        "scheduler", "mix", "pods/s", "p50 ms", "p99 ms", "peak MiB"
+    );
+    let mut rates: HashMap<(String, String), f64> = HashMap::new();
+    for mix in mixes.split(',') {
+        for w in which.split(',') {
+            let f = rt.block_on(bench(w, mix, nodes, pods));
+            let label = if w == "kube" { "kube-scheduler" } else { "xpu" };
+            println!(
+                "{label:<16} {mix:<9} {:>9.1} {:>10.1} {:>10.1} {:>10.1}",
+                f.pods_per_s, f.p50_ms, f.p99_ms, f.rss_mib
+            );
+            rates.insert((w.to_owned(), mix.to_owned()), f.pods_per_s);
+        }
+        if let (Some(x), Some(k)) = (
+            rates.get(&("xpu".into(), mix.to_owned())),
+            rates.get(&("kube".into(), mix.to_owned())),
+        ) {
+            println!("xpu / kube-scheduler pods/s, {mix}: {:.2}x", x / k);
+        }
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load after: {}", load.trim());
+}
