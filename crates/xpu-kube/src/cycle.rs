@@ -326,6 +326,9 @@ struct PodClaims {
     pending: Vec<(Arc<k8s_openapi::api::resource::v1::ResourceClaim>, xpu_sched::dra::Claim)>,
 }
 
+/// The nodes a pod's claims fit (each with the devices it would have left free), and the claims.
+type Fits = (Vec<(String, usize)>, PodClaims);
+
 /// The most pods one ResourceClaim may be reserved for (the API's limit).
 const MAX_RESERVED: usize = 256;
 
@@ -335,8 +338,7 @@ fn dra_nodes(
     snap: &Snapshot<'_>,
     p: &Pod,
     excluded: Option<&Vec<String>>,
-    room: &dyn Fn(&str) -> bool,
-) -> Result<Option<(Vec<String>, PodClaims)>, String> {
+) -> Result<Option<Fits>, String> {
     let names = crate::claims::pod_claims(p)?;
     if names.is_empty() {
         return Ok(None);
@@ -397,7 +399,7 @@ fn dra_nodes(
         }
     }
     if claims.pending.is_empty() {
-        let names: Vec<String> = nodes.iter().map(|(n, _)| (*n).to_owned()).collect();
+        let names: Vec<(String, usize)> = nodes.iter().map(|(n, _)| ((*n).to_owned(), 0)).collect();
         if names.is_empty() {
             return Err("its allocated ResourceClaims are on no node that exists".into());
         }
@@ -446,16 +448,157 @@ fn dra_nodes(
             if shown.is_empty() { "no nodes".to_owned() } else { shown.join("; ") }
         ));
     }
-    // xpu's edge over devices across nodes: best fit. Among the nodes that can take the pod
-    // (its CPU and memory too), those left with the fewest free devices, so nodes with many
-    // free devices stay whole for the larger claims that follow.
-    let best = feasible.iter().filter(|(n, _)| room(n)).map(|(_, f)| *f).min();
-    let nodes = feasible
-        .into_iter()
-        .filter(|(n, f)| best.is_none_or(|b| *f == b && room(n)))
-        .map(|(n, _)| n)
+    Ok(Some((feasible, claims)))
+}
+
+/// How many later pods with claims [`choose_nodes`] looks ahead at.
+const LOOKAHEAD: usize = 32;
+
+/// xpu's edge over devices across nodes: of the nodes a pod's claims fit (with the devices
+/// each would have left free), those to keep it to. Among the nodes with room for its CPU and
+/// memory: first those where it takes the devices of no later pod (of the next
+/// [`LOOKAHEAD`]) that has no other node, then those left with the fewest free devices (best
+/// fit), so nodes with many free devices stay whole for the larger claims that follow.
+fn choose_nodes(
+    dra: &Dra<'_>,
+    me: &PodClaims,
+    feasible: &[(String, usize)],
+    room: &dyn Fn(&str) -> bool,
+    later: &[(&PodClaims, &[(String, usize)])],
+    labels_of: &dyn Fn(&str) -> BTreeMap<String, String>,
+) -> Vec<String> {
+    let cands: Vec<&(String, usize)> = feasible.iter().filter(|(n, _)| room(n)).collect();
+    if cands.is_empty() || me.pending.is_empty() {
+        return feasible.iter().map(|(n, _)| n.clone()).collect();
+    }
+    let claims = |pc: &PodClaims| -> Vec<xpu_sched::dra::Claim> {
+        pc.pending.iter().map(|(_, c)| c.clone()).collect()
+    };
+    let alloc = |wanted: &[xpu_sched::dra::Claim], node: &str, in_use: &xpu_sched::dra::InUse| {
+        xpu_sched::dra::allocate(
+            wanted,
+            dra.classes,
+            &dra.slices.for_node(node),
+            in_use,
+            node,
+            &labels_of(node),
+            Default::default(),
+        )
+    };
+    let mine = claims(me);
+    // Later pods whose claims fit one node only, one of the candidates.
+    let critical: Vec<(Vec<xpu_sched::dra::Claim>, &str)> = later
+        .iter()
+        .filter(|(pc, f)| !pc.pending.is_empty() && f.len() == 1)
+        .filter(|(_, f)| cands.iter().any(|(n, _)| *n == f[0].0))
+        .map(|(pc, f)| (claims(pc), f[0].0.as_str()))
         .collect();
-    Ok(Some((nodes, claims)))
+    let loss = |node: &str| -> usize {
+        let at_node: Vec<&Vec<xpu_sched::dra::Claim>> =
+            critical.iter().filter(|(_, n)| *n == node).map(|(c, _)| c).collect();
+        if at_node.is_empty() {
+            return 0;
+        }
+        let Ok(taken) = alloc(&mine, node, dra.in_use) else { return 0 };
+        let mut after = dra.in_use.clone();
+        for a in &taken {
+            after.add(a);
+        }
+        at_node.iter().filter(|c| alloc(c, node, &after).is_err()).count()
+    };
+    let scored: Vec<(usize, usize, &String)> =
+        cands.iter().map(|(n, free)| (loss(n), *free, n)).collect();
+    let best = scored.iter().map(|(l, f, _)| (*l, *f)).min();
+    scored
+        .into_iter()
+        .filter(|(l, f, _)| Some((*l, *f)) == best)
+        .map(|(_, _, n)| n.clone())
+        .collect()
+}
+
+/// How a simulation orders the nodes a pod's claims fit.
+#[derive(Clone, Copy)]
+enum Strategy {
+    /// The node left with the fewest free devices first.
+    BestFit,
+    /// The node left with the most free devices first.
+    Spread,
+    /// Node name order.
+    First,
+}
+
+/// A waiting pod with claims, for [`simulate`]: uid, claims, the nodes they fit (with the
+/// devices each would leave free), and its CPU and memory.
+struct SimPod<'a> {
+    uid: &'a str,
+    claims: Vec<xpu_sched::dra::Claim>,
+    fits: &'a [(String, usize)],
+    cpu_milli: u64,
+    memory_mib: u64,
+}
+
+/// xpu's edge over devices across nodes: the waiting pods with claims are placed in queue
+/// order, in a simulation, once per [`Strategy`], each pod on the first node (in the
+/// strategy's order) that its claims, CPU and memory still fit after the pods before it; the
+/// strategy that places the most wins (best fit on ties). Returns the winner's node per pod.
+/// Each pod costs one allocation per node tried, so a batch costs about what placing it does.
+fn simulate(
+    dra: &Dra<'_>,
+    pods: &[SimPod<'_>],
+    room: &dyn Fn(&str) -> Option<(u64, u64)>,
+    labels_of: &dyn Fn(&str) -> BTreeMap<String, String>,
+) -> HashMap<String, String> {
+    let mut best: Option<(usize, HashMap<String, String>)> = None;
+    for strategy in [Strategy::BestFit, Strategy::Spread, Strategy::First] {
+        let mut in_use = dra.in_use.clone();
+        let mut taken_at: HashMap<&str, usize> = HashMap::new();
+        let mut cpu: HashMap<&str, (u64, u64)> = HashMap::new();
+        let mut chosen = HashMap::new();
+        for p in pods {
+            let mut order: Vec<(&str, usize)> = p
+                .fits
+                .iter()
+                .map(|(n, left)| {
+                    // Devices pods placed before it in this simulation took there.
+                    let taken = taken_at.get(n.as_str()).copied().unwrap_or(0);
+                    (n.as_str(), left.saturating_sub(taken))
+                })
+                .collect();
+            match strategy {
+                Strategy::BestFit => order.sort_by_key(|(n, f)| (*f, *n)),
+                Strategy::Spread => order.sort_by_key(|(n, f)| (std::cmp::Reverse(*f), *n)),
+                Strategy::First => order.sort_by_key(|(n, _)| *n),
+            }
+            for (node, _) in order {
+                let Some(have) = cpu.get(node).copied().or_else(|| room(node)) else { continue };
+                if have.0 < p.cpu_milli || have.1 < p.memory_mib {
+                    continue;
+                }
+                let got = xpu_sched::dra::allocate(
+                    &p.claims,
+                    dra.classes,
+                    &dra.slices.for_node(node),
+                    &in_use,
+                    node,
+                    &labels_of(node),
+                    Default::default(),
+                );
+                let Ok(allocs) = got else { continue };
+                let n: usize = allocs.iter().map(|a| a.devices.len()).sum();
+                for a in &allocs {
+                    in_use.add(a);
+                }
+                *taken_at.entry(node).or_default() += n;
+                cpu.insert(node, (have.0 - p.cpu_milli, have.1 - p.memory_mib));
+                chosen.insert(p.uid.to_owned(), node.to_owned());
+                break;
+            }
+        }
+        if best.as_ref().is_none_or(|(n, _)| chosen.len() > *n) {
+            best = Some((chosen.len(), chosen));
+        }
+    }
+    best.map(|(_, c)| c).unwrap_or_default()
 }
 
 /// Devices of `node`'s pools not allocated in the cluster.
@@ -788,6 +931,62 @@ fn plan_once(
     let mut units: Vec<Unit> = Vec::new();
     // DRA: each pending pod's claims, and for gang members the nodes their claims allow.
     let mut pod_claims: HashMap<String, PodClaims> = HashMap::new();
+    // Every waiting pod's claims and the nodes they fit, first, so that each pod's choice can
+    // look ahead at the pods after it.
+    let mut dra_pre: HashMap<String, Result<Option<Fits>, String>> = HashMap::new();
+    let mut dra_seq: Vec<String> = Vec::new();
+    for p in &pending {
+        let Some(uid) = p.metadata.uid.clone() else { continue };
+        let r = dra_nodes(snap, p, excluded.get(&uid));
+        if matches!(r, Ok(Some(_))) {
+            dra_seq.push(uid.clone());
+        }
+        dra_pre.insert(uid, r);
+    }
+    let dra_seen: HashMap<String, Fits> = dra_pre
+        .iter()
+        .filter_map(|(u, r)| match r {
+            Ok(Some(x)) => Some((u.clone(), x.clone())),
+            _ => None,
+        })
+        .collect();
+    let node_labels_pre: HashMap<&str, &BTreeMap<String, String>> = snap
+        .nodes
+        .iter()
+        .filter_map(|n| Some((n.metadata.name.as_deref()?, n.metadata.labels.as_ref()?)))
+        .collect();
+    let labels_of = |n: &str| node_labels_pre.get(n).map(|l| (*l).clone()).unwrap_or_default();
+    // The node each waiting pod with claims goes to, from the best of several simulated
+    // strategies over the whole batch.
+    let simulated: HashMap<String, String> = match snap.dra.as_ref() {
+        Some(dra) if dra_seq.len() > 1 => {
+            let asks: HashMap<&str, (u64, u64)> = pending
+                .iter()
+                .filter_map(|p| {
+                    let u = convert::usage(p).ok()?;
+                    Some((p.metadata.uid.as_deref()?, (u.cpu_milli, u.memory_mib)))
+                })
+                .collect();
+            let sim: Vec<SimPod<'_>> = dra_seq
+                .iter()
+                .filter_map(|u| {
+                    let (fits, pc) = dra_seen.get(u)?;
+                    let (cpu_milli, memory_mib) = asks.get(u.as_str()).copied()?;
+                    let claims = pc.pending.iter().map(|(_, c)| c.clone()).collect();
+                    Some(SimPod { uid: u, claims, fits, cpu_milli, memory_mib })
+                })
+                .collect();
+            let c = sched.cluster();
+            let room = |n: &str| {
+                c.node_id(n)
+                    .and_then(|id| c.node(id))
+                    .filter(|n| n.status() == NodeStatus::Ready)
+                    .map(|n| (n.cpu_free(), n.memory_free()))
+            };
+            simulate(dra, &sim, &room, &labels_of)
+        }
+        _ => HashMap::new(),
+    };
     let mut member_nodes: HashMap<String, Vec<String>> = HashMap::new();
     let mut gangs: BTreeMap<String, (GangRef, Members)> = BTreeMap::new();
     let mut gang_order: Vec<String> = Vec::new();
@@ -830,13 +1029,27 @@ fn plan_once(
                     && n.memory_free() >= ask.resources.memory_mib
             })
         };
-        let feasible = match dra_nodes(snap, p, excluded.get(&key.uid), &room) {
-            Ok(None) => None,
-            Ok(Some((nodes, pc))) => {
+        let feasible = match dra_pre.remove(&key.uid) {
+            None | Some(Ok(None)) => None,
+            Some(Ok(Some((nodes, pc)))) => {
+                let at = dra_seq.iter().position(|u| *u == key.uid).unwrap_or(dra_seq.len());
+                let later: Vec<(&PodClaims, &[(String, usize)])> = dra_seq
+                    .iter()
+                    .skip(at + 1)
+                    .take(LOOKAHEAD)
+                    .filter_map(|u| dra_seen.get(u))
+                    .map(|(f, pc)| (pc, f.as_slice()))
+                    .collect();
+                let chosen = match (snap.dra.as_ref(), simulated.get(&key.uid)) {
+                    // Claims already allocated pin the pod; the simulation chose among the rest.
+                    (Some(_), Some(node)) if !pc.pending.is_empty() => vec![node.clone()],
+                    (Some(dra), _) => choose_nodes(dra, &pc, &nodes, &room, &later, &labels_of),
+                    (None, _) => nodes.iter().map(|(n, _)| n.clone()).collect(),
+                };
                 pod_claims.insert(key.uid.clone(), pc);
-                Some(nodes)
+                Some((chosen, nodes.into_iter().map(|(n, _)| n).collect::<Vec<_>>()))
             }
-            Err(msg) => {
+            Some(Err(msg)) => {
                 say(&mut out, key, msg, explain);
                 continue;
             }
@@ -857,8 +1070,9 @@ fn plan_once(
         match convert::gang(p, job_shape) {
             Err(u) => say(&mut out, key, format!("{u}"), explain),
             Ok(Some(g)) => {
-                if let Some(nodes) = feasible {
-                    member_nodes.insert(key.uid.clone(), nodes);
+                // A gang goes where all its members' claims fit: each member's every node.
+                if let Some((_, all)) = feasible {
+                    member_nodes.insert(key.uid.clone(), all);
                 }
                 let e = gangs.entry(g.key.clone()).or_insert_with(|| {
                     gang_order.push(g.key.clone());
@@ -867,7 +1081,7 @@ fn plan_once(
                 e.1.push((g.index.unwrap_or(u32::MAX), key, ask));
             }
             Ok(None) => {
-                if let Some(nodes) = feasible {
+                if let Some((nodes, _)) = feasible {
                     keep_to_nodes(&mut ask.task, nodes);
                 }
                 if let Some((acc, topo)) = &ask.tpu
@@ -1113,7 +1327,11 @@ fn plan_once(
                         }
                         Err(e) => {
                             failed = Some(format!("{pod}: ResourceClaims: {e}"));
-                            conflicts.push((pod.uid.clone(), node.name.clone()));
+                            // A gang that does not fit whole waits whole: it is not planned
+                            // again member by member.
+                            if unit.gang.is_none() {
+                                conflicts.push((pod.uid.clone(), node.name.clone()));
+                            }
                             break;
                         }
                     }
