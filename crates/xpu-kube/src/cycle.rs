@@ -8,7 +8,7 @@
 //! scheduler, grouped into gangs, submitted in creation order. Pods are keyed by uid in one map,
 //! so none is counted twice, and a restart needs nothing but the API server's state.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -525,13 +525,23 @@ enum Strategy {
     Spread,
     /// Node name order.
     First,
+    /// A shuffled order, from this seed: greedy choices can miss what a different one finds,
+    /// so a few random restarts are tried beside the rules.
+    Random(u64),
 }
+
+/// Random restarts [`simulate`] tries beside its rules, for batches of at most
+/// [`RESTART_BATCH`] pods.
+const RESTARTS: u64 = 8;
+const RESTART_BATCH: usize = 256;
 
 /// A waiting pod with claims, for [`simulate`]: uid, claims, the nodes they fit (with the
 /// devices each would leave free), and its CPU and memory.
 struct SimPod<'a> {
     uid: &'a str,
-    claims: Vec<xpu_sched::dra::Claim>,
+    /// Its claims to allocate, with their uids (a claim shared with an earlier pod is
+    /// allocated once, and the later pod goes where it is).
+    claims: Vec<(String, xpu_sched::dra::Claim)>,
     fits: &'a [(String, usize)],
     cpu_milli: u64,
     memory_mib: u64,
@@ -549,12 +559,33 @@ fn simulate(
     labels_of: &dyn Fn(&str) -> BTreeMap<String, String>,
 ) -> HashMap<String, String> {
     let mut best: Option<(usize, HashMap<String, String>)> = None;
-    for strategy in [Strategy::BestFit, Strategy::Spread, Strategy::First] {
+    let restarts = if pods.len() <= RESTART_BATCH { RESTARTS } else { 0 };
+    let strategies = [Strategy::BestFit, Strategy::Spread, Strategy::First]
+        .into_iter()
+        .chain((1..=restarts).map(Strategy::Random));
+    for strategy in strategies {
+        let mut rng = xpu_sched::rng::Rng::new(match strategy {
+            Strategy::Random(seed) => seed,
+            _ => 0,
+        });
         let mut in_use = dra.in_use.clone();
         let mut taken_at: HashMap<&str, usize> = HashMap::new();
         let mut cpu: HashMap<&str, (u64, u64)> = HashMap::new();
         let mut chosen = HashMap::new();
+        // Claims allocated in this simulation: uid → node.
+        let mut claimed: HashMap<&str, &str> = HashMap::new();
         for p in pods {
+            let pinned: BTreeSet<&str> =
+                p.claims.iter().filter_map(|(u, _)| claimed.get(u.as_str()).copied()).collect();
+            if pinned.len() > 1 {
+                continue;
+            }
+            let todo: Vec<xpu_sched::dra::Claim> = p
+                .claims
+                .iter()
+                .filter(|(u, _)| !claimed.contains_key(u.as_str()))
+                .map(|(_, c)| c.clone())
+                .collect();
             let mut order: Vec<(&str, usize)> = p
                 .fits
                 .iter()
@@ -568,14 +599,18 @@ fn simulate(
                 Strategy::BestFit => order.sort_by_key(|(n, f)| (*f, *n)),
                 Strategy::Spread => order.sort_by_key(|(n, f)| (std::cmp::Reverse(*f), *n)),
                 Strategy::First => order.sort_by_key(|(n, _)| *n),
+                Strategy::Random(_) => rng.shuffle(&mut order),
             }
             for (node, _) in order {
+                if pinned.first().is_some_and(|n| *n != node) {
+                    continue;
+                }
                 let Some(have) = cpu.get(node).copied().or_else(|| room(node)) else { continue };
                 if have.0 < p.cpu_milli || have.1 < p.memory_mib {
                     continue;
                 }
                 let got = xpu_sched::dra::allocate(
-                    &p.claims,
+                    &todo,
                     dra.classes,
                     &dra.slices.for_node(node),
                     &in_use,
@@ -591,6 +626,9 @@ fn simulate(
                 *taken_at.entry(node).or_default() += n;
                 cpu.insert(node, (have.0 - p.cpu_milli, have.1 - p.memory_mib));
                 chosen.insert(p.uid.to_owned(), node.to_owned());
+                for (u, _) in &p.claims {
+                    claimed.entry(u.as_str()).or_insert(node);
+                }
                 break;
             }
         }
@@ -972,7 +1010,11 @@ fn plan_once(
                 .filter_map(|u| {
                     let (fits, pc) = dra_seen.get(u)?;
                     let (cpu_milli, memory_mib) = asks.get(u.as_str()).copied()?;
-                    let claims = pc.pending.iter().map(|(_, c)| c.clone()).collect();
+                    let claims = pc
+                        .pending
+                        .iter()
+                        .map(|(o, c)| (o.metadata.uid.clone().unwrap_or_default(), c.clone()))
+                        .collect();
                     Some(SimPod { uid: u, claims, fits, cpu_milli, memory_mib })
                 })
                 .collect();
@@ -1489,7 +1531,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let mut nodes: Vec<&Arc<Node>> = snap.nodes.iter().collect();
     nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     let mut views = Vec::with_capacity(nodes.len());
-    let mut offered: std::collections::BTreeSet<&'static str> = Default::default();
+    let mut offered: BTreeSet<&'static str> = Default::default();
     for n in nodes {
         match convert::node(n) {
             Ok(v) => {
