@@ -531,9 +531,9 @@ enum Strategy {
 }
 
 /// Random restarts [`simulate`] tries beside its rules, for batches of at most
-/// [`RESTART_BATCH`] pods.
+/// [`RESTART_BATCH`] pods (larger batches try the rules alone).
 const RESTARTS: u64 = 8;
-const RESTART_BATCH: usize = 256;
+const RESTART_BATCH: usize = 64;
 
 /// A waiting pod with claims, for [`simulate`]: uid, claims, the nodes they fit (with the
 /// devices each would leave free), and its CPU and memory.
@@ -609,6 +609,8 @@ fn simulate(
                 if have.0 < p.cpu_milli || have.1 < p.memory_mib {
                     continue;
                 }
+                // A simulation step is a guess: it searches less than a real allocation.
+                let limits = xpu_sched::dra::Limits { steps: 5_000, ..Default::default() };
                 let got = xpu_sched::dra::allocate(
                     &todo,
                     dra.classes,
@@ -616,7 +618,7 @@ fn simulate(
                     &in_use,
                     node,
                     &labels_of(node),
-                    Default::default(),
+                    limits,
                 );
                 let Ok(allocs) = got else { continue };
                 let n: usize = allocs.iter().map(|a| a.devices.len()).sum();
@@ -1177,7 +1179,7 @@ fn plan_once(
         }
         if members.len() < need {
             let msg = format!(
-                "waiting for the rest of gang {gkey}: {} of its {} pods exist and are not bound ({bound} bound); xpu binds a gang only when every pod fits",
+                "waiting for the rest of gang {gkey}: {} of its {} pods can be placed now ({bound} bound; the others do not exist yet, or wait for a reason of their own); xpu binds a gang only when every pod fits",
                 members.len(),
                 g.size
             );
@@ -1369,11 +1371,9 @@ fn plan_once(
                         }
                         Err(e) => {
                             failed = Some(format!("{pod}: ResourceClaims: {e}"));
-                            // A gang that does not fit whole waits whole: it is not planned
-                            // again member by member.
-                            if unit.gang.is_none() {
-                                conflicts.push((pod.uid.clone(), node.name.clone()));
-                            }
+                            // Planned again without that node for this pod (for a gang,
+                            // the nodes all its members fit shrink with it).
+                            conflicts.push((pod.uid.clone(), node.name.clone()));
                             break;
                         }
                     }

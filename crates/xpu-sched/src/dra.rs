@@ -256,7 +256,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { steps: 200_000, pack: true }
+        Self { steps: 50_000, pack: true }
     }
 }
 
@@ -679,9 +679,18 @@ impl<'a> Search<'a> {
             let mut tried_any = false;
             // Devices that matched and were free but broke a constraint of the claim.
             let mut constrained = false;
-            let order = self.order(ci, want - slot.nth);
+            let order = self.order(ci, ri, want - slot.nth);
+            // The devices of one request are a set: after its first, each is taken after the
+            // one before it in (pool, device) order, so no set is tried in every order.
+            let after = match self.chosen.get(&(ci, ri)) {
+                Some((_, ds)) if slot.nth > 0 => ds.last().map(|&(p, d, _)| (p, d)),
+                _ => None,
+            };
             {
                 for (pi, di) in order {
+                    if after.is_some_and(|a| (pi, di) <= a) {
+                        continue;
+                    }
                     self.steps += 1;
                     if self.steps >= self.limits.steps || self.error.is_some() {
                         return false;
@@ -825,13 +834,14 @@ impl<'a> Search<'a> {
     }
 
     /// The usable devices in the order to try them for `need` more devices of claim `ci`.
-    fn order(&self, ci: usize, need: u32) -> Vec<(usize, usize)> {
+    fn order(&self, ci: usize, ri: usize, need: u32) -> Vec<(usize, usize)> {
         let mut all: Vec<(usize, usize)> = Vec::new();
         for (pi, p) in self.pools.iter().enumerate() {
             if !p.incomplete && !p.invalid {
                 all.extend((0..p.devices.len()).map(|di| (pi, di)));
             }
         }
+        self.prune_for_match(ci, ri, need, &mut all);
         if !self.limits.pack {
             return all;
         }
@@ -871,6 +881,45 @@ impl<'a> Search<'a> {
         };
         all.sort_by_key(key);
         all
+    }
+
+    /// Under a `matchAttribute` constraint that covers request `ri`, every device it still needs
+    /// shares one value of the attribute: devices without it, or whose value fewer than `need`
+    /// free devices have, cannot be part of a solution and are left out of the search.
+    fn prune_for_match(&self, ci: usize, ri: usize, need: u32, all: &mut Vec<(usize, usize)>) {
+        let claim = &self.claims[ci];
+        let name = &claim.requests[ri].name;
+        // Admin access may take devices in use: what is free says nothing then.
+        if claim.requests[ri].alternatives.iter().any(|(_, e)| e.admin_access) {
+            return;
+        }
+        let attrs: Vec<&str> = claim
+            .constraints
+            .iter()
+            .filter(|c| c.requests.is_empty() || c.requests.contains(name))
+            .filter_map(|c| match &c.kind {
+                ConstraintKind::MatchAttribute(a) => Some(a.as_str()),
+                ConstraintKind::DistinctAttribute(_) => None,
+            })
+            .collect();
+        for a in attrs {
+            let value = |pi: usize, di: usize| {
+                attribute(self.pools[pi].devices[di].0, self.pools[pi].driver, a)
+            };
+            let mut free_by_value: HashMap<&Value, u32> = HashMap::new();
+            for &(pi, di) in all.iter() {
+                let id = self.id(pi, di);
+                let device = self.pools[pi].devices[di].0;
+                let free = device.allow_multiple
+                    || !(self.in_use.devices.contains(&id) || self.taken.contains(&id));
+                if let (true, Some(v)) = (free, value(pi, di)) {
+                    *free_by_value.entry(v).or_default() += 1;
+                }
+            }
+            all.retain(|&(pi, di)| {
+                value(pi, di).is_some_and(|v| free_by_value.get(v).copied().unwrap_or(0) >= need)
+            });
+        }
     }
 
     /// Whether the device is held already in this allocation or the cluster's (its counters

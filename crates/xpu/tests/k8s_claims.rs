@@ -133,7 +133,7 @@ async fn claims_are_allocated_reserved_and_bound_by_xpu() {
     }))
     .unwrap();
     Api::<DeviceClass>::all(admin.clone()).create(&PostParams::default(), &class).await.unwrap();
-    for n in ["n1", "n2"] {
+    for n in ["n1", "n2", "n3"] {
         add_node(&admin, &NodeDef::new(n)).await;
     }
     // n1: two A100s split across domains; n2: two H100s in domain 0, two A100s in domain 1.
@@ -150,6 +150,11 @@ async fn claims_are_allocated_reserved_and_bound_by_xpu() {
         )
         .await
         .unwrap();
+    // n3: eight H100s in two NVLink domains of four.
+    let h100s: Vec<(String, i64)> = (0..8).map(|i| (format!("h{i}"), i / 4)).collect();
+    let h100s: Vec<(&str, i64, &str)> =
+        h100s.iter().map(|(n, d)| (n.as_str(), *d, "H100")).collect();
+    slices.create(&pp, &slice("n3", &h100s)).await.unwrap();
     let sched = XpuScheduler::start(&cp, &kubeconfig, "claims", &[]);
 
     let templates: Api<ResourceClaimTemplate> = Api::namespaced(alice.clone(), NS);
@@ -221,49 +226,67 @@ async fn claims_are_allocated_reserved_and_bound_by_xpu() {
     .await;
     assert!(named, "{:?}\n{}", reason(&get(&admin, "broken").await), sched.log_text());
 
-    // A gang of two pods, each with one H100: n2 has 2 H100s, so both bind; a gang of three
-    // A100 pods cannot fit (n1 has 2 free A100s only... one per domain, each claim needs one):
-    // none binds and no claim of it is allocated.
-    templates
-        .create(
-            &pp,
-            &template("one-h100", 1, &format!("device.attributes['{DRIVER}'].model == 'H100'")),
-        )
-        .await
-        .unwrap();
-    for i in 0..2 {
-        let labels = [("xpu.dev/gang", "h100s"), ("xpu.dev/gang-size", "2")];
-        pods.create(&pp, &claim_pod(&format!("h100-{i}"), "one-h100", &labels)).await.unwrap();
+    // A gang of four pods, each with a claim for two H100s of one NVLink domain: n3 holds all
+    // four claims (two per domain), so the gang binds whole there. A gang of four pods each
+    // asking the same cannot fit (n2's one H100 pair is all that is left: each member alone
+    // would fit): none binds and no claim of it is allocated.
+    let h100 = format!("device.attributes['{DRIVER}'].model == 'H100'");
+    templates.create(&pp, &template("two-h100", 2, &h100)).await.unwrap();
+    for i in 0..4 {
+        let labels = [("xpu.dev/gang", "h100s"), ("xpu.dev/gang-size", "4")];
+        pods.create(&pp, &claim_pod(&format!("h100-{i}"), "two-h100", &labels)).await.unwrap();
     }
-    let both = wait_until(Duration::from_secs(30), || async {
-        node_of(&get(&admin, "h100-0").await).is_some()
-            && node_of(&get(&admin, "h100-1").await).is_some()
+    let all = wait_until(Duration::from_secs(40), || async {
+        let mut n = 0;
+        for i in 0..4 {
+            if node_of(&get(&admin, &format!("h100-{i}")).await) == Some("n3") {
+                n += 1;
+            }
+        }
+        n == 4
     })
     .await;
-    assert!(both, "the H100 gang binds whole\n{}", sched.log_text());
-    templates.create(&pp, &template("one-a100", 1, &a100)).await.unwrap();
-    for i in 0..3 {
-        let labels = [("xpu.dev/gang", "a100s"), ("xpu.dev/gang-size", "3")];
-        pods.create(&pp, &claim_pod(&format!("a100-{i}"), "one-a100", &labels)).await.unwrap();
+    if !all {
+        for i in 0..4 {
+            let p = get(&admin, &format!("h100-{i}")).await;
+            eprintln!("h100-{i}: {:?} {:?}", node_of(&p), reason(&p));
+        }
     }
-    let waiting = wait_until(Duration::from_secs(30), || async {
+    assert!(all, "the H100 gang binds whole on n3\n{}", sched.log_text());
+    let mut domains = Vec::new();
+    for i in 0..4 {
+        let c = claim_of(&admin, &format!("h100-{i}")).await.unwrap();
+        let results = c.status.unwrap().allocation.unwrap().devices.unwrap().results.unwrap();
+        let d: Vec<i64> =
+            results.iter().map(|r| i64::from(r.device.as_bytes()[1] - b'0') / 4).collect();
+        assert_eq!((d.len(), d[0]), (2, d[1]), "two devices of one domain: {results:?}");
+        domains.push(d[0]);
+    }
+    domains.sort_unstable();
+    assert_eq!(domains, [0, 0, 1, 1]);
+    for i in 0..4 {
+        let labels = [("xpu.dev/gang", "late"), ("xpu.dev/gang-size", "4")];
+        pods.create(&pp, &claim_pod(&format!("late-{i}"), "two-h100", &labels)).await.unwrap();
+    }
+    let waiting = wait_until(Duration::from_secs(45), || async {
         let mut n = 0;
-        for i in 0..3 {
-            if reason(&get(&admin, &format!("a100-{i}")).await)
-                .is_some_and(|m| m.contains("gang team-a/a100s waits"))
+        for i in 0..4 {
+            // A reason given once its claim exists (the first may predate it).
+            if reason(&get(&admin, &format!("late-{i}")).await)
+                .is_some_and(|m| !m.contains("made from its template"))
             {
                 n += 1;
             }
         }
-        n == 3
+        n == 4
     })
     .await;
     assert!(waiting, "{}", sched.log_text());
     eprintln!("second: {:?}", reason(&get(&admin, "second").await));
     eprintln!("broken: {:?}", reason(&get(&admin, "broken").await));
-    eprintln!("a100-0: {:?}", reason(&get(&admin, "a100-0").await));
-    for i in 0..3 {
-        let name = format!("a100-{i}");
+    eprintln!("late-0: {:?}", reason(&get(&admin, "late-0").await));
+    for i in 0..4 {
+        let name = format!("late-{i}");
         assert!(node_of(&get(&admin, &name).await).is_none(), "{name} must not bind alone");
         let c = claim_of(&admin, &name).await;
         assert!(

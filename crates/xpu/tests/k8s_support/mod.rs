@@ -269,7 +269,7 @@ impl XpuProcess {
         let out = std::fs::File::create(&log).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
             .args(args)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", std::env::var("XPU_TEST_LOG").unwrap_or_else(|_| "info".into()))
             .env_remove("KUBECONFIG")
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
