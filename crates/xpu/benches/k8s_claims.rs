@@ -12,8 +12,8 @@
 //!   XPU_BENCH_NODES=100 XPU_BENCH_PODS=400 (defaults; scheduler_perf runs 500 and 5000)
 //!   XPU_BENCH_SCHEDULERS=kube,xpu XPU_BENCH_MIXES=template,cel,match
 //!
-//! kube-scheduler runs with `clientConnection.qps/burst` 5000 (as scheduler_perf sets it); xpu's
-//! client has no limiter. Pods tolerate the `not-ready` taint admission puts on every new Node.
+//! kube-scheduler runs with `clientConnection.qps/burst` 5000 (as scheduler_perf sets it), and so
+//! does the controller-manager that makes the claims; xpu's client has no limiter. Pods tolerate the `not-ready` taint admission puts on every new Node.
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
 
 use std::collections::HashMap;
@@ -168,7 +168,11 @@ async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> Figures {
     let cp = ControlPlane::start(
         ControlPlaneOptions::default()
             .with_controller_manager()
-            .controllers(["serviceaccount-controller", "resourceclaim-controller"]),
+            .controllers(["serviceaccount-controller", "resourceclaim-controller"])
+            // Its default client limit (20 qps) would make the claims, not the scheduler, the
+            // bottleneck: each pod costs the controller two writes.
+            .controller_manager_flag("--kube-api-qps=5000")
+            .controller_manager_flag("--kube-api-burst=5000"),
     )
     .await
     .unwrap_or_else(|e| panic!("control plane: {e}"));
