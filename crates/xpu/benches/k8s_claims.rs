@@ -16,8 +16,9 @@
 //! does the controller-manager that makes the claims; xpu's client has no limiter. Pods tolerate the `not-ready` taint admission puts on every new Node.
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
 
+mod k8s_bench;
+
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,11 +30,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
 
-const DRIVER: &str = "gpu.example.com";
+use k8s_bench::{create_all, env_num, peak_rss_mib, start_scheduler};
 
-fn env_num(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
+const DRIVER: &str = "gpu.example.com";
 
 fn node(i: usize) -> Node {
     serde_json::from_value(json!({
@@ -97,66 +96,6 @@ fn pod(name: &str, scheduler: &str) -> Pod {
     .unwrap()
 }
 
-async fn create_all<T, F>(api: &Api<T>, n: usize, make: F)
-where
-    T: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
-    F: Fn(usize) -> T,
-{
-    let pp = PostParams::default();
-    let objs: Vec<T> = (0..n).map(make).collect();
-    let mut s =
-        futures_util::stream::iter(objs.iter().map(|o| api.create(&pp, o))).buffer_unordered(32);
-    while let Some(r) = s.next().await {
-        r.unwrap();
-    }
-}
-
-fn peak_rss_mib(pid: u32) -> f64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(f64::NAN, |kb| kb / 1024.0)
-}
-
-fn start_scheduler(which: &str, cp: &ControlPlane) -> Child {
-    let dir = cp.dir();
-    let log = std::fs::File::create(dir.join(format!("bench-{which}.log"))).unwrap();
-    match which {
-        "kube" => {
-            let cfg = dir.join("bench-scheduler.yaml");
-            std::fs::write(
-                &cfg,
-                format!(
-                    "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n\
-                     clientConnection:\n  kubeconfig: {}\n  qps: 5000\n  burst: 5000\n\
-                     leaderElection:\n  leaderElect: false\n",
-                    cp.admin_kubeconfig().display()
-                ),
-            )
-            .unwrap();
-            let bin = xpu_testkit::kube::bin_dir().unwrap().join("kube-scheduler");
-            Command::new(bin)
-                .arg(format!("--config={}", cfg.display()))
-                .args(["--secure-port=0", "--v=0"])
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().unwrap())
-                .stderr(log)
-                .spawn()
-                .unwrap()
-        }
-        _ => Command::new(env!("CARGO_BIN_EXE_xpu"))
-            .args(["k8s", "scheduler", "--kubeconfig"])
-            .arg(cp.admin_kubeconfig())
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap(),
-    }
-}
-
 struct Figures {
     pods_per_s: f64,
     p50_ms: f64,
@@ -183,8 +122,8 @@ async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> Figures {
     }))
     .unwrap();
     Api::<DeviceClass>::all(client.clone()).create(&PostParams::default(), &class).await.unwrap();
-    create_all(&Api::<Node>::all(client.clone()), nodes, node).await;
-    create_all(&Api::<ResourceSlice>::all(client.clone()), nodes, slice).await;
+    create_all(&Api::<Node>::all(client.clone()), nodes, 32, node).await;
+    create_all(&Api::<ResourceSlice>::all(client.clone()), nodes, 32, slice).await;
     Api::<ResourceClaimTemplate>::namespaced(client.clone(), "default")
         .create(&PostParams::default(), &template(mix))
         .await
@@ -204,7 +143,7 @@ async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> Figures {
             }
         }
     });
-    let mut child = start_scheduler(which, &cp);
+    let mut child = start_scheduler(which, &cp, &[]);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let sched = if which == "kube" { "default-scheduler" } else { "xpu" };
     let api: Api<Pod> = Api::namespaced(client.clone(), "default");
