@@ -94,6 +94,27 @@ async fn tenant(cp: &xpu_testkit::kube::ControlPlane) -> Client {
     cp.impersonating("alice", &[]).await.unwrap()
 }
 
+/// A control plane with the resourceclaim controller, the scheduler's manifests applied, the
+/// tenant alice, and the DeviceClass `gpu` for the driver's devices.
+async fn claims_plane() -> (xpu_testkit::kube::ControlPlane, Client, std::path::PathBuf, Client) {
+    let cp = plane(
+        ControlPlaneOptions::default()
+            .with_controller_manager()
+            .controllers(["serviceaccount-controller", "resourceclaim-controller"]),
+    )
+    .await;
+    let admin = cp.admin_client();
+    let kubeconfig = install_scheduler_rbac(&cp).await;
+    let alice = tenant(&cp).await;
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": "gpu" },
+        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }] }
+    }))
+    .unwrap();
+    Api::<DeviceClass>::all(admin.clone()).create(&PostParams::default(), &class).await.unwrap();
+    (cp, admin, kubeconfig, alice)
+}
+
 /// The claim made for `pod` from its template, once the controller has made it.
 async fn claim_of(admin: &Client, pod: &str) -> Option<ResourceClaim> {
     let p = Api::<Pod>::namespaced(admin.clone(), NS).get(pod).await.ok()?;
@@ -118,21 +139,7 @@ async fn get(admin: &Client, name: &str) -> Pod {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_are_allocated_reserved_and_bound_by_xpu() {
     let _turn = TURN.lock().await;
-    let cp = plane(
-        ControlPlaneOptions::default()
-            .with_controller_manager()
-            .controllers(["serviceaccount-controller", "resourceclaim-controller"]),
-    )
-    .await;
-    let admin = cp.admin_client();
-    let kubeconfig = install_scheduler_rbac(&cp).await;
-    let alice = tenant(&cp).await;
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": { "name": "gpu" },
-        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }] }
-    }))
-    .unwrap();
-    Api::<DeviceClass>::all(admin.clone()).create(&PostParams::default(), &class).await.unwrap();
+    let (cp, admin, kubeconfig, alice) = claims_plane().await;
     for n in ["n1", "n2", "n3"] {
         add_node(&admin, &NodeDef::new(n)).await;
     }
@@ -302,21 +309,7 @@ async fn claims_are_allocated_reserved_and_bound_by_xpu() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_selectors_are_named_and_cost_a_bounded_time() {
     let _turn = TURN.lock().await;
-    let cp = plane(
-        ControlPlaneOptions::default()
-            .with_controller_manager()
-            .controllers(["serviceaccount-controller", "resourceclaim-controller"]),
-    )
-    .await;
-    let admin = cp.admin_client();
-    let kubeconfig = install_scheduler_rbac(&cp).await;
-    let alice = tenant(&cp).await;
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": { "name": "gpu" },
-        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }] }
-    }))
-    .unwrap();
-    Api::<DeviceClass>::all(admin.clone()).create(&PostParams::default(), &class).await.unwrap();
+    let (cp, admin, kubeconfig, alice) = claims_plane().await;
     add_node(&admin, &NodeDef::new("n1")).await;
     let gpus: Vec<(String, i64, &str)> = (0..8).map(|i| (format!("g{i}"), i / 4, "A100")).collect();
     let gpus: Vec<(&str, i64, &str)> = gpus.iter().map(|(n, d, m)| (n.as_str(), *d, *m)).collect();
