@@ -92,7 +92,7 @@ pub struct SliceIndex<'a> {
 }
 
 impl<'a> SliceIndex<'a> {
-    pub fn new(slices: &'a [xpu_sched::dra::Slice]) -> Self {
+    pub fn new(slices: impl IntoIterator<Item = &'a xpu_sched::dra::Slice>) -> Self {
         let mut out = Self::default();
         for s in slices {
             match &s.scope {
@@ -262,21 +262,25 @@ struct Used {
 }
 
 impl Used {
-    /// Adds what `p` holds (a GPU share on `gpus`, when recorded). A pod whose requests do not
-    /// parse or overflow when summed is counted as holding the whole node, never as nothing:
-    /// `Err` says why, for a warning.
-    fn add(&mut self, p: &Pod, gpus: Option<Vec<u16>>) -> Result<(), convert::Unsupported> {
+    /// Adds what a pod holds, its `usage` (a GPU share on `gpus`, when recorded). A pod whose
+    /// requests do not parse or overflow when summed is counted as holding the whole node,
+    /// never as nothing: `Err` says why, for a warning.
+    fn add(
+        &mut self,
+        usage: &Result<convert::Usage, convert::Unsupported>,
+        gpus: Option<Vec<u16>>,
+    ) -> Result<(), convert::Unsupported> {
         self.pods += 1;
-        let r = match convert::usage(p) {
+        let r = match usage {
             Ok(r) => r,
             Err(e) => {
                 self.unreadable = true;
-                return Err(e);
+                return Err(e.clone());
             }
         };
         self.cpu = self.cpu.saturating_add(r.cpu_milli);
         self.mem = self.mem.saturating_add(r.memory_mib);
-        for (res, n) in r.devices {
+        for (&res, &n) in &r.devices {
             if res == SHARE_RESOURCE {
                 self.shares.push((n, gpus.clone()));
             } else {
@@ -328,6 +332,10 @@ struct PodClaims {
 
 /// The nodes a pod's claims fit (each with the devices it would have left free), and the claims.
 type Fits = (Vec<(String, usize)>, PodClaims);
+
+/// Devices one pod's claims may try over all nodes in one cycle (each node's search is bounded
+/// on its own too), so that a tenant's costly claims cost a cycle a bounded time.
+const POD_DRA_STEPS: u64 = 500_000;
 
 /// The most pods one ResourceClaim may be reserved for (the API's limit).
 const MAX_RESERVED: usize = 256;
@@ -410,15 +418,29 @@ fn dra_nodes(
     let mut feasible = Vec::new();
     // Why nodes fail, with how many fail so and the first of them.
     let mut reasons: BTreeMap<String, (usize, &str)> = BTreeMap::new();
-    for (node, labels) in &nodes {
-        let got = xpu_sched::dra::allocate(
+    // A pod's claims are tried on every node, each search bounded; so is the whole.
+    let mut spent = 0u64;
+    let per_node = xpu_sched::dra::Limits::default();
+    for (tried, (node, labels)) in nodes.iter().enumerate() {
+        if spent >= POD_DRA_STEPS {
+            let msg = format!(
+                "gave up after trying {spent} devices on {tried} of the {} nodes; the claims' requests and constraints are too costly to search",
+                nodes.len()
+            );
+            reasons.insert(msg, (nodes.len() - tried, node));
+            break;
+        }
+        let limits =
+            xpu_sched::dra::Limits { steps: per_node.steps.min(POD_DRA_STEPS - spent), ..per_node };
+        let got = xpu_sched::dra::allocate_counted(
             &wanted,
             dra.classes,
             &dra.slices.for_node(node),
             dra.in_use,
             node,
             labels,
-            Default::default(),
+            limits,
+            &mut spent,
         );
         match got {
             Ok(allocs) => {
@@ -533,6 +555,8 @@ enum Strategy {
 /// Random restarts [`simulate`] tries beside its rules, for batches of at most
 /// [`RESTART_BATCH`] pods (larger batches try the rules alone).
 const RESTARTS: u64 = 8;
+/// Devices one cycle's simulation may try over all its strategies.
+const SIMULATION_STEPS: u64 = 2_000_000;
 const RESTART_BATCH: usize = 64;
 
 /// A waiting pod with claims, for [`simulate`]: uid, claims, the nodes they fit (with the
@@ -563,7 +587,12 @@ fn simulate(
     let strategies = [Strategy::BestFit, Strategy::Spread, Strategy::First]
         .into_iter()
         .chain((1..=restarts).map(Strategy::Random));
+    // Devices tried over all strategies: past the cap, the best placement so far stands.
+    let mut spent = 0u64;
     for strategy in strategies {
+        if spent >= SIMULATION_STEPS {
+            break;
+        }
         let mut rng = xpu_sched::rng::Rng::new(match strategy {
             Strategy::Random(seed) => seed,
             _ => 0,
@@ -611,7 +640,7 @@ fn simulate(
                 }
                 // A simulation step is a guess: it searches less than a real allocation.
                 let limits = xpu_sched::dra::Limits { steps: 5_000, ..Default::default() };
-                let got = xpu_sched::dra::allocate(
+                let got = xpu_sched::dra::allocate_counted(
                     &todo,
                     dra.classes,
                     &dra.slices.for_node(node),
@@ -619,6 +648,7 @@ fn simulate(
                     node,
                     &labels_of(node),
                     limits,
+                    &mut spent,
                 );
                 let Ok(allocs) = got else { continue };
                 let n: usize = allocs.iter().map(|a| a.devices.len()).sum();
@@ -917,8 +947,16 @@ fn plan_once(
     let mut out = Plan::default();
     let mut conflicts = Vec::new();
 
-    let Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved, unreadable } =
-        cluster_of(snap);
+    let Built {
+        cluster,
+        pool_of,
+        bad_nodes,
+        gang_bound,
+        separate,
+        reserved,
+        unreadable,
+        queue_used,
+    } = cluster_of(snap);
     out.bad_nodes = bad_nodes;
     out.unreadable = unreadable;
     out.preemption_on = snap.preemption;
@@ -962,7 +1000,7 @@ fn plan_once(
     };
 
     // What each queue holds now: its fair-share account and what counts against its quota.
-    let mut books = Books { queues: snap.queues, used: queue_usage(snap) };
+    let mut books = Books { queues: snap.queues, used: queue_used };
     for (queue, held) in &books.used {
         let (cpu, mem, dev) = held.fair_share();
         sched.charge_queue(queue, cpu, mem, dev);
@@ -1477,6 +1515,9 @@ pub(crate) struct Built {
     pub reserved: HashMap<String, String>,
     /// Bound pods whose requests xpu cannot read, each counted as using its whole node.
     pub unreadable: Vec<(PodKey, String)>,
+    /// What each queue holds bound (a pod whose requests cannot be read charges nothing: its
+    /// node counts as full instead).
+    pub queue_used: HashMap<String, Amounts>,
 }
 
 /// Nodes in name order with what every bound (or assumed, or reserved) pod uses taken.
@@ -1486,6 +1527,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let mut used: HashMap<&str, Used> = HashMap::new();
     let mut gang_bound: HashMap<String, (u32, Option<String>)> = HashMap::new();
     let mut unreadable = Vec::new();
+    let mut queue_used: HashMap<String, Amounts> = HashMap::new();
     let job_shape = |uid: &str| snap.jobs.get(uid).copied();
     // Per node, the lowest priority among its pods being deleted (preemption victims, say).
     let mut terminating: HashMap<&str, i32> = HashMap::new();
@@ -1503,8 +1545,12 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
             *e = (*e).min(prio);
         }
         // A bound pod holds what it asks for, whichever scheduler placed it and whatever xpu
-        // itself would refuse to place (two device kinds, DRA claims). Quantities are validated
-        // by the API server, so `usage` does not fail on a stored pod.
+        // itself would refuse to place (two device kinds, DRA claims), on its node and on its
+        // queue's account.
+        let usage = convert::usage(p);
+        if let Ok(u) = &usage {
+            queue_used.entry(queue_of(snap, p)).or_default().add(&Amounts::of(u));
+        }
         let uid = p.metadata.uid.as_deref().unwrap_or("");
         let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| {
             p.metadata
@@ -1513,7 +1559,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
                 .and_then(|a| a.get(share::GPUS_ANNOTATION))
                 .and_then(|g| share::parse_gpus(g))
         });
-        if let Err(e) = used.entry(node).or_default().add(p, gpus)
+        if let Err(e) = used.entry(node).or_default().add(&usage, gpus)
             && let Some(key) = PodKey::of(p)
         {
             unreadable.push((key, format!("counted as using all of node {node}: {e}")));
@@ -1557,7 +1603,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         let Some((&node, _)) = terminating.get_key_value(node).filter(|(_, m)| **m < prio) else {
             continue;
         };
-        if let Err(e) = used.entry(node).or_default().add(p, None)
+        if let Err(e) = used.entry(node).or_default().add(&convert::usage(p), None)
             && let Some(key) = PodKey::of(p)
         {
             unreadable.push((key, format!("counted as using all of node {node}: {e}")));
@@ -1613,7 +1659,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         }
     }
 
-    Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved, unreadable }
+    Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved, unreadable, queue_used }
 }
 
 /// Takes every device of node `id`: a pod there holds what xpu cannot count.
@@ -1737,30 +1783,15 @@ struct Books<'a> {
     used: HashMap<String, Amounts>,
 }
 
-/// What every queue holds: each bound (or assumed) pod on the queue its namespace and label
-/// give it, or, where the label names a queue the namespace does not own, on its namespace's
-/// default queue: never on another tenant's.
-fn queue_usage(snap: &Snapshot<'_>) -> HashMap<String, Amounts> {
-    let mut used: HashMap<String, Amounts> = HashMap::new();
-    for p in snap.pods {
-        if terminal(p) || bound_node(p, snap.assumed).is_none() {
-            continue;
-        }
-        if snap.hold_out.is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u))) {
-            continue;
-        }
-        // A pod whose requests xpu cannot read holds its whole node (see `cluster_of`); its
-        // queue is not charged an amount nobody can state.
-        let Ok(u) = convert::usage(p) else { continue };
-        let ns = p.metadata.namespace.as_deref().unwrap_or("default");
-        let labels = snap.namespace_labels.get(ns);
-        let queue = snap
-            .queues
-            .resolve(ns, labels, queue_label(p))
-            .unwrap_or_else(|_| snap.queues.default_for(ns, labels));
-        used.entry(queue).or_default().add(&Amounts::of(&u));
-    }
-    used
+/// The queue a bound (or assumed) pod is charged to: the one its namespace and label give it,
+/// or, where the label names a queue the namespace does not own, its namespace's default queue:
+/// never another tenant's.
+fn queue_of(snap: &Snapshot<'_>, p: &Pod) -> String {
+    let ns = p.metadata.namespace.as_deref().unwrap_or("default");
+    let labels = snap.namespace_labels.get(ns);
+    snap.queues
+        .resolve(ns, labels, queue_label(p))
+        .unwrap_or_else(|_| snap.queues.default_for(ns, labels))
 }
 
 /// What a pod asks of [`SHARE_RESOURCE`], 0 for any other pod.
@@ -2317,7 +2348,7 @@ mod tests {
         // Bound with a forged label, the usage lands on team-a's own account.
         let forged =
             tenant_pod("team-a", "held", 1, Some("n"), json!({ "xpu.dev/queue": "team-b" }));
-        let used = queue_usage(&Snapshot::new("xpu", &nodes, &[forged], &jobs, &assumed));
+        let used = cluster_of(&Snapshot::new("xpu", &nodes, &[forged], &jobs, &assumed)).queue_used;
         assert_eq!(used.keys().collect::<Vec<_>>(), ["namespace/team-a"]);
     }
 

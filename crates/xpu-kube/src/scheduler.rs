@@ -360,7 +360,10 @@ pub async fn run(
     // shown allocated yet (uid → devices), counted as in use meanwhile.
     let compiled = crate::claims::Compiled::default();
     let assumed_claims: Arc<Mutex<HashMap<String, xpu_sched::dra::Allocation>>> = Arc::default();
-    let mut warned_slices: HashMap<String, String> = HashMap::new();
+    // ResourceSlices as converted, by name with the resourceVersion converted: a slice is
+    // converted (and a bad one warned about) once per change, not every cycle.
+    let mut slices: HashMap<String, (String, Result<Arc<xpu_sched::dra::Slice>, String>)> =
+        HashMap::new();
     let started = Instant::now();
     let mut stop = std::pin::pin!(stop);
     let mut events = EventBudget::new(opts.events_per_second);
@@ -436,32 +439,44 @@ pub async fn run(
         let mut in_use = crate::claims::in_use(claim_objects.iter().map(|c| c.as_ref()));
         {
             let mut a = assumed_claims.lock().await;
-            a.retain(|uid, _| {
-                !claim_objects.iter().any(|c| {
-                    c.metadata.uid.as_deref() == Some(uid.as_str())
-                        && c.status.as_ref().is_some_and(|s| s.allocation.is_some())
-                }) && claim_objects.iter().any(|c| c.metadata.uid.as_deref() == Some(uid.as_str()))
-            });
+            if !a.is_empty() {
+                // Claim uid → whether the watch shows it allocated.
+                let shown: HashMap<&str, bool> = claim_objects
+                    .iter()
+                    .filter_map(|c| {
+                        let allocated = c.status.as_ref().is_some_and(|s| s.allocation.is_some());
+                        Some((c.metadata.uid.as_deref()?, allocated))
+                    })
+                    .collect();
+                // Forget what the watch now shows allocated, or gone.
+                a.retain(|uid, _| shown.get(uid.as_str()) == Some(&false));
+            }
             for alloc in a.values() {
                 in_use.add(alloc);
             }
         }
-        let mut dra_slices = Vec::new();
+        let mut current = HashMap::with_capacity(slices.len());
         for sl in caches.slices.state() {
             let name = sl.metadata.name.clone().unwrap_or_default();
-            match crate::claims::slice(&sl) {
-                Ok(x) => {
-                    warned_slices.remove(&name);
-                    dra_slices.push(x);
-                }
-                Err(e) => {
-                    if warned_slices.get(&name) != Some(&e) {
+            let version = sl.metadata.resource_version.clone().unwrap_or_default();
+            let entry = match slices.remove(&name) {
+                Some(e) if e.0 == version => e,
+                _ => {
+                    let converted = crate::claims::slice(&sl).map(Arc::new);
+                    if let Err(e) = &converted {
                         warn!(slice = %name, reason = %e, "ResourceSlice left out");
-                        warned_slices.insert(name, e);
                     }
+                    (version, converted)
                 }
-            }
+            };
+            current.insert(name, entry);
         }
+        slices = current;
+        // In name order: the devices of a pool of several slices keep one order every cycle.
+        let mut names: Vec<&String> = slices.keys().collect();
+        names.sort_unstable();
+        let dra_slices: Vec<Arc<xpu_sched::dra::Slice>> =
+            names.iter().filter_map(|n| slices[*n].1.as_ref().ok().cloned()).collect();
         let class_objects: HashMap<String, DeviceClass> = caches
             .classes
             .state()
@@ -473,7 +488,7 @@ pub async fn run(
             .values()
             .filter_map(|c| crate::claims::class(c, &compiled).ok().map(|x| (x.name.clone(), x)))
             .collect();
-        let slice_index = cycle::SliceIndex::new(&dra_slices);
+        let slice_index = cycle::SliceIndex::new(dra_slices.iter().map(|s| s.as_ref()));
         let in_flight: std::collections::HashSet<String> =
             assumed_claims.lock().await.keys().cloned().collect();
         let dra = cycle::Dra {

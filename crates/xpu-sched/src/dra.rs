@@ -394,6 +394,39 @@ pub fn allocate(
     labels: &BTreeMap<String, String>,
     limits: Limits,
 ) -> Result<Vec<Allocation>, Unfit> {
+    allocate_counted(claims, classes, slices, in_use, node, labels, limits, &mut 0)
+}
+
+/// [`allocate`], adding the devices it tried to `spent`, so that a caller trying many nodes
+/// for one pod can bound the whole.
+#[allow(clippy::too_many_arguments)]
+pub fn allocate_counted(
+    claims: &[Claim],
+    classes: &HashMap<String, Class>,
+    slices: &[&Slice],
+    in_use: &InUse,
+    node: &str,
+    labels: &BTreeMap<String, String>,
+    limits: Limits,
+    spent: &mut u64,
+) -> Result<Vec<Allocation>, Unfit> {
+    let mut steps = 0;
+    let r = search(claims, classes, slices, in_use, node, labels, limits, &mut steps);
+    *spent = spent.saturating_add(steps);
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn search(
+    claims: &[Claim],
+    classes: &HashMap<String, Class>,
+    slices: &[&Slice],
+    in_use: &InUse,
+    node: &str,
+    labels: &BTreeMap<String, String>,
+    limits: Limits,
+    steps: &mut u64,
+) -> Result<Vec<Allocation>, Unfit> {
     let pools = pools(slices, node, labels);
     let mut search = Search {
         claims,
@@ -443,7 +476,9 @@ pub fn allocate(
             }
         }
     }
-    if search.place(&slots, 0, &counts) {
+    let placed = search.place(&slots, 0, &counts);
+    *steps = search.steps;
+    if placed {
         return Ok(search.results());
     }
     if let Some(e) = search.error.take() {

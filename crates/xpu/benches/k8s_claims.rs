@@ -26,7 +26,6 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate, ResourceSlice};
 use kube::api::{Api, PostParams};
-use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
 
@@ -128,21 +127,7 @@ async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> Figures {
         .create(&PostParams::default(), &template(mix))
         .await
         .unwrap();
-    let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let seen2 = seen.clone();
-    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let watch = tokio::spawn(async move {
-        let mut s = std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
-        while let Some(Ok(p)) = s.next().await {
-            if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
-                seen2
-                    .lock()
-                    .unwrap()
-                    .entry(p.metadata.name.clone().unwrap())
-                    .or_insert_with(Instant::now);
-            }
-        }
-    });
+    let (seen, watch) = k8s_bench::watch_binds(&client);
     let mut child = start_scheduler(which, &cp, &[]);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let sched = if which == "kube" { "default-scheduler" } else { "xpu" };
@@ -175,8 +160,7 @@ async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> Figures {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let rss_mib = peak_rss_mib(child.id());
-    let _ = child.kill();
-    let _ = child.wait();
+    k8s_bench::stop(&mut child);
     watch.abort();
     let seen = seen.lock().unwrap();
     let created = created.lock().unwrap();

@@ -26,7 +26,6 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::{Api, PostParams};
-use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
 
@@ -159,21 +158,7 @@ async fn bench(which: &str, nodes: usize, mixes: &[Mix]) -> (Vec<Figures>, f64) 
     let t = Instant::now();
     create_all(&Api::<Node>::all(client.clone()), nodes, 32, node).await;
     eprintln!("{which}: {nodes} nodes created in {:.1} s", t.elapsed().as_secs_f64());
-    let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let seen2 = seen.clone();
-    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let watch = tokio::spawn(async move {
-        let mut s = std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
-        while let Some(Ok(p)) = s.next().await {
-            if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
-                seen2
-                    .lock()
-                    .unwrap()
-                    .entry(p.metadata.name.clone().unwrap())
-                    .or_insert_with(Instant::now);
-            }
-        }
-    });
+    let (seen, watch) = k8s_bench::watch_binds(&client);
     let key = cp.dir().join("share.key");
     std::fs::write(&key, [7u8; 32]).unwrap();
     let mut child = start_scheduler(which, &cp, &["--share-key".into(), key.into()]);
@@ -184,9 +169,7 @@ async fn bench(which: &str, nodes: usize, mixes: &[Mix]) -> (Vec<Figures>, f64) 
         out.push(run_mix(&client, which, m, &seen).await);
     }
     let rss = peak_rss_mib(child.id());
-    // The figures are taken; kill fails only if the scheduler already exited, wait reaps it.
-    let _ = child.kill();
-    let _ = child.wait();
+    k8s_bench::stop(&mut child);
     watch.abort();
     (out, rss)
 }

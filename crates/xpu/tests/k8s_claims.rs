@@ -75,7 +75,12 @@ async fn tenant(cp: &xpu_testkit::kube::ControlPlane) -> Client {
     Api::<Namespace>::all(admin.clone()).create(&pp, &n).await.unwrap();
     let sa: ServiceAccount =
         serde_json::from_value(json!({ "metadata": { "name": "default" } })).unwrap();
-    let _ = Api::<ServiceAccount>::namespaced(admin.clone(), NS).create(&pp, &sa).await;
+    // The serviceaccount controller may have made it first.
+    match Api::<ServiceAccount>::namespaced(admin.clone(), NS).create(&pp, &sa).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("ServiceAccount {NS}/default: {e}"),
+    }
     let role: Role = serde_json::from_value(json!({
         "metadata": { "name": "tenant" },
         "rules": [{ "apiGroups": ["", "resource.k8s.io"],

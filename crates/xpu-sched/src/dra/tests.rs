@@ -67,6 +67,25 @@ fn claim(name: &str, requests: Vec<(&str, Exact)>) -> Claim {
     }
 }
 
+/// The cluster holds device `name` of pool `n1`.
+fn held(name: &str) -> InUse {
+    let mut in_use = InUse::default();
+    in_use.devices.insert(DeviceId {
+        driver: DRIVER.into(),
+        pool: "n1".into(),
+        device: name.into(),
+    });
+    in_use
+}
+
+/// All of a claim's devices in one NVLink domain.
+fn same_domain() -> Constraint {
+    Constraint {
+        requests: Vec::new(),
+        kind: ConstraintKind::MatchAttribute(format!("{DRIVER}/nvlinkDomain")),
+    }
+}
+
 fn refs(s: &[Slice]) -> Vec<&Slice> {
     s.iter().collect()
 }
@@ -89,12 +108,7 @@ fn counts_take_free_devices_of_the_node_in_order() {
         slice("n1", vec![gpu("g0", 0), gpu("g1", 0), gpu("g2", 1)]),
         slice("n2", vec![gpu("h0", 0)]),
     ];
-    let mut in_use = InUse::default();
-    in_use.devices.insert(DeviceId {
-        driver: DRIVER.into(),
-        pool: "n1".into(),
-        device: "g0".into(),
-    });
+    let in_use = held("g0");
     let got = run(&[claim("a", vec![("r", exact(2))])], &slices, &in_use).unwrap();
     assert_eq!(names(&got[0]), ["g1", "g2"]);
     let e = run(&[claim("a", vec![("r", exact(3))])], &slices, &in_use).unwrap_err();
@@ -148,17 +162,9 @@ fn first_available_tries_sub_requests_in_order() {
 #[test]
 fn match_attribute_backtracks_to_a_whole_domain_and_distinct_keeps_them_apart() {
     let slices = [slice("n1", vec![gpu("a0", 0), gpu("b0", 1), gpu("b1", 1), gpu("a1", 0)])];
-    let mut in_use = InUse::default();
-    in_use.devices.insert(DeviceId {
-        driver: DRIVER.into(),
-        pool: "n1".into(),
-        device: "a1".into(),
-    });
+    let in_use = held("a1");
     let mut c = claim("a", vec![("r", exact(2))]);
-    c.constraints.push(Constraint {
-        requests: Vec::new(),
-        kind: ConstraintKind::MatchAttribute(format!("{DRIVER}/nvlinkDomain")),
-    });
+    c.constraints.push(same_domain());
     let got = run(std::slice::from_ref(&c), &slices, &in_use).unwrap();
     assert_eq!(names(&got[0]), ["b0", "b1"]);
     let mut d = claim("a", vec![("x", exact(1)), ("y", exact(1))]);
@@ -264,12 +270,7 @@ fn taints_admin_access_selectors_and_classes() {
     );
 
     // Admin access reaches a device in use, and takes nothing.
-    let mut in_use = InUse::default();
-    in_use.devices.insert(DeviceId {
-        driver: DRIVER.into(),
-        pool: "n1".into(),
-        device: "g1".into(),
-    });
+    let in_use = held("g1");
     let mut admin = exact(1);
     admin.admin_access = true;
     let got = run(&[claim("a", vec![("r", admin)])], &slices[..], &in_use).unwrap();
@@ -335,10 +336,7 @@ fn an_impossible_claim_gives_up_within_its_budget() {
     let devices: Vec<Device> = (0..64).map(|i| gpu(&format!("g{i}"), i)).collect();
     let slices = [slice("n1", devices)];
     let mut c = claim("a", vec![("r", exact(8))]);
-    c.constraints.push(Constraint {
-        requests: Vec::new(),
-        kind: ConstraintKind::MatchAttribute(format!("{DRIVER}/nvlinkDomain")),
-    });
+    c.constraints.push(same_domain());
     let t = std::time::Instant::now();
     let e = allocate(
         &[c],
@@ -693,17 +691,9 @@ fn packing_keeps_whole_domains_for_the_claims_that_follow() {
     let devices: Vec<Device> =
         (0..8).map(|i| gpu(&format!("g{i}"), if i < 4 { 1 } else { 0 })).collect();
     let slices = [slice("n1", devices)];
-    let mut in_use = InUse::default();
-    in_use.devices.insert(DeviceId {
-        driver: DRIVER.into(),
-        pool: "n1".into(),
-        device: "g7".into(),
-    });
+    let in_use = held("g7");
     let mut four = claim("big", vec![("r", exact(4))]);
-    four.constraints.push(Constraint {
-        requests: Vec::new(),
-        kind: ConstraintKind::MatchAttribute(format!("{DRIVER}/nvlinkDomain")),
-    });
+    four.constraints.push(same_domain());
     for (pack, fits) in [(true, true), (false, false)] {
         let limits = Limits { pack, ..Limits::default() };
         let run = |c: &Claim, u: &InUse| {

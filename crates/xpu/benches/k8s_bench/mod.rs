@@ -3,11 +3,17 @@
 //! reading a process's peak RSS.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
 use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
 use xpu_testkit::kube::ControlPlane;
 
 pub fn env_num(name: &str, default: usize) -> usize {
@@ -77,4 +83,34 @@ pub fn start_scheduler(which: &str, cp: &ControlPlane, xpu_args: &[OsString]) ->
             .spawn()
             .unwrap(),
     }
+}
+
+/// Stops a scheduler whose figures are taken: kill fails only if it already exited, and wait
+/// reaps it either way.
+pub fn stop(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// When each pod of namespace `default` was first seen bound, as a watch sees it; abort the
+/// task when done.
+pub fn watch_binds(
+    client: &Client,
+) -> (Arc<Mutex<HashMap<String, Instant>>>, tokio::task::JoinHandle<()>) {
+    let seen: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let seen2 = seen.clone();
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let watch = tokio::spawn(async move {
+        let mut s = std::pin::pin!(watcher(api, watcher::Config::default()).applied_objects());
+        while let Some(Ok(p)) = s.next().await {
+            if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
+                seen2
+                    .lock()
+                    .unwrap()
+                    .entry(p.metadata.name.clone().unwrap())
+                    .or_insert_with(Instant::now);
+            }
+        }
+    });
+    (seen, watch)
 }
