@@ -31,6 +31,21 @@ pub use xpu_integrations::deviceplugin::SHARE_RESOURCE;
 /// Units of [`SHARE_RESOURCE`] in one GPU (the device plugin's units per GPU).
 pub const MILLI_PER_GPU: u64 = xpu_integrations::deviceplugin::SHARE_UNITS as u64;
 
+/// Internal node label (never a real one: `~` is not allowed in label keys) holding the
+/// node's name, for `matchFields` on `metadata.name` and for keeping a pod to the nodes its
+/// DRA claims can be allocated on. The cycle sets it only when a waiting pod needs it (a label
+/// unique to each node gives every node a shape of its own in xpu-sched).
+pub const NODE_NAME: &str = "xpu.dev~node";
+
+/// LeaderWorkerSet's pod labels and annotations (its published API): the set's name, the
+/// group's index and key (shared by the leader and workers of one group), the pod's index in
+/// its group (the leader is 0), and the group's size.
+pub const LWS_NAME: &str = "leaderworkerset.sigs.k8s.io/name";
+pub const LWS_GROUP_INDEX: &str = "leaderworkerset.sigs.k8s.io/group-index";
+pub const LWS_GROUP_KEY: &str = "leaderworkerset.sigs.k8s.io/group-key";
+pub const LWS_WORKER_INDEX: &str = "leaderworkerset.sigs.k8s.io/worker-index";
+pub const LWS_SIZE: &str = "leaderworkerset.sigs.k8s.io/size";
+
 /// Label (or annotation) naming a gang of pods that start together or not at all.
 pub const GANG_LABEL: &str = "xpu.dev/gang";
 /// Label (or annotation) with the number of pods in the gang.
@@ -220,7 +235,7 @@ impl std::fmt::Display for Unsupported {
     }
 }
 
-fn unsupported(field: &str, why: &str) -> Unsupported {
+pub(crate) fn unsupported(field: &str, why: &str) -> Unsupported {
     Unsupported { field: field.into(), why: why.into() }
 }
 
@@ -405,6 +420,48 @@ fn share_containers(spec: &k8s_openapi::api::core::v1::PodSpec) -> usize {
         .count()
 }
 
+/// A PodGroup (`scheduling.k8s.io/v1beta1`) as the scheduler uses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupPolicy {
+    /// `gang.minCount`; `None` for the `basic` policy (each pod on its own).
+    pub min_count: Option<u32>,
+    /// `schedulingConstraints.topology[0].key`: every pod of the group in one domain of it.
+    pub topology: Option<String>,
+}
+
+/// PodGroups by (namespace, name).
+pub type PodGroups = std::collections::HashMap<(String, String), GroupPolicy>;
+
+/// Gang keys of PodGroups read `namespace/podgroup:name`.
+pub const PODGROUP_KEY: &str = "podgroup:";
+
+/// The PodGroup a pod names in `spec.schedulingGroup.podGroupName`.
+pub fn pod_group_name(p: &Pod) -> Option<&str> {
+    p.spec.as_ref()?.scheduling_group.as_ref()?.pod_group_name.as_deref().filter(|n| !n.is_empty())
+}
+
+/// A PodGroup's policy; `Err` names what xpu cannot use.
+pub fn group_policy(
+    g: &k8s_openapi::api::scheduling::v1beta1::PodGroup,
+) -> Result<GroupPolicy, String> {
+    let spec = &g.spec;
+    let min_count = match (&spec.scheduling_policy.gang, &spec.scheduling_policy.basic) {
+        (Some(gang), _) => Some(
+            u32::try_from(gang.min_count).ok().filter(|n| (1..=100_000).contains(n)).ok_or_else(
+                || format!("gang.minCount {} is not from 1 to 100000", gang.min_count),
+            )?,
+        ),
+        (None, _) => None,
+    };
+    let topology = spec
+        .scheduling_constraints
+        .as_ref()
+        .and_then(|c| c.topology.as_ref())
+        .and_then(|t| t.first())
+        .map(|t| t.key.clone());
+    Ok(GroupPolicy { min_count, topology })
+}
+
 /// How the pod belongs to a gang.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GangRef {
@@ -451,8 +508,23 @@ pub fn job_owner(
 pub fn gang(
     p: &Pod,
     job_shape: impl Fn(&str) -> Option<(i32, i32, bool)>,
+    groups: Option<&PodGroups>,
 ) -> Result<Option<GangRef>, Unsupported> {
     let ns = p.metadata.namespace.as_deref().unwrap_or("default");
+    // Kubernetes' own gang API: the PodGroup the pod names.
+    if let Some(name) = pod_group_name(p) {
+        let Some(g) = groups.and_then(|g| g.get(&(ns.to_owned(), name.to_owned()))) else {
+            return Err(unsupported(
+                "spec.schedulingGroup.podGroupName",
+                &format!("PodGroup {ns}/{name} does not exist (yet): the pod waits for it"),
+            ));
+        };
+        return Ok(g.min_count.map(|size| GangRef {
+            key: format!("{ns}/{PODGROUP_KEY}{name}"),
+            size,
+            index: None,
+        }));
+    }
     let index = label_or_annotation(p, COMPLETION_INDEX).and_then(|i| i.parse::<u32>().ok());
     if let Some(name) = label_or_annotation(p, GANG_LABEL) {
         let size = label_or_annotation(p, GANG_SIZE).ok_or_else(|| {
@@ -470,6 +542,27 @@ pub fn gang(
             })?;
         return Ok(Some(GangRef { key: format!("{ns}/{name}"), size, index }));
     }
+    // A LeaderWorkerSet group: its leader and workers, `size` pods, all or none.
+    if let Some(group) = label_or_annotation(p, LWS_GROUP_KEY)
+        && let Some(size) = label_or_annotation(p, LWS_SIZE)
+    {
+        let size: u32 =
+            size.parse().ok().filter(|n| (1..=100_000).contains(n)).ok_or_else(|| {
+                unsupported(
+                    &format!("metadata.annotations[{LWS_SIZE}]"),
+                    &format!("{size:?} is not a number of pods from 1 to 100000"),
+                )
+            })?;
+        let name = match (label_or_annotation(p, LWS_NAME), label_or_annotation(p, LWS_GROUP_INDEX))
+        {
+            (Some(n), Some(i)) => format!("{n}-{i}"),
+            _ => group.clone(),
+        };
+        let index = label_or_annotation(p, LWS_WORKER_INDEX).and_then(|i| i.parse::<u32>().ok());
+        if size > 1 {
+            return Ok(Some(GangRef { key: format!("{ns}/{name}"), size, index }));
+        }
+    }
     if let Some(o) = job_owner(p)
         && let Some((completions, parallelism, indexed)) = job_shape(&o.uid)
         && indexed
@@ -485,42 +578,23 @@ pub fn gang(
     Ok(None)
 }
 
+/// Whether a pod's required node affinity has `matchFields` (nodes then need their name as a
+/// label, [`NODE_NAME`]).
+pub fn has_match_fields(spec: &k8s_openapi::api::core::v1::PodSpec) -> bool {
+    spec.affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| n.required_during_scheduling_ignored_during_execution.as_ref())
+        .is_some_and(|r| {
+            r.node_selector_terms
+                .iter()
+                .any(|t| t.match_fields.as_ref().is_some_and(|f| !f.is_empty()))
+        })
+}
+
 /// What a pending pod asks for, or the constraint that stops xpu from scheduling it.
 pub fn pod(p: &Pod) -> Result<PodAsk, Unsupported> {
     let spec = p.spec.as_ref().ok_or_else(|| unsupported("spec", "missing"))?;
-    if let Some(a) = &spec.affinity {
-        if a.pod_affinity.as_ref().is_some_and(|x| {
-            x.required_during_scheduling_ignored_during_execution
-                .as_ref()
-                .is_some_and(|v| !v.is_empty())
-        }) {
-            return Err(unsupported(
-                "spec.affinity.podAffinity.requiredDuringSchedulingIgnoredDuringExecution",
-                "pod affinity is not supported by the xpu scheduler; use a gang (xpu.dev/gang) or a nodeSelector",
-            ));
-        }
-        if a.pod_anti_affinity.as_ref().is_some_and(|x| {
-            x.required_during_scheduling_ignored_during_execution
-                .as_ref()
-                .is_some_and(|v| !v.is_empty())
-        }) {
-            return Err(unsupported(
-                "spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution",
-                "pod anti-affinity is not supported by the xpu scheduler; remove it or use kube-scheduler for this pod",
-            ));
-        }
-    }
-    if spec
-        .topology_spread_constraints
-        .iter()
-        .flatten()
-        .any(|t| t.when_unsatisfiable == "DoNotSchedule")
-    {
-        return Err(unsupported(
-            "spec.topologySpreadConstraints",
-            "topology spread (whenUnsatisfiable: DoNotSchedule) is not supported by the xpu scheduler; use ScheduleAnyway or kube-scheduler",
-        ));
-    }
     let resources = resources(p)?;
     let mut task = TaskSpec::cpu(resources.cpu_milli, resources.memory_mib);
     if resources.share_milli > 0 {
@@ -544,13 +618,23 @@ pub fn pod(p: &Pod) -> Result<PodAsk, Unsupported> {
             let path = format!(
                 "spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[{ti}]"
             );
-            if term.match_fields.as_ref().is_some_and(|f| !f.is_empty()) {
-                return Err(unsupported(
-                    &format!("{path}.matchFields"),
-                    "matchFields is not supported by the xpu scheduler; use matchExpressions on kubernetes.io/hostname",
-                ));
-            }
             let mut reqs = Vec::new();
+            for (ri, f) in term.match_fields.iter().flatten().enumerate() {
+                if f.key != "metadata.name" {
+                    return Err(unsupported(
+                        &format!("{path}.matchFields[{ri}].key"),
+                        &format!("{:?}: the only node field is metadata.name", f.key),
+                    ));
+                }
+                let operator = f.operator.parse::<Operator>().map_err(|why| {
+                    unsupported(&format!("{path}.matchFields[{ri}].operator"), &why)
+                })?;
+                reqs.push(Requirement {
+                    key: NODE_NAME.into(),
+                    operator,
+                    values: f.values.clone().unwrap_or_default(),
+                });
+            }
             for (ri, e) in term.match_expressions.iter().flatten().enumerate() {
                 let operator = e.operator.parse::<Operator>().map_err(|why| {
                     unsupported(&format!("{path}.matchExpressions[{ri}].operator"), &why)

@@ -17,6 +17,7 @@ use xpu_sched::policy::TaskMix;
 use xpu_sched::request::{GKE_TPU_ACCELERATOR, GKE_TPU_TOPOLOGY};
 use xpu_sched::{Cluster, Decision, Job, NodeStatus, Scheduler, SchedulerConfig, TaskGroup};
 
+use crate::affinity;
 use crate::convert::{self, GangRef, PodAsk, SHARE_RESOURCE};
 use crate::flex::{self, ProvisioningRequest};
 use crate::queues::{Amounts, Queues};
@@ -27,9 +28,7 @@ use crate::share;
 /// and as shares, a pod only lands on the kind of GPU it asked for.
 const OFFERS: &str = "xpu.dev~offers/";
 
-/// Internal node label (never a real one) holding the node's name, so that a pod can be kept
-/// to the nodes its DRA claims can be allocated on.
-const NODE_NAME: &str = "xpu.dev~node";
+use crate::convert::NODE_NAME;
 
 /// A pod by name and uid.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -187,6 +186,8 @@ pub struct Snapshot<'a> {
     pub namespace_labels: &'a HashMap<String, BTreeMap<String, String>>,
     /// Dynamic Resource Allocation: slices, classes, claims. `None`: pods with claims wait.
     pub dra: Option<Dra<'a>>,
+    /// PodGroups (`scheduling.k8s.io/v1beta1`); `None` when the cluster does not serve them.
+    pub pod_groups: Option<&'a convert::PodGroups>,
 }
 
 impl<'a> Snapshot<'a> {
@@ -222,6 +223,7 @@ impl<'a> Snapshot<'a> {
             queues: &NO_QUEUES,
             namespace_labels: &NO_LABELS,
             dra: None,
+            pod_groups: None,
         }
     }
 }
@@ -319,6 +321,16 @@ struct Unit {
     /// Its queue, and what its pods hold together once bound (for the queue's quota).
     queue: String,
     amounts: Amounts,
+    /// Where each task group's pods start in `pods` (groups are in job order).
+    offsets: Vec<usize>,
+}
+
+impl Unit {
+    /// The pod task `t` of the unit's job stands for.
+    fn pod(&self, t: xpu_sched::TaskRef) -> Option<&PodKey> {
+        let at = self.offsets.get(t.group as usize).copied().unwrap_or(0);
+        self.pods.get(at + t.index as usize)
+    }
 }
 
 /// A pending pod's ResourceClaims.
@@ -934,6 +946,43 @@ pub fn plan(
     }
 }
 
+/// Internal pod label (never a real one: `~` is not allowed in label keys) naming the PodGroup
+/// a pod belongs to, for the group's topology constraint.
+const POD_GROUP: &str = "xpu.dev~pod-group";
+
+/// The PodGroup a pod belongs to, when the group has a topology constraint: (name, key).
+fn group_topology<'a>(snap: &Snapshot<'a>, p: &'a Pod) -> Option<(&'a str, &'a str)> {
+    let name = convert::pod_group_name(p)?;
+    let ns = p.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    let g = snap.pod_groups?.get(&(ns, name.to_owned()))?;
+    Some((name, g.topology.as_deref()?))
+}
+
+/// A PodGroup's topology constraint as inter-pod terms: every pod of the group carries
+/// [`POD_GROUP`], and a pending one has affinity to the group's pods on the key (the first
+/// chooses the domain, the rest follow; a gang tries each domain in turn).
+fn with_group(snap: &Snapshot<'_>, p: &Pod, t: &mut xpu_sched::pods::PodTerms, pending: bool) {
+    use xpu_sched::pods::{LabelOp, LabelReq, LabelSelector, Namespaces, PodMatcher, Term};
+    let Some((name, key)) = group_topology(snap, p) else { return };
+    t.labels.insert(POD_GROUP.into(), name.into());
+    if pending {
+        t.affinity.push(Term {
+            pods: PodMatcher {
+                selector: LabelSelector {
+                    nothing: false,
+                    reqs: vec![LabelReq {
+                        key: POD_GROUP.into(),
+                        op: LabelOp::In,
+                        values: vec![name.into()],
+                    }],
+                },
+                namespaces: Namespaces::Only(vec![t.namespace.clone()]),
+            },
+            topology_key: key.into(),
+        });
+    }
+}
+
 /// Per pod uid, nodes an earlier round found its claims no longer fit in this cycle.
 type DraExcluded = HashMap<String, Vec<String>>;
 
@@ -1004,6 +1053,31 @@ fn plan_once(
     for (queue, held) in &books.used {
         let (cpu, mem, dev) = held.fair_share();
         sched.charge_queue(queue, cpu, mem, dev);
+    }
+
+    // Inter-pod constraints: kept when a waiting pod has terms or a bound pod's terms bear on
+    // the pods placed after it; then every placed pod is recorded where it is.
+    let inter_pod = pending
+        .iter()
+        .any(|p| affinity::has_terms(p, true) || group_topology(snap, p).is_some())
+        || snap.pods.iter().any(|p| {
+            !terminal(p) && bound_node(p, snap.assumed).is_some() && affinity::has_terms(p, false)
+        });
+    if inter_pod {
+        for p in snap.pods.iter().filter(|p| !terminal(p)) {
+            let Some(node) = bound_node(p, snap.assumed) else { continue };
+            if snap
+                .hold_out
+                .is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u)))
+            {
+                continue;
+            }
+            let Some(id) = sched.cluster().node_id(node) else { continue };
+            if let Ok(mut t) = affinity::terms(p, snap.namespace_labels, false, false) {
+                with_group(snap, p, &mut t, false);
+                sched.place_pod(id, Arc::new(t));
+            }
+        }
     }
 
     let mut units: Vec<Unit> = Vec::new();
@@ -1094,6 +1168,19 @@ fn plan_once(
                 continue;
             }
         };
+        if inter_pod {
+            let plain = ask.resources.devices == 0 && ask.resources.share_milli == 0;
+            match affinity::terms(p, snap.namespace_labels, true, plain) {
+                Ok(mut t) => {
+                    with_group(snap, p, &mut t, true);
+                    ask.task.pod = Some(Arc::new(t));
+                }
+                Err(u) => {
+                    say(&mut out, key, format!("{u}"), explain);
+                    continue;
+                }
+            }
+        }
         let ns = key.namespace.as_str();
         match snap.queues.resolve(ns, snap.namespace_labels.get(ns), queue_label(p)) {
             Ok(q) => ask.queue = q,
@@ -1149,7 +1236,7 @@ fn plan_once(
         if config.policy.needs_mix() {
             mix_tasks.push(ask.task.clone());
         }
-        match convert::gang(p, job_shape) {
+        match convert::gang(p, job_shape, snap.pod_groups) {
             Err(u) => say(&mut out, key, format!("{u}"), explain),
             Ok(Some(g)) => {
                 // A gang goes where all its members' claims fit: each member's every node.
@@ -1227,10 +1314,29 @@ fn plan_once(
             continue;
         }
         members.truncate(need);
-        let mut first = members[0].1.clone();
-        if let Some((key, _)) = members.iter().find(|(_, a)| a.task != first.task) {
+        // Members that ask alike form one group of the job (a LeaderWorkerSet's leader and its
+        // workers differ); their own labels may differ (a completion index, say), and a
+        // group's are those all its members share.
+        let unlabelled = |t: &xpu_sched::TaskSpec| {
+            let mut t = t.clone();
+            if let Some(p) = t.pod.as_mut() {
+                Arc::make_mut(p).labels.clear();
+            }
+            t
+        };
+        let mut kinds: Vec<(xpu_sched::TaskSpec, Vec<usize>)> = Vec::new();
+        for (i, (_, a)) in members.iter().enumerate() {
+            let base = unlabelled(&a.task);
+            match kinds.iter_mut().find(|(t, _)| *t == base) {
+                Some((_, v)) => v.push(i),
+                None => kinds.push((base, vec![i])),
+            }
+        }
+        let first = members[0].1.clone();
+        if first.tpu.is_some() && kinds.len() > 1 {
+            let other = &members[kinds[1].1[0]].0;
             let msg = format!(
-                "pods of gang {gkey} ask for different resources or node constraints ({key} differs from {}); xpu places a gang of identical pods",
+                "pods of TPU gang {gkey} ask for different resources or node constraints ({other} differs from {}); xpu places a TPU slice of identical pods",
                 members[0].0
             );
             for (key, _) in members {
@@ -1238,40 +1344,55 @@ fn plan_once(
             }
             continue;
         }
-        // Every member goes where its own claims can be allocated: the gang, where all can.
-        let mut allowed: Option<Vec<String>> = None;
-        for (k, _) in &members {
-            if let Some(nodes) = member_nodes.get(&k.uid) {
-                allowed = Some(match allowed {
-                    None => nodes.clone(),
-                    Some(a) => a.into_iter().filter(|n| nodes.contains(n)).collect(),
+        let mut groups: Vec<TaskGroup> = Vec::with_capacity(kinds.len());
+        let mut order: Vec<usize> = Vec::with_capacity(members.len());
+        let mut amounts_all = Amounts::default();
+        let mut failed = None;
+        for (_, idx) in &kinds {
+            let mut ask = members[idx[0]].1.clone();
+            if let Some(t) = ask.task.pod.as_mut() {
+                Arc::make_mut(t).labels.retain(|k, v| {
+                    idx.iter().all(|&i| {
+                        members[i].1.task.pod.as_ref().is_some_and(|p| p.labels.get(k) == Some(v))
+                    })
                 });
             }
-        }
-        if let Some(nodes) = allowed {
-            keep_to_nodes(&mut first.task, nodes);
-        }
-        let group = match &first.tpu {
-            Some((acc, topo)) => match tpu_group(
-                acc,
-                topo,
-                &first,
-                need,
-                g.size,
-                bound,
-                bound_node.as_deref(),
-                &pool_of,
-            ) {
-                Ok(group) => group,
-                Err(msg) => {
-                    for (key, _) in members {
-                        say(&mut out, key, msg.clone(), explain);
-                    }
-                    continue;
+            // Every member goes where its own claims can be allocated: its group, where all
+            // of the group's can.
+            let mut allowed: Option<Vec<String>> = None;
+            for &i in idx {
+                if let Some(nodes) = member_nodes.get(&members[i].0.uid) {
+                    allowed = Some(match allowed {
+                        None => nodes.clone(),
+                        Some(a) => a.into_iter().filter(|n| nodes.contains(n)).collect(),
+                    });
                 }
-            },
-            None => TaskGroup::new(need as u32, first.task.clone()).gang(),
-        };
+            }
+            if let Some(nodes) = allowed {
+                keep_to_nodes(&mut ask.task, nodes);
+            }
+            let group = match &ask.tpu {
+                Some((acc, topo)) => {
+                    tpu_group(acc, topo, &ask, need, g.size, bound, bound_node.as_deref(), &pool_of)
+                }
+                None => Ok(TaskGroup::new(idx.len() as u32, ask.task.clone()).gang()),
+            };
+            match group {
+                Ok(group) => groups.push(group),
+                Err(msg) => {
+                    failed = Some(msg);
+                    break;
+                }
+            }
+            amounts_all.add(&amounts(&ask).times(idx.len() as u64));
+            order.extend(idx);
+        }
+        if let Some(msg) = failed {
+            for (key, _) in members {
+                say(&mut out, key, msg.clone(), explain);
+            }
+            continue;
+        }
         // Flex-start capacity is asked for a whole gang, before any of it runs.
         let (provision, note) = if bound == 0 {
             let pods: Vec<&Pod> =
@@ -1290,12 +1411,24 @@ fn plan_once(
         } else {
             (None, String::new())
         };
-        let job =
+        let mut groups = groups.into_iter();
+        let Some(group) = groups.next() else { continue };
+        let mut job =
             Job::single(gkey.clone(), group).priority(first.priority).queue(first.queue.clone());
-        let keys = members.into_iter().map(|(k, _)| k).collect();
+        job.groups.extend(groups);
+        let offsets: Vec<usize> = kinds
+            .iter()
+            .scan(0, |at, (_, idx)| {
+                let o = *at;
+                *at += idx.len();
+                Some(o)
+            })
+            .collect();
+        let mut slots: Vec<Option<PodKey>> = members.into_iter().map(|(k, _)| Some(k)).collect();
+        let keys = order.iter().filter_map(|&i| slots[i].take()).collect();
         let resource = first.resources.device_resource;
         let ask = share_ask(&first);
-        let amounts = amounts(&first).times(need as u64);
+        let amounts = amounts_all;
         let n = units.len();
         submit(
             &mut sched,
@@ -1311,7 +1444,7 @@ fn plan_once(
             explain,
         );
         if let Some(u) = units.get_mut(n) {
-            (u.flex, u.note) = (provision, note);
+            (u.flex, u.note, u.offsets) = (provision, note, offsets);
         }
     }
 
@@ -1373,10 +1506,9 @@ fn plan_once(
                 let mut trial = cycle_in_use.clone();
                 let mut failed = None;
                 for t in &tasks {
-                    let (Some(pod), Some(node)) = (
-                        unit.pods.get(t.task.index as usize),
-                        sched.cluster().node(t.placement.node),
-                    ) else {
+                    let (Some(pod), Some(node)) =
+                        (unit.pod(t.task), sched.cluster().node(t.placement.node))
+                    else {
                         writes.push(Vec::new());
                         continue;
                     };
@@ -1438,10 +1570,9 @@ fn plan_once(
                 let mut writes = writes.into_iter();
                 for t in tasks {
                     let claims = writes.next().unwrap_or_default();
-                    let (Some(pod), Some(node)) = (
-                        unit.pods.get(t.task.index as usize),
-                        sched.cluster().node(t.placement.node),
-                    ) else {
+                    let (Some(pod), Some(node)) =
+                        (unit.pod(t.task), sched.cluster().node(t.placement.node))
+                    else {
                         continue;
                     };
                     let share = (unit.share_ask > 0).then(|| {
@@ -1565,7 +1696,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
             unreadable.push((key, format!("counted as using all of node {node}: {e}")));
         }
         // A malformed gang label only matters for a pending pod, which is told about it.
-        if let Ok(Some(g)) = convert::gang(p, job_shape) {
+        if let Ok(Some(g)) = convert::gang(p, job_shape, snap.pod_groups) {
             let e = gang_bound.entry(g.key).or_insert((0, None));
             e.0 += 1;
             e.1.get_or_insert_with(|| node.to_owned());
@@ -1616,10 +1747,10 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     // unique to each node gives every node a shape of its own in xpu-sched).
     let by_name = snap.pods.iter().any(|p| {
         waits_for(p, snap.scheduler_name, snap.assumed)
-            && p.spec
-                .as_ref()
-                .and_then(|s| s.resource_claims.as_ref())
-                .is_some_and(|c| !c.is_empty())
+            && p.spec.as_ref().is_some_and(|s| {
+                s.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
+                    || convert::has_match_fields(s)
+            })
     });
     let mut cluster = Cluster::new();
     let mut pool_of: HashMap<String, Option<String>> = HashMap::new();
@@ -1907,6 +2038,7 @@ fn submit(
             note: String::new(),
             queue,
             amounts,
+            offsets: vec![0],
         }),
         Err(e) => {
             for k in pods {

@@ -14,6 +14,7 @@
 //! Placement itself stays in `xpu-sched`: the policy `xpu sim` measures is the one a cluster
 //! gets.
 
+pub mod affinity;
 pub mod cel;
 pub mod claims;
 pub mod convert;

@@ -140,7 +140,7 @@ pub fn plan(
         if crate::cycle::terminal(p) {
             continue;
         }
-        let gang = convert::gang(p, job_shape).ok().flatten().map(|g| g.key);
+        let gang = convert::gang(p, job_shape, snap.pod_groups).ok().flatten().map(|g| g.key);
         let evictable = priority(p) < top
             && p.metadata.deletion_timestamp.is_none()
             && !excluded(&key.uid)
@@ -190,7 +190,8 @@ pub fn plan(
         ..snap.clone()
     };
     let cluster = crate::cycle::cluster_of(&what_if).cluster;
-    let cfg = SchedulerConfig { preemption: true, best_effort: true, ..config.clone() };
+    let cfg =
+        SchedulerConfig { preemption: true, best_effort: true, reserve: false, ..config.clone() };
     let mut sched = match Scheduler::new(cluster, cfg) {
         Ok(s) => s,
         Err(e) => {
@@ -277,7 +278,13 @@ pub fn plan(
                 let nominate = tasks
                     .iter()
                     .filter_map(|t| {
-                        let pod = w.pods.get(t.task.index as usize)?;
+                        // Groups are in job order, each group's pods after the last's.
+                        let at: usize = w.job.groups
+                            [..(t.task.group as usize).min(w.job.groups.len())]
+                            .iter()
+                            .map(|g| g.count as usize)
+                            .sum();
+                        let pod = w.pods.get(at + t.task.index as usize)?;
                         let node = sched.cluster().node(t.placement.node)?;
                         Some((pod.clone(), node.name.clone()))
                     })

@@ -34,6 +34,7 @@ use crate::flex::{self, ProvisioningRequest};
 use crate::metrics::Metrics;
 use crate::queues::Queues;
 use crate::status::Writer;
+use k8s_openapi::api::scheduling::v1beta1::PodGroup;
 
 /// How the scheduler runs.
 #[derive(Debug, Clone)]
@@ -52,6 +53,10 @@ pub struct Options {
     /// A pod that cannot be placed holds back nothing (kube-scheduler's order), instead of
     /// the later pods of its queue asking for the same device kind.
     pub best_effort: bool,
+    /// A pod that cannot be placed reserves the nodes it will get as they free up; later pods
+    /// go to other nodes ([`xpu_sched::SchedulerConfig::reserve`]). Takes precedence over
+    /// `best_effort`.
+    pub reserve: bool,
     /// Seeds the placement policy's tie-breaking.
     pub seed: u64,
     /// Evict lower-priority pods (through the Eviction API, so PodDisruptionBudgets hold) for
@@ -77,6 +82,7 @@ impl Default for Options {
             events_per_second: 20,
             share_key: None,
             best_effort: false,
+            reserve: true,
             seed: 0,
             preemption: true,
             provisioning_backoff: Duration::from_secs(30),
@@ -101,6 +107,8 @@ pub struct Caches {
     pub claims: Store<ResourceClaim>,
     /// ProvisioningRequests, once the API server is found to serve them (probed until it does).
     pub provisioning: Arc<std::sync::OnceLock<Store<ProvisioningRequest>>>,
+    /// PodGroups (`scheduling.k8s.io/v1beta1`, behind the `GenericWorkload` gate), likewise.
+    pub pod_groups: Arc<std::sync::OnceLock<Store<PodGroup>>>,
 }
 
 /// Starts the watches; `changed` is notified on every event. Returns once every cache has its
@@ -110,35 +118,6 @@ pub async fn watch(
     changed: Arc<Notify>,
     queue_config: &(String, String),
 ) -> Caches {
-    fn spawn<K>(
-        api: Api<K>,
-        config: watcher::Config,
-        changed: Arc<Notify>,
-        trim: fn(&mut K),
-    ) -> Store<K>
-    where
-        K: kube::Resource<DynamicType = ()>
-            + Clone
-            + std::fmt::Debug
-            + serde::de::DeserializeOwned
-            + Send
-            + Sync
-            + 'static,
-    {
-        let (reader, writer) = reflector::store();
-        let stream =
-            reflector::reflector(writer, watcher(api, config).modify(trim).default_backoff());
-        tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            while let Some(ev) = stream.next().await {
-                if let Err(e) = ev {
-                    warn!(error = %e, "watch failed; retrying with backoff");
-                }
-                changed.notify_one();
-            }
-        });
-        reader
-    }
     let caches = Caches {
         nodes: spawn(
             Api::<Node>::all(client.clone()),
@@ -189,47 +168,32 @@ pub async fn watch(
             |c| c.metadata.managed_fields = None,
         ),
         provisioning: Arc::default(),
+        pod_groups: Arc::default(),
     };
-    // The ProvisioningRequest API is a CRD the cluster autoscaler brings; look for it now and
-    // every half minute until it is there, then watch it like the rest.
-    let (api, slot) =
-        (Api::<ProvisioningRequest>::all(client.clone()), caches.provisioning.clone());
-    let probed = Arc::new(Notify::new());
-    let first_probe = probed.clone();
-    tokio::spawn(async move {
-        let mut said = String::new();
-        loop {
-            match api.list(&ListParams::default().limit(1)).await {
-                Ok(_) => {
-                    let store =
-                        spawn(api, watcher::Config::default(), changed.clone(), trim_request);
-                    if store.wait_until_ready().await.is_ok() {
-                        info!(
-                            "watching ProvisioningRequests (autoscaling.x-k8s.io/v1) for flex-start"
-                        );
-                        // Only this task sets it.
-                        let _ = slot.set(store);
-                    }
-                    first_probe.notify_one();
-                    changed.notify_one();
-                    return;
-                }
-                Err(e) => {
-                    let why = match &e {
-                        kube::Error::Api(s) if s.code == 404 => "not served".to_owned(),
-                        other => other.to_string(),
-                    };
-                    if why != said {
-                        info!(reason = %why, "no ProvisioningRequest API: flex-start pods are placed on the nodes there are, and no capacity is asked for");
-                        said = why;
-                    }
-                }
-            }
-            first_probe.notify_one();
-            tokio::time::sleep(Duration::from_secs(30)).await;
-        }
-    });
-    probed.notified().await;
+    // The ProvisioningRequest API is a CRD the cluster autoscaler brings, PodGroups are
+    // behind a feature gate: each is looked for now and every half minute until it is there,
+    // then watched like the rest.
+    let probed = [
+        watch_when_served(
+            Api::<ProvisioningRequest>::all(client.clone()),
+            caches.provisioning.clone(),
+            changed.clone(),
+            trim_request,
+            "watching ProvisioningRequests (autoscaling.x-k8s.io/v1) for flex-start",
+            "no ProvisioningRequest API: flex-start pods are placed on the nodes there are, and no capacity is asked for",
+        ),
+        watch_when_served(
+            Api::<PodGroup>::all(client.clone()),
+            caches.pod_groups.clone(),
+            changed.clone(),
+            |g| g.metadata.managed_fields = None,
+            "watching PodGroups (scheduling.k8s.io/v1beta1): pods naming a gang PodGroup bind together",
+            "no PodGroup API (scheduling.k8s.io/v1beta1, GenericWorkload gate)",
+        ),
+    ];
+    for p in probed {
+        p.notified().await;
+    }
     for (what, r) in [
         ("nodes", caches.nodes.wait_until_ready().await),
         ("pods", caches.pods.wait_until_ready().await),
@@ -245,6 +209,90 @@ pub async fn watch(
         }
     }
     caches
+}
+
+/// Watches `api` into a store; `changed` is notified on every event.
+fn spawn<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    changed: Arc<Notify>,
+    trim: fn(&mut K),
+) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let stream = reflector::reflector(writer, watcher(api, config).modify(trim).default_backoff());
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(ev) = stream.next().await {
+            if let Err(e) = ev {
+                warn!(error = %e, "watch failed; retrying with backoff");
+            }
+            changed.notify_one();
+        }
+    });
+    reader
+}
+
+/// Watches `api` into `slot` once the API server serves it, probing now and every half minute
+/// until it does. The returned notify fires after the first probe.
+fn watch_when_served<K>(
+    api: Api<K>,
+    slot: Arc<std::sync::OnceLock<Store<K>>>,
+    changed: Arc<Notify>,
+    trim: fn(&mut K),
+    served: &'static str,
+    missing: &'static str,
+) -> Arc<Notify>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let probed = Arc::new(Notify::new());
+    let first_probe = probed.clone();
+    tokio::spawn(async move {
+        let mut said = String::new();
+        loop {
+            match api.list(&ListParams::default().limit(1)).await {
+                Ok(_) => {
+                    let store = spawn(api, watcher::Config::default(), changed.clone(), trim);
+                    if store.wait_until_ready().await.is_ok() {
+                        info!("{served}");
+                        // Only this task sets it.
+                        let _ = slot.set(store);
+                    }
+                    first_probe.notify_one();
+                    changed.notify_one();
+                    return;
+                }
+                Err(e) => {
+                    let why = match &e {
+                        kube::Error::Api(s) if s.code == 404 => "not served".to_owned(),
+                        other => other.to_string(),
+                    };
+                    if why != said {
+                        info!(reason = %why, "{missing}");
+                        said = why;
+                    }
+                }
+            }
+            first_probe.notify_one();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        }
+    });
+    probed
 }
 
 // The caches keep only what a cycle reads: at 5,000 nodes and 10,000 pods, managed fields,
@@ -339,6 +387,7 @@ pub async fn run(
         lanes: true,
         fit_per_task: true,
         best_effort: opts.best_effort,
+        reserve: opts.reserve,
         seed: opts.seed,
         ..SchedulerConfig::default()
     };
@@ -354,6 +403,8 @@ pub async fn run(
     let mut said = Said::default();
     let mut warned_nodes: HashMap<String, String> = HashMap::new();
     let mut warned_pods: HashMap<String, String> = HashMap::new();
+    // PodGroups: the condition last written, by (namespace, name).
+    let mut group_said: HashMap<(String, String), (bool, String)> = HashMap::new();
     let mut mapping = Mapping::default();
     let writer = Writer::start(client.clone(), metrics.clone());
     // DRA: selectors compiled once; claims this scheduler allocated that the watch has not
@@ -500,8 +551,18 @@ pub async fn run(
             compiled: &compiled,
             in_use: &in_use,
         };
+        let group_objects = caches.pod_groups.get().map(Store::state);
+        let pod_groups: Option<crate::convert::PodGroups> = group_objects.as_ref().map(|gs| {
+            gs.iter()
+                .filter_map(|g| {
+                    let key = (g.metadata.namespace.clone()?, g.metadata.name.clone()?);
+                    Some((key, crate::convert::group_policy(g).ok()?))
+                })
+                .collect()
+        });
         let snap = Snapshot {
             dra: Some(dra),
+            pod_groups: pod_groups.as_ref(),
             queues: &queues,
             namespace_labels: &namespace_labels,
             provisioning: requests.as_deref(),
@@ -563,6 +624,11 @@ pub async fn run(
             }
         }
         warned_pods.retain(|uid, _| plan.unreadable.iter().any(|(p, _)| p.uid == *uid));
+
+        // PodGroups: `PodGroupInitiallyScheduled` as their pods bind or wait.
+        if let Some(groups) = &group_objects {
+            group_status(&client, groups, &pods, &plan, &mut group_said);
+        }
 
         // Assume first, then bind in the background.
         {
@@ -796,6 +862,79 @@ impl Mapping {
         }
         self.queues.clone()
     }
+}
+
+/// The condition kube-scheduler keeps on a PodGroup: True once its pods were first scheduled
+/// (and True for good), False with the reason while they wait.
+const GROUP_SCHEDULED: &str = "PodGroupInitiallyScheduled";
+
+/// Writes `PodGroupInitiallyScheduled` on the groups whose pods this plan binds (True) or
+/// explains (False, `Unschedulable`, with the pods' reason), each change once, off the loop,
+/// by server-side apply on the status subresource.
+fn group_status(
+    client: &Client,
+    groups: &[Arc<PodGroup>],
+    pods: &[Arc<Pod>],
+    plan: &cycle::Plan,
+    said: &mut HashMap<(String, String), (bool, String)>,
+) {
+    let by_uid: HashMap<&str, &Pod> =
+        pods.iter().filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref()))).collect();
+    let group_of = |uid: &str| {
+        let p = by_uid.get(uid)?;
+        let name = crate::convert::pod_group_name(p)?;
+        Some((p.metadata.namespace.clone().unwrap_or_else(|| "default".into()), name.to_owned()))
+    };
+    let mut now: HashMap<(String, String), (bool, String)> = HashMap::new();
+    for b in &plan.binds {
+        if let Some(g) = group_of(&b.pod.uid) {
+            now.insert(g, (true, format!("pods of the group bound, {} to {}", b.pod.name, b.node)));
+        }
+    }
+    for (k, why) in &plan.waiting {
+        if let Some(g) = group_of(&k.uid) {
+            now.entry(g).or_insert((false, why.clone()));
+        }
+    }
+    for (key, (ok, msg)) in now {
+        let Some(obj) = groups.iter().find(|g| {
+            g.metadata.namespace.as_ref() == Some(&key.0)
+                && g.metadata.name.as_ref() == Some(&key.1)
+        }) else {
+            continue;
+        };
+        let already_true =
+            obj.status.as_ref().and_then(|s| s.conditions.as_ref()).is_some_and(|c| {
+                c.iter().any(|c| c.type_ == GROUP_SCHEDULED && c.status == "True")
+            });
+        if already_true || said.get(&key).is_some_and(|(o, m)| *o || (*o == ok && *m == msg)) {
+            continue;
+        }
+        said.insert(key.clone(), (ok, msg.clone()));
+        let status = serde_json::json!({
+            "apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup",
+            "metadata": { "name": key.1, "namespace": key.0 },
+            "status": { "conditions": [{
+                "type": GROUP_SCHEDULED,
+                "status": if ok { "True" } else { "False" },
+                "reason": if ok { "Scheduled" } else { "Unschedulable" },
+                "message": msg,
+                "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string(),
+            }] },
+        });
+        let api: Api<PodGroup> = Api::namespaced(client.clone(), &key.0);
+        tokio::spawn(async move {
+            let pp = PatchParams::apply("xpu-scheduler").force();
+            if let Err(e) = api.patch_status(&key.1, &pp, &Patch::Apply(&status)).await {
+                warn!(group = %format!("{}/{}", key.0, key.1), error = %e, "PodGroup status not written");
+            }
+        });
+    }
+    said.retain(|(ns, n), _| {
+        groups.iter().any(|g| {
+            g.metadata.namespace.as_ref() == Some(ns) && g.metadata.name.as_ref() == Some(n)
+        })
+    });
 }
 
 /// How long a ProvisioningRequest just made is not made again (the watch shows it sooner).

@@ -585,6 +585,13 @@ impl Cluster {
         id
     }
 
+    /// Whether node `id` passes interned selector `sel`.
+    pub fn selects(&self, id: NodeId, sel: u32) -> bool {
+        self.node(id).is_some_and(|n| {
+            self.shapes[n.shape as usize].selector_ok.get(sel as usize).copied().unwrap_or(false)
+        })
+    }
+
     pub(crate) fn shape_of(&self, node: &Node) -> &Shape {
         &self.shapes[node.shape as usize]
     }

@@ -70,6 +70,7 @@ pub mod inventory;
 pub mod manifest;
 pub mod nova;
 pub mod placement;
+pub mod pods;
 pub mod policy;
 pub mod pool;
 pub mod request;

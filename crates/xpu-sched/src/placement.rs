@@ -105,6 +105,9 @@ pub struct PlaceCtx<'a> {
     pub exclude: Option<&'a [bool]>,
     /// Ignore node status and reservations (what-if placement on capacity that is not up yet).
     pub any_status: bool,
+    /// Inter-pod constraints of this task: nodes it may not use, and preference scores that
+    /// rank before the policy's ([`crate::pods`]).
+    pub pods: Option<&'a crate::pods::PodMask>,
 }
 
 /// Why one node could not take a task. Order is the filter order; a node counts under the
@@ -124,10 +127,15 @@ pub enum Reason {
     InsufficientCpu,
     InsufficientMemory,
     InsufficientDevices,
+    TopologySpread,
+    SpreadLabel,
+    PodAffinity,
+    PodAntiAffinity,
+    ExistingAntiAffinity,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 12] = [
+    pub const ALL: [Reason; 17] = [
         Reason::NotReady,
         Reason::Provisioning,
         Reason::ScaledToZero,
@@ -140,6 +148,11 @@ impl Reason {
         Reason::InsufficientCpu,
         Reason::InsufficientMemory,
         Reason::InsufficientDevices,
+        Reason::TopologySpread,
+        Reason::SpreadLabel,
+        Reason::PodAffinity,
+        Reason::PodAntiAffinity,
+        Reason::ExistingAntiAffinity,
     ];
 
     fn text(self, kind: DeviceKind) -> String {
@@ -156,6 +169,16 @@ impl Reason {
             Reason::InsufficientCpu => "Insufficient cpu".into(),
             Reason::InsufficientMemory => "Insufficient memory".into(),
             Reason::InsufficientDevices => format!("Insufficient {kind}"),
+            Reason::TopologySpread => "node(s) didn't match pod topology spread constraints".into(),
+            Reason::SpreadLabel => {
+                "node(s) didn't match pod topology spread constraints (missing required label)"
+                    .into()
+            }
+            Reason::PodAffinity => "node(s) didn't match pod affinity rules".into(),
+            Reason::PodAntiAffinity => "node(s) didn't match pod anti-affinity rules".into(),
+            Reason::ExistingAntiAffinity => {
+                "node(s) didn't satisfy existing pods anti-affinity rules".into()
+            }
         }
     }
 }
@@ -503,12 +526,18 @@ impl Placer {
         let mut chosen: Option<NodeId> = None;
         let mut best_rank = u32::MAX;
         let mut weight = 0u64;
-        if let Some(exclude) = ctx.exclude {
-            // Per-node path: exclusions split classes.
+        if ctx.exclude.is_some() || ctx.pods.is_some() {
+            // Per-node path: exclusions and inter-pod constraints split classes.
+            let mut best_pref = i64::MIN;
             for (id, node) in cluster.nodes().iter().enumerate() {
-                if exclude.get(id).copied().unwrap_or(false)
+                if ctx.exclude.and_then(|e| e.get(id).copied()).unwrap_or(false)
+                    || ctx.pods.is_some_and(|m| m.veto.get(id).is_some_and(Option::is_some))
                     || check(cluster, node, d, ctx).is_err()
                 {
+                    continue;
+                }
+                let pref = ctx.pods.and_then(|m| m.pref.get(id).copied()).unwrap_or(0);
+                if pref < best_pref {
                     continue;
                 }
                 let row = memo_row(&mut self.memo, did, cluster.classes.len());
@@ -518,7 +547,7 @@ impl Placer {
                     row[node.class as usize] = s;
                 }
                 let rank = cluster.rank(id as NodeId);
-                let take = if s > best {
+                let take = if pref > best_pref || s > best {
                     weight = 1;
                     true
                 } else if s == best {
@@ -528,6 +557,7 @@ impl Placer {
                     false
                 };
                 if take {
+                    best_pref = pref;
                     best = s;
                     best_rank = rank;
                     chosen = Some(id as NodeId);
@@ -615,7 +645,7 @@ impl Placer {
         };
         match ctx.exclude {
             // Nodes of one state class fail the same filter: one check per class.
-            None => {
+            None if ctx.pods.is_none() => {
                 for &cid in &cluster.active {
                     let class = &cluster.classes[cid as usize];
                     let node = &cluster.nodes()[class.members[0] as usize];
@@ -624,12 +654,13 @@ impl Placer {
                     }
                 }
             }
-            Some(exclude) => {
+            exclude => {
                 for (id, node) in cluster.nodes().iter().enumerate() {
-                    let r = if exclude.get(id).copied().unwrap_or(false) {
+                    let veto = ctx.pods.and_then(|m| m.veto.get(id).copied().flatten());
+                    let r = if exclude.is_some_and(|e| e.get(id).copied().unwrap_or(false)) {
                         Err(Reason::ReservedForHead)
                     } else {
-                        check(cluster, node, d, ctx)
+                        check(cluster, node, d, ctx).and(veto.map_or(Ok(()), Err))
                     };
                     if let Err(r) = r {
                         count(r, 1);

@@ -71,6 +71,10 @@ pub struct TaskSpec {
     /// Tolerated node taints.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<crate::constraints::Toleration>,
+    /// What the task is to other pods and its inter-pod constraints (Kubernetes pods; see
+    /// [`crate::pods`]). `None`: no other task's constraint concerns it.
+    #[serde(skip)]
+    pub pod: Option<std::sync::Arc<crate::pods::PodTerms>>,
 }
 
 /// A set of identical tasks.
@@ -221,6 +225,29 @@ impl TaskSpec {
         d.selector = cluster.selector_id(&sel);
         Ok(d)
     }
+
+    /// Selectors for topology spread's node counting (`nodeAffinityPolicy` /
+    /// `nodeTaintsPolicy`): the node affinity and selector tolerating every taint, and the
+    /// tolerations alone. Interned only for tasks with spread constraints.
+    fn spread_selectors(&self, cluster: &mut Cluster) -> [u32; 2] {
+        if self.pod.as_ref().is_none_or(|p| p.spread.is_empty()) {
+            return [0, 0];
+        }
+        let any_taint = crate::constraints::Toleration {
+            key: None,
+            exists: true,
+            value: String::new(),
+            effect: None,
+        };
+        let affinity = Selector {
+            labels: self.node_selector.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            pool: self.pool.clone(),
+            affinity: self.affinity.clone(),
+            tolerations: vec![any_taint],
+        };
+        let taints = Selector { tolerations: self.tolerations.clone(), ..Selector::default() };
+        [cluster.selector_id(&affinity), cluster.selector_id(&taints)]
+    }
 }
 
 /// What is wrong with a request.
@@ -250,6 +277,10 @@ pub struct ExpandedGroup {
     pub gang: bool,
     /// All tasks in one slice (pool): multi-host TPU slices.
     pub colocate: bool,
+    /// The tasks' inter-pod terms, with the selectors spread counts nodes by: the task's
+    /// node affinity without its tolerations, and its tolerations alone.
+    pub pod: Option<std::sync::Arc<crate::pods::PodTerms>>,
+    pub spread_selectors: [u32; 2],
 }
 
 /// Label GKE puts on TPU nodes: the accelerator type.
@@ -281,6 +312,8 @@ pub fn expand(job: &Job, cluster: &mut Cluster) -> Result<Vec<ExpandedGroup>, Re
                 count: shape.hosts,
                 gang: true,
                 colocate: shape.is_multi_host(),
+                pod: spec.pod.clone(),
+                spread_selectors: spec.spread_selectors(cluster),
             });
             continue;
         }
@@ -295,6 +328,8 @@ pub fn expand(job: &Job, cluster: &mut Cluster) -> Result<Vec<ExpandedGroup>, Re
             count: g.count,
             gang: g.gang,
             colocate: false,
+            pod: g.task.pod.clone(),
+            spread_selectors: g.task.spread_selectors(cluster),
         });
     }
     Ok(out)

@@ -14,11 +14,13 @@
 //! can hold.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::cluster::{Cluster, ClusterError, NodeId, NodeSpec, NodeStatus};
 use crate::placement::{Demand, PlaceCtx, Placement, Placer, Policy, Unschedulable};
+use crate::pods::{PodIndex, PodTerms};
 use crate::policy::{PolicyKind, TaskMix};
 use crate::pool::{FlexPool, PoolReport, PoolState, SlotState};
 use crate::request::{ExpandedGroup, Job, RequestError, Time, expand};
@@ -105,7 +107,20 @@ pub struct SchedulerConfig {
     /// Takes precedence over `lanes`.
     #[serde(default)]
     pub best_effort: bool,
+    /// Fair queue only: every queued job is tried in turn, as with `best_effort`, but a job
+    /// that cannot start reserves the nodes it would take as they free up (placed on the
+    /// cluster as if every device were free, preferring the nodes with the most free now), and
+    /// the jobs after it are placed only on other nodes: the cluster fills around the waiting
+    /// job without delaying it (backfill without run-time estimates). At most
+    /// [`MAX_RESERVATIONS`] jobs reserve per pass; a job whose inter-pod constraints bear on
+    /// its placement reserves nothing (freed capacity would not change where it may go).
+    /// Takes precedence over `best_effort` and `lanes`.
+    #[serde(default)]
+    pub reserve: bool,
 }
+
+/// Jobs that reserve nodes in one pass of the `reserve` queueing.
+pub const MAX_RESERVATIONS: usize = 16;
 
 fn default_policy() -> PolicyKind {
     PolicyKind::Xpu
@@ -129,6 +144,7 @@ impl Default for SchedulerConfig {
             lanes: false,
             fit_per_task: false,
             best_effort: false,
+            reserve: false,
         }
     }
 }
@@ -423,6 +439,8 @@ pub struct Scheduler {
     now: Time,
     /// Head job and shadow time of the last backfill reservation.
     reservation: Option<(JobId, Time)>,
+    /// Pods placed (bound before, and tasks placed since) for inter-pod constraints.
+    pods: PodIndex,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -487,7 +505,14 @@ impl Scheduler {
             seq: 0,
             now: 0,
             reservation: None,
+            pods: PodIndex::new(),
         })
+    }
+
+    /// Records a pod already on node `node` (bound before this scheduler's run) for the
+    /// inter-pod constraints of the tasks placed after it.
+    pub fn place_pod(&mut self, node: NodeId, terms: Arc<PodTerms>) {
+        self.pods.add(node, terms);
     }
 
     pub fn cluster(&self) -> &Cluster {
@@ -678,9 +703,9 @@ impl Scheduler {
         Ok(id)
     }
 
-    /// Places the job on an empty copy of the cluster (flex slots up): an error there means it
-    /// can never run.
-    fn never_fits(&mut self, id: JobId, e: &Entry) -> Option<Unschedulable> {
+    /// The job's groups with their demands interned in the empty copy of the cluster (built
+    /// on first use: every node up, every device free).
+    fn groups_on_empty(&mut self, e: &Entry) -> Option<Vec<ExpandedGroup>> {
         if self.empty.is_none() {
             let mut empty = Cluster::new();
             for n in self.cluster.nodes() {
@@ -729,6 +754,59 @@ impl Scheduler {
             };
             groups.push(spec);
         }
+        Some(groups)
+    }
+
+    /// The nodes job `id` would take once they free up (see [`SchedulerConfig::reserve`]),
+    /// never those in `held`; `None` when it reserves nothing.
+    fn nodes_to_reserve(&mut self, id: JobId, held: Option<&[bool]>) -> Option<Vec<NodeId>> {
+        let e = self.jobs.get(id as usize)?.clone();
+        if e.groups.iter().any(|g| g.pod.as_ref().is_some_and(|t| self.pods.constrains(t))) {
+            return None;
+        }
+        let groups = self.groups_on_empty(&e)?;
+        let veto: Vec<Option<crate::placement::Reason>> = self
+            .cluster
+            .nodes()
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let h = held.and_then(|h| h.get(i).copied()).unwrap_or(false);
+                (h || n.status() != NodeStatus::Ready)
+                    .then_some(crate::placement::Reason::ReservedForHead)
+            })
+            .collect();
+        // The nodes with the most free now are the likeliest to free up first.
+        let pref: Vec<i64> = self
+            .cluster
+            .nodes()
+            .iter()
+            .map(|n| n.devices.iter().map(|d| i64::from(d.free_milli())).sum())
+            .collect();
+        let mask = crate::pods::PodMask { veto, pref };
+        let empty = self.empty.as_mut()?;
+        let ctx = PlaceCtx { token: Entry::token(id), pods: Some(&mask), ..PlaceCtx::default() };
+        let placed = place_tasks(
+            &mut self.invariants,
+            &mut self.planner,
+            empty,
+            &groups,
+            &e.tasks,
+            &ctx,
+            true,
+            None,
+        )
+        .ok()?;
+        self.invariants
+            .check(empty.undo(placed.iter().map(|(_, p)| p)), "undoing a reservation trial");
+        Some(placed.into_iter().map(|(_, p)| p.node).collect())
+    }
+
+    /// Places the job on an empty copy of the cluster (flex slots up): an error there means it
+    /// can never run.
+    fn never_fits(&mut self, id: JobId, e: &Entry) -> Option<Unschedulable> {
+        let groups = self.groups_on_empty(e)?;
+        let empty = self.empty.as_mut()?;
         let ctx = PlaceCtx { token: Entry::token(id), any_status: true, ..PlaceCtx::default() };
         // The whole job at once; with `fit_per_task`, each group on its own, a gang whole and
         // any other group as one task.
@@ -755,6 +833,7 @@ impl Scheduler {
                 tasks,
                 &ctx,
                 true,
+                None,
             ) {
                 Ok(ps) => {
                     self.invariants
@@ -838,7 +917,7 @@ impl Scheduler {
         };
         self.advance(now);
         if let Some(p) = self.jobs[id as usize].tasks[ti].placement.clone() {
-            self.release_placement(id, &p, now);
+            self.release_placement(id, ti, &p, now);
         }
         let e = &mut self.jobs[id as usize];
         e.tasks[ti].done = true;
@@ -974,7 +1053,7 @@ impl Scheduler {
         let ti = self.running_task(id, task, "requeued")?;
         self.advance(now);
         if let Some(p) = self.jobs[id as usize].tasks[ti].placement.take() {
-            self.release_placement(id, &p, now);
+            self.release_placement(id, ti, &p, now);
         }
         let e = &mut self.jobs[id as usize];
         e.need = unplaced_need(&e.groups, &e.tasks, self.config.fit_per_task);
@@ -1048,12 +1127,20 @@ impl Scheduler {
             &e.tasks,
             &ctx,
             false,
+            Some(&mut self.pods),
         );
         self.planner.set_explain(false);
         match placed {
             Ok(ps) => {
-                let undone = self.cluster.undo(ps.iter().map(|(_, p)| p));
-                self.invariants.check(undone, "undoing an explain trial");
+                let e = &self.jobs[id as usize];
+                unplace(
+                    &mut self.invariants,
+                    &mut self.cluster,
+                    Some(&mut self.pods),
+                    &e.groups,
+                    &e.tasks,
+                    &ps,
+                );
                 None
             }
             Err(u) => Some(u),
@@ -1124,7 +1211,7 @@ impl Scheduler {
     /// Strict order: start jobs until one cannot start (nor get capacity, nor preempt).
     fn pass_ordered(&mut self, now: Time, out: &mut Vec<Decision>) {
         while let Some(&(_, _, id)) = self.queue.first() {
-            if !self.start_any_way(id, now, out) {
+            if !self.start_any_way(id, now, None, out) {
                 break;
             }
             if self.jobs[id as usize].has_unplaced() && self.jobs[id as usize].key.is_some() {
@@ -1135,8 +1222,14 @@ impl Scheduler {
 
     /// Tries, in turn: placing now, provisioning flex capacity, preempting. True if the job
     /// left the queue or started something.
-    fn start_any_way(&mut self, id: JobId, now: Time, out: &mut Vec<Decision>) -> bool {
-        if self.try_start(id, now, None, out) {
+    fn start_any_way(
+        &mut self,
+        id: JobId,
+        now: Time,
+        held: Option<&[bool]>,
+        out: &mut Vec<Decision>,
+    ) -> bool {
+        if self.try_start(id, now, held, out) {
             return true;
         }
         if self.try_provision(id, now, out) {
@@ -1155,7 +1248,7 @@ impl Scheduler {
             }
             match &reservation {
                 None => {
-                    if self.start_any_way(id, now, out) {
+                    if self.start_any_way(id, now, None, out) {
                         continue;
                     }
                     match self.shadow(id, now) {
@@ -1220,6 +1313,7 @@ impl Scheduler {
                     &e.tasks,
                     &ctx,
                     true,
+                    None,
                 )
             {
                 let mut mask = vec![false; self.cluster.len()];
@@ -1249,6 +1343,10 @@ impl Scheduler {
         let mut exhausted = vec![false; self.by_queue.len()];
         // Best effort: per queue, the last job tried that is still queued.
         let mut cursor: Vec<Option<QKey>> = vec![None; self.by_queue.len()];
+        // Reserve: nodes held for jobs that could not start, and how many jobs hold some.
+        let reserve = self.config.reserve;
+        let mut held: Option<Vec<bool>> = None;
+        let mut reservations = 0;
         loop {
             let mut best: Option<(f64, usize)> = None;
             for (q, set) in self.by_queue.iter().enumerate() {
@@ -1277,7 +1375,7 @@ impl Scheduler {
                 }
             }
             let Some((_, q)) = best else { break };
-            let head = if self.config.best_effort {
+            let head = if self.config.best_effort || reserve {
                 let set = &self.by_queue[q];
                 match &cursor[q] {
                     None => set.first(),
@@ -1301,8 +1399,22 @@ impl Scheduler {
                 exhausted[q] = true;
                 continue;
             };
-            if !self.start_any_way(id, now, out) || self.jobs[id as usize].key.is_some() {
-                if self.config.best_effort {
+            let started = self.start_any_way(id, now, held.as_deref(), out);
+            if !started || self.jobs[id as usize].key.is_some() {
+                if reserve
+                    && !started
+                    && reservations < MAX_RESERVATIONS
+                    && let Some(nodes) = self.nodes_to_reserve(id, held.as_deref())
+                {
+                    let h = held.get_or_insert_with(|| vec![false; self.cluster.len()]);
+                    for n in nodes {
+                        if let Some(x) = h.get_mut(n as usize) {
+                            *x = true;
+                        }
+                    }
+                    reservations += 1;
+                }
+                if self.config.best_effort || reserve {
                     // Still queued (did not start, or started only in part): try the next.
                     if let Some(k) = self.jobs[id as usize].key {
                         cursor[q] = Some(k);
@@ -1337,6 +1449,7 @@ impl Scheduler {
             &e.tasks,
             &ctx,
             false,
+            Some(&mut self.pods),
         ) {
             Ok(ps) => ps,
             Err(_) => return false,
@@ -1397,9 +1510,13 @@ impl Scheduler {
         out.push(Decision::Start { job: id, tasks: starts });
     }
 
-    fn release_placement(&mut self, id: JobId, p: &Placement, now: Time) {
+    fn release_placement(&mut self, id: JobId, ti: usize, p: &Placement, now: Time) {
         let released = self.cluster.release(p);
         self.invariants.check(released, "releasing a task's placement");
+        let e = &self.jobs[id as usize];
+        if let Some(t) = e.tasks.get(ti).and_then(|t| e.groups.get(t.group)?.pod.as_ref()) {
+            self.pods.remove(p.node, t);
+        }
         let q = self.jobs[id as usize].queue;
         let u = &mut self.queue_usage[q];
         u[0] = u[0].saturating_sub(p.cpu_milli);
@@ -1427,7 +1544,7 @@ impl Scheduler {
             .collect();
         let mut released = Vec::with_capacity(held.len());
         for (ti, p) in held {
-            self.release_placement(id, &p, now);
+            self.release_placement(id, ti, &p, now);
             let e = &mut self.jobs[id as usize];
             released.push(TaskStart { task: e.tasks[ti].task, placement: p });
             e.tasks[ti].placement = None;
@@ -1496,6 +1613,7 @@ impl Scheduler {
                 &e.tasks,
                 &ctx,
                 true,
+                None,
             ) else {
                 continue;
             };
@@ -1791,7 +1909,7 @@ fn trial_fits(
     e: &Entry,
     ctx: &PlaceCtx<'_>,
 ) -> bool {
-    match place_tasks(inv, placer, cluster, &e.groups, &e.tasks, ctx, true) {
+    match place_tasks(inv, placer, cluster, &e.groups, &e.tasks, ctx, true, None) {
         Ok(ps) => {
             let undone = cluster.undo(ps.iter().map(|(_, p)| p));
             inv.check(undone, "undoing a what-if trial");
@@ -1801,6 +1919,7 @@ fn trial_fits(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn place_tasks(
     inv: &mut Invariants,
     placer: &mut Placer,
@@ -1809,6 +1928,7 @@ fn place_tasks(
     tasks: &[TaskSlot],
     ctx: &PlaceCtx<'_>,
     all: bool,
+    mut pods: Option<&mut PodIndex>,
 ) -> Result<Vec<(usize, Placement)>, Unschedulable> {
     let mut done: Vec<(usize, Placement)> = Vec::new();
     let mut first_err: Option<Unschedulable> = None;
@@ -1822,12 +1942,30 @@ fn place_tasks(
         if idx.is_empty() {
             continue;
         }
-        if g.gang || g.colocate || all {
+        let whole = g.gang || g.colocate || all;
+        let terms = g.pod.as_ref();
+        if let (Some(t), Some(index)) = (terms, pods.as_deref_mut())
+            && index.constrains(t)
+        {
+            match place_with_pods(placer, cluster, index, g, t, idx.len(), ctx, whole) {
+                Ok(ps) => done.extend(idx.into_iter().zip(ps)),
+                Err(e) if whole => {
+                    unplace(inv, cluster, pods.as_deref_mut(), groups, tasks, &done);
+                    return Err(e);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+            continue;
+        }
+        let before = done.len();
+        if whole {
             let demands: Vec<Demand> = vec![g.demand; idx.len()];
             match placer.place_gang(cluster, &demands, g.colocate, ctx) {
                 Ok(ps) => done.extend(idx.into_iter().zip(ps)),
                 Err(e) => {
-                    inv.check(cluster.undo(done.iter().map(|(_, p)| p)), "rolling back a gang");
+                    unplace(inv, cluster, pods.as_deref_mut(), groups, tasks, &done);
                     return Err(e);
                 }
             }
@@ -1849,6 +1987,11 @@ fn place_tasks(
                 }
             }
         }
+        if let (Some(t), Some(index)) = (terms, pods.as_deref_mut()) {
+            for (_, p) in &done[before..] {
+                index.add(p.node, t.clone());
+            }
+        }
     }
     if done.is_empty() {
         return Err(first_err.unwrap_or_else(|| Unschedulable {
@@ -1862,4 +2005,124 @@ fn place_tasks(
         }));
     }
     Ok(done)
+}
+
+/// Undoes placements `place_tasks` made: in the cluster and in the pod index.
+fn unplace(
+    inv: &mut Invariants,
+    cluster: &mut Cluster,
+    pods: Option<&mut PodIndex>,
+    groups: &[ExpandedGroup],
+    tasks: &[TaskSlot],
+    done: &[(usize, Placement)],
+) {
+    inv.check(cluster.undo(done.iter().map(|(_, p)| p)), "rolling back a gang");
+    if let Some(index) = pods {
+        for (i, p) in done {
+            if let Some(t) = tasks.get(*i).and_then(|t| groups.get(t.group)?.pod.as_ref()) {
+                index.remove(p.node, t);
+            }
+        }
+    }
+}
+
+/// Domains of a gang's self-affinity key tried, at most, when the first placement fails.
+const MAX_DOMAIN_TRIALS: usize = 256;
+
+/// Places `n` tasks of group `g` one at a time, each with the inter-pod constraints as the
+/// tasks before it left them. `whole`: all or none. A gang that fails as placed freely is tried
+/// in each slice (colocated groups must be in one) or in each domain of the key it must share
+/// (a term it matches itself), the first that takes it all winning.
+#[allow(clippy::too_many_arguments)]
+fn place_with_pods(
+    placer: &mut Placer,
+    cluster: &mut Cluster,
+    index: &mut PodIndex,
+    g: &ExpandedGroup,
+    t: &Arc<PodTerms>,
+    n: usize,
+    ctx: &PlaceCtx<'_>,
+    whole: bool,
+) -> Result<Vec<Placement>, Unschedulable> {
+    let attempt = |placer: &mut Placer,
+                   cluster: &mut Cluster,
+                   index: &mut PodIndex,
+                   only: Option<(&[u32], u32)>,
+                   slice: u32|
+     -> Result<Vec<Placement>, Unschedulable> {
+        let mut ps: Vec<Placement> = Vec::with_capacity(n);
+        for k in 0..n {
+            let counted =
+                |node: NodeId, s: &crate::pods::Spread| match (s.honor_affinity, s.honor_taints) {
+                    (true, true) => cluster.selects(node, g.demand.selector),
+                    (true, false) => cluster.selects(node, g.spread_selectors[0]),
+                    (false, true) => cluster.selects(node, g.spread_selectors[1]),
+                    (false, false) => true,
+                };
+            let mut m = index.mask(cluster, t, &counted);
+            if let Some((doms, d)) = only {
+                m.only(doms, d);
+            }
+            let c = PlaceCtx { pods: Some(&m), slice, ..*ctx };
+            let placed = placer.place(cluster, &g.demand, &c).and_then(|p| {
+                cluster.allocate(&p).map(|()| p).map_err(|_| placer.report(cluster, &g.demand, &c))
+            });
+            match placed {
+                Ok(p) => {
+                    index.add(p.node, t.clone());
+                    ps.push(p);
+                }
+                Err(report) if whole || ps.is_empty() => {
+                    for p in ps.iter().rev() {
+                        let _ = cluster.release(p);
+                        index.remove(p.node, t);
+                    }
+                    return Err(Unschedulable { task: k, of: n, report });
+                }
+                Err(_) => break,
+            }
+        }
+        Ok(ps)
+    };
+    if g.colocate && n > 1 && ctx.slice == 0 {
+        let mut slices: Vec<u32> =
+            (0..cluster.len()).map(|i| cluster.slice_of(i as NodeId)).filter(|&s| s != 0).collect();
+        slices.sort_unstable();
+        slices.dedup();
+        let mut first = None;
+        for s in slices {
+            match attempt(placer, cluster, index, None, s) {
+                Ok(ps) => return Ok(ps),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        return Err(first.unwrap_or_else(|| Unschedulable {
+            task: 0,
+            of: n,
+            report: crate::placement::FitReport {
+                nodes: cluster.len(),
+                kind: g.demand.kind,
+                reasons: vec![(crate::placement::Reason::OtherSlice, cluster.len())],
+            },
+        }));
+    }
+    let first = match attempt(placer, cluster, index, None, ctx.slice) {
+        Ok(ps) => return Ok(ps),
+        Err(e) => e,
+    };
+    if let (true, Some(key)) = (whole && n > 1, t.self_affinity_key()) {
+        let doms = index.domains(cluster, key);
+        let mut seen: Vec<u32> =
+            doms.iter().copied().filter(|&d| d != crate::pods::NO_DOMAIN).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for d in seen.into_iter().take(MAX_DOMAIN_TRIALS) {
+            if let Ok(ps) = attempt(placer, cluster, index, Some((&doms, d)), ctx.slice) {
+                return Ok(ps);
+            }
+        }
+    }
+    Err(first)
 }

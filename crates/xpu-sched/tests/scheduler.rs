@@ -92,6 +92,43 @@ fn best_effort_places_around_a_job_that_waits_and_strict_lanes_do_not() {
     }
 }
 
+/// Fair queue with `reserve`: an 8-GPU job that cannot start reserves the node that frees up
+/// first; the 2-GPU jobs after it fill only the other node (best effort would fill both and
+/// starve it; strict lanes would leave both idle), and it starts as soon as its node frees.
+#[test]
+fn reserve_fills_around_a_waiting_job_without_delaying_it() {
+    let config = SchedulerConfig {
+        queue: QueuePolicy::Fair,
+        lanes: true,
+        reserve: true,
+        fit_per_task: true,
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(gpu_nodes(2, 8), config).unwrap();
+    let a = s.submit(gpus("a", 4), 0).unwrap();
+    let b = s.submit(gpus("b", 6), 0).unwrap();
+    assert_eq!(started(&s.schedule(0)).len(), 2);
+    let (na, nb) = (node_of(&s, a), node_of(&s, b));
+    assert_ne!(na, nb);
+    let big = s.submit(gpus("big", 8), 1).unwrap();
+    let small: Vec<JobId> =
+        (0..4).map(|i| s.submit(gpus(&format!("s{i}"), 2), 2).unwrap()).collect();
+    let ds = started(&s.schedule(2));
+    // The big job holds a's node (4 GPUs free there, the most); the small ones take b's two
+    // free GPUs only.
+    assert_eq!(ds, vec![small[0]], "{ds:?}");
+    assert_eq!(node_of(&s, small[0]), nb);
+    s.finish(a, 3).unwrap();
+    let ds = started(&s.schedule(3));
+    assert_eq!(ds.first(), Some(&big), "{ds:?}");
+    assert_eq!(node_of(&s, big), na);
+    s.audit().unwrap();
+}
+
+fn node_of(s: &Scheduler, id: JobId) -> u32 {
+    s.job(id).unwrap().tasks[0].placement.node
+}
+
 #[test]
 fn two_gangs_that_cannot_both_fit_do_not_deadlock() {
     // Each gang wants 3 of the 4 nodes; one runs, the other waits with nothing held, then runs.

@@ -10,7 +10,7 @@
 mod k8s_support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
@@ -432,30 +432,6 @@ impl Case {
     }
 }
 
-/// Waits until the number of bound pods stays the same for `quiet`.
-async fn settle(admin: &Client, total: usize, quiet: Duration) -> usize {
-    let start = Instant::now();
-    let (mut last, mut since) = (usize::MAX, Instant::now());
-    loop {
-        let pods = Api::<Pod>::namespaced(admin.clone(), "default")
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items;
-        let n = pods.iter().filter(|p| node_of(p).is_some()).count();
-        if n != last {
-            (last, since) = (n, Instant::now());
-        }
-        if n == total
-            || (since.elapsed() >= quiet && start.elapsed() >= quiet)
-            || start.elapsed() > Duration::from_secs(90)
-        {
-            return n;
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-}
-
 /// Bound count, the checker's verdict, and a report: each pod's node or waiting reason (and the
 /// scheduler's log for xpu).
 async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
@@ -496,28 +472,7 @@ async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
     let sched = match &kubeconfig {
         Some(k) => Some(XpuScheduler::start(&cp, k, "diff", &["--no-preemption"])),
         None => {
-            let cfg = cp.dir().join("kube-scheduler.yaml");
-            std::fs::write(
-                &cfg,
-                format!(
-                    "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n\
-                     clientConnection:\n  kubeconfig: {}\nleaderElection:\n  leaderElect: false\n",
-                    cp.admin_kubeconfig().display()
-                ),
-            )
-            .unwrap();
-            let bin = xpu_testkit::kube::bin_dir().unwrap().join("kube-scheduler");
-            let log = std::fs::File::create(cp.dir().join("kube-scheduler-diff.log")).unwrap();
-            kube = Some(
-                std::process::Command::new(bin)
-                    .arg(format!("--config={}", cfg.display()))
-                    .args(["--secure-port=0", "--v=0"])
-                    .stdin(std::process::Stdio::null())
-                    .stdout(log.try_clone().unwrap())
-                    .stderr(log)
-                    .spawn()
-                    .unwrap(),
-            );
+            kube = Some(start_kube_scheduler(&cp, "kube-scheduler-diff", ""));
             None
         }
     };
@@ -530,22 +485,7 @@ async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
         .await
         .unwrap()
         .items;
-    let mut report = String::new();
-    for p in &pods {
-        let why = p.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|c| {
-            c.iter()
-                .find(|c| c.type_ == "PodScheduled" && c.status == "False")
-                .and_then(|c| c.message.clone())
-        });
-        report.push_str(&format!(
-            "  {}: {}\n",
-            p.metadata.name.as_deref().unwrap_or(""),
-            node_of(p).map_or_else(
-                || format!("waits: {}", why.unwrap_or_default()),
-                |n| format!("on {n}")
-            )
-        ));
-    }
+    let mut report = report(&pods);
     if let Some(s) = sched {
         report.push_str(&s.log_text());
     }

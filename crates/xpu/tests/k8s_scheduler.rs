@@ -33,7 +33,7 @@ fn tpu_host(name: &str, pool: &str, topology: &str) -> NodeDef {
 /// The GKE seed's multi-host Job as a real batch/v1 Job: the Job controller makes the pods, xpu
 /// binds both to the two hosts of the one pool of the right topology, the "kubelet" finishes
 /// them and the Job completes. On the same cluster: a node with a malformed topology label is
-/// skipped with an Event, and a pod with pod affinity is told which field xpu does not do.
+/// skipped with an Event, and a pod with pod affinity nobody meets is told which rule.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tpu_multihost_job_lands_on_one_slice_and_completes() {
     let _turn = TURN.lock().await;
@@ -107,7 +107,7 @@ async fn tpu_multihost_job_lands_on_one_slice_and_completes() {
     assert!(warned, "an Event names the bad label");
     assert!(sched.log_text().contains("node skipped"), "{}", sched.log_text());
 
-    // A constraint xpu does not implement: PodScheduled=False naming the field, never a bind.
+    // Pod affinity to a pod nobody runs: PodScheduled=False naming the rule, never a bind.
     let podsapi: Api<Pod> = Api::namespaced(admin.clone(), "default");
     let mut p = pod("affine", "nvidia.com/gpu", 0, &[]);
     p.spec.as_mut().unwrap().affinity = Some(
@@ -124,12 +124,14 @@ async fn tpu_multihost_job_lands_on_one_slice_and_completes() {
                 c.type_ == "PodScheduled"
                     && c.status == "False"
                     && c.reason.as_deref() == Some("Unschedulable")
-                    && c.message.as_deref().is_some_and(|m| m.contains("spec.affinity.podAffinity"))
+                    && c.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains("didn't match pod affinity rules"))
             })
         })
     })
     .await;
-    assert!(told, "the pod is told which field: {:?}", podsapi.get("affine").await.unwrap().status);
+    assert!(told, "the pod is told which rule: {:?}", podsapi.get("affine").await.unwrap().status);
     assert!(node_of(&podsapi.get("affine").await.unwrap()).is_none());
     assert!(sched.child.try_wait().unwrap().is_none(), "the scheduler is still running");
     sched.kill9();

@@ -112,10 +112,11 @@ pub struct SchedulerArgs {
     /// pods wait and are told why.
     #[arg(long, value_name = "FILE")]
     pub share_key: Option<PathBuf>,
-    /// strict: a pod that cannot be placed holds back the later pods of its queue that ask for
-    /// the same device kind (large jobs are never starved); best-effort: later pods are placed
-    /// around it, as kube-scheduler does.
-    #[arg(long, value_enum, default_value_t = Queueing::Strict)]
+    /// reserve: a pod that cannot be placed reserves the nodes it will get as they free up, and
+    /// later pods are placed on the other nodes (the cluster fills, the large pod is not
+    /// starved); strict: it holds back the later pods of its queue that ask for the same device
+    /// kind; best-effort: later pods are placed around it anywhere, as kube-scheduler does.
+    #[arg(long, value_enum, default_value_t = Queueing::Reserve)]
     pub queueing: Queueing,
     /// Seed of the placement policy's tie-breaking (the seed `xpu sim openb` prints).
     #[arg(long, value_name = "N", default_value_t = 0)]
@@ -138,6 +139,7 @@ pub struct SchedulerArgs {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Queueing {
+    Reserve,
     Strict,
     BestEffort,
 }
@@ -302,6 +304,7 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
             bind_concurrency: a.bind_concurrency as usize,
             share_key,
             best_effort: a.queueing == Queueing::BestEffort,
+            reserve: a.queueing == Queueing::Reserve,
             seed: a.seed,
             preemption: !a.no_preemption,
             provisioning_backoff: Duration::from_secs(a.provisioning_backoff),

@@ -312,3 +312,68 @@ fn tail(s: &str, n: usize) -> &str {
     let start = (start..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(s.len());
     &s[start..]
 }
+
+/// kube-scheduler v1.37.2 from the test kit's binaries as the plane's default scheduler,
+/// logging to `<plane dir>/<log_name>.log`, with `gates` as its `--feature-gates` (empty:
+/// none). Kill the child when done.
+pub fn start_kube_scheduler(cp: &ControlPlane, log_name: &str, gates: &str) -> Child {
+    let cfg = cp.dir().join(format!("{log_name}.yaml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n\
+             clientConnection:\n  kubeconfig: {}\nleaderElection:\n  leaderElect: false\n",
+            cp.admin_kubeconfig().display()
+        ),
+    )
+    .unwrap();
+    let bin = xpu_testkit::kube::bin_dir().unwrap().join("kube-scheduler");
+    let log = std::fs::File::create(cp.dir().join(format!("{log_name}.log"))).unwrap();
+    let mut cmd = Command::new(bin);
+    cmd.arg(format!("--config={}", cfg.display())).args(["--secure-port=0", "--v=0"]);
+    if !gates.is_empty() {
+        cmd.arg(format!("--feature-gates={gates}"));
+    }
+    cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap()
+}
+
+/// Waits until the number of bound pods in `default` stays the same for `quiet` (or all
+/// `total` are bound, or 90 s pass); returns it.
+pub async fn settle(admin: &Client, total: usize, quiet: Duration) -> usize {
+    let start = Instant::now();
+    let (mut last, mut since) = (usize::MAX, Instant::now());
+    loop {
+        let n = pods(admin, "default").await.iter().filter(|p| node_of(p).is_some()).count();
+        if n != last {
+            (last, since) = (n, Instant::now());
+        }
+        if n == total
+            || (since.elapsed() >= quiet && start.elapsed() >= quiet)
+            || start.elapsed() > Duration::from_secs(90)
+        {
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Each pod's node, or why it waits (its `PodScheduled=False` message), one per line.
+pub fn report(pods: &[Pod]) -> String {
+    let mut out = String::new();
+    for p in pods {
+        let why = p.status.as_ref().and_then(|s| s.conditions.as_ref()).and_then(|c| {
+            c.iter()
+                .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+                .and_then(|c| c.message.clone())
+        });
+        out.push_str(&format!(
+            "  {}: {}\n",
+            p.metadata.name.as_deref().unwrap_or(""),
+            node_of(p).map_or_else(
+                || format!("waits: {}", why.unwrap_or_default()),
+                |n| format!("on {n}")
+            )
+        ));
+    }
+    out
+}
