@@ -427,6 +427,9 @@ pub struct GroupPolicy {
     pub min_count: Option<u32>,
     /// `schedulingConstraints.topology[0].key`: every pod of the group in one domain of it.
     pub topology: Option<String>,
+    /// `spec.priority` (admission resolves it from `priorityClassName`); every pod of the
+    /// group must have it.
+    pub priority: Option<i32>,
 }
 
 /// PodGroups by (namespace, name).
@@ -459,7 +462,7 @@ pub fn group_policy(
         .and_then(|c| c.topology.as_ref())
         .and_then(|t| t.first())
         .map(|t| t.key.clone());
-    Ok(GroupPolicy { min_count, topology })
+    Ok(GroupPolicy { min_count, topology, priority: spec.priority })
 }
 
 /// How the pod belongs to a gang.
@@ -519,6 +522,17 @@ pub fn gang(
                 &format!("PodGroup {ns}/{name} does not exist (yet): the pod waits for it"),
             ));
         };
+        let own = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+        if let Some(gp) = g.priority
+            && gp != own
+        {
+            return Err(unsupported(
+                "spec.priority",
+                &format!(
+                    "all pods in a single pod group should have the same priority as the pod group's priority, got {own} and {gp}"
+                ),
+            ));
+        }
         return Ok(g.min_count.map(|size| GangRef {
             key: format!("{ns}/{PODGROUP_KEY}{name}"),
             size,

@@ -38,6 +38,9 @@ pub struct Demand {
     pub models: ModelMask,
     /// Interned node selector ([`Cluster::selector_id`]); 0 matches every node.
     pub selector: u32,
+    /// The selector's tolerations alone, interned, to tell a taint from a label that does
+    /// not match when `selector` fails (0: no tolerations).
+    pub taints: u32,
 }
 
 impl Demand {
@@ -51,6 +54,7 @@ impl Demand {
             milli: 0,
             models: ANY_MODEL,
             selector: 0,
+            taints: 0,
         }
     }
 
@@ -121,6 +125,7 @@ pub enum Reason {
     Cordoned,
     ReservedForOther,
     ReservedForHead,
+    Taint,
     Selector,
     OtherSlice,
     NoSuchDevice,
@@ -135,13 +140,14 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 18] = [
         Reason::NotReady,
         Reason::Provisioning,
         Reason::ScaledToZero,
         Reason::Cordoned,
         Reason::ReservedForOther,
         Reason::ReservedForHead,
+        Reason::Taint,
         Reason::Selector,
         Reason::OtherSlice,
         Reason::NoSuchDevice,
@@ -163,6 +169,7 @@ impl Reason {
             Reason::Cordoned => "node(s) were unschedulable".into(),
             Reason::ReservedForOther => "node(s) were reserved for another job".into(),
             Reason::ReservedForHead => "node(s) were held for the queue head".into(),
+            Reason::Taint => "node(s) had untolerated taint(s)".into(),
             Reason::Selector => "node(s) didn't match Pod's node affinity/selector".into(),
             Reason::OtherSlice => "node(s) were outside the slice of the rest of the gang".into(),
             Reason::NoSuchDevice => format!("node(s) had no {kind} of an allowed model"),
@@ -201,9 +208,13 @@ impl FitReport {
 impl fmt::Display for FitReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "0/{} nodes are available", self.nodes)?;
-        for (i, (r, n)) in self.reasons.iter().enumerate() {
+        // In kube-scheduler's order: the "count reason" strings sorted.
+        let mut parts: Vec<String> =
+            self.reasons.iter().map(|(r, n)| format!("{n} {}", r.text(self.kind))).collect();
+        parts.sort();
+        for (i, p) in parts.iter().enumerate() {
             f.write_str(if i == 0 { ": " } else { ", " })?;
-            write!(f, "{n} {}", r.text(self.kind))?;
+            f.write_str(p)?;
         }
         Ok(())
     }
@@ -312,13 +323,24 @@ pub(crate) fn check(
     }
     let shape = cluster.shape_of(node);
     if !shape.selector_ok.get(d.selector as usize).copied().unwrap_or(false) {
+        // Taints first, as kube-scheduler's filters run.
+        if !shape.selector_ok.get(d.taints as usize).copied().unwrap_or(true) {
+            return Err(Reason::Taint);
+        }
         return Err(Reason::Selector);
     }
     if ctx.slice != 0 && shape.slice != ctx.slice {
         return Err(Reason::OtherSlice);
     }
     if d.count > 0 && !(0..node.devices.len()).any(|i| device_matches(node, i, d)) {
-        return Err(Reason::NoSuchDevice);
+        // A node with none of the kind lacks the resource (kube-scheduler's `Insufficient`);
+        // one with some, none of an allowed model, is told so.
+        let some = node.devices.iter().any(|x| x.kind == d.kind);
+        return Err(if some && d.models != ANY_MODEL {
+            Reason::NoSuchDevice
+        } else {
+            Reason::InsufficientDevices
+        });
     }
     if node.cpu_free < d.cpu_milli {
         return Err(Reason::InsufficientCpu);
@@ -932,11 +954,11 @@ mod tests {
         let p = Placer::new(Box::new(Zero), 1);
         let r = p.report(&c, &Demand::whole(8000, 10, DeviceKind::Gpu, 2), &PlaceCtx::default());
         assert_eq!(r.count(Reason::InsufficientCpu), 5);
-        assert_eq!(r.count(Reason::NoSuchDevice), 3);
-        assert_eq!(r.count(Reason::InsufficientDevices), 0);
+        assert_eq!(r.count(Reason::NoSuchDevice), 0);
+        assert_eq!(r.count(Reason::InsufficientDevices), 3);
         assert_eq!(
             r.to_string(),
-            "0/9 nodes are available: 5 Insufficient cpu, 3 node(s) had no gpu of an allowed model"
+            "0/9 nodes are available: 3 Insufficient gpu, 5 Insufficient cpu"
         );
         let r = p.report(
             &c,

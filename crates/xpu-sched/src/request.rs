@@ -223,6 +223,10 @@ impl TaskSpec {
             tolerations: self.tolerations.clone(),
         };
         d.selector = cluster.selector_id(&sel);
+        d.taints = cluster.selector_id(&Selector {
+            tolerations: self.tolerations.clone(),
+            ..Selector::default()
+        });
         Ok(d)
     }
 

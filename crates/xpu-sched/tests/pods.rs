@@ -67,3 +67,34 @@ fn affinity_follows_placed_pods_and_anti_affinity_keeps_them_apart() {
     let ds = s.schedule(0);
     assert!(ds.iter().any(|d| matches!(d, Decision::Start { job, .. } if *job == id)), "{ds:?}");
 }
+
+#[test]
+fn a_taint_is_named_as_a_taint_not_as_a_selector() {
+    use xpu_sched::constraints::{Effect, Taint};
+    let c = Cluster::from_specs([
+        NodeSpec::new("t", 32_000, 65_536).taint(Taint {
+            key: "node.kubernetes.io/not-ready".into(),
+            value: String::new(),
+            effect: Effect::NoSchedule,
+        }),
+        NodeSpec::new("l", 32_000, 65_536).label("pool", "other"),
+    ])
+    .unwrap();
+    let mut s = Scheduler::new(c, cfg()).unwrap();
+    let id = s
+        .submit(
+            Job::single("p", TaskGroup::new(1, TaskSpec::cpu(100, 64).select("pool", "mine"))),
+            0,
+        )
+        .unwrap();
+    let ds = s.schedule(0);
+    let why = ds
+        .iter()
+        .find_map(|d| match d {
+            Decision::Fail { job, error } if *job == id => Some(error.to_string()),
+            _ => None,
+        })
+        .unwrap_or_default();
+    assert!(why.contains("1 node(s) had untolerated taint(s)"), "{why}");
+    assert!(why.contains("1 node(s) didn't match Pod's node affinity/selector"), "{why}");
+}

@@ -469,3 +469,67 @@ async fn pod_groups_bind_whole_in_one_domain_or_wait_named() {
         .collect();
     assert!(short.iter().all(|p| node_of(p).is_none()), "a short gang binds nothing");
 }
+
+/// `xpu k8s scheduler --scheduler-name default-scheduler` as the only scheduler of a control
+/// plane: the pods kube-controller-manager makes for a Deployment, a Job and a DaemonSet (one
+/// pod per node, kept there by `matchFields` on `metadata.name`) are all scheduled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn as_the_default_scheduler_it_places_what_the_controllers_make() {
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_controller_manager().controllers([
+        "serviceaccount-controller",
+        "deployment-controller",
+        "replicaset-controller",
+        "job-controller",
+        "daemonset-controller",
+    ]))
+    .await;
+    let admin = cp.admin_client();
+    let kubeconfig = install_scheduler_rbac(&cp).await;
+    for n in ["d1", "d2", "d3"] {
+        add_node(&admin, &NodeDef::new(n).gpus("nvidia.com/gpu", 4)).await;
+    }
+    let _sched = XpuScheduler::start(
+        &cp,
+        &kubeconfig,
+        "default",
+        &["--scheduler-name", "default-scheduler"],
+    );
+    let container = json!([{ "name": "c", "image": "busybox",
+        "resources": { "requests": { "cpu": "100m", "memory": "64Mi" } } }]);
+    let docs = [
+        json!({ "apiVersion": "apps/v1", "kind": "Deployment", "metadata": { "name": "web" },
+            "spec": { "replicas": 3, "selector": { "matchLabels": { "app": "web" } },
+                "template": { "metadata": { "labels": { "app": "web" } },
+                    "spec": { "containers": container } } } }),
+        json!({ "apiVersion": "batch/v1", "kind": "Job", "metadata": { "name": "batch" },
+            "spec": { "completions": 2, "parallelism": 2,
+                "template": { "metadata": { "labels": { "app": "batch" } },
+                    "spec": { "restartPolicy": "Never", "containers": container } } } }),
+        json!({ "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": { "name": "agent" },
+            "spec": { "selector": { "matchLabels": { "app": "agent" } },
+                "template": { "metadata": { "labels": { "app": "agent" } },
+                    "spec": { "containers": container } } } }),
+    ];
+    for d in &docs {
+        k8s_support::create(&admin, d, false).await.unwrap();
+    }
+    let all_bound = wait_until(Duration::from_secs(60), || async {
+        let ps = pods(&admin, "default").await;
+        ps.len() == 8 && ps.iter().all(|p| node_of(p).is_some())
+    })
+    .await;
+    let ps = pods(&admin, "default").await;
+    let seen: Vec<(String, Option<String>)> = ps
+        .iter()
+        .map(|p| (p.metadata.name.clone().unwrap(), node_of(p).map(str::to_owned)))
+        .collect();
+    assert!(all_bound, "{seen:?}");
+    // One agent per node.
+    let agents: BTreeSet<&str> = ps
+        .iter()
+        .filter(|p| p.metadata.name.as_deref().is_some_and(|n| n.starts_with("agent-")))
+        .filter_map(node_of)
+        .collect();
+    assert_eq!(agents.len(), 3, "{seen:?}");
+}

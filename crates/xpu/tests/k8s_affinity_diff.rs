@@ -2,7 +2,8 @@
 //! clusters (zones, racks, node pools, taints, device-plugin GPUs) and workloads (required pod
 //! affinity and anti-affinity on any key, `namespaceSelector`, topology spread with
 //! `DoNotSchedule` and `minDomains`, preferred terms, `ScheduleAnyway`, node selectors,
-//! tolerations, `matchFields`), each on a fresh real control plane. An independent checker
+//! tolerations, `matchFields`, PodGroup gangs with and without a topology constraint), each on a
+//! fresh real control plane with `GenericWorkload` and `TopologyAwareWorkloadScheduling` on. An independent checker
 //! validates every binding of both from the generator's own description, and the test compares
 //! how many pods each bound (`XPU_AFFINITY_DIFF_STRICT=1`: xpu must bind at least as many on
 //! every seed; `XPU_AFFINITY_DIFF_SEEDS=1,2,...` picks the seeds).
@@ -15,6 +16,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
+use k8s_openapi::api::scheduling::v1beta1::PodGroup;
 use kube::Client;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
@@ -22,6 +24,9 @@ use xpu_sched::rng::Rng;
 use xpu_testkit::kube::ControlPlaneOptions;
 
 use k8s_support::*;
+
+/// Kubernetes' own gangs, on in the API server and in kube-scheduler.
+const GATES: &str = "GenericWorkload=true,TopologyAwareWorkloadScheduling=true";
 
 const KEYS: [&str; 3] =
     ["kubernetes.io/hostname", "topology.kubernetes.io/zone", "example.com/rack"];
@@ -57,6 +62,8 @@ struct App {
     on_node: Option<String>,
     /// Terms look in every namespace (`namespaceSelector: {}`).
     all_namespaces: bool,
+    /// A PodGroup gang of all its replicas (`gang.minCount`), with a topology key or none.
+    gang: Option<Option<&'static str>>,
 }
 
 #[derive(Debug)]
@@ -105,6 +112,7 @@ impl Case {
                 tolerates: rng.below(3) == 0,
                 on_node: None,
                 all_namespaces: rng.below(4) == 0,
+                gang: None,
             };
             match rng.below(6) {
                 0 => app.anti_self = Some(key(&mut rng)),
@@ -126,6 +134,10 @@ impl Case {
             if rng.below(4) == 0 {
                 app.pool = Some(["p0", "p1"][rng.index(2)]);
             }
+            if app.on_node.is_none() && rng.below(4) == 0 {
+                app.replicas = 2 + rng.index(3);
+                app.gang = Some([None, Some(KEYS[1]), Some(KEYS[2])][rng.index(3)]);
+            }
             apps.push(app);
         }
         Case { nodes, apps }
@@ -143,7 +155,13 @@ impl Case {
         t
     }
 
+    /// The index of an app's first pod in creation order (its gang's priority class).
+    fn first_pod(&self, app: &App) -> usize {
+        self.apps.iter().take_while(|a| a.name != app.name).map(|a| a.replicas).sum()
+    }
+
     fn pod(&self, app: &App, i: usize, prio: usize, scheduler: &str) -> Value {
+        let prio = if app.gang.is_some() { self.first_pod(app) } else { prio };
         let mut spec = json!({
             "schedulerName": scheduler, "restartPolicy": "Never",
             "priorityClassName": format!("diff-{prio:03}"),
@@ -195,6 +213,9 @@ impl Case {
         if let Some(p) = app.pool {
             spec["nodeSelector"] = json!({ "pool": p });
         }
+        if app.gang.is_some() {
+            spec["schedulingGroup"] = json!({ "podGroupName": app.name });
+        }
         if app.tolerates {
             spec["tolerations"] =
                 json!([{ "key": "dedicated", "operator": "Exists", "effect": "NoSchedule" }]);
@@ -227,6 +248,19 @@ impl Case {
                 "preemptionPolicy": "Never" }))
             .unwrap();
             Api::<PriorityClass>::all(admin.clone()).create(&pp, &pc).await.unwrap();
+        }
+        for app in &self.apps {
+            let Some(topology) = app.gang else { continue };
+            // A group's pods and the group share one priority (kube-scheduler requires it).
+            let mut spec = json!({ "schedulingPolicy": { "gang": { "minCount": app.replicas } },
+                                   "priorityClassName": format!("diff-{:03}", self.first_pod(app)) });
+            if let Some(k) = topology {
+                spec["schedulingConstraints"] = json!({ "topology": [{ "key": k }] });
+            }
+            let g: PodGroup =
+                serde_json::from_value(json!({ "metadata": { "name": app.name }, "spec": spec }))
+                    .unwrap();
+            Api::<PodGroup>::namespaced(admin.clone(), "default").create(&pp, &g).await.unwrap();
         }
         let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
         let mut prio = 0;
@@ -302,6 +336,27 @@ impl Case {
                 return Err(format!("{} over capacity", n.name));
             }
         }
+        // Gangs: all or nothing, in one domain of the group's key.
+        for (a, app) in self.apps.iter().enumerate() {
+            let Some(topology) = app.gang else { continue };
+            let on: Vec<&&NodeCase> =
+                bound.iter().filter(|(_, b, _)| *b == a).map(|(_, _, n)| n).collect();
+            if !on.is_empty() && on.len() != app.replicas {
+                return Err(format!(
+                    "gang {}: {} of {} pods bound",
+                    app.name,
+                    on.len(),
+                    app.replicas
+                ));
+            }
+            if let Some(k) = topology {
+                let domains: std::collections::BTreeSet<Option<&String>> =
+                    on.iter().map(|n| n.labels.get(k)).collect();
+                if domains.len() > 1 || domains.contains(&None) {
+                    return Err(format!("gang {} spans {k} domains {domains:?}", app.name));
+                }
+            }
+        }
         // Spread: over the domains of the nodes the app may use, the counts differ by at most
         // maxSkew (the least counts 0 with fewer domains than minDomains).
         for (a, app) in self.apps.iter().enumerate() {
@@ -338,13 +393,18 @@ impl Case {
 }
 
 async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
-    let cp = plane(ControlPlaneOptions::default()).await;
+    let cp = plane(
+        ControlPlaneOptions::default()
+            .apiserver_flag(format!("--feature-gates={GATES}"))
+            .apiserver_flag("--runtime-config=scheduling.k8s.io/v1beta1=true"),
+    )
+    .await;
     let admin = cp.admin_client();
     let kubeconfig = if xpu { Some(install_scheduler_rbac(&cp).await) } else { None };
     case.create(&admin, if xpu { "xpu" } else { "default-scheduler" }).await;
     let (sched, mut kube) = match &kubeconfig {
         Some(k) => (Some(XpuScheduler::start(&cp, k, "diff", &["--no-preemption"])), None),
-        None => (None, Some(start_kube_scheduler(&cp, "kube-scheduler-diff", ""))),
+        None => (None, Some(start_kube_scheduler(&cp, "kube-scheduler-diff", GATES))),
     };
     let total: usize = case.apps.iter().map(|a| a.replicas).sum();
     let n = settle(&admin, total, Duration::from_secs(12)).await;
@@ -386,6 +446,9 @@ async fn xpu_and_kube_scheduler_keep_inter_pod_constraints_and_bind_comparably()
         }
         // No pod is refused as unsupported.
         assert!(!log.contains("not supported"), "seed {seed}: {log}");
+        if std::env::var_os("XPU_AFFINITY_DIFF_VERBOSE").is_some() {
+            eprintln!("seed {seed}:\n{case:#?}\nkube-scheduler:\n{kube_report}\nxpu:\n{log}");
+        }
         if xpu < kube {
             let msg = format!(
                 "seed {seed}: xpu bound {xpu} < kube-scheduler's {kube}\n{case:#?}\nkube-scheduler:\n{kube_report}\nxpu:\n{log}"

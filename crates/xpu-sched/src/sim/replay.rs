@@ -124,6 +124,9 @@ pub struct ReplayReport {
     pub jct: Stats,
     /// Submit to first start, started jobs.
     pub queueing: Stats,
+    /// Submit to first start, started jobs asking for a whole node's worth of devices (8) or
+    /// more: what a queueing policy that fills the cluster may cost the large jobs.
+    pub queueing_large: Stats,
     /// Device-time held by running tasks ÷ (device capacity × makespan), percent.
     pub gpu_utilization: f64,
     /// First submit to last completion, seconds.
@@ -138,11 +141,25 @@ pub struct ReplayOptions {
     pub queue: QueuePolicy,
     pub preemption: bool,
     pub seed: u64,
+    /// Fair queue only: how a job that cannot start treats the jobs behind it (see
+    /// [`SchedulerConfig::lanes`], [`SchedulerConfig::best_effort`],
+    /// [`SchedulerConfig::reserve`]).
+    pub lanes: bool,
+    pub best_effort: bool,
+    pub reserve: bool,
 }
 
 impl Default for ReplayOptions {
     fn default() -> Self {
-        Self { policy: PolicyKind::Xpu, queue: QueuePolicy::Fifo, preemption: false, seed: 42 }
+        Self {
+            policy: PolicyKind::Xpu,
+            queue: QueuePolicy::Fifo,
+            preemption: false,
+            seed: 42,
+            lanes: false,
+            best_effort: false,
+            reserve: false,
+        }
     }
 }
 
@@ -188,6 +205,9 @@ pub fn replay(
         preemption: opts.preemption,
         pools: flex,
         seed: opts.seed,
+        lanes: opts.lanes,
+        best_effort: opts.best_effort,
+        reserve: opts.reserve,
         ..SchedulerConfig::default()
     };
     let mut sched = Scheduler::new(cluster, config)?;
@@ -295,11 +315,28 @@ pub fn replay(
     }
     let mut jct = Vec::new();
     let mut queueing = Vec::new();
+    let mut queueing_large = Vec::new();
     let (mut finished, mut failed, mut stopped) = (0, 0, 0);
     for id in 0..sched.jobs() as u32 {
         let Some(v) = sched.job(id) else { continue };
         if let Some(s) = v.first_started {
             queueing.push(s - v.submitted);
+            let devices: u64 =
+                trace_of.get(id as usize).and_then(|&i| jobs.get(i)).map_or(0, |j| {
+                    j.job
+                        .groups
+                        .iter()
+                        .map(|g| match g.task.devices {
+                            crate::request::DeviceAsk::Whole(n) => {
+                                u64::from(g.count) * u64::from(n)
+                            }
+                            _ => 0,
+                        })
+                        .sum()
+                });
+            if devices >= 8 {
+                queueing_large.push(s - v.submitted);
+            }
         }
         match v.status {
             JobStatus::Finished => {
@@ -329,6 +366,7 @@ pub fn replay(
         preemptions,
         jct: Stats::of(jct),
         queueing: Stats::of(queueing),
+        queueing_large: Stats::of(queueing_large),
         gpu_utilization,
         makespan,
         pools: sched.pool_reports(last),

@@ -124,6 +124,12 @@ pub struct ReplayArgs {
     pub policy: String,
     #[arg(long, value_enum, default_value_t = QueueArg::Fifo)]
     pub queue: QueueArg,
+    /// With `--queue fair`: what a job that cannot start does to the jobs behind it. reserve:
+    /// it reserves the nodes it will get as they free up, the others fill the rest (xpu's
+    /// default everywhere); strict: it holds back the later jobs of its queue asking for the
+    /// same device kind; best-effort: the later jobs are placed anywhere around it.
+    #[arg(long, value_enum, default_value_t = crate::cmd::k8s::Queueing::Reserve)]
+    pub queueing: crate::cmd::k8s::Queueing,
     /// Let higher-priority jobs evict lower-priority ones.
     #[arg(long)]
     pub preemption: bool,
@@ -506,6 +512,9 @@ fn run_replay(a: ReplayArgs) -> CmdResult {
         queue: a.queue.into(),
         preemption: a.preemption,
         seed: a.seed,
+        lanes: a.queueing == crate::cmd::k8s::Queueing::Strict,
+        best_effort: a.queueing == crate::cmd::k8s::Queueing::BestEffort,
+        reserve: a.queueing == crate::cmd::k8s::Queueing::Reserve,
     };
     let tty = std::io::stderr().is_terminal();
     let mut last_draw = 0usize;
@@ -560,7 +569,11 @@ fn run_replay(a: ReplayArgs) -> CmdResult {
                 "{}",
                 table(
                     &["", "mean", "p50", "p95", "p99"],
-                    &[row("JCT", &report.jct), row("queueing delay", &report.queueing)]
+                    &[
+                        row("JCT", &report.jct),
+                        row("queueing delay", &report.queueing),
+                        row("queueing, jobs of 8+ GPUs", &report.queueing_large),
+                    ]
                 )
             );
             println!(
