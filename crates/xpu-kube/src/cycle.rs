@@ -946,6 +946,28 @@ pub fn plan(
     }
 }
 
+/// Records every bound (or assumed) pod, but those `snap.hold_out` leaves out, where it is, for
+/// the inter-pod constraints of the pods placed after it.
+pub(crate) fn record_placed(snap: &Snapshot<'_>, sched: &mut Scheduler) {
+    for p in snap.pods.iter().filter(|p| !terminal(p)) {
+        let Some(node) = bound_node(p, snap.assumed) else { continue };
+        if snap.hold_out.is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u))) {
+            continue;
+        }
+        let Some(id) = sched.cluster().node_id(node) else { continue };
+        if let Some(t) = placed_terms(snap, p) {
+            sched.place_pod(id, t);
+        }
+    }
+}
+
+/// What a bound pod is to the pods placed after it (labels, anti-affinity, preferences).
+pub(crate) fn placed_terms(snap: &Snapshot<'_>, p: &Pod) -> Option<Arc<xpu_sched::pods::PodTerms>> {
+    let mut t = affinity::terms(p, snap.namespace_labels, false, false).ok()?;
+    with_group(snap, p, &mut t, false);
+    Some(Arc::new(t))
+}
+
 /// Internal pod label (never a real one: `~` is not allowed in label keys) naming the PodGroup
 /// a pod belongs to, for the group's topology constraint.
 const POD_GROUP: &str = "xpu.dev~pod-group";
@@ -1064,20 +1086,7 @@ fn plan_once(
             !terminal(p) && bound_node(p, snap.assumed).is_some() && affinity::has_terms(p, false)
         });
     if inter_pod {
-        for p in snap.pods.iter().filter(|p| !terminal(p)) {
-            let Some(node) = bound_node(p, snap.assumed) else { continue };
-            if snap
-                .hold_out
-                .is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u)))
-            {
-                continue;
-            }
-            let Some(id) = sched.cluster().node_id(node) else { continue };
-            if let Ok(mut t) = affinity::terms(p, snap.namespace_labels, false, false) {
-                with_group(snap, p, &mut t, false);
-                sched.place_pod(id, Arc::new(t));
-            }
-        }
+        record_placed(snap, &mut sched);
     }
 
     let mut units: Vec<Unit> = Vec::new();

@@ -200,6 +200,13 @@ pub fn plan(
         }
     };
 
+    // Inter-pod constraints hold in the what-if too: the pods that stay are recorded where
+    // they are, and the candidates carry their terms (released when they are evicted).
+    let inter_pod = waiting.iter().any(|w| w.job.groups.iter().any(|g| g.task.pod.is_some()));
+    if inter_pod {
+        crate::cycle::record_placed(&what_if, &mut sched);
+    }
+
     // Candidates as running jobs: a gang's members together.
     let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     for &i in &candidates {
@@ -218,10 +225,13 @@ pub fn plan(
                 ok = false;
                 break;
             };
-            let Some((task, devices)) = held_task(h.pod, &sched, node, &mut taken) else {
+            let Some((mut task, devices)) = held_task(h.pod, &sched, node, &mut taken) else {
                 ok = false;
                 break;
             };
+            if inter_pod {
+                task.pod = crate::cycle::placed_terms(snap, h.pod);
+            }
             groups.push(TaskGroup::new(1, task));
             running.push((TaskRef { group: gi as u32, index: 0 }, node, devices));
         }

@@ -111,16 +111,19 @@ pub struct SchedulerConfig {
     /// that cannot start reserves the nodes it would take as they free up (placed on the
     /// cluster as if every device were free, preferring the nodes with the most free now), and
     /// the jobs after it are placed only on other nodes: the cluster fills around the waiting
-    /// job without delaying it (backfill without run-time estimates). At most
-    /// [`MAX_RESERVATIONS`] jobs reserve per pass; a job whose inter-pod constraints bear on
-    /// its placement reserves nothing (freed capacity would not change where it may go).
+    /// job without delaying it (backfill without run-time estimates). Only the first such job
+    /// in fair-share order reserves ([`MAX_RESERVATIONS`], EASY backfill's one reservation:
+    /// more, replayed on the Philly trace, held so much of the cluster idle that every job
+    /// waited longer); a job whose inter-pod constraints bear on its placement reserves nothing
+    /// (freed capacity would not change where it may go).
     /// Takes precedence over `best_effort` and `lanes`.
     #[serde(default)]
     pub reserve: bool,
 }
 
-/// Jobs that reserve nodes in one pass of the `reserve` queueing.
-pub const MAX_RESERVATIONS: usize = 16;
+/// Jobs that reserve nodes in one pass of the `reserve` queueing (see
+/// [`SchedulerConfig::reserve`]).
+pub const MAX_RESERVATIONS: usize = 1;
 
 fn default_policy() -> PolicyKind {
     PolicyKind::Xpu
@@ -990,6 +993,14 @@ impl Scheduler {
             return Err(e);
         }
         if !placed.is_empty() {
+            // Adopted tasks bear on the inter-pod constraints of what is placed after them.
+            let e = &self.jobs[id as usize];
+            for (ti, p) in &placed {
+                if let Some(t) = e.tasks.get(*ti).and_then(|t| e.groups.get(t.group)?.pod.as_ref())
+                {
+                    self.pods.add(p.node, t.clone());
+                }
+            }
             let mut ignored = Vec::new();
             self.record_start(id, placed, now, &mut ignored);
         }

@@ -138,6 +138,14 @@ async fn affinity_anti_affinity_spread_and_match_fields_hold() {
     }
     assert!(placed.values().any(|n| Some(n) == near_on.get("near")), "{near_on:?} {placed:?}");
     says(&admin, "lonely", "didn't match pod affinity rules").await;
+    // A loop of mutual affinity: neither is the first of its own group, both wait, named.
+    for (me, other) in [("loop-a", "loop-b"), ("loop-b", "loop-a")] {
+        let t = json!({ "affinity": { "podAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": [
+            term(json!({ "matchLabels": { "app": other } }), "kubernetes.io/hostname") ] } } });
+        create(&admin, &pod_with(me, "", 0, &[("app", me)], t)).await;
+    }
+    says(&admin, "loop-a", "didn't match pod affinity rules").await;
+    says(&admin, "loop-b", "didn't match pod affinity rules").await;
 
     // A pod without terms that web's anti-affinity matches stays off web's hosts: every host
     // has one, so it waits, named by the existing pods' rule.
