@@ -10,7 +10,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use k8s_openapi::api::core::v1::{Pod, PodAffinityTerm, TopologySpreadConstraint};
+use k8s_openapi::api::core::v1::{
+    Pod, PodAffinityTerm, TopologySpreadConstraint, WeightedPodAffinityTerm,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector as KubeSelector;
 use xpu_sched::pods::{
     LabelOp, LabelReq, LabelSelector, Namespaces, PodMatcher, PodTerms, Spread, Term,
@@ -269,37 +271,36 @@ pub fn terms(
     };
     const REQ: &str = "requiredDuringSchedulingIgnoredDuringExecution";
     const PREF: &str = "preferredDuringSchedulingIgnoredDuringExecution";
-    if let Some(x) = pa {
-        if pending {
-            for (i, t) in
-                x.required_during_scheduling_ignored_during_execution.iter().flatten().enumerate()
-            {
-                let path = format!("spec.affinity.podAffinity.{REQ}[{i}]");
-                out.affinity.extend(keep(term(t, &path, &ns, &own, ns_labels))?);
+    // (field, required terms, preferred terms, sign of a preference).
+    type Terms<'a> =
+        (&'a str, Option<&'a Vec<PodAffinityTerm>>, Option<&'a Vec<WeightedPodAffinityTerm>>, i32);
+    let kinds: [Terms<'_>; 2] = [
+        (
+            "podAffinity",
+            pa.and_then(|x| x.required_during_scheduling_ignored_during_execution.as_ref()),
+            pa.and_then(|x| x.preferred_during_scheduling_ignored_during_execution.as_ref()),
+            1,
+        ),
+        (
+            "podAntiAffinity",
+            pn.and_then(|x| x.required_during_scheduling_ignored_during_execution.as_ref()),
+            pn.and_then(|x| x.preferred_during_scheduling_ignored_during_execution.as_ref()),
+            -1,
+        ),
+    ];
+    for (field, required, preferred, sign) in kinds {
+        // A placed pod's required affinity bears on nobody; its anti-affinity does.
+        if pending || sign < 0 {
+            for (i, t) in required.into_iter().flatten().enumerate() {
+                let path = format!("spec.affinity.{field}.{REQ}[{i}]");
+                let t = keep(term(t, &path, &ns, &own, ns_labels))?;
+                if sign > 0 { out.affinity.extend(t) } else { out.anti_affinity.extend(t) }
             }
         }
-        for (i, w) in
-            x.preferred_during_scheduling_ignored_during_execution.iter().flatten().enumerate()
-        {
-            let path = format!("spec.affinity.podAffinity.{PREF}[{i}].podAffinityTerm");
+        for (i, w) in preferred.into_iter().flatten().enumerate() {
+            let path = format!("spec.affinity.{field}.{PREF}[{i}].podAffinityTerm");
             if let Some(t) = keep(term(&w.pod_affinity_term, &path, &ns, &own, ns_labels))? {
-                out.preferred.push((w.weight, t));
-            }
-        }
-    }
-    if let Some(x) = pn {
-        for (i, t) in
-            x.required_during_scheduling_ignored_during_execution.iter().flatten().enumerate()
-        {
-            let path = format!("spec.affinity.podAntiAffinity.{REQ}[{i}]");
-            out.anti_affinity.extend(keep(term(t, &path, &ns, &own, ns_labels))?);
-        }
-        for (i, w) in
-            x.preferred_during_scheduling_ignored_during_execution.iter().flatten().enumerate()
-        {
-            let path = format!("spec.affinity.podAntiAffinity.{PREF}[{i}].podAffinityTerm");
-            if let Some(t) = keep(term(&w.pod_affinity_term, &path, &ns, &own, ns_labels))? {
-                out.preferred.push((-w.weight, t));
+                out.preferred.push((sign * w.weight, t));
             }
         }
     }

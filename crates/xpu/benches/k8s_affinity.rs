@@ -20,19 +20,15 @@
 
 mod k8s_bench;
 
-use std::collections::HashMap;
-use std::ffi::OsString;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::scheduling::v1beta1::PodGroup;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use serde_json::json;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
 
-use k8s_bench::{create_all, env_num, peak_rss_mib};
+use k8s_bench::{create_all, env_num};
 
 const ZONES: usize = 4;
 const GANG: usize = 3;
@@ -94,45 +90,9 @@ fn group(i: usize) -> PodGroup {
     .unwrap()
 }
 
-struct Figures {
-    pods_per_s: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-    rss_mib: f64,
-}
-
 const GATES: &str = "GenericWorkload=true,TopologyAwareWorkloadScheduling=true";
 
-fn start(which: &str, cp: &ControlPlane, gang: bool) -> std::process::Child {
-    if which != "kube" || !gang {
-        return k8s_bench::start_scheduler(which, cp, &[] as &[OsString]);
-    }
-    // kube-scheduler with the gang plugin's gates.
-    let dir = cp.dir();
-    let log = std::fs::File::create(dir.join("bench-kube.log")).unwrap();
-    let cfg = dir.join("bench-scheduler.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n\
-             clientConnection:\n  kubeconfig: {}\n  qps: 5000\n  burst: 5000\n\
-             leaderElection:\n  leaderElect: false\n",
-            cp.admin_kubeconfig().display()
-        ),
-    )
-    .unwrap();
-    let bin = xpu_testkit::kube::bin_dir().unwrap().join("kube-scheduler");
-    std::process::Command::new(bin)
-        .arg(format!("--config={}", cfg.display()))
-        .args(["--secure-port=0", "--v=0", &format!("--feature-gates={GATES}")])
-        .stdin(std::process::Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap()
-}
-
-async fn bench(which: &str, shape: &str, nodes: usize, pods: usize) -> Figures {
+async fn bench(which: &str, shape: &str, nodes: usize, pods: usize) -> k8s_bench::Figures {
     let gang = shape == "gang";
     let mut opts = ControlPlaneOptions::default();
     if gang {
@@ -148,56 +108,14 @@ async fn bench(which: &str, shape: &str, nodes: usize, pods: usize) -> Figures {
             .await;
     }
     let (seen, watch) = k8s_bench::watch_binds(&client);
-    let mut child = start(which, &cp, gang);
+    let gates = if gang { GATES } else { "" };
+    let mut child = k8s_bench::start_scheduler_gated(which, &cp, &[], gates);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let sched = if which == "kube" { "default-scheduler" } else { "xpu" };
-    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let t0 = Instant::now();
-    let pp = PostParams::default();
-    let mut s = futures_util::stream::iter((0..pods).map(|i| {
-        let (api, pp, created) = (&api, &pp, created.clone());
-        let p = pod(shape, i, sched);
-        async move {
-            let sent = Instant::now();
-            api.create(pp, &p).await.unwrap();
-            created.lock().unwrap().insert(p.metadata.name.clone().unwrap(), sent);
-        }
-    }))
-    .buffer_unordered(32);
-    while s.next().await.is_some() {}
-    let limit = Instant::now() + Duration::from_secs(900);
-    loop {
-        let done = seen.lock().unwrap().len();
-        if done >= pods {
-            break;
-        }
-        assert!(
-            Instant::now() < limit,
-            "{which} {shape}: only {done}/{pods} pods bound after 15 minutes"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let rss_mib = peak_rss_mib(child.id());
-    k8s_bench::stop(&mut child);
+    let pods = (0..pods).map(|i| pod(shape, i, sched)).collect();
+    let f = k8s_bench::measure(&client, pods, &seen, &mut child, &format!("{which} {shape}")).await;
     watch.abort();
-    let seen = seen.lock().unwrap();
-    let created = created.lock().unwrap();
-    let last = seen.values().max().copied().unwrap_or(t0);
-    let mut lat: Vec<f64> = created
-        .iter()
-        .filter_map(|(n, c)| Some(seen.get(n)?.saturating_duration_since(*c).as_secs_f64() * 1e3))
-        .collect();
-    lat.sort_by(f64::total_cmp);
-    let pct = |q: f64| {
-        lat.get(((lat.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(f64::NAN)
-    };
-    Figures {
-        pods_per_s: pods as f64 / last.duration_since(t0).as_secs_f64(),
-        p50_ms: pct(0.5),
-        p99_ms: pct(0.99),
-        rss_mib,
-    }
+    f
 }
 
 fn main() {
@@ -208,33 +126,9 @@ fn main() {
         std::env::var("XPU_BENCH_SHAPES").unwrap_or_else(|_| "anti,affinity,spread,gang".into());
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!(
-        "k8s inter-pod bench: {nodes} nodes in {ZONES} zones, {pods} pods per shape; load before: {}",
-        load.trim()
-    );
-    println!(
-        "{:<16} {:<9} {:>9} {:>10} {:>10} {:>10}",
-        "scheduler", "shape", "pods/s", "p50 ms", "p99 ms", "peak MiB"
-    );
-    let mut rates: HashMap<(String, String), f64> = HashMap::new();
-    for shape in shapes.split(',') {
-        for w in which.split(',') {
-            let f = rt.block_on(bench(w, shape, nodes, pods));
-            let label = if w == "kube" { "kube-scheduler" } else { "xpu" };
-            println!(
-                "{label:<16} {shape:<9} {:>9.1} {:>10.1} {:>10.1} {:>10.1}",
-                f.pods_per_s, f.p50_ms, f.p99_ms, f.rss_mib
-            );
-            rates.insert((w.to_owned(), shape.to_owned()), f.pods_per_s);
-        }
-        if let (Some(x), Some(k)) = (
-            rates.get(&("xpu".into(), shape.to_owned())),
-            rates.get(&("kube".into(), shape.to_owned())),
-        ) {
-            println!("xpu / kube-scheduler pods/s, {shape}: {:.2}x", x / k);
-        }
-    }
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!("load after: {}", load.trim());
+    let title =
+        format!("k8s inter-pod bench: {nodes} nodes in {ZONES} zones, {pods} pods per shape");
+    k8s_bench::table(&title, "shape", &shapes, &which, |w, shape| {
+        rt.block_on(bench(w, shape, nodes, pods))
+    });
 }

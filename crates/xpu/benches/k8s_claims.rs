@@ -18,18 +18,15 @@
 
 mod k8s_bench;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate, ResourceSlice};
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
 
-use k8s_bench::{create_all, env_num, peak_rss_mib, start_scheduler};
+use k8s_bench::{create_all, env_num, start_scheduler};
 
 const DRIVER: &str = "gpu.example.com";
 
@@ -95,14 +92,7 @@ fn pod(name: &str, scheduler: &str) -> Pod {
     .unwrap()
 }
 
-struct Figures {
-    pods_per_s: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-    rss_mib: f64,
-}
-
-async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> Figures {
+async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> k8s_bench::Figures {
     let cp = ControlPlane::start(
         ControlPlaneOptions::default()
             .with_controller_manager()
@@ -131,56 +121,10 @@ async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> Figures {
     let mut child = start_scheduler(which, &cp, &[]);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let sched = if which == "kube" { "default-scheduler" } else { "xpu" };
-    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let names: Vec<String> = (0..pods).map(|i| format!("p-{i:05}")).collect();
-    let t0 = Instant::now();
-    let pp = PostParams::default();
-    let mut s = futures_util::stream::iter(names.iter().map(|n| {
-        let (api, pp, created) = (&api, &pp, created.clone());
-        let p = pod(n, sched);
-        async move {
-            let sent = Instant::now();
-            api.create(pp, &p).await.unwrap();
-            created.lock().unwrap().insert(p.metadata.name.clone().unwrap(), sent);
-        }
-    }))
-    .buffer_unordered(32);
-    while s.next().await.is_some() {}
-    let limit = Instant::now() + Duration::from_secs(900);
-    loop {
-        let done = seen.lock().unwrap().len();
-        if done >= pods {
-            break;
-        }
-        assert!(
-            Instant::now() < limit,
-            "{which} {mix}: only {done}/{pods} pods bound after 15 minutes"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let rss_mib = peak_rss_mib(child.id());
-    k8s_bench::stop(&mut child);
+    let pods = (0..pods).map(|i| pod(&format!("p-{i:05}"), sched)).collect();
+    let f = k8s_bench::measure(&client, pods, &seen, &mut child, &format!("{which} {mix}")).await;
     watch.abort();
-    let seen = seen.lock().unwrap();
-    let created = created.lock().unwrap();
-    let last = seen.values().max().copied().unwrap_or(t0);
-    let mut lat: Vec<f64> = names
-        .iter()
-        .filter_map(|n| {
-            Some(seen.get(n)?.saturating_duration_since(*created.get(n)?).as_secs_f64() * 1e3)
-        })
-        .collect();
-    lat.sort_by(f64::total_cmp);
-    let pct = |q: f64| {
-        lat.get(((lat.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(f64::NAN)
-    };
-    Figures {
-        pods_per_s: pods as f64 / last.duration_since(t0).as_secs_f64(),
-        p50_ms: pct(0.5),
-        p99_ms: pct(0.99),
-        rss_mib,
-    }
+    f
 }
 
 fn main() {
@@ -190,33 +134,10 @@ fn main() {
     let mixes = std::env::var("XPU_BENCH_MIXES").unwrap_or_else(|_| "template,cel,match".into());
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!(
-        "k8s DRA bench: {nodes} nodes with 8 GPUs each (a ResourceSlice per node, two NVLink domains), {pods} pods per mix, one claim each from a template; load before: {}",
-        load.trim()
+    let title = format!(
+        "k8s DRA bench: {nodes} nodes with 8 GPUs each (a ResourceSlice per node, two NVLink domains), {pods} pods per mix, one claim each from a template"
     );
-    println!(
-        "{:<16} {:<9} {:>9} {:>10} {:>10} {:>10}",
-        "scheduler", "mix", "pods/s", "p50 ms", "p99 ms", "peak MiB"
-    );
-    let mut rates: HashMap<(String, String), f64> = HashMap::new();
-    for mix in mixes.split(',') {
-        for w in which.split(',') {
-            let f = rt.block_on(bench(w, mix, nodes, pods));
-            let label = if w == "kube" { "kube-scheduler" } else { "xpu" };
-            println!(
-                "{label:<16} {mix:<9} {:>9.1} {:>10.1} {:>10.1} {:>10.1}",
-                f.pods_per_s, f.p50_ms, f.p99_ms, f.rss_mib
-            );
-            rates.insert((w.to_owned(), mix.to_owned()), f.pods_per_s);
-        }
-        if let (Some(x), Some(k)) = (
-            rates.get(&("xpu".into(), mix.to_owned())),
-            rates.get(&("kube".into(), mix.to_owned())),
-        ) {
-            println!("xpu / kube-scheduler pods/s, {mix}: {:.2}x", x / k);
-        }
-    }
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!("load after: {}", load.trim());
+    k8s_bench::table(&title, "mix", &mixes, &which, |w, mix| {
+        rt.block_on(bench(w, mix, nodes, pods))
+    });
 }

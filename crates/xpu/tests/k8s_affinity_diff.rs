@@ -402,7 +402,7 @@ async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
     let admin = cp.admin_client();
     let kubeconfig = if xpu { Some(install_scheduler_rbac(&cp).await) } else { None };
     case.create(&admin, if xpu { "xpu" } else { "default-scheduler" }).await;
-    let (sched, mut kube) = match &kubeconfig {
+    let (sched, kube) = match &kubeconfig {
         Some(k) => (Some(XpuScheduler::start(&cp, k, "diff", &["--no-preemption"])), None),
         None => (None, Some(start_kube_scheduler(&cp, "kube-scheduler-diff", GATES))),
     };
@@ -414,21 +414,14 @@ async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
     if let Some(s) = sched {
         text.push_str(&s.log_text());
     }
-    if let Some(k) = kube.as_mut() {
-        // Killing fails only if it exited already; wait reaps it either way.
-        let _ = k.kill();
-        let _ = k.wait();
-    }
+    kill(kube);
     (n, checked, text)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xpu_and_kube_scheduler_keep_inter_pod_constraints_and_bind_comparably() {
     let _turn = TURN.lock().await;
-    let seeds: Vec<u64> = std::env::var("XPU_AFFINITY_DIFF_SEEDS")
-        .ok()
-        .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 2, 3]);
+    let seeds = seeds("XPU_AFFINITY_DIFF_SEEDS");
     let mut table = BTreeMap::new();
     for seed in seeds {
         let case = Case::random(seed);

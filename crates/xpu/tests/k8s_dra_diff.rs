@@ -489,21 +489,14 @@ async fn run(case: &Case, xpu: bool) -> (usize, Result<usize, String>, String) {
     if let Some(s) = sched {
         report.push_str(&s.log_text());
     }
-    if let Some(mut k) = kube {
-        // Killing fails only if it exited already; wait reaps it either way.
-        let _ = k.kill();
-        let _ = k.wait();
-    }
+    kill(kube);
     (n, checked, report)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xpu_and_kube_scheduler_allocate_claims_validly_and_bind_comparably() {
     let _turn = TURN.lock().await;
-    let seeds: Vec<u64> = std::env::var("XPU_DRA_DIFF_SEEDS")
-        .ok()
-        .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 2, 3]);
+    let seeds = seeds("XPU_DRA_DIFF_SEEDS");
     let mut table = BTreeMap::new();
     for seed in seeds {
         let case = Case::random(seed);

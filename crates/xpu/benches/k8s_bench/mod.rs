@@ -47,6 +47,16 @@ pub fn peak_rss_mib(pid: u32) -> f64 {
 /// Starts `kube` (kube-scheduler) or `xpu` (with `xpu_args` after its kubeconfig) on `cp`,
 /// logging to `bench-<which>.log` in the plane's directory.
 pub fn start_scheduler(which: &str, cp: &ControlPlane, xpu_args: &[OsString]) -> Child {
+    start_scheduler_gated(which, cp, xpu_args, "")
+}
+
+/// [`start_scheduler`], kube-scheduler with `--feature-gates=GATES` (when not empty).
+pub fn start_scheduler_gated(
+    which: &str,
+    cp: &ControlPlane,
+    xpu_args: &[OsString],
+    gates: &str,
+) -> Child {
     let dir = cp.dir();
     let log = std::fs::File::create(dir.join(format!("bench-{which}.log"))).unwrap();
     match which {
@@ -63,14 +73,12 @@ pub fn start_scheduler(which: &str, cp: &ControlPlane, xpu_args: &[OsString]) ->
             )
             .unwrap();
             let bin = xpu_testkit::kube::bin_dir().unwrap().join("kube-scheduler");
-            Command::new(bin)
-                .arg(format!("--config={}", cfg.display()))
-                .args(["--secure-port=0", "--v=0"])
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().unwrap())
-                .stderr(log)
-                .spawn()
-                .unwrap()
+            let mut cmd = Command::new(bin);
+            cmd.arg(format!("--config={}", cfg.display())).args(["--secure-port=0", "--v=0"]);
+            if !gates.is_empty() {
+                cmd.arg(format!("--feature-gates={gates}"));
+            }
+            cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap()
         }
         _ => Command::new(env!("CARGO_BIN_EXE_xpu"))
             .args(["k8s", "scheduler", "--kubeconfig"])
@@ -113,4 +121,105 @@ pub fn watch_binds(
         }
     });
     (seen, watch)
+}
+
+/// One scheduler's figures on one workload.
+pub struct Figures {
+    pub pods_per_s: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub rss_mib: f64,
+}
+
+/// Creates `pods` in `default` (32 at a time) for the running scheduler `child`, waits until
+/// the watch behind `seen` ([`watch_binds`]) has seen every one bound (15 minutes at most),
+/// stops the scheduler and returns the figures: pods per second from the first create to the
+/// last bind, create-to-bound latency, the scheduler's peak RSS.
+pub async fn measure(
+    client: &Client,
+    pods: Vec<Pod>,
+    seen: &Arc<Mutex<HashMap<String, Instant>>>,
+    child: &mut Child,
+    what: &str,
+) -> Figures {
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let n = pods.len();
+    let t0 = Instant::now();
+    let pp = PostParams::default();
+    let mut s = futures_util::stream::iter(pods.into_iter().map(|p| {
+        let (api, pp, created) = (&api, &pp, created.clone());
+        async move {
+            let sent = Instant::now();
+            api.create(pp, &p).await.unwrap();
+            created.lock().unwrap().insert(p.metadata.name.clone().unwrap(), sent);
+        }
+    }))
+    .buffer_unordered(32);
+    while s.next().await.is_some() {}
+    let limit = Instant::now() + std::time::Duration::from_secs(900);
+    loop {
+        let done = seen.lock().unwrap().len();
+        if done >= n {
+            break;
+        }
+        assert!(Instant::now() < limit, "{what}: only {done}/{n} pods bound after 15 minutes");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let rss_mib = peak_rss_mib(child.id());
+    stop(child);
+    let seen = seen.lock().unwrap();
+    let created = created.lock().unwrap();
+    let last = seen.values().max().copied().unwrap_or(t0);
+    let mut lat: Vec<f64> = created
+        .iter()
+        .filter_map(|(n, c)| Some(seen.get(n)?.saturating_duration_since(*c).as_secs_f64() * 1e3))
+        .collect();
+    lat.sort_by(f64::total_cmp);
+    let pct = |q: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(f64::NAN)
+    };
+    Figures {
+        pods_per_s: n as f64 / last.duration_since(t0).as_secs_f64(),
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+        rss_mib,
+    }
+}
+
+/// Runs `bench(scheduler, workload)` for every workload of `workloads` and scheduler of
+/// `which` (comma-separated; `kube`, `xpu`), printing one row each, the xpu / kube-scheduler
+/// ratio per workload and the machine's load before and after. `title` heads the table.
+pub fn table(
+    title: &str,
+    column: &str,
+    workloads: &str,
+    which: &str,
+    mut bench: impl FnMut(&str, &str) -> Figures,
+) {
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("{title}; load before: {}", load.trim());
+    println!(
+        "{:<16} {column:<9} {:>9} {:>10} {:>10} {:>10}",
+        "scheduler", "pods/s", "p50 ms", "p99 ms", "peak MiB"
+    );
+    let mut rates: HashMap<(String, String), f64> = HashMap::new();
+    for w in workloads.split(',') {
+        for s in which.split(',') {
+            let f = bench(s, w);
+            let label = if s == "kube" { "kube-scheduler" } else { "xpu" };
+            println!(
+                "{label:<16} {w:<9} {:>9.1} {:>10.1} {:>10.1} {:>10.1}",
+                f.pods_per_s, f.p50_ms, f.p99_ms, f.rss_mib
+            );
+            rates.insert((s.to_owned(), w.to_owned()), f.pods_per_s);
+        }
+        if let (Some(x), Some(k)) =
+            (rates.get(&("xpu".into(), w.to_owned())), rates.get(&("kube".into(), w.to_owned())))
+        {
+            println!("xpu / kube-scheduler pods/s, {w}: {:.2}x", x / k);
+        }
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load after: {}", load.trim());
 }

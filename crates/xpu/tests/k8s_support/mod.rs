@@ -377,3 +377,19 @@ pub fn report(pods: &[Pod]) -> String {
     }
     out
 }
+
+/// Seeds from the comma-separated environment variable `var`, or 1, 2, 3.
+pub fn seeds(var: &str) -> Vec<u64> {
+    std::env::var(var)
+        .ok()
+        .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 2, 3])
+}
+
+/// Stops a child process: kill fails only if it exited already, and wait reaps it either way.
+pub fn kill(child: Option<Child>) {
+    if let Some(mut k) = child {
+        let _ = k.kill();
+        let _ = k.wait();
+    }
+}
