@@ -79,7 +79,30 @@ pub struct ClaimWrite {
     pub allocation: Option<serde_json::Value>,
     /// The devices, for the scheduler's books until the watch shows the allocation.
     pub devices: Option<xpu_sched::dra::Allocation>,
+    /// A claim the scheduler makes for the pod's extended resources backed by DRA: created,
+    /// then allocated and reserved like the others.
+    pub create: Option<Arc<ExtendedClaim>>,
 }
+
+/// The special ResourceClaim kube-scheduler makes for a pod's plain extended-resource requests
+/// that a DeviceClass's `extendedResourceName` (or the implicit
+/// `deviceclass.resource.kubernetes.io/<class>`) serves from DRA devices: one request per
+/// container and resource (`container-<i>-request-<n>`), owned by the pod, marked by
+/// [`EXTENDED_CLAIM`], and named in the pod's `status.extendedResourceClaimStatus`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExtendedClaim {
+    /// The ResourceClaim to create (metadata with `generateName`, owner and finalizer; spec).
+    pub object: serde_json::Value,
+    /// `status.extendedResourceClaimStatus.requestMappings` for the pod.
+    pub mappings: serde_json::Value,
+}
+
+/// The annotation marking a pod's extended-resource claim.
+pub const EXTENDED_CLAIM: &str = "resource.kubernetes.io/extended-resource-claim";
+/// The implicit extended resource name of every DeviceClass: this prefix and the class name.
+pub const IMPLICIT_EXTENDED: &str = "deviceclass.resource.kubernetes.io/";
+/// Uids of claims still to create are this and the pod's uid.
+pub const EXTENDED_UID: &str = "extended:";
 
 /// ResourceSlices by the node they serve: a node's own slices, and those that serve several
 /// nodes (a node selector, all nodes, per-device placement), so that a node's allocation reads
@@ -340,6 +363,88 @@ struct PodClaims {
     allocated: Vec<Arc<k8s_openapi::api::resource::v1::ResourceClaim>>,
     /// To allocate on the node the pod is placed on.
     pending: Vec<(Arc<k8s_openapi::api::resource::v1::ResourceClaim>, xpu_sched::dra::Claim)>,
+    /// The claim to make for the pod's extended resources backed by DRA (its stand-in is the
+    /// last of `pending`).
+    extended: Option<Arc<ExtendedClaim>>,
+}
+
+/// The pod's plain extended-resource requests that DeviceClasses serve from DRA devices, as
+/// kube-scheduler does: only resources no node advertises in its allocatable (a device
+/// plugin's), one request per container and resource. Returns the stand-in claim (uid
+/// [`EXTENDED_UID`] + the pod's), what to create, and the resources it serves.
+fn extended_claim(
+    snap: &Snapshot<'_>,
+    dra: &Dra<'_>,
+    p: &Pod,
+) -> Option<(Arc<k8s_openapi::api::resource::v1::ResourceClaim>, Arc<ExtendedClaim>, Vec<String>)> {
+    let spec = p.spec.as_ref()?;
+    // Resource name → class.
+    let mut class_of: BTreeMap<String, &str> = BTreeMap::new();
+    for (name, c) in dra.class_objects {
+        class_of.insert(format!("{IMPLICIT_EXTENDED}{name}"), name.as_str());
+        if let Some(r) = c.spec.as_ref().and_then(|s| s.extended_resource_name.as_deref()) {
+            class_of.insert(r.to_owned(), name.as_str());
+        }
+    }
+    let advertised = |r: &str| {
+        snap.nodes.iter().any(|n| {
+            n.status
+                .as_ref()
+                .and_then(|s| s.allocatable.as_ref())
+                .is_some_and(|a| a.contains_key(r))
+        })
+    };
+    let mut requests = Vec::new();
+    let mut mappings = Vec::new();
+    let mut served = Vec::new();
+    for (i, c) in spec.containers.iter().enumerate() {
+        let r = c.resources.as_ref();
+        let asked: BTreeMap<&String, &k8s_openapi::apimachinery::pkg::api::resource::Quantity> = r
+            .and_then(|r| r.limits.as_ref())
+            .into_iter()
+            .flatten()
+            .chain(r.and_then(|r| r.requests.as_ref()).into_iter().flatten())
+            .collect();
+        let mut n = 0;
+        for (res, q) in asked {
+            let Some(class) = class_of.get(res.as_str()) else { continue };
+            if advertised(res) {
+                continue;
+            }
+            let count: u64 = q.0.parse().ok()?;
+            if count == 0 {
+                continue;
+            }
+            let name = format!("container-{i}-request-{n}");
+            n += 1;
+            requests.push(serde_json::json!({ "name": name,
+                "exactly": { "deviceClassName": class, "allocationMode": "ExactCount", "count": count } }));
+            mappings.push(serde_json::json!({ "containerName": c.name, "requestName": name, "resourceName": res }));
+            if !served.contains(res) {
+                served.push(res.clone());
+            }
+        }
+    }
+    if requests.is_empty() {
+        return None;
+    }
+    let ns = p.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    let pod = p.metadata.name.clone()?;
+    let uid = p.metadata.uid.clone()?;
+    let object = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": { "generateName": format!("{pod}-extended-resources-"), "namespace": ns,
+            "annotations": { EXTENDED_CLAIM: "true" },
+            "finalizers": [crate::scheduler::CLAIM_FINALIZER],
+            "ownerReferences": [{ "apiVersion": "v1", "kind": "Pod", "name": pod, "uid": uid, "controller": true }] },
+        "spec": { "devices": { "requests": requests } },
+    });
+    let mut standin: k8s_openapi::api::resource::v1::ResourceClaim =
+        serde_json::from_value(object.clone()).ok()?;
+    standin.metadata.uid = Some(format!("{EXTENDED_UID}{uid}"));
+    standin.metadata.finalizers = None;
+    let ext = ExtendedClaim { object, mappings: serde_json::Value::Array(mappings) };
+    Some((Arc::new(standin), Arc::new(ext), served))
 }
 
 /// The nodes a pod's claims fit (each with the devices it would have left free), and the claims.
@@ -360,7 +465,8 @@ fn dra_nodes(
     excluded: Option<&Vec<String>>,
 ) -> Result<Option<Fits>, String> {
     let names = crate::claims::pod_claims(p)?;
-    if names.is_empty() {
+    let extended = snap.dra.as_ref().and_then(|d| extended_claim(snap, d, p));
+    if names.is_empty() && extended.is_none() {
         return Ok(None);
     }
     let Some(dra) = snap.dra else {
@@ -370,7 +476,7 @@ fn dra_nodes(
     };
     let ns = p.metadata.namespace.as_deref().unwrap_or("default");
     let uid = p.metadata.uid.as_deref().unwrap_or("");
-    let mut claims = PodClaims { allocated: Vec::new(), pending: Vec::new() };
+    let mut claims = PodClaims { allocated: Vec::new(), pending: Vec::new(), extended: None };
     let mut nodes: Vec<(&str, &BTreeMap<String, String>)> = Vec::new();
     static NO_LABELS: std::sync::LazyLock<BTreeMap<String, String>> =
         std::sync::LazyLock::new(BTreeMap::new);
@@ -417,6 +523,11 @@ fn dra_nodes(
                 claims.pending.push((c.clone(), claim));
             }
         }
+    }
+    if let Some((standin, ext, _)) = extended {
+        let claim = crate::claims::claim(&standin, dra.compiled)?;
+        claims.pending.push((standin, claim));
+        claims.extended = Some(ext);
     }
     if claims.pending.is_empty() {
         let names: Vec<(String, usize)> = nodes.iter().map(|(n, _)| ((*n).to_owned(), 0)).collect();
@@ -743,7 +854,14 @@ fn allocate_on(
             .is_some_and(|r| r.iter().any(|r| r.uid == pod_uid));
         if !mine {
             let (namespace, name, uid) = key(c);
-            out.push(ClaimWrite { namespace, name, uid, allocation: None, devices: None });
+            out.push(ClaimWrite {
+                namespace,
+                name,
+                uid,
+                allocation: None,
+                devices: None,
+                create: None,
+            });
         }
     }
     if pc.pending.is_empty() {
@@ -763,7 +881,15 @@ fn allocate_on(
     for ((c, _), a) in pc.pending.iter().zip(allocs) {
         let (namespace, name, uid) = key(c);
         let json = crate::claims::allocation_json(&a, c, dra.class_objects, node);
-        out.push(ClaimWrite { namespace, name, uid, allocation: Some(json), devices: Some(a) });
+        let create = pc.extended.clone().filter(|_| uid.starts_with(EXTENDED_UID));
+        out.push(ClaimWrite {
+            namespace,
+            name,
+            uid,
+            allocation: Some(json),
+            devices: Some(a),
+            create,
+        });
     }
     Ok(out)
 }
@@ -1177,6 +1303,17 @@ fn plan_once(
                 continue;
             }
         };
+        // An extended resource DRA devices serve (no node advertises it) is the pod's
+        // extended-resource claim, not a device-plugin count.
+        if let (Some(r), Some(dra)) = (ask.resources.device_resource, snap.dra.as_ref())
+            && extended_claim(snap, dra, p)
+                .is_some_and(|(_, _, served)| served.iter().any(|x| x == r))
+        {
+            ask.resources.device_resource = None;
+            ask.resources.devices = 0;
+            ask.task.devices = xpu_sched::DeviceAsk::None;
+            ask.task.device_kind = None;
+        }
         if inter_pod {
             let plain = ask.resources.devices == 0 && ask.resources.share_milli == 0;
             match affinity::terms(p, snap.namespace_labels, true, plain) {
@@ -1756,10 +1893,10 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     // unique to each node gives every node a shape of its own in xpu-sched).
     let by_name = snap.pods.iter().any(|p| {
         waits_for(p, snap.scheduler_name, snap.assumed)
-            && p.spec.as_ref().is_some_and(|s| {
+            && (p.spec.as_ref().is_some_and(|s| {
                 s.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
                     || convert::has_match_fields(s)
-            })
+            }) || snap.dra.as_ref().is_some_and(|d| extended_claim(snap, d, p).is_some()))
     });
     let mut cluster = Cluster::new();
     let mut pool_of: HashMap<String, Option<String>> = HashMap::new();

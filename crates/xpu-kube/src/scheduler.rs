@@ -499,8 +499,12 @@ pub async fn run(
                         Some((c.metadata.uid.as_deref()?, allocated))
                     })
                     .collect();
-                // Forget what the watch now shows allocated, or gone.
-                a.retain(|uid, _| shown.get(uid.as_str()) == Some(&false));
+                // Forget what the watch now shows allocated, or gone; a claim made for a pod's
+                // extended resources, once the watch shows the pod bound (it was made first).
+                a.retain(|uid, _| match uid.strip_prefix(cycle::EXTENDED_UID) {
+                    Some(pod) => assumed_now.contains_key(pod),
+                    None => shown.get(uid.as_str()) == Some(&false),
+                });
             }
             for alloc in a.values() {
                 in_use.add(alloc);
@@ -1115,7 +1119,7 @@ impl EventBudget {
 
 /// The finalizer kube-scheduler puts on a claim it allocates, so the claim is not deleted
 /// while its allocation stands.
-const CLAIM_FINALIZER: &str = "resource.kubernetes.io/delete-protection";
+pub(crate) const CLAIM_FINALIZER: &str = "resource.kubernetes.io/delete-protection";
 
 /// DRA's binding protocol for a batch of pods (one pod, or a gang): for each claim, the
 /// finalizer, then `status.allocation` (when allocated in this cycle) with the pod in
@@ -1152,6 +1156,9 @@ fn consumer(b: &Bind) -> k8s_openapi::api::resource::v1::ResourceClaimConsumerRe
 async fn reserve_one(client: &Client, b: &Bind, w: &cycle::ClaimWrite) -> Result<(), String> {
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &w.namespace);
     let pp = PostParams::default();
+    if let Some(ext) = &w.create {
+        return make_extended(client, &api, b, w, ext).await;
+    }
     let mut c = api.get(&w.name).await.map_err(|e| e.to_string())?;
     if c.metadata.uid.as_deref() != Some(w.uid.as_str()) {
         return Err("replaced by another claim of the same name".into());
@@ -1178,10 +1185,72 @@ async fn reserve_one(client: &Client, b: &Bind, w: &cycle::ClaimWrite) -> Result
     Ok(())
 }
 
+/// Creates the pod's extended-resource claim (as kube-scheduler does: owned by the pod, with
+/// the finalizer), writes its allocation with the pod in `reservedFor`, and names it in the
+/// pod's `status.extendedResourceClaimStatus`.
+async fn make_extended(
+    client: &Client,
+    api: &Api<ResourceClaim>,
+    b: &Bind,
+    w: &cycle::ClaimWrite,
+    ext: &cycle::ExtendedClaim,
+) -> Result<(), String> {
+    let pp = PostParams::default();
+    let obj: ResourceClaim =
+        serde_json::from_value(ext.object.clone()).map_err(|e| e.to_string())?;
+    let mut c = api.create(&pp, &obj).await.map_err(|e| e.to_string())?;
+    let name = c.metadata.name.clone().unwrap_or_default();
+    let result: Result<(), String> = async {
+        let alloc = w.allocation.clone().ok_or("no allocation")?;
+        let status = c.status.get_or_insert_default();
+        status.allocation = Some(serde_json::from_value(alloc).map_err(|e| e.to_string())?);
+        status.reserved_for = Some(vec![consumer(b)]);
+        api.replace_status(&name, &pp, &c).await.map_err(|e| e.to_string())?;
+        let patch = serde_json::json!({ "status": { "extendedResourceClaimStatus": {
+            "requestMappings": ext.mappings, "resourceClaimName": name } } });
+        Api::<Pod>::namespaced(client.clone(), &b.pod.namespace)
+            .patch_status(&b.pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+    .await;
+    if result.is_err() {
+        // Nobody else knows of it: gone again (its finalizer first).
+        let _ = api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": null } })),
+            )
+            .await;
+        let _ = api.delete(&name, &Default::default()).await;
+    }
+    result
+}
+
 /// Takes the pod out of the claim's `reservedFor`, and the allocation away when this batch
-/// made it and nobody else holds the claim.
+/// made it and nobody else holds the claim. A claim made for the pod's extended resources is
+/// deleted.
 async fn release_one(client: &Client, b: &Bind, w: &cycle::ClaimWrite) -> Result<(), String> {
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &w.namespace);
+    if w.create.is_some() {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &b.pod.namespace);
+        let pod = pods.get(&b.pod.name).await.map_err(|e| e.to_string())?;
+        let Some(name) = pod
+            .status
+            .and_then(|s| s.extended_resource_claim_status)
+            .map(|e| e.resource_claim_name)
+        else {
+            return Ok(());
+        };
+        let unfinalize = serde_json::json!({ "metadata": { "finalizers": null } });
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&unfinalize))
+            .await
+            .map_err(|e| e.to_string())?;
+        api.delete(&name, &Default::default()).await.map_err(|e| e.to_string())?;
+        return Ok(());
+    }
     let mut c = api.get(&w.name).await.map_err(|e| e.to_string())?;
     let status = c.status.get_or_insert_default();
     if let Some(r) = status.reserved_for.as_mut() {

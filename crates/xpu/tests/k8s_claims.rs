@@ -379,3 +379,114 @@ async fn hostile_selectors_are_named_and_cost_a_bounded_time() {
         assert!(node_of(&get(&admin, name).await).is_none());
     }
 }
+
+/// Extended resources backed by DRA (1.37): a DeviceClass with `extendedResourceName` serves a
+/// plain `example.com/gpu` request (and the implicit `deviceclass.resource.kubernetes.io/<class>`
+/// name) from DRA devices on a node no device plugin advertises it on. xpu makes the pod's
+/// claim as kube-scheduler does (`<pod>-extended-resources-*`, owned by the pod, marked,
+/// one request per container), allocates and reserves it, names it in the pod's
+/// `status.extendedResourceClaimStatus`, then binds; a pod that no longer fits waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extended_resources_backed_by_dra_get_a_claim_of_their_own() {
+    let _turn = TURN.lock().await;
+    let (cp, admin, kubeconfig, alice) = claims_plane().await;
+    add_node(&admin, &NodeDef::new("n1")).await;
+    let pp = PostParams::default();
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": "xgpu" },
+        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }],
+                  "extendedResourceName": "example.com/gpu" }
+    }))
+    .unwrap();
+    Api::<DeviceClass>::all(admin.clone()).create(&pp, &class).await.unwrap();
+    let gpus: Vec<(String, i64)> = (0..4).map(|i| (format!("g{i}"), 0)).collect();
+    let gpus: Vec<(&str, i64, &str)> = gpus.iter().map(|(n, d)| (n.as_str(), *d, "A100")).collect();
+    Api::<ResourceSlice>::all(admin.clone()).create(&pp, &slice("n1", &gpus)).await.unwrap();
+    let _sched = XpuScheduler::start(&cp, &kubeconfig, "extended", &[]);
+
+    let mk = |name: &str, asks: &[(&str, u32)]| -> Pod {
+        let containers: Vec<Value> = asks
+            .iter()
+            .enumerate()
+            .map(|(i, (res, n))| {
+                json!({ "name": format!("c{}", i + 1), "image": "busybox",
+                "resources": { "requests": { "cpu": "100m", res.to_string(): n.to_string() },
+                               "limits": { res.to_string(): n.to_string() } } })
+            })
+            .collect();
+        serde_json::from_value(json!({ "metadata": { "name": name },
+            "spec": { "schedulerName": "xpu", "restartPolicy": "Never", "containers": containers } }))
+        .unwrap()
+    };
+    let pods: Api<Pod> = Api::namespaced(alice.clone(), NS);
+    pods.create(&pp, &mk("p1", &[("example.com/gpu", 2), ("example.com/gpu", 1)])).await.unwrap();
+    pods.create(&pp, &mk("p2", &[("deviceclass.resource.kubernetes.io/xgpu", 1)])).await.unwrap();
+    let bound = wait_until(Duration::from_secs(30), || async {
+        node_of(&get(&admin, "p1").await).is_some() && node_of(&get(&admin, "p2").await).is_some()
+    })
+    .await;
+    assert!(
+        bound,
+        "p1: {:?}, p2: {:?}",
+        reason(&get(&admin, "p1").await),
+        reason(&get(&admin, "p2").await)
+    );
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), NS);
+    let mut taken = std::collections::BTreeSet::new();
+    for (pod, want) in [("p1", 3usize), ("p2", 1)] {
+        let p = get(&admin, pod).await;
+        let st = p.status.unwrap().extended_resource_claim_status.unwrap();
+        assert!(
+            st.resource_claim_name.starts_with(&format!("{pod}-extended-resources-")),
+            "{st:?}"
+        );
+        let c = claims.get(&st.resource_claim_name).await.unwrap();
+        assert_eq!(
+            c.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("resource.kubernetes.io/extended-resource-claim"))
+                .map(String::as_str),
+            Some("true")
+        );
+        let owner = &c.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.controller),
+            ("Pod", pod, Some(true))
+        );
+        let status = c.status.unwrap();
+        let results = status.allocation.unwrap().devices.unwrap().results.unwrap();
+        assert_eq!(results.len(), want);
+        for r in &results {
+            assert!(taken.insert(r.device.clone()), "{} in two claims", r.device);
+            assert!(
+                st.request_mappings.iter().any(|m| m.request_name == r.request),
+                "{st:?} {r:?}"
+            );
+        }
+        assert_eq!(status.reserved_for.unwrap()[0].name, pod);
+    }
+    let p1 = get(&admin, "p1").await.status.unwrap().extended_resource_claim_status.unwrap();
+    let mapped: Vec<(&str, &str, &str)> = p1
+        .request_mappings
+        .iter()
+        .map(|m| (m.container_name.as_str(), m.request_name.as_str(), m.resource_name.as_str()))
+        .collect();
+    assert_eq!(
+        mapped,
+        [
+            ("c1", "container-0-request-0", "example.com/gpu"),
+            ("c2", "container-1-request-0", "example.com/gpu")
+        ]
+    );
+    // All four devices are taken: one more waits, and no claim is made for it.
+    pods.create(&pp, &mk("p3", &[("example.com/gpu", 1)])).await.unwrap();
+    let told = wait_until(Duration::from_secs(30), || async {
+        reason(&get(&admin, "p3").await).is_some()
+    })
+    .await;
+    assert!(told);
+    assert!(node_of(&get(&admin, "p3").await).is_none());
+    let made = claims.list(&Default::default()).await.unwrap().items;
+    assert!(!made.iter().any(|c| c.metadata.name.as_deref().is_some_and(|n| n.starts_with("p3-"))));
+}
