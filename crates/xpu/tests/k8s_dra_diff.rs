@@ -93,6 +93,8 @@ struct PodSpec {
     shared: Vec<usize>,
     /// Device-plugin GPUs.
     plugin_gpus: u32,
+    /// `example.com/gpu`: an extended resource the DeviceClass `gpux` serves from DRA devices.
+    extended: u32,
 }
 
 #[derive(Debug)]
@@ -156,9 +158,11 @@ impl Case {
                 templates: Vec::new(),
                 shared: Vec::new(),
                 plugin_gpus: 0,
+                extended: 0,
             };
-            match rng.below(8) {
+            match rng.below(9) {
                 0 => p.plugin_gpus = 1 + rng.below(4) as u32,
+                8 => p.extended = 1 + rng.below(3) as u32,
                 1 => p.shared.push(rng.index(shared.len())),
                 2 => {
                     p.templates.push(rng.index(templates.len()));
@@ -221,6 +225,13 @@ impl Case {
         }))
         .unwrap();
         Api::<DeviceClass>::all(admin.clone()).create(&pp, &class).await.unwrap();
+        let extended: DeviceClass = serde_json::from_value(json!({
+            "metadata": { "name": "gpux" },
+            "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }],
+                      "extendedResourceName": "example.com/gpu" }
+        }))
+        .unwrap();
+        Api::<DeviceClass>::all(admin.clone()).create(&pp, &extended).await.unwrap();
         for (name, gpus, plugin) in &self.nodes {
             add_node(admin, &NodeDef::new(name.clone()).gpus("nvidia.com/gpu", *plugin)).await;
             if gpus.is_empty() {
@@ -283,6 +294,9 @@ impl Case {
             if p.plugin_gpus > 0 {
                 limits.insert("nvidia.com/gpu".into(), json!(p.plugin_gpus.to_string()));
             }
+            if p.extended > 0 {
+                limits.insert("example.com/gpu".into(), json!(p.extended.to_string()));
+            }
             let obj: Pod = serde_json::from_value(json!({
                 "metadata": { "name": p.name },
                 "spec": { "schedulerName": scheduler, "restartPolicy": "Never",
@@ -337,6 +351,42 @@ impl Case {
             }
             for s in &spec.shared {
                 wanted.push((format!("shared{s}"), &self.shared[*s]));
+            }
+            if spec.extended > 0 {
+                // The claim its scheduler made for its extended resource.
+                let made = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.extended_resource_claim_status.as_ref())
+                    .ok_or(format!("{who}: {name} bound without extendedResourceClaimStatus"))?;
+                let c = by_name
+                    .get(made.resource_claim_name.as_str())
+                    .ok_or(format!("{who}: claim {} missing", made.resource_claim_name))?;
+                let st = c.status.as_ref().ok_or(format!("{who}: {name}'s claim has no status"))?;
+                if !st
+                    .reserved_for
+                    .iter()
+                    .flatten()
+                    .any(|r| Some(&r.uid) == p.metadata.uid.as_ref())
+                {
+                    return Err(format!(
+                        "{who}: {name}'s extended-resource claim not reserved for it"
+                    ));
+                }
+                let results = st
+                    .allocation
+                    .as_ref()
+                    .and_then(|a| a.devices.as_ref())
+                    .and_then(|d| d.results.clone())
+                    .unwrap_or_default();
+                if results.len() != spec.extended as usize
+                    || results.iter().any(|x| x.driver != DRIVER || x.pool != node)
+                {
+                    return Err(format!(
+                        "{who}: {name} asks {} example.com/gpu on {node}, got {results:?}",
+                        spec.extended
+                    ));
+                }
             }
             for (claim_name, cs) in wanted {
                 let c = by_name
