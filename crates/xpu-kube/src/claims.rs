@@ -633,3 +633,42 @@ pub fn allocation_json(
         "allocationTimestamp": k8s_openapi::jiff::Timestamp::now().to_string(),
     })
 }
+
+/// Slices with the taints of `DeviceTaintRule`s added to the devices each rule selects (its
+/// `deviceSelector`: driver, pool and device, each optional; none selects every device).
+/// Slices no rule touches are shared, not copied.
+pub fn with_taint_rules(
+    slices: Vec<Arc<dra::Slice>>,
+    rules: &[Arc<k8s_openapi::api::resource::v1::DeviceTaintRule>],
+) -> Vec<Arc<dra::Slice>> {
+    if rules.is_empty() {
+        return slices;
+    }
+    let selects = |r: &k8s_openapi::api::resource::v1::DeviceTaintRule, s: &dra::Slice, d: &str| {
+        let sel = r.spec.device_selector.as_ref();
+        sel.and_then(|x| x.driver.as_deref()).is_none_or(|v| v == s.driver)
+            && sel.and_then(|x| x.pool.as_deref()).is_none_or(|v| v == s.pool)
+            && sel.and_then(|x| x.device.as_deref()).is_none_or(|v| v == d)
+    };
+    slices
+        .into_iter()
+        .map(|s| {
+            let hit = s.devices.iter().any(|d| rules.iter().any(|r| selects(r, &s, &d.name)));
+            if !hit {
+                return s;
+            }
+            let mut copy = (*s).clone();
+            for d in &mut copy.devices {
+                for r in rules.iter().filter(|r| selects(r, &s, &d.name)) {
+                    let t = &r.spec.taint;
+                    d.taints.push(dra::DeviceTaint {
+                        key: t.key.clone(),
+                        value: t.value.clone().unwrap_or_default(),
+                        effect: t.effect.clone(),
+                    });
+                }
+            }
+            Arc::new(copy)
+        })
+        .collect()
+}

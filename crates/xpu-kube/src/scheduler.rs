@@ -109,6 +109,9 @@ pub struct Caches {
     pub provisioning: Arc<std::sync::OnceLock<Store<ProvisioningRequest>>>,
     /// PodGroups (`scheduling.k8s.io/v1beta1`, behind the `GenericWorkload` gate), likewise.
     pub pod_groups: Arc<std::sync::OnceLock<Store<PodGroup>>>,
+    /// DeviceTaintRules (`resource.k8s.io/v1`), likewise.
+    pub taint_rules:
+        Arc<std::sync::OnceLock<Store<k8s_openapi::api::resource::v1::DeviceTaintRule>>>,
 }
 
 /// Starts the watches; `changed` is notified on every event. Returns once every cache has its
@@ -169,6 +172,7 @@ pub async fn watch(
         ),
         provisioning: Arc::default(),
         pod_groups: Arc::default(),
+        taint_rules: Arc::default(),
     };
     // The ProvisioningRequest API is a CRD the cluster autoscaler brings, PodGroups are
     // behind a feature gate: each is looked for now and every half minute until it is there,
@@ -189,6 +193,14 @@ pub async fn watch(
             |g| g.metadata.managed_fields = None,
             "watching PodGroups (scheduling.k8s.io/v1beta1): pods naming a gang PodGroup bind together",
             "no PodGroup API (scheduling.k8s.io/v1beta1, GenericWorkload gate)",
+        ),
+        watch_when_served(
+            Api::<k8s_openapi::api::resource::v1::DeviceTaintRule>::all(client.clone()),
+            caches.taint_rules.clone(),
+            changed.clone(),
+            |r| r.metadata.managed_fields = None,
+            "watching DeviceTaintRules (resource.k8s.io/v1)",
+            "no DeviceTaintRule API (resource.k8s.io/v1): only the slices' own device taints apply",
         ),
     ];
     for p in probed {
@@ -532,6 +544,9 @@ pub async fn run(
         names.sort_unstable();
         let dra_slices: Vec<Arc<xpu_sched::dra::Slice>> =
             names.iter().filter_map(|n| slices[*n].1.as_ref().ok().cloned()).collect();
+        // DeviceTaintRules taint the devices they select, as the slices' own taints do.
+        let rules = caches.taint_rules.get().map(Store::state).unwrap_or_default();
+        let dra_slices = crate::claims::with_taint_rules(dra_slices, &rules);
         let class_objects: HashMap<String, DeviceClass> = caches
             .classes
             .state()

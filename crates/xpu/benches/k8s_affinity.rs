@@ -14,6 +14,8 @@
 //!   cargo bench -p xpu --bench k8s_affinity
 //!   XPU_BENCH_NODES=500 XPU_BENCH_PODS=400 (defaults; scheduler_perf runs 5000 nodes)
 //!   XPU_BENCH_SCHEDULERS=kube,xpu XPU_BENCH_SHAPES=anti,affinity,spread,gang
+//!   XPU_BENCH_BACKLOG=1: every pod is created before the scheduler starts, and the figures run
+//!   from its start (the API server's create rate then bounds neither scheduler)
 //!
 //! kube-scheduler runs with `clientConnection.qps/burst` 5000, as scheduler_perf sets it.
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
@@ -109,11 +111,17 @@ async fn bench(which: &str, shape: &str, nodes: usize, pods: usize) -> k8s_bench
     }
     let (seen, watch) = k8s_bench::watch_binds(&client);
     let gates = if gang { GATES } else { "" };
-    let mut child = k8s_bench::start_scheduler_gated(which, &cp, &[], gates);
-    tokio::time::sleep(Duration::from_secs(3)).await;
     let sched = if which == "kube" { "default-scheduler" } else { "xpu" };
     let pods = (0..pods).map(|i| pod(shape, i, sched)).collect();
-    let f = k8s_bench::measure(&client, pods, &seen, &mut child, &format!("{which} {shape}")).await;
+    let what = format!("{which} {shape}");
+    let f = if std::env::var_os("XPU_BENCH_BACKLOG").is_some() {
+        let start = || k8s_bench::start_scheduler_gated(which, &cp, &[], gates);
+        k8s_bench::measure_backlog(&client, pods, &seen, start, &what).await
+    } else {
+        let mut child = k8s_bench::start_scheduler_gated(which, &cp, &[], gates);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        k8s_bench::measure(&client, pods, &seen, &mut child, &what).await
+    };
     watch.abort();
     f
 }

@@ -490,3 +490,48 @@ async fn extended_resources_backed_by_dra_get_a_claim_of_their_own() {
     let made = claims.list(&Default::default()).await.unwrap().items;
     assert!(!made.iter().any(|c| c.metadata.name.as_deref().is_some_and(|n| n.starts_with("p3-"))));
 }
+
+/// A DeviceTaintRule (`resource.k8s.io/v1`) taints the devices it selects: a claim that does
+/// not tolerate the taint gets the other device, and one that needs both waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_taint_rule_keeps_claims_off_the_devices_it_taints() {
+    let _turn = TURN.lock().await;
+    let (cp, admin, kubeconfig, alice) = claims_plane().await;
+    add_node(&admin, &NodeDef::new("n1")).await;
+    let pp = PostParams::default();
+    Api::<ResourceSlice>::all(admin.clone())
+        .create(&pp, &slice("n1", &[("g0", 0, "A100"), ("g1", 0, "A100")]))
+        .await
+        .unwrap();
+    let rule: k8s_openapi::api::resource::v1::DeviceTaintRule = serde_json::from_value(json!({
+        "metadata": { "name": "g0-broken" },
+        "spec": { "deviceSelector": { "driver": DRIVER, "pool": "n1", "device": "g0" },
+                  "taint": { "key": "example.com/broken", "value": "ecc", "effect": "NoSchedule" } }
+    }))
+    .unwrap();
+    Api::<k8s_openapi::api::resource::v1::DeviceTaintRule>::all(admin.clone())
+        .create(&pp, &rule)
+        .await
+        .unwrap();
+    let _sched = XpuScheduler::start(&cp, &kubeconfig, "taints", &[]);
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(alice.clone(), NS);
+    templates.create(&pp, &template("one", 1, "true")).await.unwrap();
+    templates.create(&pp, &template("two", 2, "true")).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(alice.clone(), NS);
+    pods.create(&pp, &claim_pod("two", "two", &[])).await.unwrap();
+    pods.create(&pp, &claim_pod("one", "one", &[])).await.unwrap();
+    let bound = wait_until(Duration::from_secs(30), || async {
+        node_of(&get(&admin, "one").await).is_some()
+    })
+    .await;
+    assert!(bound, "{:?}", reason(&get(&admin, "one").await));
+    let c = claim_of(&admin, "one").await.unwrap();
+    let results = c.status.unwrap().allocation.unwrap().devices.unwrap().results.unwrap();
+    assert_eq!(results.iter().map(|r| r.device.as_str()).collect::<Vec<_>>(), ["g1"]);
+    let told = wait_until(Duration::from_secs(30), || async {
+        reason(&get(&admin, "two").await).is_some()
+    })
+    .await;
+    assert!(told);
+    assert!(node_of(&get(&admin, "two").await).is_none());
+}

@@ -187,6 +187,48 @@ pub async fn measure(
     }
 }
 
+/// The backlog variant of [`measure`]: `pods` are all created first (32 at a time), then the
+/// scheduler is started with `start`, and the figures run from its start to the last bind (so
+/// the API server's create rate does not cap them); latency is from the start too.
+pub async fn measure_backlog(
+    client: &Client,
+    pods: Vec<Pod>,
+    seen: &Arc<Mutex<HashMap<String, Instant>>>,
+    start: impl FnOnce() -> Child,
+    what: &str,
+) -> Figures {
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let n = pods.len();
+    let pp = PostParams::default();
+    let mut s =
+        futures_util::stream::iter(pods.iter().map(|p| api.create(&pp, p))).buffer_unordered(32);
+    while let Some(r) = s.next().await {
+        r.unwrap();
+    }
+    let t0 = Instant::now();
+    let mut child = start();
+    let limit = Instant::now() + std::time::Duration::from_secs(900);
+    loop {
+        let done = seen.lock().unwrap().len();
+        if done >= n {
+            break;
+        }
+        assert!(Instant::now() < limit, "{what}: only {done}/{n} pods bound after 15 minutes");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let rss_mib = peak_rss_mib(child.id());
+    stop(&mut child);
+    let seen = seen.lock().unwrap();
+    let mut lat: Vec<f64> =
+        seen.values().map(|t| t.saturating_duration_since(t0).as_secs_f64() * 1e3).collect();
+    lat.sort_by(f64::total_cmp);
+    let last = lat.last().copied().unwrap_or(f64::NAN);
+    let pct = |q: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(f64::NAN)
+    };
+    Figures { pods_per_s: n as f64 / (last / 1e3), p50_ms: pct(0.5), p99_ms: pct(0.99), rss_mib }
+}
+
 /// Runs `bench(scheduler, workload)` for every workload of `workloads` and scheduler of
 /// `which` (comma-separated; `kube`, `xpu`), printing one row each, the xpu / kube-scheduler
 /// ratio per workload and the machine's load before and after. `title` heads the table.
