@@ -82,6 +82,9 @@ pub struct ClaimWrite {
     /// A claim the scheduler makes for the pod's extended resources backed by DRA: created,
     /// then allocated and reserved like the others.
     pub create: Option<Arc<ExtendedClaim>>,
+    /// The claim as the watch cache holds it: written on its `resourceVersion` without reading
+    /// it again (a conflict reads it and tries once more).
+    pub cached: Option<Arc<k8s_openapi::api::resource::v1::ResourceClaim>>,
 }
 
 /// The special ResourceClaim kube-scheduler makes for a pod's plain extended-resource requests
@@ -861,6 +864,7 @@ fn allocate_on(
                 allocation: None,
                 devices: None,
                 create: None,
+                cached: Some(c.clone()),
             });
         }
     }
@@ -882,6 +886,7 @@ fn allocate_on(
         let (namespace, name, uid) = key(c);
         let json = crate::claims::allocation_json(&a, c, dra.class_objects, node);
         let create = pc.extended.clone().filter(|_| uid.starts_with(EXTENDED_UID));
+        let cached = create.is_none().then(|| c.clone());
         out.push(ClaimWrite {
             namespace,
             name,
@@ -889,6 +894,7 @@ fn allocate_on(
             allocation: Some(json),
             devices: Some(a),
             create,
+            cached,
         });
     }
     Ok(out)

@@ -1170,33 +1170,76 @@ fn consumer(b: &Bind) -> k8s_openapi::api::resource::v1::ResourceClaimConsumerRe
 
 async fn reserve_one(client: &Client, b: &Bind, w: &cycle::ClaimWrite) -> Result<(), String> {
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &w.namespace);
-    let pp = PostParams::default();
     if let Some(ext) = &w.create {
         return make_extended(client, &api, b, w, ext).await;
     }
-    let mut c = api.get(&w.name).await.map_err(|e| e.to_string())?;
+    // The cached claim first (no read); on a conflict, the current one, once.
+    if let Some(cached) = &w.cached {
+        match write_claim(&api, b, w, (**cached).clone()).await {
+            Err(ClaimError::Conflict) => {}
+            r => return r.map_err(|e| e.to_string()),
+        }
+    }
+    let c = api.get(&w.name).await.map_err(|e| e.to_string())?;
+    write_claim(&api, b, w, c).await.map_err(|e| e.to_string())
+}
+
+/// Why a claim write failed: a stale `resourceVersion` (read again and retry), or else.
+enum ClaimError {
+    Conflict,
+    Other(String),
+}
+
+impl std::fmt::Display for ClaimError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Conflict => f.write_str("changed meanwhile (conflict)"),
+            Self::Other(why) => f.write_str(why),
+        }
+    }
+}
+
+impl From<kube::Error> for ClaimError {
+    fn from(e: kube::Error) -> Self {
+        match e {
+            kube::Error::Api(s) if s.code == 409 => Self::Conflict,
+            other => Self::Other(other.to_string()),
+        }
+    }
+}
+
+/// Writes `c` (claim `w`, as last read) reserved for the pod, and allocated when `w` allocates.
+async fn write_claim(
+    api: &Api<ResourceClaim>,
+    b: &Bind,
+    w: &cycle::ClaimWrite,
+    mut c: ResourceClaim,
+) -> Result<(), ClaimError> {
+    let pp = PostParams::default();
+    let refuse = |why: &str| ClaimError::Other(why.into());
     if c.metadata.uid.as_deref() != Some(w.uid.as_str()) {
-        return Err("replaced by another claim of the same name".into());
+        return Err(refuse("replaced by another claim of the same name"));
     }
     if let Some(alloc) = &w.allocation {
         if c.status.as_ref().is_some_and(|s| s.allocation.is_some()) {
-            return Err("allocated by someone else meanwhile".into());
+            return Err(refuse("allocated by someone else meanwhile"));
         }
         let f = c.metadata.finalizers.get_or_insert_default();
         if !f.iter().any(|x| x == CLAIM_FINALIZER) {
             f.push(CLAIM_FINALIZER.into());
-            c = api.replace(&w.name, &pp, &c).await.map_err(|e| e.to_string())?;
+            c = api.replace(&w.name, &pp, &c).await?;
         }
-        let allocation = serde_json::from_value(alloc.clone()).map_err(|e| e.to_string())?;
+        let allocation = serde_json::from_value(alloc.clone())
+            .map_err(|e| refuse(&format!("allocation: {e}")))?;
         c.status.get_or_insert_default().allocation = Some(allocation);
     } else if c.status.as_ref().is_none_or(|s| s.allocation.is_none()) {
-        return Err("its allocation is gone".into());
+        return Err(refuse("its allocation is gone"));
     }
     let reserved = c.status.get_or_insert_default().reserved_for.get_or_insert_default();
     if !reserved.iter().any(|r| r.uid == b.pod.uid) {
         reserved.push(consumer(b));
     }
-    api.replace_status(&w.name, &pp, &c).await.map_err(|e| e.to_string())?;
+    api.replace_status(&w.name, &pp, &c).await?;
     Ok(())
 }
 
