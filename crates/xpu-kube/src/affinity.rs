@@ -41,24 +41,21 @@ const PER_POD_LABELS: [&str; 4] = [
 /// Whether a pod carries pod affinity or anti-affinity (required or preferred), or, with
 /// `spread`, topology spread constraints.
 pub fn has_terms(p: &Pod, spread: bool) -> bool {
+    fn some<T>(v: &Option<Vec<T>>) -> bool {
+        v.as_ref().is_some_and(|v| !v.is_empty())
+    }
     let Some(spec) = p.spec.as_ref() else { return false };
-    (spread && spec.topology_spread_constraints.as_ref().is_some_and(|v| !v.is_empty()))
-        || spec.affinity.as_ref().is_some_and(|a| {
-            a.pod_affinity.as_ref().is_some_and(|x| {
-                x.required_during_scheduling_ignored_during_execution
-                    .as_ref()
-                    .is_some_and(|v| !v.is_empty())
-                    || x.preferred_during_scheduling_ignored_during_execution
-                        .as_ref()
-                        .is_some_and(|v| !v.is_empty())
-            }) || a.pod_anti_affinity.as_ref().is_some_and(|x| {
-                x.required_during_scheduling_ignored_during_execution
-                    .as_ref()
-                    .is_some_and(|v| !v.is_empty())
-                    || x.preferred_during_scheduling_ignored_during_execution
-                        .as_ref()
-                        .is_some_and(|v| !v.is_empty())
-            })
+    let aff = spec.affinity.as_ref();
+    let pa = aff.and_then(|a| a.pod_affinity.as_ref());
+    let pn = aff.and_then(|a| a.pod_anti_affinity.as_ref());
+    (spread && some(&spec.topology_spread_constraints))
+        || pa.is_some_and(|x| {
+            some(&x.required_during_scheduling_ignored_during_execution)
+                || some(&x.preferred_during_scheduling_ignored_during_execution)
+        })
+        || pn.is_some_and(|x| {
+            some(&x.required_during_scheduling_ignored_during_execution)
+                || some(&x.preferred_during_scheduling_ignored_during_execution)
         })
 }
 

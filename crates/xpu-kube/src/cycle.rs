@@ -152,6 +152,32 @@ pub struct Dra<'a> {
     pub in_use: &'a xpu_sched::dra::InUse,
     /// Claims (by uid) this scheduler allocated whose write the watch has not shown yet.
     pub in_flight: &'a std::collections::HashSet<String>,
+    /// Extended resources DRA devices serve, with the class serving each
+    /// ([`extended_resources`]).
+    pub extended: &'a HashMap<String, String>,
+}
+
+/// The extended resource names DeviceClasses serve from DRA devices (each class's
+/// `extendedResourceName` and its implicit [`IMPLICIT_EXTENDED`] name), with the class, leaving
+/// out those a node advertises in its allocatable (a device plugin serves them there). Once per
+/// cycle.
+pub fn extended_resources(
+    nodes: &[Arc<Node>],
+    classes: &HashMap<String, k8s_openapi::api::resource::v1::DeviceClass>,
+) -> HashMap<String, String> {
+    let mut out = HashMap::new();
+    for (name, c) in classes {
+        out.insert(format!("{IMPLICIT_EXTENDED}{name}"), name.clone());
+        if let Some(r) = c.spec.as_ref().and_then(|s| s.extended_resource_name.as_deref()) {
+            out.insert(r.to_owned(), name.clone());
+        }
+    }
+    for n in nodes {
+        if let Some(a) = n.status.as_ref().and_then(|s| s.allocatable.as_ref()) {
+            out.retain(|r, _| !a.contains_key(r));
+        }
+    }
+    out
 }
 
 /// What one cycle decided.
@@ -376,27 +402,13 @@ struct PodClaims {
 /// plugin's), one request per container and resource. Returns the stand-in claim (uid
 /// [`EXTENDED_UID`] + the pod's), what to create, and the resources it serves.
 fn extended_claim(
-    snap: &Snapshot<'_>,
     dra: &Dra<'_>,
     p: &Pod,
 ) -> Option<(Arc<k8s_openapi::api::resource::v1::ResourceClaim>, Arc<ExtendedClaim>, Vec<String>)> {
-    let spec = p.spec.as_ref()?;
-    // Resource name → class.
-    let mut class_of: BTreeMap<String, &str> = BTreeMap::new();
-    for (name, c) in dra.class_objects {
-        class_of.insert(format!("{IMPLICIT_EXTENDED}{name}"), name.as_str());
-        if let Some(r) = c.spec.as_ref().and_then(|s| s.extended_resource_name.as_deref()) {
-            class_of.insert(r.to_owned(), name.as_str());
-        }
+    if dra.extended.is_empty() {
+        return None;
     }
-    let advertised = |r: &str| {
-        snap.nodes.iter().any(|n| {
-            n.status
-                .as_ref()
-                .and_then(|s| s.allocatable.as_ref())
-                .is_some_and(|a| a.contains_key(r))
-        })
-    };
+    let spec = p.spec.as_ref()?;
     let mut requests = Vec::new();
     let mut mappings = Vec::new();
     let mut served = Vec::new();
@@ -410,10 +422,7 @@ fn extended_claim(
             .collect();
         let mut n = 0;
         for (res, q) in asked {
-            let Some(class) = class_of.get(res.as_str()) else { continue };
-            if advertised(res) {
-                continue;
-            }
+            let Some(class) = dra.extended.get(res.as_str()) else { continue };
             let count: u64 = q.0.parse().ok()?;
             if count == 0 {
                 continue;
@@ -468,7 +477,7 @@ fn dra_nodes(
     excluded: Option<&Vec<String>>,
 ) -> Result<Option<Fits>, String> {
     let names = crate::claims::pod_claims(p)?;
-    let extended = snap.dra.as_ref().and_then(|d| extended_claim(snap, d, p));
+    let extended = snap.dra.as_ref().and_then(|d| extended_claim(d, p));
     if names.is_empty() && extended.is_none() {
         return Ok(None);
     }
@@ -1312,8 +1321,7 @@ fn plan_once(
         // An extended resource DRA devices serve (no node advertises it) is the pod's
         // extended-resource claim, not a device-plugin count.
         if let (Some(r), Some(dra)) = (ask.resources.device_resource, snap.dra.as_ref())
-            && extended_claim(snap, dra, p)
-                .is_some_and(|(_, _, served)| served.iter().any(|x| x == r))
+            && extended_claim(dra, p).is_some_and(|(_, _, served)| served.iter().any(|x| x == r))
         {
             ask.resources.device_resource = None;
             ask.resources.devices = 0;
@@ -1902,7 +1910,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
             && (p.spec.as_ref().is_some_and(|s| {
                 s.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
                     || convert::has_match_fields(s)
-            }) || snap.dra.as_ref().is_some_and(|d| extended_claim(snap, d, p).is_some()))
+            }) || snap.dra.as_ref().is_some_and(|d| extended_claim(d, p).is_some()))
     });
     let mut cluster = Cluster::new();
     let mut pool_of: HashMap<String, Option<String>> = HashMap::new();

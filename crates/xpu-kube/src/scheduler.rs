@@ -223,22 +223,36 @@ pub async fn watch(
     caches
 }
 
-/// Watches `api` into a store; `changed` is notified on every event.
-fn spawn<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    changed: Arc<Notify>,
-    trim: fn(&mut K),
-) -> Store<K>
-where
+/// What a watch cache can hold.
+trait Watched:
+    kube::Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Watched for K where
     K: kube::Resource<DynamicType = ()>
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+/// Watches `api` into a store; `changed` is notified on every event.
+fn spawn<K: Watched>(
+    api: Api<K>,
+    config: watcher::Config,
+    changed: Arc<Notify>,
+    trim: fn(&mut K),
+) -> Store<K> {
     let (reader, writer) = reflector::store();
     let stream = reflector::reflector(writer, watcher(api, config).modify(trim).default_backoff());
     tokio::spawn(async move {
@@ -255,23 +269,14 @@ where
 
 /// Watches `api` into `slot` once the API server serves it, probing now and every half minute
 /// until it does. The returned notify fires after the first probe.
-fn watch_when_served<K>(
+fn watch_when_served<K: Watched>(
     api: Api<K>,
     slot: Arc<std::sync::OnceLock<Store<K>>>,
     changed: Arc<Notify>,
     trim: fn(&mut K),
     served: &'static str,
     missing: &'static str,
-) -> Arc<Notify>
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
+) -> Arc<Notify> {
     let probed = Arc::new(Notify::new());
     let first_probe = probed.clone();
     tokio::spawn(async move {
@@ -561,7 +566,9 @@ pub async fn run(
         let slice_index = cycle::SliceIndex::new(dra_slices.iter().map(|s| s.as_ref()));
         let in_flight: std::collections::HashSet<String> =
             assumed_claims.lock().await.keys().cloned().collect();
+        let extended = cycle::extended_resources(&nodes, &class_objects);
         let dra = cycle::Dra {
+            extended: &extended,
             in_flight: &in_flight,
             slices: &slice_index,
             classes: &dra_classes,
@@ -897,6 +904,10 @@ fn group_status(
     plan: &cycle::Plan,
     said: &mut HashMap<(String, String), (bool, String)>,
 ) {
+    if groups.is_empty() {
+        said.clear();
+        return;
+    }
     let by_uid: HashMap<&str, &Pod> =
         pods.iter().filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref()))).collect();
     let group_of = |uid: &str| {
@@ -1273,18 +1284,20 @@ async fn make_extended(
         Ok(())
     }
     .await;
-    if result.is_err() {
-        // Nobody else knows of it: gone again (its finalizer first).
-        let _ = api
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": null } })),
-            )
-            .await;
-        let _ = api.delete(&name, &Default::default()).await;
+    if result.is_err()
+        && let Err(e) = drop_claim(api, &name).await
+    {
+        warn!(claim = %format!("{}/{name}", w.namespace), error = %e, "could not delete an extended-resource claim made for a pod that did not bind; its devices stay allocated until it is deleted");
     }
     result
+}
+
+/// Deletes a claim this scheduler made, its finalizer first (nobody else holds it).
+async fn drop_claim(api: &Api<ResourceClaim>, name: &str) -> Result<(), kube::Error> {
+    let unfinalize = serde_json::json!({ "metadata": { "finalizers": null } });
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&unfinalize)).await?;
+    api.delete(name, &Default::default()).await?;
+    Ok(())
 }
 
 /// Takes the pod out of the claim's `reservedFor`, and the allocation away when this batch
@@ -1302,12 +1315,7 @@ async fn release_one(client: &Client, b: &Bind, w: &cycle::ClaimWrite) -> Result
         else {
             return Ok(());
         };
-        let unfinalize = serde_json::json!({ "metadata": { "finalizers": null } });
-        api.patch(&name, &PatchParams::default(), &Patch::Merge(&unfinalize))
-            .await
-            .map_err(|e| e.to_string())?;
-        api.delete(&name, &Default::default()).await.map_err(|e| e.to_string())?;
-        return Ok(());
+        return drop_claim(&api, &name).await.map_err(|e| e.to_string());
     }
     let mut c = api.get(&w.name).await.map_err(|e| e.to_string())?;
     let status = c.status.get_or_insert_default();

@@ -1958,7 +1958,7 @@ fn place_tasks(
         if let (Some(t), Some(index)) = (terms, pods.as_deref_mut())
             && index.constrains(t)
         {
-            match place_with_pods(placer, cluster, index, g, t, idx.len(), ctx, whole) {
+            match place_with_pods(inv, placer, cluster, index, g, t, idx.len(), ctx, whole) {
                 Ok(ps) => done.extend(idx.into_iter().zip(ps)),
                 Err(e) if whole => {
                     unplace(inv, cluster, pods.as_deref_mut(), groups, tasks, &done);
@@ -2046,6 +2046,7 @@ const MAX_DOMAIN_TRIALS: usize = 256;
 /// (a term it matches itself), the first that takes it all winning.
 #[allow(clippy::too_many_arguments)]
 fn place_with_pods(
+    inv: &mut Invariants,
     placer: &mut Placer,
     cluster: &mut Cluster,
     index: &mut PodIndex,
@@ -2055,7 +2056,8 @@ fn place_with_pods(
     ctx: &PlaceCtx<'_>,
     whole: bool,
 ) -> Result<Vec<Placement>, Unschedulable> {
-    let attempt = |placer: &mut Placer,
+    let attempt = |inv: &mut Invariants,
+                   placer: &mut Placer,
                    cluster: &mut Cluster,
                    index: &mut PodIndex,
                    only: Option<(&[u32], u32)>,
@@ -2075,8 +2077,14 @@ fn place_with_pods(
                 m.only(doms, d);
             }
             let c = PlaceCtx { pods: Some(&m), slice, ..*ctx };
+            // The placer chose from what is free: a refusal is a broken invariant, and the
+            // task counts as not placed.
             let placed = placer.place(cluster, &g.demand, &c).and_then(|p| {
-                cluster.allocate(&p).map(|()| p).map_err(|_| placer.report(cluster, &g.demand, &c))
+                if inv.check(cluster.allocate(&p), "allocating a placement") {
+                    Ok(p)
+                } else {
+                    Err(placer.report(cluster, &g.demand, &c))
+                }
             });
             match placed {
                 Ok(p) => {
@@ -2084,8 +2092,8 @@ fn place_with_pods(
                     ps.push(p);
                 }
                 Err(report) if whole || ps.is_empty() => {
-                    for p in ps.iter().rev() {
-                        let _ = cluster.release(p);
+                    inv.check(cluster.undo(ps.iter()), "rolling back a gang trial");
+                    for p in &ps {
                         index.remove(p.node, t);
                     }
                     return Err(Unschedulable { task: k, of: n, report });
@@ -2102,7 +2110,7 @@ fn place_with_pods(
         slices.dedup();
         let mut first = None;
         for s in slices {
-            match attempt(placer, cluster, index, None, s) {
+            match attempt(inv, placer, cluster, index, None, s) {
                 Ok(ps) => return Ok(ps),
                 Err(e) => {
                     first.get_or_insert(e);
@@ -2119,7 +2127,7 @@ fn place_with_pods(
             },
         }));
     }
-    let first = match attempt(placer, cluster, index, None, ctx.slice) {
+    let first = match attempt(inv, placer, cluster, index, None, ctx.slice) {
         Ok(ps) => return Ok(ps),
         Err(e) => e,
     };
@@ -2130,7 +2138,7 @@ fn place_with_pods(
         seen.sort_unstable();
         seen.dedup();
         for d in seen.into_iter().take(MAX_DOMAIN_TRIALS) {
-            if let Ok(ps) = attempt(placer, cluster, index, Some((&doms, d)), ctx.slice) {
+            if let Ok(ps) = attempt(inv, placer, cluster, index, Some((&doms, d)), ctx.slice) {
                 return Ok(ps);
             }
         }

@@ -22,8 +22,6 @@
 
 mod k8s_bench;
 
-use std::time::Duration;
-
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::scheduling::v1beta1::PodGroup;
 use kube::api::Api;
@@ -109,21 +107,9 @@ async fn bench(which: &str, shape: &str, nodes: usize, pods: usize) -> k8s_bench
         create_all(&Api::<PodGroup>::namespaced(client.clone(), "default"), pods / GANG, 32, group)
             .await;
     }
-    let (seen, watch) = k8s_bench::watch_binds(&client);
     let gates = if gang { GATES } else { "" };
-    let sched = if which == "kube" { "default-scheduler" } else { "xpu" };
-    let pods = (0..pods).map(|i| pod(shape, i, sched)).collect();
-    let what = format!("{which} {shape}");
-    let f = if std::env::var_os("XPU_BENCH_BACKLOG").is_some() {
-        let start = || k8s_bench::start_scheduler_gated(which, &cp, &[], gates);
-        k8s_bench::measure_backlog(&client, pods, &seen, start, &what).await
-    } else {
-        let mut child = k8s_bench::start_scheduler_gated(which, &cp, &[], gates);
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        k8s_bench::measure(&client, pods, &seen, &mut child, &what).await
-    };
-    watch.abort();
-    f
+    let make = |sched: &str| (0..pods).map(|i| pod(shape, i, sched)).collect();
+    k8s_bench::run(&cp, which, gates, make, &format!("{which} {shape}")).await
 }
 
 fn main() {

@@ -20,15 +20,13 @@
 
 mod k8s_bench;
 
-use std::time::Duration;
-
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaimTemplate, ResourceSlice};
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
 
-use k8s_bench::{create_all, env_num, start_scheduler};
+use k8s_bench::{create_all, env_num};
 
 const DRIVER: &str = "gpu.example.com";
 
@@ -119,20 +117,8 @@ async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> k8s_bench::
         .create(&PostParams::default(), &template(mix))
         .await
         .unwrap();
-    let (seen, watch) = k8s_bench::watch_binds(&client);
-    let sched = if which == "kube" { "default-scheduler" } else { "xpu" };
-    let pods = (0..pods).map(|i| pod(&format!("p-{i:05}"), sched)).collect();
-    let what = format!("{which} {mix}");
-    let f = if std::env::var_os("XPU_BENCH_BACKLOG").is_some() {
-        let start = || start_scheduler(which, &cp, &[]);
-        k8s_bench::measure_backlog(&client, pods, &seen, start, &what).await
-    } else {
-        let mut child = start_scheduler(which, &cp, &[]);
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        k8s_bench::measure(&client, pods, &seen, &mut child, &what).await
-    };
-    watch.abort();
-    f
+    let make = |sched: &str| (0..pods).map(|i| pod(&format!("p-{i:05}"), sched)).collect();
+    k8s_bench::run(&cp, which, "", make, &format!("{which} {mix}")).await
 }
 
 fn main() {

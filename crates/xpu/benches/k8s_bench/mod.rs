@@ -131,82 +131,50 @@ pub struct Figures {
     pub rss_mib: f64,
 }
 
-/// Creates `pods` in `default` (32 at a time) for the running scheduler `child`, waits until
-/// the watch behind `seen` ([`watch_binds`]) has seen every one bound (15 minutes at most),
-/// stops the scheduler and returns the figures: pods per second from the first create to the
-/// last bind, create-to-bound latency, the scheduler's peak RSS.
-pub async fn measure(
-    client: &Client,
-    pods: Vec<Pod>,
-    seen: &Arc<Mutex<HashMap<String, Instant>>>,
-    child: &mut Child,
-    what: &str,
-) -> Figures {
-    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let n = pods.len();
-    let t0 = Instant::now();
+/// Creates `pods`, 32 at a time, recording when each create was sent.
+async fn create_timed(api: &Api<Pod>, pods: &[Pod], created: &Mutex<HashMap<String, Instant>>) {
     let pp = PostParams::default();
-    let mut s = futures_util::stream::iter(pods.into_iter().map(|p| {
-        let (api, pp, created) = (&api, &pp, created.clone());
+    let mut s = futures_util::stream::iter(pods.iter().map(|p| {
+        let pp = &pp;
         async move {
             let sent = Instant::now();
-            api.create(pp, &p).await.unwrap();
+            api.create(pp, p).await.unwrap();
             created.lock().unwrap().insert(p.metadata.name.clone().unwrap(), sent);
         }
     }))
     .buffer_unordered(32);
     while s.next().await.is_some() {}
-    let limit = Instant::now() + std::time::Duration::from_secs(900);
-    loop {
-        let done = seen.lock().unwrap().len();
-        if done >= n {
-            break;
-        }
-        assert!(Instant::now() < limit, "{what}: only {done}/{n} pods bound after 15 minutes");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    let rss_mib = peak_rss_mib(child.id());
-    stop(child);
-    let seen = seen.lock().unwrap();
-    let created = created.lock().unwrap();
-    let last = seen.values().max().copied().unwrap_or(t0);
-    let mut lat: Vec<f64> = created
-        .iter()
-        .filter_map(|(n, c)| Some(seen.get(n)?.saturating_duration_since(*c).as_secs_f64() * 1e3))
-        .collect();
-    lat.sort_by(f64::total_cmp);
-    let pct = |q: f64| {
-        lat.get(((lat.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(f64::NAN)
-    };
-    Figures {
-        pods_per_s: n as f64 / last.duration_since(t0).as_secs_f64(),
-        p50_ms: pct(0.5),
-        p99_ms: pct(0.99),
-        rss_mib,
-    }
 }
 
-/// The backlog variant of [`measure`]: `pods` are all created first (32 at a time), then the
-/// scheduler is started with `start`, and the figures run from its start to the last bind (so
-/// the API server's create rate does not cap them); latency is from the start too.
-pub async fn measure_backlog(
-    client: &Client,
-    pods: Vec<Pod>,
-    seen: &Arc<Mutex<HashMap<String, Instant>>>,
-    start: impl FnOnce() -> Child,
+/// Runs scheduler `which` (kube-scheduler with `gates` as its feature gates) on `cp` over the
+/// pods `make` builds for the scheduler name it answers to, and measures it. By default the
+/// pods are created (32 at a time) while it runs, and the figures run from the first create to
+/// the last bind, latency per pod from its create; with `XPU_BENCH_BACKLOG=1` every pod exists
+/// before the scheduler starts, and both run from its start (the API server's create rate then
+/// bounds neither scheduler). Waits 15 minutes at most for every pod to be seen bound.
+pub async fn run(
+    cp: &ControlPlane,
+    which: &str,
+    gates: &str,
+    make: impl FnOnce(&str) -> Vec<Pod>,
     what: &str,
 ) -> Figures {
-    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let client = cp.admin_client();
+    let (seen, watch) = watch_binds(&client);
+    let pods = make(if which == "kube" { "default-scheduler" } else { "xpu" });
     let n = pods.len();
-    let pp = PostParams::default();
-    let mut s =
-        futures_util::stream::iter(pods.iter().map(|p| api.create(&pp, p))).buffer_unordered(32);
-    while let Some(r) = s.next().await {
-        r.unwrap();
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let backlog = std::env::var_os("XPU_BENCH_BACKLOG").is_some();
+    let created: Mutex<HashMap<String, Instant>> = Mutex::default();
+    if backlog {
+        create_timed(&api, &pods, &created).await;
     }
-    let t0 = Instant::now();
-    let mut child = start();
+    let started = Instant::now();
+    let mut child = start_scheduler_gated(which, cp, &[], gates);
+    if !backlog {
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        create_timed(&api, &pods, &created).await;
+    }
     let limit = Instant::now() + std::time::Duration::from_secs(900);
     loop {
         let done = seen.lock().unwrap().len();
@@ -218,15 +186,26 @@ pub async fn measure_backlog(
     }
     let rss_mib = peak_rss_mib(child.id());
     stop(&mut child);
+    watch.abort();
     let seen = seen.lock().unwrap();
-    let mut lat: Vec<f64> =
-        seen.values().map(|t| t.saturating_duration_since(t0).as_secs_f64() * 1e3).collect();
+    let created = created.lock().unwrap();
+    let from = |name: &str| if backlog { Some(started) } else { created.get(name).copied() };
+    let t0 = if backlog { started } else { created.values().min().copied().unwrap_or(started) };
+    let last = seen.values().max().copied().unwrap_or(t0);
+    let mut lat: Vec<f64> = seen
+        .iter()
+        .filter_map(|(n, t)| Some(t.saturating_duration_since(from(n)?).as_secs_f64() * 1e3))
+        .collect();
     lat.sort_by(f64::total_cmp);
-    let last = lat.last().copied().unwrap_or(f64::NAN);
     let pct = |q: f64| {
         lat.get(((lat.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(f64::NAN)
     };
-    Figures { pods_per_s: n as f64 / (last / 1e3), p50_ms: pct(0.5), p99_ms: pct(0.99), rss_mib }
+    Figures {
+        pods_per_s: n as f64 / last.duration_since(t0).as_secs_f64(),
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+        rss_mib,
+    }
 }
 
 /// Runs `bench(scheduler, workload)` for every workload of `workloads` and scheduler of
