@@ -24,7 +24,7 @@ use crate::convert::{Unsupported, selects, unsupported};
 pub const MAX_TERMS: usize = 64;
 /// The most requirements of one label selector.
 pub const MAX_REQUIREMENTS: usize = 64;
-/// The most values of one requirement.
+/// The most values of one requirement, and namespaces a term names.
 pub const MAX_VALUES: usize = 256;
 
 const HOSTNAME: &str = "kubernetes.io/hostname";
@@ -153,6 +153,21 @@ fn term(
 ) -> Result<Term, Unsupported> {
     if t.topology_key.is_empty() {
         return Err(unsupported(&format!("{path}.topologyKey"), "empty; name a node label"));
+    }
+    let listed = t.namespaces.as_ref().map_or(0, Vec::len);
+    if listed > MAX_VALUES {
+        return Err(unsupported(
+            &format!("{path}.namespaces"),
+            &format!("{listed} namespaces; xpu takes at most {MAX_VALUES}"),
+        ));
+    }
+    let keys = t.match_label_keys.as_ref().map_or(0, Vec::len)
+        + t.mismatch_label_keys.as_ref().map_or(0, Vec::len);
+    if keys > MAX_REQUIREMENTS {
+        return Err(unsupported(
+            &format!("{path}.matchLabelKeys"),
+            &format!("{keys} label keys; xpu takes at most {MAX_REQUIREMENTS}"),
+        ));
     }
     Ok(Term {
         pods: PodMatcher {
@@ -331,4 +346,40 @@ pub fn terms(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(term: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": { "name": "p", "namespace": "a", "labels": { "app": "x" } },
+            "spec": { "containers": [], "affinity": { "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [term] } } }
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_term_naming_too_many_namespaces_or_label_keys_is_refused_named() {
+        let many: Vec<String> = (0..=MAX_VALUES).map(|i| format!("ns{i}")).collect();
+        let p = pod(serde_json::json!({ "topologyKey": "k", "namespaces": many,
+            "labelSelector": { "matchLabels": { "app": "x" } } }));
+        let e = terms(&p, &HashMap::new(), true, false).unwrap_err();
+        assert!(e.to_string().contains("[0].namespaces"), "{e}");
+        let keys: Vec<String> = (0..=MAX_REQUIREMENTS).map(|i| format!("k{i}")).collect();
+        let p = pod(serde_json::json!({ "topologyKey": "k", "matchLabelKeys": keys,
+            "labelSelector": { "matchLabels": { "app": "x" } } }));
+        let e = terms(&p, &HashMap::new(), true, false).unwrap_err();
+        assert!(e.to_string().contains("[0].matchLabelKeys"), "{e}");
+        // Within the bounds: the namespaces are the term's.
+        let p = pod(serde_json::json!({ "topologyKey": "k", "namespaces": ["b", "c"],
+            "labelSelector": { "matchLabels": { "app": "x" } } }));
+        let t = terms(&p, &HashMap::new(), true, false).unwrap();
+        assert_eq!(
+            t.anti_affinity[0].pods.namespaces,
+            Namespaces::Only(vec!["b".into(), "c".into()])
+        );
+    }
 }
