@@ -226,6 +226,35 @@ impl InUse {
     }
 }
 
+impl InUse {
+    /// Forgets an allocation recorded with [`InUse::add`] (the claim was deallocated).
+    pub fn remove(&mut self, r: &Allocation) {
+        for d in &r.devices {
+            if d.admin_access {
+                continue;
+            }
+            match &d.consumed {
+                Some(c) => {
+                    if let Some(have) = self.capacity.get_mut(&d.id) {
+                        for (k, v) in c {
+                            if let Some(e) = have.get_mut(k) {
+                                *e = e.saturating_sub(*v);
+                            }
+                        }
+                        have.retain(|_, v| *v > 0);
+                        if have.is_empty() {
+                            self.capacity.remove(&d.id);
+                        }
+                    }
+                }
+                None => {
+                    self.devices.remove(&d.id);
+                }
+            }
+        }
+    }
+}
+
 /// One allocated device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Allocated {
@@ -250,7 +279,9 @@ pub struct Limits {
     pub steps: u64,
     /// Choose devices to keep topology domains whole ([`TOPOLOGY`]): among the devices that
     /// fit, those of the domain with the fewest free devices that still holds the request
-    /// first. Off: upstream's order (pools by name, devices in slice order, first fit).
+    /// first, domain level by level from the finest (the claim's `matchAttribute` before
+    /// all), and a capacity request on the shared device with the least left that holds it.
+    /// Off: upstream's order (pools by name, devices in slice order, first fit).
     pub pack: bool,
 }
 
@@ -261,10 +292,11 @@ impl Default for Limits {
 }
 
 /// Attributes (by their name within any domain) that group devices into interconnect or
-/// locality domains: NVLink domains and cliques, PCIe roots, NUMA nodes. A claim's own
-/// `matchAttribute` attributes group first.
-pub const TOPOLOGY: [&str; 6] =
-    ["nvlinkDomain", "cliqueId", "pcieRoot", "pciRoot", "numaNode", "numa"];
+/// locality domains, from the finest to the coarsest: PCIe roots, NUMA nodes, NVLink cliques
+/// and domains (`interconnectDomain` is what xpu's DRA driver publishes). A claim's own
+/// `matchAttribute` attribute groups first.
+pub const TOPOLOGY: [&str; 7] =
+    ["pcieRoot", "pciRoot", "numaNode", "numa", "cliqueId", "nvlinkDomain", "interconnectDomain"];
 
 /// Why the claims do not fit on the node.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -880,21 +912,36 @@ impl<'a> Search<'a> {
         if !self.limits.pack {
             return all;
         }
-        // The grouping attribute: the claim's first matchAttribute, else a topology one.
         let claim = &self.claims[ci];
+        let name = &claim.requests[ri].name;
+        // Grouping levels: the claim's own matchAttribute first (its devices must share one
+        // value), then the topology attributes from the finest domain to the coarsest.
         let matched = claim.constraints.iter().find_map(|c| match &c.kind {
-            ConstraintKind::MatchAttribute(a) => Some(a.as_str()),
-            ConstraintKind::DistinctAttribute(_) => None,
-        });
-        let group = |pi: usize, di: usize| -> Option<&Value> {
-            let (d, _) = self.pools[pi].devices[di];
-            let driver = self.pools[pi].driver;
-            if let Some(a) = matched {
-                return attribute(d, driver, a);
+            ConstraintKind::MatchAttribute(a)
+                if c.requests.is_empty() || c.requests.contains(name) =>
+            {
+                Some(a.as_str())
             }
-            TOPOLOGY.iter().find_map(|t| {
-                d.attributes.iter().find(|(k, _)| k.rsplit('/').next() == Some(t)).map(|(_, v)| v)
-            })
+            _ => None,
+        });
+        let topology = |d: &'a Device, t: &str| -> Option<&'a Value> {
+            d.attributes.iter().find(|(k, _)| k.rsplit('/').next() == Some(t)).map(|(_, v)| v)
+        };
+        let mut levels: Vec<Option<&str>> = Vec::new();
+        if matched.is_some() {
+            levels.push(None);
+        }
+        for t in TOPOLOGY {
+            if all.iter().any(|&(pi, di)| topology(self.pools[pi].devices[di].0, t).is_some()) {
+                levels.push(Some(t));
+            }
+        }
+        let value = |level: Option<&str>, pi: usize, di: usize| -> Option<&'a Value> {
+            let d = self.pools[pi].devices[di].0;
+            match level {
+                Some(t) => topology(d, t),
+                None => matched.and_then(|a| attribute(d, self.pools[pi].driver, a)),
+            }
         };
         let free = |pi: usize, di: usize| {
             let id = self.id(pi, di);
@@ -903,18 +950,54 @@ impl<'a> Search<'a> {
                 && !self.in_use.capacity.contains_key(&id)
                 && !self.capacity.contains_key(&id)
         };
-        let mut free_in: HashMap<(usize, Option<&Value>), u32> = HashMap::new();
-        for &(pi, di) in &all {
-            if free(pi, di) {
-                *free_in.entry((pi, group(pi, di))).or_default() += 1;
+        let frees: Vec<bool> = all.iter().map(|&(pi, di)| free(pi, di)).collect();
+        let mut free_in: Vec<HashMap<(usize, Option<&Value>), u32>> = Vec::new();
+        for &level in &levels {
+            let mut m: HashMap<(usize, Option<&Value>), u32> = HashMap::new();
+            for (&(pi, di), &f) in all.iter().zip(&frees) {
+                if f {
+                    *m.entry((pi, value(level, pi, di))).or_default() += 1;
+                }
             }
+            free_in.push(m);
         }
-        // Domains that can hold what is still needed, smallest first; then the others.
-        let key = |&(pi, di): &(usize, usize)| {
-            let n = free_in.get(&(pi, group(pi, di))).copied().unwrap_or(0);
-            (n < need, n, pi, di)
+        // Capacity asked of shareable devices goes best fit: a device already shared, with the
+        // least left that still holds the request, before one still whole.
+        let exact = claim.requests[ri].alternatives.first().map(|(_, e)| e);
+        let left = |pi: usize, di: usize| -> u64 {
+            let d = self.pools[pi].devices[di].0;
+            let Some(e) = exact.filter(|e| d.allow_multiple && !e.capacity.is_empty()) else {
+                return u64::MAX;
+            };
+            let id = self.id(pi, di);
+            let held = |name: &str| {
+                let of = |m: Option<&BTreeMap<String, u64>>| {
+                    m.and_then(|c| c.get(name)).copied().unwrap_or(0)
+                };
+                of(self.in_use.capacity.get(&id)).saturating_add(of(self.capacity.get(&id)))
+            };
+            let mut any = false;
+            let mut sum = 0u64;
+            for (name, want) in &e.capacity {
+                let have = d.capacity.get(name).copied().unwrap_or(0);
+                let h = held(name);
+                any |= h > 0;
+                sum = sum.saturating_add(have.saturating_sub(h).saturating_sub(*want));
+            }
+            if any { sum } else { u64::MAX }
         };
-        all.sort_by_key(key);
+        // Per level, domains that can hold what is still needed, smallest first; then the others.
+        all.sort_by_cached_key(|&(pi, di)| {
+            let per_level: Vec<(bool, u32)> = levels
+                .iter()
+                .zip(&free_in)
+                .map(|(&level, m)| {
+                    let n = m.get(&(pi, value(level, pi, di))).copied().unwrap_or(0);
+                    (n < need, n)
+                })
+                .collect();
+            (left(pi, di), per_level, pi, di)
+        });
         all
     }
 

@@ -358,3 +358,34 @@ fn openb_variants_are_written_run_and_compared_with_the_published_table() {
     assert_eq!(e.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&e.stderr).contains("2 columns, expected 7"));
 }
+
+/// `xpu sim dra`: one row per node choice and device order, in the documented JSON shape, no
+/// device ever held twice; a bad `--node` or `--load` is a usage error naming it.
+#[test]
+fn dra_replay_compares_device_orders_under_each_node_choice() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, pods) = small_openb(dir.path());
+    for load in ["0", "0.9"] {
+        let v = ok_json(&[
+            "sim", "dra", "--nodes", &nodes, "--pods", &pods, "--seeds", "1..3", "--load", load,
+            "--format", "json",
+        ]);
+        let rows = v.as_array().unwrap();
+        assert_eq!(rows.len(), 6, "{v}");
+        for r in rows {
+            assert!(["spread", "first", "tightest"].contains(&r["node"].as_str().unwrap()), "{r}");
+            assert!(["xpu", "first-fit"].contains(&r["devices"].as_str().unwrap()), "{r}");
+            assert!(r["placed"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["placed"].as_f64() <= r["claims"].as_f64(), "{r}");
+            for s in r["seeds"].as_array().unwrap() {
+                assert_eq!(s["double_booked"], 0, "{s}");
+            }
+        }
+    }
+    for (flag, value, named) in [("--node", "widest", "--node"), ("--load", "101", "--load")] {
+        let out = xpu(&["sim", "dra", "--nodes", &nodes, "--pods", &pods, flag, value]);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(named), "{err}");
+    }
+}

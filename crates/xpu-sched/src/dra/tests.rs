@@ -718,3 +718,28 @@ fn packing_keeps_whole_domains_for_the_claims_that_follow() {
         );
     }
 }
+
+/// `InUse::remove` undoes `InUse::add`, for whole devices and for capacity.
+#[test]
+fn removing_an_allocation_frees_what_adding_it_took() {
+    let id = |d: &str| DeviceId { driver: "d".into(), pool: "n1".into(), device: d.into() };
+    let a = Allocation {
+        devices: vec![
+            Allocated { request: "r".into(), id: id("g0"), admin_access: false, consumed: None },
+            Allocated {
+                request: "r".into(),
+                id: id("g1"),
+                admin_access: false,
+                consumed: Some(BTreeMap::from([("memory".to_owned(), 10)])),
+            },
+            Allocated { request: "r".into(), id: id("g2"), admin_access: true, consumed: None },
+        ],
+    };
+    let mut u = held("g5");
+    let before = (u.devices.clone(), u.capacity.clone());
+    u.add(&a);
+    assert!(u.devices.contains(&id("g0")) && !u.devices.contains(&id("g2")));
+    assert_eq!(u.capacity.get(&id("g1")).and_then(|c| c.get("memory")), Some(&10));
+    u.remove(&a);
+    assert_eq!((u.devices, u.capacity), before);
+}

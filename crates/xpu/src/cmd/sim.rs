@@ -12,7 +12,7 @@ use clap::{Subcommand, ValueEnum};
 use serde::Serialize;
 use xpu_sched::policy::PolicyKind;
 use xpu_sched::scheduler::QueuePolicy;
-use xpu_sched::sim::{openb, plot, replay, spec, variant};
+use xpu_sched::sim::{dra, openb, plot, replay, spec, variant};
 use xpu_sched::trace;
 
 use crate::cmd::format::Format;
@@ -35,6 +35,42 @@ pub enum SimCommand {
     /// carry L %), `gpuspecL` (L % of GPU tasks constrained to GPU models), `cpuL` (CPU-only tasks
     /// are L/10 % of all tasks). Rows are drawn from the given trace, deterministically by seed.
     OpenbVariant(VariantArgs),
+    /// An OpenB trace replayed as DRA claims on ResourceSlices with topology attributes (PCIe
+    /// roots, NUMA nodes): claims placed by xpu's device choice against upstream's first fit,
+    /// the node chosen the same way for both.
+    Dra(DraArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DraArgs {
+    /// Node list (openb_node_list_gpu_node.csv).
+    #[arg(long, value_name = "CSV")]
+    pub nodes: PathBuf,
+    /// Pod list (openb_pod_list_<trace>.csv); repeat for several traces.
+    #[arg(long, value_name = "CSV", required = true)]
+    pub pods: Vec<PathBuf>,
+    /// Seeds: `42..51` (inclusive), `42` or `42,43,50`.
+    #[arg(long, default_value = "42..51")]
+    pub seeds: String,
+    /// 0: OpenB's workload (130 % of capacity arrives, nothing leaves); above 0: churn, claims
+    /// leaving after exponential lifetimes that make this offered load (1.0 = the capacity).
+    #[arg(long, default_value_t = 0.0)]
+    pub load: f64,
+    /// How the node is chosen: first (in the seed's node order), tightest (fewest whole free
+    /// GPUs: xpu's best fit), spread (most free CPU and memory: kube-scheduler's default score),
+    /// or several.
+    #[arg(
+        long,
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = "spread,first,tightest"
+    )]
+    pub node: Vec<String>,
+    /// Threads running seeds in parallel (default: every core).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    #[arg(long, value_parser = Format::only(&[Format::Table, Format::Json]), default_value_t = Format::Table)]
+    pub format: Format,
 }
 
 #[derive(Debug, clap::Args)]
@@ -169,7 +205,133 @@ pub fn run(args: Args) -> CmdResult {
         SimCommand::Openb(a) => run_openb(a),
         SimCommand::Replay(a) => run_replay(a),
         SimCommand::OpenbVariant(a) => run_variant(a),
+        SimCommand::Dra(a) => run_dra(a),
     }
+}
+
+/// One setting of `xpu sim dra` over its seeds, the `--format json` shape.
+#[derive(Debug, Serialize)]
+struct DraJson {
+    trace: String,
+    node: &'static str,
+    /// `xpu` (packing) or `first-fit` (upstream's order).
+    devices: &'static str,
+    load: f64,
+    /// Means over the seeds.
+    claims: f64,
+    placed: f64,
+    placed_pct: f64,
+    gpu_placed_pct: f64,
+    alloc_pct: f64,
+    /// Per claim size: placed of arrived, summed over the seeds.
+    by_size: Vec<dra::SizeCount>,
+    seeds: Vec<dra::DraRun>,
+}
+
+fn run_dra(a: DraArgs) -> CmdResult {
+    let seeds = parse_seeds(&a.seeds)?;
+    if !(0.0..=100.0).contains(&a.load) {
+        return Err(CliError::input(anyhow::anyhow!(
+            "--load {} is out of range; give 0 (nothing leaves) or an offered load such as 0.9",
+            a.load
+        )));
+    }
+    let mut choices = Vec::new();
+    for n in &a.node {
+        choices.push(match n.as_str() {
+            "first" => dra::NodeChoice::First,
+            "tightest" => dra::NodeChoice::Tightest,
+            "spread" => dra::NodeChoice::Spread,
+            other => {
+                return Err(CliError::input(anyhow::anyhow!(
+                    "--node {other:?}: give first, tightest or spread, or several separated by commas"
+                )));
+            }
+        });
+    }
+    let settings: Vec<dra::DraOptions> = choices
+        .iter()
+        .flat_map(|&node| [false, true].map(|pack| dra::DraOptions { node, pack, load: a.load }))
+        .collect();
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    let nodes = trace::read_openb_nodes(&a.nodes).map_err(CliError::input)?;
+    let mut out: Vec<DraJson> = Vec::new();
+    for p in &a.pods {
+        let pods = trace::read_openb_pods(p).map_err(CliError::input)?;
+        let name = openb::trace_name(&p.to_string_lossy()).to_owned();
+        for (opts, runs) in dra::run_all(&nodes, &pods, &settings, &seeds, threads) {
+            let n = runs.len().max(1) as f64;
+            let mean = |f: fn(&dra::DraRun) -> f64| runs.iter().map(f).sum::<f64>() / n;
+            let mut by_size: Vec<dra::SizeCount> = Vec::new();
+            for r in &runs {
+                for c in &r.by_size {
+                    match by_size.iter_mut().find(|s| s.size == c.size) {
+                        Some(s) => {
+                            s.arrived += c.arrived;
+                            s.placed += c.placed;
+                        }
+                        None => by_size.push(c.clone()),
+                    }
+                }
+            }
+            out.push(DraJson {
+                trace: name.clone(),
+                node: opts.node.as_str(),
+                devices: if opts.pack { "xpu" } else { "first-fit" },
+                load: a.load,
+                claims: round2(mean(|r| r.claims as f64)),
+                placed: round2(mean(|r| r.placed as f64)),
+                placed_pct: round2(mean(|r| 100.0 * r.placed as f64 / r.claims.max(1) as f64)),
+                gpu_placed_pct: round2(mean(|r| {
+                    100.0 * r.gpu_milli_placed as f64 / r.gpu_milli_arrived.max(1) as f64
+                })),
+                alloc_pct: round2(mean(|r| r.alloc_pct)),
+                by_size,
+                seeds: runs,
+            });
+        }
+    }
+    if a.format == Format::Json {
+        print_json(&out)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let headers = [
+        "trace",
+        "node",
+        "devices",
+        "claims",
+        "placed",
+        "placed %",
+        "GPU placed %",
+        "alloc %",
+        "by size (placed/arrived)",
+    ];
+    let rows: Vec<Vec<String>> = out
+        .iter()
+        .map(|j| {
+            let sizes: Vec<String> = j
+                .by_size
+                .iter()
+                .map(|s| format!("{}:{}/{}", s.size, s.placed, s.arrived))
+                .collect();
+            vec![
+                j.trace.clone(),
+                j.node.to_owned(),
+                j.devices.to_owned(),
+                format!("{:.1}", j.claims),
+                format!("{:.1}", j.placed),
+                format!("{:.2}", j.placed_pct),
+                format!("{:.2}", j.gpu_placed_pct),
+                format!("{:.2}", j.alloc_pct),
+                sizes.join(" "),
+            ]
+        })
+        .collect();
+    print!("{}", table(&headers, &rows));
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `42..51`, `42`, `42,43,50`.
