@@ -240,6 +240,112 @@ pub struct Snapshot<'a> {
     pub dra: Option<Dra<'a>>,
     /// PodGroups (`scheduling.k8s.io/v1beta1`); `None` when the cluster does not serve them.
     pub pod_groups: Option<&'a convert::PodGroups>,
+    /// What earlier cycles converted, kept by the driver ([`Memo`]); `None`: convert all.
+    pub memo: Option<&'a Memo>,
+}
+
+/// What a cycle converts from objects that rarely change, kept across cycles by the driver: a
+/// node's view and a bound pod's usage, keyed by the node's name or the pod's uid with the
+/// object's `resourceVersion` (the API server changes it on every write), so that a cycle
+/// parses only the objects written since the one before. An object without a
+/// `resourceVersion` is converted every time. [`Memo::sweep`], once per cycle, drops the
+/// entries of objects the cycle did not see (deleted, ended). A cycle decides the same with a
+/// memo as without (`cycle::tests::a_memo_changes_no_decision_over_random_events`).
+#[derive(Debug, Default)]
+pub struct Memo {
+    inner: std::sync::Mutex<MemoInner>,
+}
+
+type NodeEntry = (String, u64, Arc<Result<convert::NodeView, String>>);
+type UsageEntry = (String, u64, Arc<Result<convert::Usage, convert::Unsupported>>);
+type AskEntry = (String, u64, Arc<Result<PodAsk, convert::Unsupported>>);
+
+#[derive(Debug, Default)]
+struct MemoInner {
+    /// The cycle count; an entry records the last cycle that looked it up.
+    cycle: u64,
+    nodes: HashMap<String, NodeEntry>,
+    pods: HashMap<String, UsageEntry>,
+    /// Bound pods of this scheduler as tasks, for the task mix FGD and xpu measure against.
+    asks: HashMap<String, AskEntry>,
+    converted: u64,
+}
+
+impl Memo {
+    /// Ends a cycle: forgets what it did not look up.
+    pub fn sweep(&self) {
+        let mut m = self.lock();
+        let c = m.cycle;
+        m.nodes.retain(|_, e| e.1 == c);
+        m.pods.retain(|_, e| e.1 == c);
+        m.asks.retain(|_, e| e.1 == c);
+        m.cycle += 1;
+    }
+
+    /// Entries held: (nodes, pods); and objects converted since the memo was made.
+    pub fn stats(&self) -> (usize, usize, u64) {
+        let m = self.lock();
+        (m.nodes.len(), m.pods.len(), m.converted)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoInner> {
+        // The memo holds only derived values: one a panicking cycle left half-written is still
+        // a correct conversion of the object it is keyed by.
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl MemoInner {
+    fn node(&mut self, n: &Node) -> Arc<Result<convert::NodeView, String>> {
+        let (Some(name), Some(version)) =
+            (n.metadata.name.as_deref(), n.metadata.resource_version.as_deref())
+        else {
+            return Arc::new(convert::node(n));
+        };
+        let cycle = self.cycle;
+        if let Some(e) = self.nodes.get_mut(name).filter(|e| e.0 == version) {
+            e.1 = cycle;
+            return e.2.clone();
+        }
+        self.converted += 1;
+        let v = Arc::new(convert::node(n));
+        self.nodes.insert(name.to_owned(), (version.to_owned(), cycle, v.clone()));
+        v
+    }
+
+    fn ask(&mut self, p: &Pod) -> Arc<Result<PodAsk, convert::Unsupported>> {
+        let (Some(uid), Some(version)) =
+            (p.metadata.uid.as_deref(), p.metadata.resource_version.as_deref())
+        else {
+            return Arc::new(convert::pod(p));
+        };
+        let cycle = self.cycle;
+        if let Some(e) = self.asks.get_mut(uid).filter(|e| e.0 == version) {
+            e.1 = cycle;
+            return e.2.clone();
+        }
+        self.converted += 1;
+        let v = Arc::new(convert::pod(p));
+        self.asks.insert(uid.to_owned(), (version.to_owned(), cycle, v.clone()));
+        v
+    }
+
+    fn usage(&mut self, p: &Pod) -> Arc<Result<convert::Usage, convert::Unsupported>> {
+        let (Some(uid), Some(version)) =
+            (p.metadata.uid.as_deref(), p.metadata.resource_version.as_deref())
+        else {
+            return Arc::new(convert::usage(p));
+        };
+        let cycle = self.cycle;
+        if let Some(e) = self.pods.get_mut(uid).filter(|e| e.0 == version) {
+            e.1 = cycle;
+            return e.2.clone();
+        }
+        self.converted += 1;
+        let v = Arc::new(convert::usage(p));
+        self.pods.insert(uid.to_owned(), (version.to_owned(), cycle, v.clone()));
+        v
+    }
 }
 
 impl<'a> Snapshot<'a> {
@@ -276,6 +382,7 @@ impl<'a> Snapshot<'a> {
             namespace_labels: &NO_LABELS,
             dra: None,
             pod_groups: None,
+            memo: None,
         }
     }
 }
@@ -1611,21 +1718,31 @@ fn plan_once(
     // FGD and xpu measure fragmentation against the tasks the cluster runs: those waiting and
     // those this scheduler placed.
     if config.policy.needs_mix() {
+        let mut demands: Vec<_> = mix_tasks.iter().filter_map(|t| sched.demand(t).ok()).collect();
+        let mut memo = snap.memo.map(Memo::lock);
         for p in snap.pods {
             let mine =
                 p.spec.as_ref().and_then(|s| s.scheduler_name.as_deref()) == Some(scheduler_name);
-            if mine
-                && !terminal(p)
-                && bound_node(p, snap.assumed).is_some()
-                && let Ok(mut ask) = convert::pod(p)
-            {
+            if !mine || terminal(p) || bound_node(p, snap.assumed).is_none() {
+                continue;
+            }
+            let ask = match memo.as_deref_mut() {
+                Some(m) => m.ask(p),
+                None => Arc::new(convert::pod(p)),
+            };
+            let Ok(ask) = ask.as_ref() else { continue };
+            // Preemption weighs the placed pods' tasks too; otherwise only their demands count.
+            if separate || snap.preemption {
+                let mut ask = ask.clone();
                 if separate {
                     keep_to_offer(&mut ask);
                 }
+                demands.extend(sched.demand(&ask.task).ok());
                 mix_tasks.push(ask.task);
+            } else {
+                demands.extend(sched.demand(&ask.task).ok());
             }
         }
-        let demands: Vec<_> = mix_tasks.iter().filter_map(|t| sched.demand(t).ok()).collect();
         if !demands.is_empty() {
             sched.set_task_mix(&TaskMix::from_demands(&demands, 0.95));
         }
@@ -1822,6 +1939,10 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let job_shape = |uid: &str| snap.jobs.get(uid).copied();
     // Per node, the lowest priority among its pods being deleted (preemption victims, say).
     let mut terminating: HashMap<&str, i32> = HashMap::new();
+    let mut fresh = MemoInner::default();
+    let mut memo_guard = snap.memo.map(Memo::lock);
+    let memo: &mut MemoInner = memo_guard.as_deref_mut().unwrap_or(&mut fresh);
+    let keep = snap.memo.is_some();
     for p in snap.pods {
         if terminal(p) {
             continue;
@@ -1838,8 +1959,8 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         // A bound pod holds what it asks for, whichever scheduler placed it and whatever xpu
         // itself would refuse to place (two device kinds, DRA claims), on its node and on its
         // queue's account.
-        let usage = convert::usage(p);
-        if let Ok(u) = &usage {
+        let usage = if keep { memo.usage(p) } else { Arc::new(convert::usage(p)) };
+        if let Ok(u) = usage.as_ref() {
             queue_used.entry(queue_of(snap, p)).or_default().add(&Amounts::of(u));
         }
         let uid = p.metadata.uid.as_deref().unwrap_or("");
@@ -1850,7 +1971,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
                 .and_then(|a| a.get(share::GPUS_ANNOTATION))
                 .and_then(|g| share::parse_gpus(g))
         });
-        if let Err(e) = used.entry(node).or_default().add(&usage, gpus)
+        if let Err(e) = used.entry(node).or_default().add(usage.as_ref(), gpus)
             && let Some(key) = PodKey::of(p)
         {
             unreadable.push((key, format!("counted as using all of node {node}: {e}")));
@@ -1870,11 +1991,13 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let mut views = Vec::with_capacity(nodes.len());
     let mut offered: BTreeSet<&'static str> = Default::default();
     for n in nodes {
-        match convert::node(n) {
+        let view = if keep { memo.node(n) } else { Arc::new(convert::node(n)) };
+        match view.as_ref().clone() {
             Ok(v) => {
                 for (res, _) in convert::DEVICE_RESOURCES {
-                    let prefix = format!("{res}/");
-                    if v.spec.devices.iter().any(|d| d.id.starts_with(&prefix)) {
+                    let offers =
+                        |id: &str| id.strip_prefix(res).is_some_and(|rest| rest.starts_with('/'));
+                    if v.spec.devices.iter().any(|d| offers(&d.id)) {
                         offered.insert(res);
                     }
                 }
@@ -2725,5 +2848,157 @@ mod tests {
             "{:?}",
             plan.unreadable
         );
+    }
+
+    /// The memo kept across cycles changes no decision: random sequences of node and pod events
+    /// (added, changed, bound, ended, deleted; malformed quantities among them), and after every
+    /// event a cycle with the memo plans exactly what a cycle converting everything plans; the
+    /// memo then holds only live objects.
+    #[test]
+    fn a_memo_changes_no_decision_over_random_events() {
+        let mut rng = xpu_sched::rng::Rng::new(0);
+        for seed in 0..12u64 {
+            rng = xpu_sched::rng::Rng::new(seed ^ rng.next_u64());
+            let memo = Memo::default();
+            let mut version = 0u64;
+            let next = |v: &mut u64| {
+                *v += 1;
+                v.to_string()
+            };
+            let mut nodes: Vec<Arc<Node>> = Vec::new();
+            let mut pods: Vec<Arc<Pod>> = Vec::new();
+            let mut made = 0usize;
+            let node_of = |name: &str,
+                           gpus: u64,
+                           cpu: &str,
+                           ready: bool,
+                           rv: String|
+             -> Arc<Node> {
+                Arc::new(
+                    serde_json::from_value(json!({
+                        "metadata": { "name": name, "resourceVersion": rv },
+                        "status": { "allocatable": { "cpu": cpu, "memory": "64Gi", "pods": "110",
+                                                     "nvidia.com/gpu": gpus.to_string() },
+                                    "conditions": [{ "type": "Ready",
+                                                     "status": if ready { "True" } else { "False" } }] }
+                    }))
+                    .unwrap(),
+                )
+            };
+            let pod_of = |i: usize,
+                          gpus: u64,
+                          cpu: &str,
+                          node: Option<&str>,
+                          phase: &str,
+                          rv: String| {
+                Arc::new(
+                    serde_json::from_value::<Pod>(json!({
+                        "metadata": { "name": format!("p{i}"), "namespace": "default",
+                                      "uid": format!("u{i}"), "resourceVersion": rv,
+                                      "creationTimestamp": format!("2026-01-01T00:{:02}:{:02}Z", i / 60 % 60, i % 60) },
+                        "spec": { "schedulerName": "xpu", "nodeName": node,
+                            "containers": [{ "name": "c", "resources": {
+                                "requests": { "cpu": cpu, "memory": "1Gi" },
+                                "limits": { "nvidia.com/gpu": gpus.to_string() } } }] },
+                        "status": { "phase": phase }
+                    }))
+                    .unwrap(),
+                )
+            };
+            let cpus = ["1", "4", "500m", "lots"];
+            for _ in 0..60 {
+                match rng.index(8) {
+                    0 if nodes.len() < 6 => {
+                        let name = format!("n{}", rng.index(8));
+                        if nodes.iter().all(|n| n.metadata.name.as_deref() != Some(&name)) {
+                            let rv = next(&mut version);
+                            nodes.push(node_of(
+                                &name,
+                                rng.below(9),
+                                ["32", "8", "x"][rng.index(3)],
+                                rng.index(5) > 0,
+                                rv,
+                            ));
+                        }
+                    }
+                    1 if !nodes.is_empty() => {
+                        let k = rng.index(nodes.len());
+                        let name = nodes[k].metadata.name.clone().unwrap();
+                        let rv = next(&mut version);
+                        nodes[k] = node_of(
+                            &name,
+                            rng.below(9),
+                            ["32", "16"][rng.index(2)],
+                            rng.index(4) > 0,
+                            rv,
+                        );
+                    }
+                    2 if !nodes.is_empty() => {
+                        nodes.remove(rng.index(nodes.len()));
+                    }
+                    3 | 4 => {
+                        made += 1;
+                        let rv = next(&mut version);
+                        pods.push(pod_of(
+                            made,
+                            rng.below(4),
+                            cpus[rng.index(4)],
+                            None,
+                            "Pending",
+                            rv,
+                        ));
+                    }
+                    5 if !pods.is_empty() && !nodes.is_empty() => {
+                        // Bound by another hand (or by xpu, as the watch then shows it).
+                        let k = rng.index(pods.len());
+                        let node = nodes[rng.index(nodes.len())].metadata.name.clone();
+                        let mut p = (*pods[k]).clone();
+                        if let Some(spec) = p.spec.as_mut() {
+                            spec.node_name = node;
+                        }
+                        p.metadata.resource_version = Some(next(&mut version));
+                        pods[k] = Arc::new(p);
+                    }
+                    6 if !pods.is_empty() => {
+                        let k = rng.index(pods.len());
+                        let mut p = (*pods[k]).clone();
+                        if let Some(st) = p.status.as_mut() {
+                            st.phase =
+                                Some(["Succeeded", "Failed", "Running"][rng.index(3)].into());
+                        }
+                        p.metadata.resource_version = Some(next(&mut version));
+                        pods[k] = Arc::new(p);
+                    }
+                    7 if !pods.is_empty() => {
+                        pods.remove(rng.index(pods.len()));
+                    }
+                    _ => {}
+                }
+                let (jobs, assumed) = (HashMap::new(), HashMap::new());
+                let config = SchedulerConfig::default();
+                let rebuilt = plan(
+                    &Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed),
+                    &config,
+                    0,
+                    &mut |_| true,
+                );
+                let snap = Snapshot {
+                    memo: Some(&memo),
+                    ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed)
+                };
+                let kept = plan(&snap, &config, 0, &mut |_| true);
+                assert_eq!(kept, rebuilt, "seed {seed}: the memo changed the plan");
+                memo.sweep();
+                let (n, p, _) = memo.stats();
+                assert_eq!(n, nodes.len(), "seed {seed}: the memo keeps a node that is gone");
+                let live = pods
+                    .iter()
+                    .filter(|p| {
+                        !terminal(p) && p.spec.as_ref().is_some_and(|s| s.node_name.is_some())
+                    })
+                    .count();
+                assert_eq!(p, live, "seed {seed}: the memo keeps pods that ended or are gone");
+            }
+        }
     }
 }

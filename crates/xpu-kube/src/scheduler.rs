@@ -430,6 +430,8 @@ pub async fn run(
     let assumed_claims: Arc<Mutex<HashMap<String, xpu_sched::dra::Allocation>>> = Arc::default();
     // ResourceSlices as converted, by name with the resourceVersion converted: a slice is
     // converted (and a bad one warned about) once per change, not every cycle.
+    // Nodes and bound pods converted in earlier cycles, by resourceVersion.
+    let memo = cycle::Memo::default();
     let mut slices: HashMap<String, (String, Result<Arc<xpu_sched::dra::Slice>, String>)> =
         HashMap::new();
     let started = Instant::now();
@@ -601,6 +603,7 @@ pub async fn run(
             preemption: opts.preemption,
             excluded: &excluded,
             unix_now: k8s_openapi::jiff::Timestamp::now().as_second(),
+            memo: Some(&memo),
             ..Snapshot::new(&opts.scheduler_name, &nodes, &pods, &jobs, &assumed_now)
         };
         let now = started.elapsed().as_secs();
@@ -610,6 +613,7 @@ pub async fn run(
             |uid: &str| said.at.get(uid).is_none_or(|(at, _)| at.elapsed() >= interval);
         let plan = cycle::plan(&snap, &config, now, &mut explain);
         metrics.plan_seconds.observe(t0.elapsed().as_secs_f64());
+        memo.sweep();
         metrics
             .pending
             .store(plan.pending.saturating_sub(plan.binds.len()) as u64, Ordering::Relaxed);
