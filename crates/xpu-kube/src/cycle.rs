@@ -1194,6 +1194,44 @@ pub fn plan(
     }
 }
 
+/// The null binder of the throughput benches: every waiting pod to the next Ready node in turn
+/// (nodes in name order, `cursor` kept by the caller across cycles), deciding nothing: no fit, no
+/// claims, no gangs. Run through the same watch, queue and binding client as [`plan`], its rate
+/// is the API server's ceiling for any scheduler on the same control plane.
+pub fn null_plan(snap: &Snapshot<'_>, cursor: &mut usize) -> Plan {
+    let mut out = Plan::default();
+    let mut ready: Vec<&str> = snap
+        .nodes
+        .iter()
+        .filter(|n| {
+            n.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+        })
+        .filter_map(|n| n.metadata.name.as_deref())
+        .collect();
+    ready.sort_unstable();
+    let mut pending: Vec<&Arc<Pod>> =
+        snap.pods.iter().filter(|p| waits_for(p, snap.scheduler_name, snap.assumed)).collect();
+    out.pending = pending.len();
+    if ready.is_empty() {
+        return out;
+    }
+    pending.sort_by(|a, b| {
+        let ka = (&a.metadata.creation_timestamp, &a.metadata.namespace, &a.metadata.name);
+        let kb = (&b.metadata.creation_timestamp, &b.metadata.namespace, &b.metadata.name);
+        ka.partial_cmp(&kb).unwrap_or(std::cmp::Ordering::Equal)
+    });
+    for p in pending {
+        let Some(pod) = PodKey::of(p) else { continue };
+        *cursor = (*cursor + 1) % ready.len();
+        let node = ready[*cursor].to_owned();
+        out.binds.push(Bind { pod, node, gang: None, share: None, claims: Vec::new() });
+    }
+    out
+}
+
 /// Records every bound (or assumed) pod, but those `snap.hold_out` leaves out, where it is, for
 /// the inter-pod constraints of the pods placed after it.
 pub(crate) fn record_placed(snap: &Snapshot<'_>, sched: &mut Scheduler) {

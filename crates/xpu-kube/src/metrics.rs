@@ -75,6 +75,12 @@ pub struct Metrics {
     pub plan_seconds: Histogram,
     /// Pod creation to bound (second resolution at the start: `creationTimestamp`).
     pub e2e_seconds: Histogram,
+    /// One `pods/binding` call.
+    pub bind_seconds: Histogram,
+    /// Writing one batch's ResourceClaims (finalizer, allocation, reservation) before it binds.
+    pub claims_seconds: Histogram,
+    /// One `PodScheduled=False` status write.
+    pub status_seconds: Histogram,
 }
 
 impl Default for Metrics {
@@ -95,6 +101,9 @@ impl Default for Metrics {
             cycle_seconds: Histogram::new(LATENCY),
             plan_seconds: Histogram::new(LATENCY),
             e2e_seconds: Histogram::new(LATENCY),
+            bind_seconds: Histogram::new(LATENCY),
+            claims_seconds: Histogram::new(LATENCY),
+            status_seconds: Histogram::new(LATENCY),
         }
     }
 }
@@ -189,6 +198,21 @@ impl Metrics {
             &mut s,
             "xpu_scheduler_pod_scheduling_duration_seconds",
             "From pod creation to a successful bind.",
+        );
+        self.bind_seconds.render(
+            &mut s,
+            "xpu_scheduler_bind_duration_seconds",
+            "One pods/binding call to the API server.",
+        );
+        self.claims_seconds.render(
+            &mut s,
+            "xpu_scheduler_claims_duration_seconds",
+            "Writing one batch's ResourceClaims (finalizer, allocation, reservation) before it binds.",
+        );
+        self.status_seconds.render(
+            &mut s,
+            "xpu_scheduler_status_update_duration_seconds",
+            "One PodScheduled=False status write.",
         );
         s
     }

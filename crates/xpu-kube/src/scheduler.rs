@@ -67,6 +67,9 @@ pub struct Options {
     pub provisioning_backoff: Duration,
     /// The ConfigMap (namespace, name) that maps namespaces to queues ([`crate::queues`]).
     pub queue_config: (String, String),
+    /// Benchmarks only: bind every waiting pod to the next Ready node in turn, deciding nothing
+    /// ([`cycle::null_plan`]), to measure what the API server allows any scheduler.
+    pub null_binder: bool,
 }
 
 /// The longest wait between two ProvisioningRequests for one gang.
@@ -87,6 +90,7 @@ impl Default for Options {
             preemption: true,
             provisioning_backoff: Duration::from_secs(30),
             queue_config: ("xpu-system".into(), "xpu-queues".into()),
+            null_binder: false,
         }
     }
 }
@@ -432,6 +436,8 @@ pub async fn run(
     // converted (and a bad one warned about) once per change, not every cycle.
     // Nodes and bound pods converted in earlier cycles, by resourceVersion.
     let memo = cycle::Memo::default();
+    // The null binder's next node.
+    let mut null_cursor = 0usize;
     let mut slices: HashMap<String, (String, Result<Arc<xpu_sched::dra::Slice>, String>)> =
         HashMap::new();
     let started = Instant::now();
@@ -611,7 +617,11 @@ pub async fn run(
         let interval = opts.status_interval;
         let mut explain =
             |uid: &str| said.at.get(uid).is_none_or(|(at, _)| at.elapsed() >= interval);
-        let plan = cycle::plan(&snap, &config, now, &mut explain);
+        let plan = if opts.null_binder {
+            cycle::null_plan(&snap, &mut null_cursor)
+        } else {
+            cycle::plan(&snap, &config, now, &mut explain)
+        };
         metrics.plan_seconds.observe(t0.elapsed().as_secs_f64());
         memo.sweep();
         metrics
@@ -702,7 +712,10 @@ pub async fn run(
             let key = opts.share_key.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                let ok = match reserve_claims(&client, &batch).await {
+                let t = Instant::now();
+                let written = reserve_claims(&client, &batch).await;
+                metrics.claims_seconds.observe(t.elapsed().as_secs_f64());
+                let ok = match written {
                     Ok(()) => true,
                     Err(e) => {
                         warn!(pods = batch.len(), first = %batch[0].pod, error = %e, "ResourceClaims not written; the pods go back to the queue");
@@ -710,7 +723,12 @@ pub async fn run(
                     }
                 };
                 for b in &batch {
-                    let bound = ok && bind(&client, b, key.as_deref()).await.is_ok();
+                    let bound = ok && {
+                        let t = Instant::now();
+                        let r = bind(&client, b, key.as_deref()).await;
+                        metrics.bind_seconds.observe(t.elapsed().as_secs_f64());
+                        r.is_ok()
+                    };
                     if bound {
                         metrics.attempts_scheduled.fetch_add(1, Ordering::Relaxed);
                         info!(pod = %b.pod, node = %b.node, gang = b.gang.as_deref().unwrap_or(""), claims = b.claims.len(), "bound");
@@ -742,7 +760,10 @@ pub async fn run(
             let key = opts.share_key.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                match bind(&client, &b, key.as_deref()).await {
+                let t = Instant::now();
+                let r = bind(&client, &b, key.as_deref()).await;
+                metrics.bind_seconds.observe(t.elapsed().as_secs_f64());
+                match r {
                     Ok(()) => {
                         metrics.attempts_scheduled.fetch_add(1, Ordering::Relaxed);
                         if let Some(t) = created {

@@ -151,7 +151,10 @@ async fn work(shared: &Shared, client: &Client) {
         };
         match w {
             Write::Unschedulable { pod, msg, event } => {
-                match mark_unschedulable(client, &pod, &msg).await {
+                let t = std::time::Instant::now();
+                let r = mark_unschedulable(client, &pod, &msg).await;
+                shared.metrics.status_seconds.observe(t.elapsed().as_secs_f64());
+                match r {
                     Ok(()) => {
                         shared.metrics.status_writes.fetch_add(1, Ordering::Relaxed);
                     }

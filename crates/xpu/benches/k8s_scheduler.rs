@@ -5,7 +5,11 @@
 //! of create-to-bound latency as a watch sees it, and each scheduler's peak RSS.
 //!
 //!   cargo bench -p xpu --bench k8s_scheduler
-//!   XPU_BENCH_NODES=5000 XPU_BENCH_PODS=10000 (defaults) XPU_BENCH_SCHEDULERS=kube,xpu
+//!   XPU_BENCH_NODES=5000 XPU_BENCH_PODS=10000 (defaults) XPU_BENCH_SCHEDULERS=null,kube,xpu
+//!
+//! `null` is the null binder (`xpu k8s scheduler --null-binder`: xpu's watch, queue and
+//! binding client, each pod to the next node in turn, no decision): the API server's ceiling on
+//! this machine, which every figure is also given against.
 //!
 //! Both schedulers get the same objects and the same client budget: kube-scheduler runs with
 //! `clientConnection.qps/burst` 5000 (as scheduler_perf sets it; its default 50 would bind 50
@@ -181,7 +185,7 @@ fn n_index(name: &str) -> usize {
 fn main() {
     let nodes = env_num("XPU_BENCH_NODES", 5000);
     let pods = env_num("XPU_BENCH_PODS", 10_000);
-    let which = std::env::var("XPU_BENCH_SCHEDULERS").unwrap_or_else(|_| "kube,xpu".into());
+    let which = std::env::var("XPU_BENCH_SCHEDULERS").unwrap_or_else(|_| "null,kube,xpu".into());
     let share_pods = env_num("XPU_BENCH_SHARE_PODS", 10_000);
     let mixes = [
         Mix { name: "cpu", pods: pods / 2, gpus: 0, shares: &[] },
@@ -205,7 +209,7 @@ fn main() {
         let run = if w == "kube" { &mixes[..2] } else { &mixes[..] };
         let (figs, rss) = rt.block_on(bench(w, nodes, run));
         for (m, f) in mixes.iter().zip(&figs) {
-            let label = if w == "kube" { "kube-scheduler" } else { "xpu" };
+            let label = k8s_bench::label(w);
             println!(
                 "{label:<16} {:<5} {:>10.0} {:>10.1} {:>10.1} {:>10.1}",
                 m.name, f.pods_per_s, f.p50_ms, f.p99_ms, rss
@@ -218,6 +222,20 @@ fn main() {
             (rates.get(&("xpu".into(), m.name)), rates.get(&("kube".into(), m.name)))
         {
             println!("xpu / kube-scheduler pods/s, {} pods: {:.2}x", m.name, x / k);
+        }
+    }
+    for m in &mixes {
+        if let Some(ceiling) = rates.get(&("null".into(), m.name)) {
+            for s in ["kube", "xpu"] {
+                if let Some(r) = rates.get(&(s.into(), m.name)) {
+                    println!(
+                        "{} / null binder pods/s, {} pods: {:.2}",
+                        k8s_bench::label(s),
+                        m.name,
+                        r / ceiling
+                    );
+                }
+            }
         }
     }
     if let (Some(x), Some(k)) =

@@ -385,3 +385,51 @@ async fn restart_mid_binding_and_leader_failover() {
     );
     eprintln!("standby took over in {:?}", killed_at.elapsed());
 }
+
+/// The benches' null binder (`--null-binder`) binds every waiting pod, whatever it asks, to the
+/// Ready nodes in turn, skipping a node that is not Ready, and leaves other schedulers' pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_null_binder_binds_every_pod_to_the_ready_nodes_in_turn() {
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default()).await;
+    let admin = cp.admin_client();
+    let kubeconfig = install_scheduler_rbac(&cp).await;
+    for i in 0..3 {
+        add_node(&admin, &NodeDef::new(format!("n{i}")).gpus("nvidia.com/gpu", 1)).await;
+    }
+    let mut down = NodeDef::new("n3").gpus("nvidia.com/gpu", 1);
+    down.ready = false;
+    add_node(&admin, &down).await;
+    let podsapi: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    // Six pods of 4 GPUs each: no node fits one, and the null binder binds them all.
+    for i in 0..6 {
+        podsapi
+            .create(&PostParams::default(), &pod(&format!("p{i}"), "nvidia.com/gpu", 4, &[]))
+            .await
+            .unwrap();
+    }
+    let mut other = pod("other", "nvidia.com/gpu", 1, &[]);
+    other.spec.as_mut().unwrap().scheduler_name = Some("someone-else".into());
+    podsapi.create(&PostParams::default(), &other).await.unwrap();
+    let _sched = XpuScheduler::start(&cp, &kubeconfig, "null", &["--null-binder"]);
+    let bound =
+        wait_until(Duration::from_secs(30), || {
+            let admin = admin.clone();
+            async move {
+                pods(&admin, "default").await.iter().filter(|p| node_of(p).is_some()).count() == 6
+            }
+        })
+        .await;
+    let ps = pods(&admin, "default").await;
+    assert!(bound, "{}", report(&ps));
+    let mut per_node: HashMap<&str, usize> = HashMap::new();
+    for p in &ps {
+        if p.metadata.name.as_deref() == Some("other") {
+            assert_eq!(node_of(p), None, "another scheduler's pod was bound");
+            continue;
+        }
+        *per_node.entry(node_of(p).unwrap()).or_default() += 1;
+    }
+    assert_eq!(per_node.get("n3"), None, "bound to a node that is not Ready: {per_node:?}");
+    assert!(per_node.values().all(|&n| n == 2), "not in turn: {per_node:?}");
+}

@@ -44,8 +44,9 @@ pub fn peak_rss_mib(pid: u32) -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
-/// Starts `kube` (kube-scheduler) or `xpu` (with `xpu_args` after its kubeconfig) on `cp`,
-/// logging to `bench-<which>.log` in the plane's directory.
+/// Starts `kube` (kube-scheduler), `xpu` (with `xpu_args` after its kubeconfig) or `null`
+/// (`xpu k8s scheduler --null-binder`: the same watch, queue and binding client, no decision;
+/// the API server's ceiling) on `cp`, logging to `bench-<which>.log` in the plane's directory.
 pub fn start_scheduler(which: &str, cp: &ControlPlane, xpu_args: &[OsString]) -> Child {
     start_scheduler_gated(which, cp, xpu_args, "")
 }
@@ -84,6 +85,7 @@ pub fn start_scheduler_gated(
             .args(["k8s", "scheduler", "--kubeconfig"])
             .arg(cp.admin_kubeconfig())
             .args(xpu_args)
+            .args(if which == "null" { &["--null-binder"][..] } else { &[] })
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -208,8 +210,17 @@ pub async fn run(
     }
 }
 
+/// How a scheduler of `XPU_BENCH_SCHEDULERS` is named in the tables.
+pub fn label(which: &str) -> &'static str {
+    match which {
+        "kube" => "kube-scheduler",
+        "null" => "null binder",
+        _ => "xpu",
+    }
+}
+
 /// Runs `bench(scheduler, workload)` for every workload of `workloads` and scheduler of
-/// `which` (comma-separated; `kube`, `xpu`), printing one row each, the xpu / kube-scheduler
+/// `which` (comma-separated; `kube`, `xpu`, `null`), printing one row each, the xpu / kube-scheduler
 /// ratio per workload and the machine's load before and after. `title` heads the table.
 pub fn table(
     title: &str,
@@ -228,7 +239,7 @@ pub fn table(
     for w in workloads.split(',') {
         for s in which.split(',') {
             let f = bench(s, w);
-            let label = if s == "kube" { "kube-scheduler" } else { "xpu" };
+            let label = label(s);
             println!(
                 "{label:<16} {w:<9} {:>9.1} {:>10.1} {:>10.1} {:>10.1}",
                 f.pods_per_s, f.p50_ms, f.p99_ms, f.rss_mib
@@ -239,6 +250,13 @@ pub fn table(
             (rates.get(&("xpu".into(), w.to_owned())), rates.get(&("kube".into(), w.to_owned())))
         {
             println!("xpu / kube-scheduler pods/s, {w}: {:.2}x", x / k);
+        }
+        if let Some(ceiling) = rates.get(&("null".into(), w.to_owned())) {
+            for s in ["kube", "xpu"] {
+                if let Some(r) = rates.get(&(s.into(), w.to_owned())) {
+                    println!("{} / null binder pods/s, {w}: {:.2}", label(s), r / ceiling);
+                }
+            }
         }
     }
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();

@@ -135,6 +135,10 @@ pub struct SchedulerArgs {
     /// Keep it where tenants cannot write.
     #[arg(long, value_name = "NAMESPACE/NAME", default_value = xpu_kube::queues::DEFAULT_CONFIG)]
     pub queue_config: String,
+    /// Benchmarks only: bind every waiting pod to the next Ready node in turn, deciding
+    /// nothing (the API server's ceiling for any scheduler).
+    #[arg(long, hide = true)]
+    pub null_binder: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -309,6 +313,7 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
             preemption: !a.no_preemption,
             provisioning_backoff: Duration::from_secs(a.provisioning_backoff),
             queue_config,
+            null_binder: a.null_binder,
             ..xpu_kube::scheduler::Options::default()
         },
         leader_elect: a.leader_elect.then(|| xpu_kube::leader::LeaseConfig {
