@@ -6,6 +6,8 @@
 //!
 //!   cargo bench -p xpu --bench k8s_scheduler
 //!   XPU_BENCH_NODES=5000 XPU_BENCH_PODS=10000 (defaults) XPU_BENCH_SCHEDULERS=null,kube,xpu
+//!   XPU_BENCH_BOUND=50000: that many pods already bound (10m CPU each, spread over the nodes)
+//!   before the scheduler starts, the 15,000-node shape of issue 44
 //!
 //! `null` is the null binder (`xpu k8s scheduler --null-binder`: xpu's watch, queue and
 //! binding client, each pod to the next node in turn, no decision): the API server's ceiling on
@@ -154,7 +156,22 @@ async fn run_mix(
     }
 }
 
-async fn bench(which: &str, nodes: usize, mixes: &[Mix]) -> (Vec<Figures>, f64) {
+/// A pod already bound to its node when created (no scheduler involved): the cluster's running
+/// workload, which every cycle of a scheduler must account for.
+fn bound_pod(i: usize, nodes: usize) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": format!("bound-{i:06}") },
+        "spec": {
+            "nodeName": format!("node-{:05}", i % nodes),
+            "containers": [{ "name": "c", "image": "pause",
+                             "resources": { "requests": { "cpu": "10m", "memory": "16Mi" } } }],
+        },
+    }))
+    .unwrap()
+}
+
+async fn bench(which: &str, nodes: usize, bound: usize, mixes: &[Mix]) -> (Vec<Figures>, f64) {
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
         .unwrap_or_else(|e| panic!("control plane: {e}"));
@@ -162,6 +179,14 @@ async fn bench(which: &str, nodes: usize, mixes: &[Mix]) -> (Vec<Figures>, f64) 
     let t = Instant::now();
     create_all(&Api::<Node>::all(client.clone()), nodes, 32, node).await;
     eprintln!("{which}: {nodes} nodes created in {:.1} s", t.elapsed().as_secs_f64());
+    if bound > 0 {
+        let t = Instant::now();
+        create_all(&Api::<Pod>::namespaced(client.clone(), "default"), bound, 64, |i| {
+            bound_pod(i, nodes)
+        })
+        .await;
+        eprintln!("{which}: {bound} bound pods created in {:.1} s", t.elapsed().as_secs_f64());
+    }
     let (seen, watch) = k8s_bench::watch_binds(&client);
     let key = cp.dir().join("share.key");
     std::fs::write(&key, [7u8; 32]).unwrap();
@@ -187,6 +212,7 @@ fn main() {
     let pods = env_num("XPU_BENCH_PODS", 10_000);
     let which = std::env::var("XPU_BENCH_SCHEDULERS").unwrap_or_else(|_| "null,kube,xpu".into());
     let share_pods = env_num("XPU_BENCH_SHARE_PODS", 10_000);
+    let bound = env_num("XPU_BENCH_BOUND", 0);
     let mixes = [
         Mix { name: "cpu", pods: pods / 2, gpus: 0, shares: &[] },
         Mix { name: "gpu", pods: pods - pods / 2, gpus: 1, shares: &[] },
@@ -196,7 +222,7 @@ fn main() {
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "k8s scheduler bench: {nodes} nodes (a quarter with 8 nvidia.com/gpu, a quarter with 8 GPUs as xpu.dev/gpu-milli), {pods} pods, then {share_pods} share pods for xpu; load before: {}",
+        "k8s scheduler bench: {nodes} nodes (a quarter with 8 nvidia.com/gpu, a quarter with 8 GPUs as xpu.dev/gpu-milli), {bound} pods bound before, {pods} pods, then {share_pods} share pods for xpu; load before: {}",
         load.trim()
     );
     println!(
@@ -207,7 +233,7 @@ fn main() {
     for w in which.split(',') {
         // kube-scheduler cannot place GPU shares: it runs the first two mixes.
         let run = if w == "kube" { &mixes[..2] } else { &mixes[..] };
-        let (figs, rss) = rt.block_on(bench(w, nodes, run));
+        let (figs, rss) = rt.block_on(bench(w, nodes, bound, run));
         for (m, f) in mixes.iter().zip(&figs) {
             let label = k8s_bench::label(w);
             println!(
