@@ -578,10 +578,17 @@ const MAX_RESERVED: usize = 256;
 
 /// A pending pod's claims and the nodes they can be allocated on, or why the pod waits.
 /// `Ok(None)`: the pod has no claims.
+/// The nodes found for claims of one shape in this cycle: the pending claims' specs (and the
+/// nodes left out) → the nodes they fit with the devices each would keep free. Pods made from
+/// one template ask the same, and the cluster's allocations are the same for all of them until
+/// the cycle places one, so each shape is searched on every node once, not once per pod.
+type ShapeFits = HashMap<(Vec<String>, Option<Vec<String>>), Vec<(String, usize)>>;
+
 fn dra_nodes(
     snap: &Snapshot<'_>,
     p: &Pod,
     excluded: Option<&Vec<String>>,
+    shapes: &mut ShapeFits,
 ) -> Result<Option<Fits>, String> {
     let names = crate::claims::pod_claims(p)?;
     let extended = snap.dra.as_ref().and_then(|d| extended_claim(d, p));
@@ -655,6 +662,18 @@ fn dra_nodes(
         }
         return Ok(Some((names, claims)));
     }
+    // Claims already allocated narrow the nodes, and an extended-resource claim is the pod's
+    // own: only a pod with neither shares its shape with others.
+    let shape = (claims.allocated.is_empty() && claims.extended.is_none())
+        .then(|| {
+            let specs: Option<Vec<String>> =
+                claims.pending.iter().map(|(c, _)| serde_json::to_string(&c.spec).ok()).collect();
+            Some((specs?, excluded.cloned()))
+        })
+        .flatten();
+    if let Some(found) = shape.as_ref().and_then(|k| shapes.get(k)) {
+        return Ok(Some((found.clone(), claims)));
+    }
     let wanted: Vec<xpu_sched::dra::Claim> =
         claims.pending.iter().map(|(_, c)| c.clone()).collect();
     let mut feasible = Vec::new();
@@ -711,6 +730,9 @@ fn dra_nodes(
             nodes.len(),
             if shown.is_empty() { "no nodes".to_owned() } else { shown.join("; ") }
         ));
+    }
+    if let Some(k) = shape {
+        shapes.insert(k, feasible.clone());
     }
     Ok(Some((feasible, claims)))
 }
@@ -1382,9 +1404,10 @@ fn plan_once(
     // look ahead at the pods after it.
     let mut dra_pre: HashMap<String, Result<Option<Fits>, String>> = HashMap::new();
     let mut dra_seq: Vec<String> = Vec::new();
+    let mut shapes = ShapeFits::new();
     for p in &pending {
         let Some(uid) = p.metadata.uid.clone() else { continue };
-        let r = dra_nodes(snap, p, excluded.get(&uid));
+        let r = dra_nodes(snap, p, excluded.get(&uid), &mut shapes);
         if matches!(r, Ok(Some(_))) {
             dra_seq.push(uid.clone());
         }

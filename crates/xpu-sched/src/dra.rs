@@ -396,6 +396,9 @@ struct Search<'a> {
     claims: &'a [Claim],
     classes: &'a HashMap<String, Class>,
     pools: Vec<Pool<'a>>,
+    /// Each pool device's id, made once per search (the sets of devices in use are keyed by
+    /// it); shared so that a method may hold ids while it changes the search.
+    ids: Arc<Vec<Vec<DeviceId>>>,
     in_use: &'a InUse,
     /// Devices taken whole in this allocation.
     taken: HashSet<DeviceId>,
@@ -460,10 +463,24 @@ fn search(
     steps: &mut u64,
 ) -> Result<Vec<Allocation>, Unfit> {
     let pools = pools(slices, node, labels);
+    let ids = pools
+        .iter()
+        .map(|p| {
+            p.devices
+                .iter()
+                .map(|(d, _)| DeviceId {
+                    driver: p.driver.to_owned(),
+                    pool: p.pool.to_owned(),
+                    device: d.name.clone(),
+                })
+                .collect()
+        })
+        .collect();
     let mut search = Search {
         claims,
         classes,
         pools,
+        ids: Arc::new(ids),
         in_use,
         taken: HashSet::new(),
         capacity: HashMap::new(),
@@ -525,13 +542,8 @@ fn search(
 }
 
 impl<'a> Search<'a> {
-    fn id(&self, pi: usize, di: usize) -> DeviceId {
-        let p = &self.pools[pi];
-        DeviceId {
-            driver: p.driver.to_owned(),
-            pool: p.pool.to_owned(),
-            device: p.devices[di].0.name.clone(),
-        }
+    fn id(&self, pi: usize, di: usize) -> &DeviceId {
+        &self.ids[pi][di]
     }
 
     /// Counts what the cluster's allocations draw from the pools' counters.
@@ -539,8 +551,8 @@ impl<'a> Search<'a> {
         for pi in 0..self.pools.len() {
             for di in 0..self.pools[pi].devices.len() {
                 let id = self.id(pi, di);
-                let held = self.in_use.devices.contains(&id)
-                    || self.in_use.capacity.get(&id).is_some_and(|c| !c.is_empty());
+                let held = self.in_use.devices.contains(id)
+                    || self.in_use.capacity.get(id).is_some_and(|c| !c.is_empty());
                 if held {
                     let device = self.pools[pi].devices[di].0;
                     for (set, counters) in &device.consumes {
@@ -604,8 +616,9 @@ impl<'a> Search<'a> {
             let (driver, incomplete) = (self.pools[pi].driver, self.pools[pi].incomplete);
             for di in 0..self.pools[pi].devices.len() {
                 let device = self.pools[pi].devices[di].0;
-                let id = self.id(pi, di);
-                if !self.selected(ci, r, exact, &id, device) || !Self::tolerated(exact, device) {
+                let ids = self.ids.clone();
+                let id = &ids[pi][di];
+                if !self.selected(ci, r, exact, id, device) || !Self::tolerated(exact, device) {
                     continue;
                 }
                 if incomplete || self.pools[pi].invalid {
@@ -747,6 +760,7 @@ impl<'a> Search<'a> {
             // Devices that matched and were free but broke a constraint of the claim.
             let mut constrained = false;
             let order = self.order(ci, ri, want - slot.nth);
+            let ids = self.ids.clone();
             // The devices of one request are a set: after its first, each is taken after the
             // one before it in (pool, device) order, so no set is tried in every order.
             let after = match self.chosen.get(&(ci, ri)) {
@@ -764,7 +778,7 @@ impl<'a> Search<'a> {
                     }
                     let (device, _) = self.pools[pi].devices[di];
                     let driver = self.pools[pi].driver;
-                    let id = self.id(pi, di);
+                    let id = &ids[pi][di];
                     if self
                         .chosen
                         .get(&(ci, ri))
@@ -775,7 +789,7 @@ impl<'a> Search<'a> {
                     let consumed = if exact.admin_access {
                         None
                     } else if device.allow_multiple {
-                        match self.capacity_fit(&id, device, exact) {
+                        match self.capacity_fit(id, device, exact) {
                             Some(c) => Some(c),
                             None => continue,
                         }
@@ -786,17 +800,17 @@ impl<'a> Search<'a> {
                             .iter()
                             .any(|(k, want)| device.capacity.get(k).is_none_or(|have| have < want));
                         if short
-                            || self.in_use.devices.contains(&id)
-                            || self.taken.contains(&id)
-                            || self.in_use.capacity.get(&id).is_some_and(|c| !c.is_empty())
-                            || self.capacity.get(&id).is_some_and(|c| !c.is_empty())
+                            || self.in_use.devices.contains(id)
+                            || self.taken.contains(id)
+                            || self.in_use.capacity.get(id).is_some_and(|c| !c.is_empty())
+                            || self.capacity.get(id).is_some_and(|c| !c.is_empty())
                         {
                             continue;
                         }
                         None
                     };
                     if !Self::tolerated(exact, device)
-                        || !self.selected(ci, slot.req, exact, &id, device)
+                        || !self.selected(ci, slot.req, exact, id, device)
                     {
                         continue;
                     }
@@ -804,7 +818,7 @@ impl<'a> Search<'a> {
                         constrained = true;
                         continue;
                     }
-                    let draws = !exact.admin_access && !self.holds(&id);
+                    let draws = !exact.admin_access && !self.holds(id);
                     if draws && !self.counters_fit(pi, device) {
                         continue;
                     }
@@ -840,7 +854,7 @@ impl<'a> Search<'a> {
                     }
                     match &consumed {
                         Some(c) => {
-                            if let Some(have) = self.capacity.get_mut(&id) {
+                            if let Some(have) = self.capacity.get_mut(id) {
                                 for (k, v) in c {
                                     if let Some(e) = have.get_mut(k) {
                                         *e = e.saturating_sub(*v);
@@ -848,12 +862,12 @@ impl<'a> Search<'a> {
                                 }
                                 have.retain(|_, v| *v > 0);
                                 if have.is_empty() {
-                                    self.capacity.remove(&id);
+                                    self.capacity.remove(id);
                                 }
                             }
                         }
                         None => {
-                            self.taken.remove(&id);
+                            self.taken.remove(id);
                         }
                     }
                     if draws {
@@ -924,31 +938,44 @@ impl<'a> Search<'a> {
             }
             _ => None,
         });
-        let topology = |d: &'a Device, t: &str| -> Option<&'a Value> {
-            d.attributes.iter().find(|(k, _)| k.rsplit('/').next() == Some(t)).map(|(_, v)| v)
-        };
-        let mut levels: Vec<Option<&str>> = Vec::new();
+        // Each device's topology values, one pass over its attributes (by bare name).
+        let topo: HashMap<(usize, usize), [Option<&'a Value>; TOPOLOGY.len()]> = all
+            .iter()
+            .map(|&(pi, di)| {
+                let mut at = [None; TOPOLOGY.len()];
+                for (k, v) in &self.pools[pi].devices[di].0.attributes {
+                    let bare = k.rsplit_once('/').map_or(k.as_str(), |(_, b)| b);
+                    if let Some(i) = TOPOLOGY.iter().position(|t| *t == bare) {
+                        at[i].get_or_insert(v);
+                    }
+                }
+                ((pi, di), at)
+            })
+            .collect();
+        let mut levels: Vec<Option<usize>> = Vec::new();
         if matched.is_some() {
             levels.push(None);
         }
-        for t in TOPOLOGY {
-            if all.iter().any(|&(pi, di)| topology(self.pools[pi].devices[di].0, t).is_some()) {
+        for t in 0..TOPOLOGY.len() {
+            if topo.values().any(|at| at[t].is_some()) {
                 levels.push(Some(t));
             }
         }
-        let value = |level: Option<&str>, pi: usize, di: usize| -> Option<&'a Value> {
-            let d = self.pools[pi].devices[di].0;
+        let value = |level: Option<usize>, pi: usize, di: usize| -> Option<&'a Value> {
             match level {
-                Some(t) => topology(d, t),
-                None => matched.and_then(|a| attribute(d, self.pools[pi].driver, a)),
+                Some(t) => topo.get(&(pi, di)).and_then(|at| at[t]),
+                None => {
+                    let d = self.pools[pi].devices[di].0;
+                    matched.and_then(|a| attribute(d, self.pools[pi].driver, a))
+                }
             }
         };
         let free = |pi: usize, di: usize| {
             let id = self.id(pi, di);
-            !self.in_use.devices.contains(&id)
-                && !self.taken.contains(&id)
-                && !self.in_use.capacity.contains_key(&id)
-                && !self.capacity.contains_key(&id)
+            !self.in_use.devices.contains(id)
+                && !self.taken.contains(id)
+                && !self.in_use.capacity.contains_key(id)
+                && !self.capacity.contains_key(id)
         };
         let frees: Vec<bool> = all.iter().map(|&(pi, di)| free(pi, di)).collect();
         let mut free_in: Vec<HashMap<(usize, Option<&Value>), u32>> = Vec::new();
@@ -974,7 +1001,7 @@ impl<'a> Search<'a> {
                 let of = |m: Option<&BTreeMap<String, u64>>| {
                     m.and_then(|c| c.get(name)).copied().unwrap_or(0)
                 };
-                of(self.in_use.capacity.get(&id)).saturating_add(of(self.capacity.get(&id)))
+                of(self.in_use.capacity.get(id)).saturating_add(of(self.capacity.get(id)))
             };
             let mut any = false;
             let mut sum = 0u64;
@@ -1029,7 +1056,7 @@ impl<'a> Search<'a> {
                 let id = self.id(pi, di);
                 let device = self.pools[pi].devices[di].0;
                 let free = device.allow_multiple
-                    || !(self.in_use.devices.contains(&id) || self.taken.contains(&id));
+                    || !(self.in_use.devices.contains(id) || self.taken.contains(id));
                 if let (true, Some(v)) = (free, value(pi, di)) {
                     *free_by_value.entry(v).or_default() += 1;
                 }
@@ -1061,7 +1088,7 @@ impl<'a> Search<'a> {
                 for (pi, di, consumed) in ds {
                     devices.push(Allocated {
                         request: request.clone(),
-                        id: self.id(*pi, *di),
+                        id: self.id(*pi, *di).clone(),
                         admin_access: exact.admin_access,
                         consumed: consumed.clone(),
                     });
