@@ -315,6 +315,9 @@ pub fn slice(s: &ResourceSlice) -> Result<dra::Slice, String> {
             taints,
             allow_multiple: d.allow_multiple_allocations == Some(true),
             scope: device_scope,
+            binding_conditions: d.binding_conditions.clone().unwrap_or_default(),
+            binding_failure_conditions: d.binding_failure_conditions.clone().unwrap_or_default(),
+            binds_to_node: d.binds_to_node == Some(true),
         });
     }
     let mut shared_counters = BTreeMap::new();
@@ -519,11 +522,74 @@ pub fn in_use<'a>(claims: impl IntoIterator<Item = &'a ResourceClaim>) -> dra::I
                 consumed: r.consumed_capacity.as_ref().map(|m| {
                     m.iter().filter_map(|(k, q)| Some((k.clone(), milli(&q.0)?))).collect()
                 }),
+                binding_conditions: r.binding_conditions.clone().unwrap_or_default(),
+                binding_failure_conditions: r
+                    .binding_failure_conditions
+                    .clone()
+                    .unwrap_or_default(),
             })
             .collect();
         out.add(&dra::Allocation { devices });
     }
     out
+}
+
+/// How long a claim allocated with binding conditions may wait for them, from its
+/// `allocationTimestamp` (kube-scheduler's `DynamicResourcesArgs.bindingTimeout` default).
+pub const BINDING_TIMEOUT_SECS: i64 = 600;
+
+/// Where an allocated claim stands with its devices' binding conditions (KEP-5007): a pod
+/// using it binds only once every `bindingConditions` entry is True in the claim's
+/// `status.devices` for that device; a True `bindingFailureConditions` entry, or the timeout
+/// passing, fails the allocation, which is then taken back so that it can be made again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Binding {
+    Ready,
+    Waiting(String),
+    Failed(String),
+}
+
+/// [`Binding`] of claim `c` at `unix_now` (seconds).
+pub fn binding_state(c: &ResourceClaim, unix_now: i64) -> Binding {
+    let Some(status) = c.status.as_ref() else { return Binding::Ready };
+    let Some(alloc) = status.allocation.as_ref() else { return Binding::Ready };
+    let results = alloc.devices.as_ref().and_then(|d| d.results.as_ref());
+    let mut waiting = Vec::new();
+    for r in results.into_iter().flatten() {
+        let wanted = r.binding_conditions.as_deref().unwrap_or_default();
+        if wanted.is_empty() {
+            continue;
+        }
+        let device = format!("{}/{}/{}", r.driver, r.pool, r.device);
+        let conditions = status
+            .devices
+            .iter()
+            .flatten()
+            .find(|d| d.driver == r.driver && d.pool == r.pool && d.device == r.device)
+            .and_then(|d| d.conditions.as_deref())
+            .unwrap_or_default();
+        let is_true = |t: &str| conditions.iter().any(|c| c.type_ == t && c.status == "True");
+        if let Some(f) = r.binding_failure_conditions.iter().flatten().find(|f| is_true(f.as_str()))
+        {
+            return Binding::Failed(format!(
+                "device {device}: binding failure condition {f} is True"
+            ));
+        }
+        waiting.extend(
+            wanted.iter().filter(|w| !is_true(w.as_str())).map(|w| format!("{device} {w}")),
+        );
+    }
+    if waiting.is_empty() {
+        return Binding::Ready;
+    }
+    let since = alloc.allocation_timestamp.as_ref().map(|t| t.0.as_second());
+    if since.is_some_and(|t| unix_now.saturating_sub(t) > BINDING_TIMEOUT_SECS) {
+        return Binding::Failed(format!(
+            "binding conditions not True within {BINDING_TIMEOUT_SECS} s of the allocation: {}",
+            waiting.join(", ")
+        ));
+    }
+    Binding::Waiting(format!("binding conditions not True yet: {}", waiting.join(", ")))
 }
 
 /// The names of the ResourceClaims a pod uses, in `spec.resourceClaims` order: the claim it
@@ -584,6 +650,12 @@ pub fn allocation_json(
                 let m: serde_json::Map<String, serde_json::Value> =
                     c.iter().map(|(k, v)| (k.clone(), format!("{v}m").into())).collect();
                 r["consumedCapacity"] = m.into();
+            }
+            if !d.binding_conditions.is_empty() {
+                r["bindingConditions"] = serde_json::json!(d.binding_conditions);
+            }
+            if !d.binding_failure_conditions.is_empty() {
+                r["bindingFailureConditions"] = serde_json::json!(d.binding_failure_conditions);
             }
             r
         })
@@ -671,4 +743,48 @@ pub fn with_taint_rules(
             Arc::new(copy)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn claim(conditions: serde_json::Value, allocated_at: &str) -> ResourceClaim {
+        serde_json::from_value(json!({
+            "metadata": { "name": "c", "namespace": "ns" },
+            "spec": {},
+            "status": {
+                "allocation": { "allocationTimestamp": allocated_at, "devices": { "results": [
+                    { "request": "r", "driver": "d", "pool": "p", "device": "x",
+                      "bindingConditions": ["attached"], "bindingFailureConditions": ["failed"] },
+                    { "request": "r", "driver": "d", "pool": "p", "device": "plain" } ] } },
+                "devices": [{ "driver": "d", "pool": "p", "device": "x", "conditions": conditions }]
+            }
+        }))
+        .unwrap()
+    }
+
+    fn cond(ty: &str, status: &str) -> serde_json::Value {
+        json!({ "type": ty, "status": status, "reason": "R", "message": "",
+                "lastTransitionTime": "2026-11-28T00:00:00Z" })
+    }
+
+    /// Waiting until every binding condition is True, failed on a True failure condition (even
+    /// with the binding conditions True) or once the timeout has passed since the allocation.
+    #[test]
+    fn binding_waits_for_conditions_fails_on_failure_or_timeout() {
+        let at = "2026-11-28T00:00:00Z";
+        let t0 = k8s_openapi::jiff::Timestamp::from_second(1_795_824_000).unwrap();
+        assert_eq!(t0.to_string(), at);
+        let now = t0.as_second() + 10;
+        assert!(matches!(binding_state(&claim(json!([]), at), now), Binding::Waiting(w) if w.contains("d/p/x attached")));
+        let false_ = json!([cond("attached", "False")]);
+        assert!(matches!(binding_state(&claim(false_.clone(), at), now), Binding::Waiting(_)));
+        assert_eq!(binding_state(&claim(json!([cond("attached", "True")]), at), now), Binding::Ready);
+        let both = json!([cond("attached", "True"), cond("failed", "True")]);
+        assert!(matches!(binding_state(&claim(both, at), now), Binding::Failed(w) if w.contains("failed is True")));
+        let late = t0.as_second() + BINDING_TIMEOUT_SECS + 1;
+        assert!(matches!(binding_state(&claim(false_, at), late), Binding::Failed(w) if w.contains("within 600 s")));
+    }
 }

@@ -68,6 +68,17 @@ pub struct Bind {
     pub claims: Vec<ClaimWrite>,
 }
 
+/// A claim allocation to take back: the claim's identity and the pod that may hold it (the
+/// allocation is taken back only while nobody else does).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Deallocate {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub pod_uid: String,
+    pub why: String,
+}
+
 /// A ResourceClaim to allocate and reserve for a pod before binding it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimWrite {
@@ -200,6 +211,9 @@ pub struct Plan {
     /// Bound pods whose requests xpu cannot read, each counted as using its whole node, with
     /// the warning to give.
     pub unreadable: Vec<(PodKey, String)>,
+    /// Claims whose binding failed (a failure condition, or the timeout): their allocation is
+    /// to be taken back, so the next cycle allocates them again.
+    pub deallocate: Vec<Deallocate>,
     /// Units keep what they submitted (set while planning when preemption is on).
     preemption_on: bool,
 }
@@ -589,6 +603,7 @@ fn dra_nodes(
     p: &Pod,
     excluded: Option<&Vec<String>>,
     shapes: &mut ShapeFits,
+    releases: &mut Vec<Deallocate>,
 ) -> Result<Option<Fits>, String> {
     let names = crate::claims::pod_claims(p)?;
     let extended = snap.dra.as_ref().and_then(|d| extended_claim(d, p));
@@ -629,6 +644,29 @@ fn dra_nodes(
                     return Err(format!(
                         "ResourceClaim {ns}/{name} is reserved for {MAX_RESERVED} pods already, the most it may be"
                     ));
+                }
+                // A device waiting for its driver (binding conditions) holds the pod back; one
+                // whose binding failed is taken back and allocated again.
+                match crate::claims::binding_state(c, snap.unix_now) {
+                    crate::claims::Binding::Ready => {}
+                    crate::claims::Binding::Waiting(why) => {
+                        return Err(format!("ResourceClaim {ns}/{name}: {why}"));
+                    }
+                    crate::claims::Binding::Failed(why) => {
+                        let others = reserved.is_some_and(|r| r.iter().any(|r| r.uid != uid));
+                        if !others {
+                            releases.push(Deallocate {
+                                namespace: ns.to_owned(),
+                                name: name.clone(),
+                                uid: c.metadata.uid.clone().unwrap_or_default(),
+                                pod_uid: uid.to_owned(),
+                                why: why.clone(),
+                            });
+                        }
+                        return Err(format!(
+                            "ResourceClaim {ns}/{name}: {why}; its allocation is taken back to be made again"
+                        ));
+                    }
                 }
                 // The pod goes where the claim's devices are.
                 if let Some(sel) = &a.node_selector {
@@ -1407,7 +1445,7 @@ fn plan_once(
     let mut shapes = ShapeFits::new();
     for p in &pending {
         let Some(uid) = p.metadata.uid.clone() else { continue };
-        let r = dra_nodes(snap, p, excluded.get(&uid), &mut shapes);
+        let r = dra_nodes(snap, p, excluded.get(&uid), &mut shapes, &mut out.deallocate);
         if matches!(r, Ok(Some(_))) {
             dra_seq.push(uid.clone());
         }

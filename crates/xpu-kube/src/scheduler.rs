@@ -438,6 +438,8 @@ pub async fn run(
     let memo = cycle::Memo::default();
     // The null binder's next node.
     let mut null_cursor = 0usize;
+    // Claims whose allocation was taken back lately, by uid.
+    let mut dealloc_sent: HashMap<String, Instant> = HashMap::new();
     let mut slices: HashMap<String, (String, Result<Arc<xpu_sched::dra::Slice>, String>)> =
         HashMap::new();
     let started = Instant::now();
@@ -722,6 +724,22 @@ pub async fn run(
                         false
                     }
                 };
+                // Devices with binding conditions: the claims are written and reserved, and the
+                // pods wait (no longer assumed) until the driver sets the conditions; a later
+                // cycle binds them then, or takes the allocation back if the binding failed.
+                let conditional = batch.iter().flat_map(|b| &b.claims).any(|w| {
+                    w.devices
+                        .as_ref()
+                        .is_some_and(|a| a.devices.iter().any(|d| !d.binding_conditions.is_empty()))
+                });
+                if ok && conditional {
+                    for b in &batch {
+                        info!(pod = %b.pod, node = %b.node, "claims allocated; waiting for their devices' binding conditions");
+                        assumed.lock().await.remove(&b.pod.uid);
+                    }
+                    changed.notify_one();
+                    return;
+                }
                 for b in &batch {
                     let bound = ok && {
                         let t = Instant::now();
@@ -783,6 +801,26 @@ pub async fn run(
             });
         }
 
+        // Allocations whose binding failed are taken back (once per claim per minute at most:
+        // the watch shows the change before the next try).
+        dealloc_sent.retain(|_, at: &mut Instant| at.elapsed() < Duration::from_secs(60));
+        for d in &plan.deallocate {
+            if dealloc_sent.contains_key(&d.uid) {
+                continue;
+            }
+            dealloc_sent.insert(d.uid.clone(), Instant::now());
+            let (client, d) = (client.clone(), d.clone());
+            tokio::spawn(async move {
+                match deallocate(&client, &d).await {
+                    Ok(()) => {
+                        info!(claim = %format!("{}/{}", d.namespace, d.name), reason = %d.why, "allocation taken back")
+                    }
+                    Err(e) => {
+                        warn!(claim = %format!("{}/{}", d.namespace, d.name), error = %e, "could not take back an allocation whose binding failed")
+                    }
+                }
+            });
+        }
         for p in &plan.preemptions {
             match preempt(&client, &caches, p, &opts.scheduler_name, &mut events).await {
                 Ok(()) => {
@@ -1353,6 +1391,27 @@ async fn release_one(client: &Client, b: &Bind, w: &cycle::ClaimWrite) -> Result
         status.reserved_for = None;
     }
     api.replace_status(&w.name, &PostParams::default(), &c).await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Takes back the allocation of a claim whose binding failed (as kube-scheduler's PostFilter
+/// does): allocation, `reservedFor` and the devices' status cleared, on the claim's current
+/// version, only while nobody but the pod holds it.
+async fn deallocate(client: &Client, d: &cycle::Deallocate) -> Result<(), String> {
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &d.namespace);
+    let mut c = api.get(&d.name).await.map_err(|e| e.to_string())?;
+    if c.metadata.uid.as_deref() != Some(d.uid.as_str()) {
+        return Ok(());
+    }
+    let status = c.status.get_or_insert_default();
+    let others = status.reserved_for.iter().flatten().any(|r| r.uid != d.pod_uid);
+    if others || status.allocation.is_none() {
+        return Ok(());
+    }
+    status.allocation = None;
+    status.reserved_for = None;
+    status.devices = None;
+    api.replace_status(&d.name, &PostParams::default(), &c).await.map_err(|e| e.to_string())?;
     Ok(())
 }
 

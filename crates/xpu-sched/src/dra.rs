@@ -20,6 +20,8 @@
 //!   the requests they name (all requests when none). Partitionable devices take their
 //!   `consumesCounters` from their pool's shared counter sets, which are never over-drawn; a
 //!   device that allows multiple allocations gives out capacity, never more than it has.
+//! - **Binding conditions**: a device's `bindingConditions` and `bindingFailureConditions` are
+//!   copied into its result; pools with such devices are tried after all others.
 //! - **Search**: depth first, devices in pool and slice order, backtracking when a later
 //!   request cannot be met, bounded by [`Limits::steps`] so that no claim costs unbounded time.
 
@@ -85,6 +87,13 @@ pub struct Device {
     /// Where this device is available, when its slice says per device
     /// (`perDeviceNodeSelection`); `None`: the slice's scope.
     pub scope: Option<NodeScope>,
+    /// Conditions that must be True in the claim's `status.devices` before a pod using the
+    /// device binds (`bindingConditions`), and those that fail the binding when True
+    /// (`bindingFailureConditions`); copied into the allocation.
+    pub binding_conditions: Vec<String>,
+    pub binding_failure_conditions: Vec<String>,
+    /// The allocation pins the device to the chosen node (`bindsToNode`).
+    pub binds_to_node: bool,
 }
 
 /// Where a slice's devices are available.
@@ -264,6 +273,9 @@ pub struct Allocated {
     pub admin_access: bool,
     /// Capacity taken from a device that allows multiple allocations.
     pub consumed: Option<BTreeMap<String, u64>>,
+    /// The device's binding conditions and binding failure conditions at allocation.
+    pub binding_conditions: Vec<String>,
+    pub binding_failure_conditions: Vec<String>,
 }
 
 /// A claim's allocation.
@@ -368,7 +380,8 @@ fn pools<'a>(slices: &[&'a Slice], node: &str, labels: &BTreeMap<String, String>
         let here = |d: &Device| d.scope.as_ref().unwrap_or(&s.scope).admits(node, labels);
         entry.0.devices.extend(s.devices.iter().filter(|d| here(d)).map(|d| (d, s)));
     }
-    out.into_values()
+    let mut out: Vec<Pool<'a>> = out
+        .into_values()
         .filter(|(p, _, _)| !p.devices.is_empty())
         .map(|(mut p, count, seen)| {
             p.incomplete = i64::try_from(seen).unwrap_or(i64::MAX) < count;
@@ -376,7 +389,17 @@ fn pools<'a>(slices: &[&'a Slice], node: &str, labels: &BTreeMap<String, String>
             p.invalid = !p.devices.iter().all(|(d, _)| names.insert(d.name.as_str()));
             p
         })
-        .collect()
+        .collect();
+    // As upstream: pools whose devices have binding conditions come after all others.
+    out.sort_by_key(|p| p.binding());
+    out
+}
+
+impl Pool<'_> {
+    /// Whether a device of the pool has binding conditions (binding then waits on a driver).
+    fn binding(&self) -> bool {
+        self.devices.iter().any(|(d, _)| !d.binding_conditions.is_empty())
+    }
 }
 
 /// One slot of the search: one device for one request.
@@ -1023,7 +1046,7 @@ impl<'a> Search<'a> {
                     (n < need, n)
                 })
                 .collect();
-            (left(pi, di), per_level, pi, di)
+            (self.pools[pi].binding(), left(pi, di), per_level, pi, di)
         });
         all
     }
@@ -1086,11 +1109,14 @@ impl<'a> Search<'a> {
                     None => r.name.clone(),
                 };
                 for (pi, di, consumed) in ds {
+                    let device = self.pools[*pi].devices[*di].0;
                     devices.push(Allocated {
                         request: request.clone(),
                         id: self.id(*pi, *di).clone(),
                         admin_access: exact.admin_access,
                         consumed: consumed.clone(),
+                        binding_conditions: device.binding_conditions.clone(),
+                        binding_failure_conditions: device.binding_failure_conditions.clone(),
                     });
                 }
             }

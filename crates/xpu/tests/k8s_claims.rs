@@ -535,3 +535,113 @@ async fn a_device_taint_rule_keeps_claims_off_the_devices_it_taints() {
     assert!(told);
     assert!(node_of(&get(&admin, "two").await).is_none());
 }
+
+/// Devices with binding conditions (KEP-5007, GA in 1.37), as a fabric-attached GPU publishes
+/// them: xpu allocates the claim with the conditions copied and reserves it for the pod, but
+/// binds the pod only once the driver sets the conditions True in the claim's
+/// `status.devices`; a True failure condition makes xpu take the allocation back, and the next
+/// allocation waits again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_with_binding_conditions_bind_once_their_driver_says_so() {
+    let _turn = TURN.lock().await;
+    let (cp, admin, kubeconfig, alice) = claims_plane().await;
+    add_node(&admin, &NodeDef::new("n1")).await;
+    let mut s = serde_json::to_value(slice("n1", &[("f0", 0, "A100")])).unwrap();
+    s["spec"]["devices"][0]["bindingConditions"] = json!(["example.com/attached"]);
+    s["spec"]["devices"][0]["bindingFailureConditions"] = json!(["example.com/failed"]);
+    let s: ResourceSlice = serde_json::from_value(s).unwrap();
+    let pp = PostParams::default();
+    let stored = Api::<ResourceSlice>::all(admin.clone()).create(&pp, &s).await.unwrap();
+    assert_eq!(
+        stored.spec.devices.as_ref().unwrap()[0].binding_conditions.as_deref(),
+        Some(&["example.com/attached".to_owned()][..]),
+        "the API server keeps binding conditions"
+    );
+    let sched = XpuScheduler::start(&cp, &kubeconfig, "binding", &[]);
+    Api::<ResourceClaimTemplate>::namespaced(alice.clone(), NS)
+        .create(&pp, &template("one", 1, "true"))
+        .await
+        .unwrap();
+    Api::<Pod>::namespaced(alice.clone(), NS)
+        .create(&pp, &claim_pod("fabric", "one", &[]))
+        .await
+        .unwrap();
+
+    // Allocated with the conditions, reserved, and the pod waiting, told why.
+    let allocated_since = |c: &ResourceClaim| {
+        let s = c.status.as_ref()?;
+        let a = s.allocation.as_ref()?;
+        s.reserved_for.as_ref().filter(|r| !r.is_empty())?;
+        Some(a.allocation_timestamp.as_ref()?.0)
+    };
+    let first = wait_until(Duration::from_secs(30), || async {
+        claim_of(&admin, "fabric").await.as_ref().and_then(allocated_since).is_some()
+    })
+    .await;
+    assert!(first, "the claim is allocated and reserved\n{}", sched.log_text());
+    let claim = claim_of(&admin, "fabric").await.unwrap();
+    let t1 = allocated_since(&claim).unwrap();
+    let result = &claim
+        .status
+        .as_ref()
+        .unwrap()
+        .allocation
+        .as_ref()
+        .unwrap()
+        .devices
+        .as_ref()
+        .unwrap()
+        .results
+        .as_ref()
+        .unwrap()[0];
+    assert_eq!(
+        result.binding_conditions.as_deref(),
+        Some(&["example.com/attached".to_owned()][..])
+    );
+    assert_eq!(
+        result.binding_failure_conditions.as_deref(),
+        Some(&["example.com/failed".to_owned()][..])
+    );
+    let told = wait_until(Duration::from_secs(20), || async {
+        reason(&get(&admin, "fabric").await).is_some_and(|r| r.contains("binding conditions"))
+    })
+    .await;
+    let p = get(&admin, "fabric").await;
+    assert!(told, "the pod is told it waits: {:?}", reason(&p));
+    assert_eq!(node_of(&p), None, "bound before its device was attached");
+
+    // The driver reports a failure: the allocation is taken back and made again.
+    let set = |ty: &'static str| {
+        json!({ "status": { "devices": [{ "driver": DRIVER, "pool": "n1", "device": "f0",
+            "conditions": [{ "type": ty, "status": "True", "reason": "Driver", "message": "",
+                             "lastTransitionTime": "2026-11-28T00:00:00Z" }] }] } })
+    };
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), NS);
+    let name = claim.metadata.name.clone().unwrap();
+    let patch = kube::api::Patch::Merge(set("example.com/failed"));
+    claims.patch_status(&name, &Default::default(), &patch).await.unwrap();
+    let again = wait_until(Duration::from_secs(40), || async {
+        claim_of(&admin, "fabric").await.is_some_and(|c| {
+            // The patch left the failure in `status.devices`: only taking the allocation
+            // back clears it (timestamps have whole seconds: the new one may equal the old).
+            let fresh = allocated_since(&c).is_some_and(|t| t >= t1);
+            let no_status =
+                c.status.as_ref().is_some_and(|s| s.devices.as_ref().is_none_or(Vec::is_empty));
+            fresh && no_status
+        })
+    })
+    .await;
+    assert!(again, "the failed allocation is taken back and made again\n{}", sched.log_text());
+    assert_eq!(node_of(&get(&admin, "fabric").await), None);
+
+    // The driver attaches the device: the pod binds.
+    let patch = kube::api::Patch::Merge(set("example.com/attached"));
+    claims.patch_status(&name, &Default::default(), &patch).await.unwrap();
+    let bound = wait_until(Duration::from_secs(30), || async {
+        node_of(&get(&admin, "fabric").await).is_some()
+    })
+    .await;
+    let p = get(&admin, "fabric").await;
+    assert!(bound, "binds once attached: {:?}\n{}", reason(&p), sched.log_text());
+    assert_eq!(node_of(&p), Some("n1"));
+}

@@ -725,14 +725,30 @@ fn removing_an_allocation_frees_what_adding_it_took() {
     let id = |d: &str| DeviceId { driver: "d".into(), pool: "n1".into(), device: d.into() };
     let a = Allocation {
         devices: vec![
-            Allocated { request: "r".into(), id: id("g0"), admin_access: false, consumed: None },
+            Allocated {
+                request: "r".into(),
+                id: id("g0"),
+                admin_access: false,
+                consumed: None,
+                binding_conditions: Vec::new(),
+                binding_failure_conditions: Vec::new(),
+            },
             Allocated {
                 request: "r".into(),
                 id: id("g1"),
                 admin_access: false,
                 consumed: Some(BTreeMap::from([("memory".to_owned(), 10)])),
+                binding_conditions: Vec::new(),
+                binding_failure_conditions: Vec::new(),
             },
-            Allocated { request: "r".into(), id: id("g2"), admin_access: true, consumed: None },
+            Allocated {
+                request: "r".into(),
+                id: id("g2"),
+                admin_access: true,
+                consumed: None,
+                binding_conditions: Vec::new(),
+                binding_failure_conditions: Vec::new(),
+            },
         ],
     };
     let mut u = held("g5");
@@ -742,4 +758,41 @@ fn removing_an_allocation_frees_what_adding_it_took() {
     assert_eq!(u.capacity.get(&id("g1")).and_then(|c| c.get("memory")), Some(&10));
     u.remove(&a);
     assert_eq!((u.devices, u.capacity), before);
+}
+
+/// Devices with binding conditions are taken after every other pool's, and their conditions
+/// travel into the allocation.
+#[test]
+fn pools_with_binding_conditions_come_last_and_their_conditions_are_copied() {
+    let mut slow = slice("n1", vec![gpu("f0", 0)]);
+    slow.pool = "a-fabric".into();
+    slow.devices[0].binding_conditions = vec!["example.com/attached".into()];
+    slow.devices[0].binding_failure_conditions = vec!["example.com/failed".into()];
+    let mut local = slice("n1", vec![gpu("g0", 0)]);
+    local.pool = "z-local".into();
+    let slices = [slow, local];
+    for pack in [false, true] {
+        let limits = Limits { pack, ..Limits::default() };
+        let run = |c: &Claim, u: &InUse| {
+            allocate(
+                std::slice::from_ref(c),
+                &classes(),
+                &refs(&slices),
+                u,
+                "n1",
+                &BTreeMap::new(),
+                limits,
+            )
+        };
+        let one = claim("c", vec![("r", exact(1))]);
+        let first = run(&one, &InUse::default()).unwrap();
+        assert_eq!(names(&first[0]), ["g0"], "pack {pack}");
+        assert!(first[0].devices[0].binding_conditions.is_empty());
+        let mut used = InUse::default();
+        used.add(&first[0]);
+        let second = run(&one, &used).unwrap();
+        assert_eq!(names(&second[0]), ["f0"], "pack {pack}");
+        assert_eq!(second[0].devices[0].binding_conditions, ["example.com/attached"]);
+        assert_eq!(second[0].devices[0].binding_failure_conditions, ["example.com/failed"]);
+    }
 }
