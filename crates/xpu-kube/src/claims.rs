@@ -778,13 +778,22 @@ mod tests {
         let t0 = k8s_openapi::jiff::Timestamp::from_second(1_795_824_000).unwrap();
         assert_eq!(t0.to_string(), at);
         let now = t0.as_second() + 10;
-        assert!(matches!(binding_state(&claim(json!([]), at), now), Binding::Waiting(w) if w.contains("d/p/x attached")));
+        assert!(
+            matches!(binding_state(&claim(json!([]), at), now), Binding::Waiting(w) if w.contains("d/p/x attached"))
+        );
         let false_ = json!([cond("attached", "False")]);
         assert!(matches!(binding_state(&claim(false_.clone(), at), now), Binding::Waiting(_)));
-        assert_eq!(binding_state(&claim(json!([cond("attached", "True")]), at), now), Binding::Ready);
+        assert_eq!(
+            binding_state(&claim(json!([cond("attached", "True")]), at), now),
+            Binding::Ready
+        );
         let both = json!([cond("attached", "True"), cond("failed", "True")]);
-        assert!(matches!(binding_state(&claim(both, at), now), Binding::Failed(w) if w.contains("failed is True")));
+        assert!(
+            matches!(binding_state(&claim(both, at), now), Binding::Failed(w) if w.contains("failed is True"))
+        );
         let late = t0.as_second() + BINDING_TIMEOUT_SECS + 1;
-        assert!(matches!(binding_state(&claim(false_, at), late), Binding::Failed(w) if w.contains("within 600 s")));
+        assert!(
+            matches!(binding_state(&claim(false_, at), late), Binding::Failed(w) if w.contains("within 600 s"))
+        );
     }
 }

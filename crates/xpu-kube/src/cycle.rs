@@ -311,55 +311,44 @@ impl Memo {
 
 impl MemoInner {
     fn node(&mut self, n: &Node) -> Arc<Result<convert::NodeView, String>> {
-        let (Some(name), Some(version)) =
-            (n.metadata.name.as_deref(), n.metadata.resource_version.as_deref())
-        else {
-            return Arc::new(convert::node(n));
-        };
-        let cycle = self.cycle;
-        if let Some(e) = self.nodes.get_mut(name).filter(|e| e.0 == version) {
-            e.1 = cycle;
-            return e.2.clone();
-        }
-        self.converted += 1;
-        let v = Arc::new(convert::node(n));
-        self.nodes.insert(name.to_owned(), (version.to_owned(), cycle, v.clone()));
-        v
+        let (name, version) = (n.metadata.name.as_deref(), n.metadata.resource_version.as_deref());
+        memoized(&mut self.nodes, self.cycle, &mut self.converted, name, version, || {
+            convert::node(n)
+        })
     }
 
     fn ask(&mut self, p: &Pod) -> Arc<Result<PodAsk, convert::Unsupported>> {
-        let (Some(uid), Some(version)) =
-            (p.metadata.uid.as_deref(), p.metadata.resource_version.as_deref())
-        else {
-            return Arc::new(convert::pod(p));
-        };
-        let cycle = self.cycle;
-        if let Some(e) = self.asks.get_mut(uid).filter(|e| e.0 == version) {
-            e.1 = cycle;
-            return e.2.clone();
-        }
-        self.converted += 1;
-        let v = Arc::new(convert::pod(p));
-        self.asks.insert(uid.to_owned(), (version.to_owned(), cycle, v.clone()));
-        v
+        let (uid, version) = (p.metadata.uid.as_deref(), p.metadata.resource_version.as_deref());
+        memoized(&mut self.asks, self.cycle, &mut self.converted, uid, version, || convert::pod(p))
     }
 
     fn usage(&mut self, p: &Pod) -> Arc<Result<convert::Usage, convert::Unsupported>> {
-        let (Some(uid), Some(version)) =
-            (p.metadata.uid.as_deref(), p.metadata.resource_version.as_deref())
-        else {
-            return Arc::new(convert::usage(p));
-        };
-        let cycle = self.cycle;
-        if let Some(e) = self.pods.get_mut(uid).filter(|e| e.0 == version) {
-            e.1 = cycle;
-            return e.2.clone();
-        }
-        self.converted += 1;
-        let v = Arc::new(convert::usage(p));
-        self.pods.insert(uid.to_owned(), (version.to_owned(), cycle, v.clone()));
-        v
+        let (uid, version) = (p.metadata.uid.as_deref(), p.metadata.resource_version.as_deref());
+        memoized(&mut self.pods, self.cycle, &mut self.converted, uid, version, || {
+            convert::usage(p)
+        })
     }
+}
+
+/// The entry of `key` at `version` in `map`, marked seen in `cycle`; converted by `make` (and
+/// counted) when missing or of another version. Without a key or version, converted each time.
+fn memoized<T>(
+    map: &mut HashMap<String, (String, u64, Arc<T>)>,
+    cycle: u64,
+    converted: &mut u64,
+    key: Option<&str>,
+    version: Option<&str>,
+    make: impl FnOnce() -> T,
+) -> Arc<T> {
+    let (Some(key), Some(version)) = (key, version) else { return Arc::new(make()) };
+    if let Some(e) = map.get_mut(key).filter(|e| e.0 == version) {
+        e.1 = cycle;
+        return e.2.clone();
+    }
+    *converted += 1;
+    let v = Arc::new(make());
+    map.insert(key.to_owned(), (version.to_owned(), cycle, v.clone()));
+    v
 }
 
 impl<'a> Snapshot<'a> {
@@ -594,7 +583,7 @@ const MAX_RESERVED: usize = 256;
 /// `Ok(None)`: the pod has no claims.
 /// The nodes found for claims of one shape in this cycle: the pending claims' specs (and the
 /// nodes left out) → the nodes they fit with the devices each would keep free. Pods made from
-/// one template ask the same, and the cluster's allocations are the same for all of them until
+/// one template (or asking one extended resource alike) ask the same, and the cluster's allocations are the same for all of them until
 /// the cycle places one, so each shape is searched on every node once, not once per pod.
 type ShapeFits = HashMap<(Vec<String>, Option<Vec<String>>), Vec<(String, usize)>>;
 
@@ -700,9 +689,11 @@ fn dra_nodes(
         }
         return Ok(Some((names, claims)));
     }
-    // Claims already allocated narrow the nodes, and an extended-resource claim is the pod's
-    // own: only a pod with neither shares its shape with others.
-    let shape = (claims.allocated.is_empty() && claims.extended.is_none())
+    // Claims already allocated narrow the nodes: a pod with none shares its shape with the
+    // pods whose pending claims (an extended-resource claim's stand-in among them) ask the same.
+    let shape = claims
+        .allocated
+        .is_empty()
         .then(|| {
             let specs: Option<Vec<String>> =
                 claims.pending.iter().map(|(c, _)| serde_json::to_string(&c.spec).ok()).collect();

@@ -10,7 +10,9 @@
 //!
 //!   cargo bench -p xpu --bench k8s_claims
 //!   XPU_BENCH_NODES=100 XPU_BENCH_PODS=400 (defaults; scheduler_perf runs 500 and 5000)
-//!   XPU_BENCH_SCHEDULERS=kube,xpu XPU_BENCH_MIXES=template,cel,match
+//!   XPU_BENCH_SCHEDULERS=kube,xpu (and null) XPU_BENCH_MIXES=template,cel,match,extended
+//!   (`extended`: no claim, a plain `deviceclass.resource.kubernetes.io/gpu: 1` request that the
+//!   scheduler serves from the class's devices with a claim it makes, as 1.37 does)
 //!   XPU_BENCH_BACKLOG=1: every pod is created before the scheduler starts, and the figures run
 //!   from its start (the API server's create rate then bounds neither scheduler)
 //!
@@ -77,7 +79,25 @@ fn template(mix: &str) -> ResourceClaimTemplate {
     .unwrap()
 }
 
-fn pod(name: &str, scheduler: &str) -> Pod {
+fn pod(name: &str, scheduler: &str, mix: &str) -> Pod {
+    if mix == "extended" {
+        // No claim: a plain extended-resource request that the DeviceClass serves (its implicit
+        // name), for which the scheduler makes the claim itself.
+        let gpu = json!({ "deviceclass.resource.kubernetes.io/gpu": "1" });
+        let mut requests = json!({ "cpu": "100m", "memory": "200Mi" });
+        requests["deviceclass.resource.kubernetes.io/gpu"] = "1".into();
+        return serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": { "name": name },
+            "spec": {
+                "schedulerName": scheduler,
+                "tolerations": [{ "key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule" }],
+                "containers": [{ "name": "c", "image": "pause",
+                                 "resources": { "requests": requests, "limits": gpu } }],
+            },
+        }))
+        .unwrap();
+    }
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": { "name": name },
@@ -117,7 +137,7 @@ async fn bench(which: &str, mix: &str, nodes: usize, pods: usize) -> k8s_bench::
         .create(&PostParams::default(), &template(mix))
         .await
         .unwrap();
-    let make = |sched: &str| (0..pods).map(|i| pod(&format!("p-{i:05}"), sched)).collect();
+    let make = |sched: &str| (0..pods).map(|i| pod(&format!("p-{i:05}"), sched, mix)).collect();
     k8s_bench::run(&cp, which, "", make, &format!("{which} {mix}")).await
 }
 

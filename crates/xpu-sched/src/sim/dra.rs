@@ -392,31 +392,10 @@ pub fn run_all(
 ) -> Vec<(DraOptions, Vec<DraRun>)> {
     let jobs: Vec<(usize, u64)> =
         (0..settings.len()).flat_map(|k| seeds.iter().map(move |&s| (k, s))).collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let threads = threads.clamp(1, jobs.len().max(1));
-    let mut done: Vec<(usize, DraRun)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut out = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(&(k, seed)) = jobs.get(i) else { break };
-                        out.push((i, run(nodes, pods, seed, settings[k])));
-                    }
-                    out
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    });
-    done.sort_by_key(|(i, _)| *i);
+    let done = super::parallel(&jobs, threads, |&(k, seed)| run(nodes, pods, seed, settings[k]));
     let mut out: Vec<(DraOptions, Vec<DraRun>)> =
         settings.iter().map(|&s| (s, Vec::with_capacity(seeds.len()))).collect();
-    for (i, r) in done {
+    for (i, r) in done.into_iter().enumerate() {
         out[i / seeds.len().max(1)].1.push(r);
     }
     out

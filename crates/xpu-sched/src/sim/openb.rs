@@ -168,32 +168,10 @@ pub fn run_all(
 ) -> Result<Vec<(PolicyKind, Vec<OpenbRun>)>, ClusterError> {
     let jobs: Vec<(PolicyKind, u64)> =
         kinds.iter().flat_map(|&k| seeds.iter().map(move |&s| (k, s))).collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let threads = threads.clamp(1, jobs.len().max(1));
-    let mut done: Vec<(usize, Result<OpenbRun, ClusterError>)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut out = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(&(kind, seed)) = jobs.get(i) else { break };
-                        out.push((i, run(nodes, pods, kind, seed)));
-                    }
-                    out
-                })
-            })
-            .collect();
-        // A worker only panics on a bug; surface it rather than lose its runs.
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    });
-    done.sort_by_key(|(i, _)| *i);
+    let done = super::parallel(&jobs, threads, |&(kind, seed)| run(nodes, pods, kind, seed));
     let mut out: Vec<(PolicyKind, Vec<OpenbRun>)> =
         kinds.iter().map(|&k| (k, Vec::with_capacity(seeds.len()))).collect();
-    for (i, r) in done {
+    for (i, r) in done.into_iter().enumerate() {
         out[i / seeds.len().max(1)].1.push(r?);
     }
     Ok(out)
