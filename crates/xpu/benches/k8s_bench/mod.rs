@@ -172,7 +172,14 @@ pub async fn run(
         create_timed(&api, &pods, &created).await;
     }
     let started = Instant::now();
-    let mut child = start_scheduler_gated(which, cp, &[], gates);
+    // `XPU_BENCH_XPU_ARGS`: extra arguments for xpu (`--bind-concurrency 128`, say).
+    let extra: Vec<OsString> = std::env::var("XPU_BENCH_XPU_ARGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(Into::into)
+        .collect();
+    let extra = if which == "kube" { Vec::new() } else { extra };
+    let mut child = start_scheduler_gated(which, cp, &extra, gates);
     if !backlog {
         tokio::time::sleep(std::time::Duration::from_secs(3)).await;
         create_timed(&api, &pods, &created).await;
