@@ -766,6 +766,28 @@ fn dra_nodes(
     Ok(Some((feasible, claims)))
 }
 
+/// How long a pod may wait for its ResourceClaims to be made before it is told so.
+const CLAIMS_MADE_GRACE_SECS: i64 = 30;
+
+/// Whether a claim of the pod is not made yet: one from a template the pod's status does not
+/// name yet, or a named one the cache does not hold.
+fn claims_not_made(snap: &Snapshot<'_>, p: &Pod) -> bool {
+    let Some(dra) = snap.dra.as_ref() else { return false };
+    let ns = p.metadata.namespace.as_deref().unwrap_or("default");
+    match crate::claims::pod_claims(p) {
+        Err(_) => true,
+        Ok(names) => names.iter().any(|n| !dra.claims.contains_key(&(ns.to_owned(), n.clone()))),
+    }
+}
+
+/// Whether the pod was created less than [`CLAIMS_MADE_GRACE_SECS`] ago.
+fn young(snap: &Snapshot<'_>, p: &Pod) -> bool {
+    p.metadata
+        .creation_timestamp
+        .as_ref()
+        .is_some_and(|t| snap.unix_now.saturating_sub(t.0.as_second()) < CLAIMS_MADE_GRACE_SECS)
+}
+
 /// How many later pods with claims [`choose_nodes`] looks ahead at.
 const LOOKAHEAD: usize = 32;
 
@@ -1576,7 +1598,13 @@ fn plan_once(
                 Some((chosen, nodes.into_iter().map(|(n, _)| n).collect::<Vec<_>>()))
             }
             Some(Err(msg)) => {
-                say(&mut out, key, msg, explain);
+                // A pod whose claims are still being made (kube-controller-manager makes them
+                // from templates just after the pod) waits without a status write for a while,
+                // as kube-scheduler keeps such pods out of its queue: a write per new pod
+                // would cost the API server what the bindings need.
+                if !(claims_not_made(snap, p) && young(snap, p)) {
+                    say(&mut out, key, msg, explain);
+                }
                 continue;
             }
         };
