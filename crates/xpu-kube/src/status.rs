@@ -8,7 +8,7 @@
 //! pods costs the API server at most [`WORKERS`] writes at a time and the scheduler at most
 //! [`CAPACITY`] entries of memory.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -40,6 +40,9 @@ enum Write {
 struct Table {
     order: VecDeque<String>,
     writes: HashMap<String, Write>,
+    /// Keys being written now: a newer write for one waits until that write is done, so two
+    /// workers never write one pod at once and the newer reason always lands last.
+    busy: HashSet<String>,
     /// Numbers the keys of Events, which are never coalesced.
     events: u64,
 }
@@ -126,26 +129,41 @@ impl Shared {
         self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn next(&self) -> Option<Write> {
+    /// The oldest write whose key is not being written now, marked busy until [`Shared::done`].
+    fn next(&self) -> Option<(String, Write)> {
         let mut t = self.lock();
-        let w = loop {
-            let key = t.order.pop_front()?;
-            if let Some(w) = t.writes.remove(&key) {
-                break w;
+        for _ in 0..t.order.len() {
+            let Some(key) = t.order.pop_front() else { break };
+            if t.busy.contains(&key) {
+                t.order.push_back(key);
+                continue;
             }
-        };
-        self.metrics.status_queue.store(t.order.len() as u64, Ordering::Relaxed);
+            if let Some(w) = t.writes.remove(&key) {
+                t.busy.insert(key.clone());
+                self.metrics.status_queue.store(t.order.len() as u64, Ordering::Relaxed);
+                if !t.order.is_empty() {
+                    // Another worker may start on the next one.
+                    self.wake.notify_one();
+                }
+                return Some((key, w));
+            }
+        }
+        None
+    }
+
+    /// The write of `key` is done: a newer one for it may go.
+    fn done(&self, key: &str) {
+        let mut t = self.lock();
+        t.busy.remove(key);
         if !t.order.is_empty() {
-            // Another worker may start on the next one.
             self.wake.notify_one();
         }
-        Some(w)
     }
 }
 
 async fn work(shared: &Shared, client: &Client) {
     loop {
-        let Some(w) = shared.next() else {
+        let Some((key, w)) = shared.next() else {
             shared.wake.notified().await;
             continue;
         };
@@ -169,6 +187,7 @@ async fn work(shared: &Shared, client: &Client) {
             }
             Write::Event(ev) => create_event(client, &ev).await,
         }
+        shared.done(&key);
     }
 }
 
@@ -211,4 +230,46 @@ pub fn already_says(p: &Pod, msg: &str) -> bool {
                 && c.message.as_deref() == Some(msg)
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(uid: &str) -> PodKey {
+        PodKey { namespace: "ns".into(), name: uid.into(), uid: uid.into() }
+    }
+
+    fn msg(w: &Write) -> &str {
+        match w {
+            Write::Unschedulable { msg, .. } => msg,
+            Write::Event(_) => "",
+        }
+    }
+
+    /// A newer reason for a pod whose older one is being written waits until that write is
+    /// done (the race that left a held flex-start pod showing its first reason), while other
+    /// pods' writes go on.
+    #[test]
+    fn a_pod_is_never_written_twice_at_once_and_the_newer_reason_lands_last() {
+        let shared = Arc::new(Shared {
+            table: Mutex::new(Table::default()),
+            wake: Notify::new(),
+            metrics: Arc::new(Metrics::default()),
+        });
+        let writer = Writer { shared: shared.clone(), workers: Vec::new() };
+        assert!(writer.unschedulable(key("p"), "first".into(), None));
+        let (k1, w1) = shared.next().unwrap();
+        assert_eq!(msg(&w1), "first");
+        assert!(writer.unschedulable(key("p"), "second".into(), None));
+        assert!(writer.unschedulable(key("q"), "other".into(), None));
+        let (k2, w2) = shared.next().unwrap();
+        assert_eq!(msg(&w2), "other", "another pod's write goes on");
+        assert!(shared.next().is_none(), "p's newer reason waits for its write in flight");
+        shared.done(&k1);
+        let (_, w3) = shared.next().unwrap();
+        assert_eq!(msg(&w3), "second");
+        shared.done(&k2);
+        assert!(shared.next().is_none());
+    }
 }
