@@ -330,6 +330,27 @@ impl MemoInner {
     }
 }
 
+/// One pass's hold on the memo, or none: without a memo every object is converted.
+struct Held<'m>(Option<std::sync::MutexGuard<'m, MemoInner>>);
+
+impl Held<'_> {
+    fn of<'m>(snap: &Snapshot<'m>) -> Held<'m> {
+        Held(snap.memo.map(Memo::lock))
+    }
+
+    fn node(&mut self, n: &Node) -> Arc<Result<convert::NodeView, String>> {
+        self.0.as_deref_mut().map_or_else(|| Arc::new(convert::node(n)), |m| m.node(n))
+    }
+
+    fn ask(&mut self, p: &Pod) -> Arc<Result<PodAsk, convert::Unsupported>> {
+        self.0.as_deref_mut().map_or_else(|| Arc::new(convert::pod(p)), |m| m.ask(p))
+    }
+
+    fn usage(&mut self, p: &Pod) -> Arc<Result<convert::Usage, convert::Unsupported>> {
+        self.0.as_deref_mut().map_or_else(|| Arc::new(convert::usage(p)), |m| m.usage(p))
+    }
+}
+
 /// The entry of `key` at `version` in `map`, marked seen in `cycle`; converted by `make` (and
 /// counted) when missing or of another version. Without a key or version, converted each time.
 fn memoized<T>(
@@ -583,8 +604,9 @@ const MAX_RESERVED: usize = 256;
 /// `Ok(None)`: the pod has no claims.
 /// The nodes found for claims of one shape in this cycle: the pending claims' specs (and the
 /// nodes left out) → the nodes they fit with the devices each would keep free. Pods made from
-/// one template (or asking one extended resource alike) ask the same, and the cluster's allocations are the same for all of them until
-/// the cycle places one, so each shape is searched on every node once, not once per pod.
+/// one template (or asking one extended resource alike) ask the same, and the cluster's
+/// allocations are the same for all of them until the cycle places one, so each shape is
+/// searched on every node once, not once per pod.
 type ShapeFits = HashMap<(Vec<String>, Option<Vec<String>>), Vec<(String, usize)>>;
 
 fn dra_nodes(
@@ -1837,29 +1859,26 @@ fn plan_once(
     // those this scheduler placed.
     if config.policy.needs_mix() {
         let mut demands: Vec<_> = mix_tasks.iter().filter_map(|t| sched.demand(t).ok()).collect();
-        let mut memo = snap.memo.map(Memo::lock);
+        let mut memo = Held::of(snap);
         for p in snap.pods {
             let mine =
                 p.spec.as_ref().and_then(|s| s.scheduler_name.as_deref()) == Some(scheduler_name);
             if !mine || terminal(p) || bound_node(p, snap.assumed).is_none() {
                 continue;
             }
-            let ask = match memo.as_deref_mut() {
-                Some(m) => m.ask(p),
-                None => Arc::new(convert::pod(p)),
-            };
+            let ask = memo.ask(p);
             let Ok(ask) = ask.as_ref() else { continue };
-            // Preemption weighs the placed pods' tasks too; otherwise only their demands count.
-            if separate || snap.preemption {
-                let mut ask = ask.clone();
-                if separate {
-                    keep_to_offer(&mut ask);
-                }
+            // Only a task kept for preemption, or kept to its device resource, is copied.
+            if !separate && !snap.preemption {
                 demands.extend(sched.demand(&ask.task).ok());
-                mix_tasks.push(ask.task);
-            } else {
-                demands.extend(sched.demand(&ask.task).ok());
+                continue;
             }
+            let mut ask = ask.clone();
+            if separate {
+                keep_to_offer(&mut ask);
+            }
+            demands.extend(sched.demand(&ask.task).ok());
+            mix_tasks.push(ask.task);
         }
         if !demands.is_empty() {
             sched.set_task_mix(&TaskMix::from_demands(&demands, 0.95));
@@ -2057,10 +2076,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let job_shape = |uid: &str| snap.jobs.get(uid).copied();
     // Per node, the lowest priority among its pods being deleted (preemption victims, say).
     let mut terminating: HashMap<&str, i32> = HashMap::new();
-    let mut fresh = MemoInner::default();
-    let mut memo_guard = snap.memo.map(Memo::lock);
-    let memo: &mut MemoInner = memo_guard.as_deref_mut().unwrap_or(&mut fresh);
-    let keep = snap.memo.is_some();
+    let mut memo = Held::of(snap);
     for p in snap.pods {
         if terminal(p) {
             continue;
@@ -2077,7 +2093,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         // A bound pod holds what it asks for, whichever scheduler placed it and whatever xpu
         // itself would refuse to place (two device kinds, DRA claims), on its node and on its
         // queue's account.
-        let usage = if keep { memo.usage(p) } else { Arc::new(convert::usage(p)) };
+        let usage = memo.usage(p);
         if let Ok(u) = usage.as_ref() {
             queue_used.entry(queue_of(snap, p)).or_default().add(&Amounts::of(u));
         }
@@ -2109,7 +2125,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let mut views = Vec::with_capacity(nodes.len());
     let mut offered: BTreeSet<&'static str> = Default::default();
     for n in nodes {
-        let view = if keep { memo.node(n) } else { Arc::new(convert::node(n)) };
+        let view = memo.node(n);
         match view.as_ref().clone() {
             Ok(v) => {
                 for (res, _) in convert::DEVICE_RESOURCES {

@@ -432,14 +432,14 @@ pub async fn run(
     // shown allocated yet (uid → devices), counted as in use meanwhile.
     let compiled = crate::claims::Compiled::default();
     let assumed_claims: Arc<Mutex<HashMap<String, xpu_sched::dra::Allocation>>> = Arc::default();
-    // ResourceSlices as converted, by name with the resourceVersion converted: a slice is
-    // converted (and a bad one warned about) once per change, not every cycle.
     // Nodes and bound pods converted in earlier cycles, by resourceVersion.
     let memo = cycle::Memo::default();
     // The null binder's next node.
     let mut null_cursor = 0usize;
     // Claims whose allocation was taken back lately, by uid.
     let mut dealloc_sent: HashMap<String, Instant> = HashMap::new();
+    // ResourceSlices as converted, by name with the resourceVersion converted: a slice is
+    // converted (and a bad one warned about) once per change, not every cycle.
     let mut slices: HashMap<String, (String, Result<Arc<xpu_sched::dra::Slice>, String>)> =
         HashMap::new();
     let started = Instant::now();

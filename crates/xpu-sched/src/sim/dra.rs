@@ -381,6 +381,45 @@ fn taken(a: &Allocation) -> impl Iterator<Item = (usize, u32)> + '_ {
     })
 }
 
+/// One setting's runs summed up: means over the seeds, and per claim size what arrived and was
+/// placed, summed over them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DraSummary {
+    pub claims: f64,
+    pub placed: f64,
+    pub placed_pct: f64,
+    pub gpu_placed_pct: f64,
+    pub alloc_pct: f64,
+    pub by_size: Vec<SizeCount>,
+}
+
+/// [`DraSummary`] of `runs` (figures rounded to two decimals).
+pub fn summarize(runs: &[DraRun]) -> DraSummary {
+    let n = runs.len().max(1) as f64;
+    let mean =
+        |f: fn(&DraRun) -> f64| (runs.iter().map(f).sum::<f64>() / n * 100.0).round() / 100.0;
+    let mut by_size: Vec<SizeCount> = Vec::new();
+    for c in runs.iter().flat_map(|r| &r.by_size) {
+        match by_size.iter_mut().find(|s| s.size == c.size) {
+            Some(s) => {
+                s.arrived += c.arrived;
+                s.placed += c.placed;
+            }
+            None => by_size.push(c.clone()),
+        }
+    }
+    DraSummary {
+        claims: mean(|r| r.claims as f64),
+        placed: mean(|r| r.placed as f64),
+        placed_pct: mean(|r| 100.0 * r.placed as f64 / r.claims.max(1) as f64),
+        gpu_placed_pct: mean(|r| {
+            100.0 * r.gpu_milli_placed as f64 / r.gpu_milli_arrived.max(1) as f64
+        }),
+        alloc_pct: mean(|r| r.alloc_pct),
+        by_size,
+    }
+}
+
 /// Runs every setting of `settings` with every seed, spread over `threads` threads; results per
 /// setting, seeds in the order given.
 pub fn run_all(

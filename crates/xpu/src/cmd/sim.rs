@@ -217,14 +217,9 @@ struct DraJson {
     /// `xpu` (packing) or `first-fit` (upstream's order).
     devices: &'static str,
     load: f64,
-    /// Means over the seeds.
-    claims: f64,
-    placed: f64,
-    placed_pct: f64,
-    gpu_placed_pct: f64,
-    alloc_pct: f64,
-    /// Per claim size: placed of arrived, summed over the seeds.
-    by_size: Vec<dra::SizeCount>,
+    /// Means over the seeds; per claim size, summed over them.
+    #[serde(flatten)]
+    summary: dra::DraSummary,
     seeds: Vec<dra::DraRun>,
 }
 
@@ -263,33 +258,12 @@ fn run_dra(a: DraArgs) -> CmdResult {
         let pods = trace::read_openb_pods(p).map_err(CliError::input)?;
         let name = openb::trace_name(&p.to_string_lossy()).to_owned();
         for (opts, runs) in dra::run_all(&nodes, &pods, &settings, &seeds, threads) {
-            let n = runs.len().max(1) as f64;
-            let mean = |f: fn(&dra::DraRun) -> f64| runs.iter().map(f).sum::<f64>() / n;
-            let mut by_size: Vec<dra::SizeCount> = Vec::new();
-            for r in &runs {
-                for c in &r.by_size {
-                    match by_size.iter_mut().find(|s| s.size == c.size) {
-                        Some(s) => {
-                            s.arrived += c.arrived;
-                            s.placed += c.placed;
-                        }
-                        None => by_size.push(c.clone()),
-                    }
-                }
-            }
             out.push(DraJson {
                 trace: name.clone(),
                 node: opts.node.as_str(),
                 devices: if opts.pack { "xpu" } else { "first-fit" },
                 load: a.load,
-                claims: round2(mean(|r| r.claims as f64)),
-                placed: round2(mean(|r| r.placed as f64)),
-                placed_pct: round2(mean(|r| 100.0 * r.placed as f64 / r.claims.max(1) as f64)),
-                gpu_placed_pct: round2(mean(|r| {
-                    100.0 * r.gpu_milli_placed as f64 / r.gpu_milli_arrived.max(1) as f64
-                })),
-                alloc_pct: round2(mean(|r| r.alloc_pct)),
-                by_size,
+                summary: dra::summarize(&runs),
                 seeds: runs,
             });
         }
@@ -313,6 +287,7 @@ fn run_dra(a: DraArgs) -> CmdResult {
         .iter()
         .map(|j| {
             let sizes: Vec<String> = j
+                .summary
                 .by_size
                 .iter()
                 .map(|s| format!("{}:{}/{}", s.size, s.placed, s.arrived))
@@ -321,11 +296,11 @@ fn run_dra(a: DraArgs) -> CmdResult {
                 j.trace.clone(),
                 j.node.to_owned(),
                 j.devices.to_owned(),
-                format!("{:.1}", j.claims),
-                format!("{:.1}", j.placed),
-                format!("{:.2}", j.placed_pct),
-                format!("{:.2}", j.gpu_placed_pct),
-                format!("{:.2}", j.alloc_pct),
+                format!("{:.1}", j.summary.claims),
+                format!("{:.1}", j.summary.placed),
+                format!("{:.2}", j.summary.placed_pct),
+                format!("{:.2}", j.summary.gpu_placed_pct),
+                format!("{:.2}", j.summary.alloc_pct),
                 sizes.join(" "),
             ]
         })
