@@ -1,8 +1,11 @@
 //! Where a scheduling cycle's time goes, with no API server: `cycle::plan` over a cluster of
 //! `XPU_BENCH_NODES` GPU nodes (5,000) holding `XPU_BENCH_BOUND` bound pods (50,000), with no
 //! pod waiting (the cost of building the cycle's state alone) and with `XPU_BENCH_PENDING`
-//! (100) one-GPU pods waiting. Prints milliseconds per cycle (median of `XPU_BENCH_RUNS`, 5)
-//! and the process's peak RSS. `XPU_BENCH_MEMO_ONLY=1` runs only the cycles with a memo.
+//! (100) one-GPU pods waiting, three ways: every object converted and summed (`rebuilt`), with
+//! the memo of converted objects (`memo`), and with the memo and the ledger the pod watch
+//! keeps (`ledger`, what `xpu k8s scheduler` runs). Prints milliseconds per cycle (median of
+//! `XPU_BENCH_RUNS`, 5) and the process's peak RSS. `XPU_BENCH_MEMO_ONLY=1` runs only the
+//! cycles with the ledger (for a profile of them).
 //!
 //!   cargo bench -p xpu-kube --bench cycle
 
@@ -83,20 +86,26 @@ fn main() {
     let (jobs, assumed) = (HashMap::new(), HashMap::new());
     let config = SchedulerConfig::default();
     let memo = cycle::Memo::default();
+    let ledger = xpu_kube::ledger::Ledger::default();
+    for p in &pods {
+        ledger.apply(p);
+    }
     let mut figures = Vec::new();
     let mut binds = 0;
     for waiting in [0, pending] {
         if waiting > 0 {
             pods.extend((0..pending).map(|i| pod(bound + i, None, 1)));
         }
-        // `XPU_BENCH_MEMO_ONLY=1`: only the memo's cycles (for a profile of them).
+        // `XPU_BENCH_MEMO_ONLY=1`: only the ledger's cycles (for a profile of them).
         let only = std::env::var_os("XPU_BENCH_MEMO_ONLY").is_some();
-        for with_memo in [false, true] {
-            if only && !with_memo {
+        for mode in ["rebuilt", "memo", "ledger"] {
+            if only && mode != "ledger" {
                 continue;
             }
+            let with_memo = mode != "rebuilt";
             let snap = Snapshot {
                 memo: with_memo.then_some(&memo),
+                ledger: (mode == "ledger").then_some(&ledger),
                 ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed)
             };
             // The memo's first cycle converts everything; the figure is a later one's.
@@ -108,10 +117,7 @@ fn main() {
                 binds = cycle::plan(&snap, &config, 0, &mut |_| false).binds.len();
                 memo.sweep();
             });
-            figures.push(format!(
-                "{waiting} waiting, {}: {ms:.1} ms",
-                if with_memo { "memo" } else { "rebuilt" }
-            ));
+            figures.push(format!("{waiting} waiting, {mode}: {ms:.1} ms"));
         }
     }
     println!(

@@ -592,6 +592,15 @@ pub fn gang(
     Ok(None)
 }
 
+/// Whether [`gang`] could find a gang for this pod (it names a PodGroup, a gang label, a
+/// LeaderWorkerSet group, or a Job controls it): what a bound pod's record must keep of it.
+pub fn may_be_gang(p: &Pod) -> bool {
+    pod_group_name(p).is_some()
+        || label_or_annotation(p, GANG_LABEL).is_some()
+        || label_or_annotation(p, LWS_GROUP_KEY).is_some()
+        || job_owner(p).is_some()
+}
+
 /// Whether a pod's required node affinity has `matchFields` (nodes then need their name as a
 /// label, [`NODE_NAME`]).
 pub fn has_match_fields(spec: &k8s_openapi::api::core::v1::PodSpec) -> bool {

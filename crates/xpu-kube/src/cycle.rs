@@ -256,6 +256,9 @@ pub struct Snapshot<'a> {
     pub pod_groups: Option<&'a convert::PodGroups>,
     /// What earlier cycles converted, kept by the driver ([`Memo`]); `None`: convert all.
     pub memo: Option<&'a Memo>,
+    /// What bound pods hold, kept from the pod watch's events ([`crate::ledger`]); `None`:
+    /// summed from `pods`. Not read for a what-if (`hold_out`).
+    pub ledger: Option<&'a crate::ledger::Ledger>,
 }
 
 /// What a cycle converts from objects that rarely change, kept across cycles by the driver: a
@@ -407,6 +410,7 @@ impl<'a> Snapshot<'a> {
             dra: None,
             pod_groups: None,
             memo: None,
+            ledger: None,
         }
     }
 }
@@ -427,23 +431,26 @@ pub(crate) fn bound_node<'a>(p: &'a Pod, assumed: &'a HashMap<String, String>) -
 /// Whether the pod waits for the scheduler named `name`.
 pub fn waits_for(p: &Pod, name: &str, assumed: &HashMap<String, String>) -> bool {
     let Some(spec) = p.spec.as_ref() else { return false };
-    spec.scheduler_name.as_deref().unwrap_or("default-scheduler") == name
+    // Most pods of a large cluster are bound: that is looked at first.
+    spec.node_name.as_deref().is_none_or(str::is_empty)
+        && spec.scheduler_name.as_deref().unwrap_or("default-scheduler") == name
         && bound_node(p, assumed).is_none()
         && !terminal(p)
         && p.metadata.deletion_timestamp.is_none()
         && spec.scheduling_gates.as_ref().is_none_or(Vec::is_empty)
 }
 
+/// What the pods bound to a node use.
 #[derive(Default)]
-struct Used {
-    cpu: u64,
-    mem: u64,
-    pods: u64,
-    dev: BTreeMap<&'static str, u64>,
-    /// [`SHARE_RESOURCE`] pods: what each asks and the GPUs recorded for it.
-    shares: Vec<(u64, Option<Vec<u16>>)>,
+pub(crate) struct Used {
+    pub(crate) cpu: u64,
+    pub(crate) mem: u64,
+    pub(crate) pods: u64,
+    pub(crate) dev: BTreeMap<&'static str, u64>,
+    /// [`SHARE_RESOURCE`] pods by uid: what each asks and the GPUs recorded for it.
+    pub(crate) shares: BTreeMap<String, (u64, Option<Vec<u16>>)>,
     /// A pod on the node whose requests xpu cannot read: the node counts as full.
-    unreadable: bool,
+    pub(crate) unreadable: bool,
 }
 
 impl Used {
@@ -452,6 +459,7 @@ impl Used {
     /// never as nothing: `Err` says why, for a warning.
     fn add(
         &mut self,
+        uid: &str,
         usage: &Result<convert::Usage, convert::Unsupported>,
         gpus: Option<Vec<u16>>,
     ) -> Result<(), convert::Unsupported> {
@@ -467,7 +475,7 @@ impl Used {
         self.mem = self.mem.saturating_add(r.memory_mib);
         for (&res, &n) in &r.devices {
             if res == SHARE_RESOURCE {
-                self.shares.push((n, gpus.clone()));
+                self.shares.insert(uid.to_owned(), (n, gpus.clone()));
             } else {
                 let e = self.dev.entry(res).or_default();
                 *e = e.saturating_add(n);
@@ -479,8 +487,13 @@ impl Used {
 
 /// Keeps a pod to nodes offering the device resource it asks for (see [`OFFERS`]).
 fn keep_to_offer(ask: &mut PodAsk) {
-    if let Some(res) = ask.resources.device_resource {
-        ask.task.node_selector.insert(format!("{OFFERS}{res}"), "true".into());
+    keep_task_to_offer(&mut ask.task, ask.resources.device_resource);
+}
+
+/// Keeps a task asking for `resource` to nodes offering it.
+fn keep_task_to_offer(task: &mut xpu_sched::TaskSpec, resource: Option<&'static str>) {
+    if let Some(res) = resource {
+        task.node_selector.insert(format!("{OFFERS}{res}"), "true".into());
     }
 }
 
@@ -1542,7 +1555,8 @@ fn plan_once(
             out.waiting.push((k, msg));
         }
     };
-    let mut mix_tasks: Vec<xpu_sched::TaskSpec> = Vec::new();
+    // Tasks, each with how many pods run or wait to run it.
+    let mut mix_tasks: Vec<(xpu_sched::TaskSpec, u64)> = Vec::new();
     for p in &pending {
         let Some(key) = PodKey::of(p) else { continue };
         if let Some(node) = reserved.get(&key.uid) {
@@ -1641,7 +1655,7 @@ fn plan_once(
             keep_to_offer(&mut ask);
         }
         if config.policy.needs_mix() {
-            mix_tasks.push(ask.task.clone());
+            mix_tasks.push((ask.task.clone(), 1));
         }
         match convert::gang(p, job_shape, snap.pod_groups) {
             Err(u) => say(&mut out, key, format!("{u}"), explain),
@@ -1858,7 +1872,32 @@ fn plan_once(
     // FGD and xpu measure fragmentation against the tasks the cluster runs: those waiting and
     // those this scheduler placed.
     if config.policy.needs_mix() {
-        let mut demands: Vec<_> = mix_tasks.iter().filter_map(|t| sched.demand(t).ok()).collect();
+        let mut demands: Vec<_> =
+            mix_tasks.iter().filter_map(|(t, n)| Some((sched.demand(t).ok()?, *n))).collect();
+        // A task kept for preemption, or kept to its device resource, is copied.
+        let keep = separate || snap.preemption;
+        let mut count = |task: &xpu_sched::TaskSpec,
+                         resource: Option<&'static str>,
+                         n: u64,
+                         mix_tasks: &mut Vec<_>| {
+            if !keep {
+                demands.extend(sched.demand(task).ok().map(|d| (d, n)));
+                return;
+            }
+            let mut task = task.clone();
+            if separate {
+                keep_task_to_offer(&mut task, resource);
+            }
+            demands.extend(sched.demand(&task).ok().map(|d| (d, n)));
+            mix_tasks.push((task, n));
+        };
+        let ledger =
+            snap.ledger.filter(|_| snap.hold_out.is_none()).map(crate::ledger::Ledger::read);
+        if let Some(book) = &ledger {
+            for (task, resource, n) in book.mix(scheduler_name) {
+                count(task, resource, n, &mut mix_tasks);
+            }
+        }
         let mut memo = Held::of(snap);
         for p in snap.pods {
             let mine =
@@ -1866,22 +1905,25 @@ fn plan_once(
             if !mine || terminal(p) || bound_node(p, snap.assumed).is_none() {
                 continue;
             }
-            let ask = memo.ask(p);
-            let Ok(ask) = ask.as_ref() else { continue };
-            // Only a task kept for preemption, or kept to its device resource, is copied.
-            if !separate && !snap.preemption {
-                demands.extend(sched.demand(&ask.task).ok());
+            // What the ledger counts: bound as the watch shows it, or already seen bound.
+            if let Some(book) = &ledger
+                && (p
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_name.as_deref())
+                    .is_some_and(|n| !n.is_empty())
+                    || p.metadata.uid.as_deref().is_some_and(|u| book.holds(u)))
+            {
                 continue;
             }
-            let mut ask = ask.clone();
-            if separate {
-                keep_to_offer(&mut ask);
-            }
-            demands.extend(sched.demand(&ask.task).ok());
-            mix_tasks.push(ask.task);
+            let ask = memo.ask(p);
+            let Ok(ask) = ask.as_ref() else { continue };
+            count(&ask.task, ask.resources.device_resource, 1, &mut mix_tasks);
         }
+        drop(ledger);
         if !demands.is_empty() {
-            sched.set_task_mix(&TaskMix::from_demands(&demands, 0.95));
+            let each = demands.iter().flat_map(|(d, n)| std::iter::repeat_n(d, *n as usize));
+            sched.set_task_mix(&TaskMix::from_demands(each, 0.95));
         }
     }
 
@@ -2069,25 +2111,67 @@ pub(crate) struct Built {
 pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let mut bad_nodes = Vec::new();
     // What bound pods use, per node, and which gang members are already bound where.
-    let mut used: HashMap<&str, Used> = HashMap::new();
+    let mut used: HashMap<String, Used> = HashMap::new();
     let mut gang_bound: HashMap<String, (u32, Option<String>)> = HashMap::new();
     let mut unreadable = Vec::new();
     let mut queue_used: HashMap<String, Amounts> = HashMap::new();
     let job_shape = |uid: &str| snap.jobs.get(uid).copied();
     // Per node, the lowest priority among its pods being deleted (preemption victims, say).
-    let mut terminating: HashMap<&str, i32> = HashMap::new();
+    let mut terminating: HashMap<String, i32> = HashMap::new();
+    let mut count_gang = |p: &Pod, node: &str| {
+        // A malformed gang label only matters for a pending pod, which is told about it.
+        if let Ok(Some(g)) = convert::gang(p, job_shape, snap.pod_groups) {
+            let e = gang_bound.entry(g.key).or_insert((0, None));
+            e.0 += 1;
+            // The least node name: the same whatever order the pods come in.
+            if e.1.as_deref().is_none_or(|n| node < n) {
+                e.1 = Some(node.to_owned());
+            }
+        }
+    };
+    // The ledger counts the pods the watch shows bound; a what-if leaves some out, so it sums.
+    let ledger = snap.ledger.filter(|_| snap.hold_out.is_none()).map(crate::ledger::Ledger::read);
+    if let Some(book) = &ledger {
+        for (node, b) in book.nodes() {
+            used.insert(node.to_owned(), b.used());
+            if let Some(prio) = b.terminating() {
+                terminating.insert(node.to_owned(), prio);
+            }
+        }
+        for (key, node, e) in book.unreadable() {
+            unreadable.push((key.clone(), format!("counted as using all of node {node}: {e}")));
+        }
+        let mut queues: HashMap<(&str, Option<&str>), String> = HashMap::new();
+        for ((ns, label), amounts) in book.charges() {
+            let q = queues.entry((ns, label)).or_insert_with(|| queue_for(snap, ns, label));
+            queue_used.entry(q.clone()).or_default().add(&amounts);
+        }
+        for (p, node) in book.gang_pods() {
+            count_gang(p, node);
+        }
+    }
     let mut memo = Held::of(snap);
     for p in snap.pods {
         if terminal(p) {
             continue;
         }
         let Some(node) = bound_node(p, snap.assumed) else { continue };
-        if snap.hold_out.is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u))) {
+        let uid = p.metadata.uid.as_deref().unwrap_or("");
+        if let Some(book) = &ledger {
+            // Bound as the watch shows it, or assumed but already counted: the ledger sees
+            // each event before the cache does.
+            let shown =
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref()).is_some_and(|n| !n.is_empty());
+            if shown || book.holds(uid) {
+                continue;
+            }
+        }
+        if snap.hold_out.is_some_and(|h| h.contains(uid)) {
             continue;
         }
         if p.metadata.deletion_timestamp.is_some() {
             let prio = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
-            let e = terminating.entry(node).or_insert(prio);
+            let e = terminating.entry(node.to_owned()).or_insert(prio);
             *e = (*e).min(prio);
         }
         // A bound pod holds what it asks for, whichever scheduler placed it and whatever xpu
@@ -2097,7 +2181,6 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         if let Ok(u) = usage.as_ref() {
             queue_used.entry(queue_of(snap, p)).or_default().add(&Amounts::of(u));
         }
-        let uid = p.metadata.uid.as_deref().unwrap_or("");
         let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| {
             p.metadata
                 .annotations
@@ -2105,18 +2188,14 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
                 .and_then(|a| a.get(share::GPUS_ANNOTATION))
                 .and_then(|g| share::parse_gpus(g))
         });
-        if let Err(e) = used.entry(node).or_default().add(usage.as_ref(), gpus)
+        if let Err(e) = used.entry(node.to_owned()).or_default().add(uid, usage.as_ref(), gpus)
             && let Some(key) = PodKey::of(p)
         {
             unreadable.push((key, format!("counted as using all of node {node}: {e}")));
         }
-        // A malformed gang label only matters for a pending pod, which is told about it.
-        if let Ok(Some(g)) = convert::gang(p, job_shape, snap.pod_groups) {
-            let e = gang_bound.entry(g.key).or_insert((0, None));
-            e.0 += 1;
-            e.1.get_or_insert_with(|| node.to_owned());
-        }
+        count_gang(p, node);
     }
+    drop(ledger);
 
     // Nodes in name order (the tie-break order, the same on every replica and restart), with
     // what is used subtracted.
@@ -2148,10 +2227,11 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
             continue;
         };
         let prio = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
-        let Some((&node, _)) = terminating.get_key_value(node).filter(|(_, m)| **m < prio) else {
+        if terminating.get(node).is_none_or(|m| *m >= prio) {
             continue;
-        };
-        if let Err(e) = used.entry(node).or_default().add(&convert::usage(p), None)
+        }
+        let uid = p.metadata.uid.as_deref().unwrap_or("");
+        if let Err(e) = used.entry(node.to_owned()).or_default().add(uid, &convert::usage(p), None)
             && let Some(key) = PodKey::of(p)
         {
             unreadable.push((key, format!("counted as using all of node {node}: {e}")));
@@ -2207,6 +2287,8 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         }
     }
 
+    // In uid order, whichever way the pods were counted.
+    unreadable.sort_by(|a, b| a.0.uid.cmp(&b.0.uid));
     Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved, unreadable, queue_used }
 }
 
@@ -2335,11 +2417,13 @@ struct Books<'a> {
 /// or, where the label names a queue the namespace does not own, its namespace's default queue:
 /// never another tenant's.
 fn queue_of(snap: &Snapshot<'_>, p: &Pod) -> String {
-    let ns = p.metadata.namespace.as_deref().unwrap_or("default");
+    queue_for(snap, p.metadata.namespace.as_deref().unwrap_or("default"), queue_label(p))
+}
+
+/// The queue of a pod of namespace `ns` whose queue label is `label`.
+fn queue_for(snap: &Snapshot<'_>, ns: &str, label: Option<&str>) -> String {
     let labels = snap.namespace_labels.get(ns);
-    snap.queues
-        .resolve(ns, labels, queue_label(p))
-        .unwrap_or_else(|_| snap.queues.default_for(ns, labels))
+    snap.queues.resolve(ns, labels, label).unwrap_or_else(|_| snap.queues.default_for(ns, labels))
 }
 
 /// What a pod asks of [`SHARE_RESOURCE`], 0 for any other pod.
@@ -2383,8 +2467,12 @@ fn hold_whole(cluster: &mut Cluster, id: xpu_sched::NodeId, used: &BTreeMap<&'st
 /// Takes the GPU shares bound pods hold on node `id`: on the GPUs recorded for each, else (a
 /// pod bound without xpu's record, which xpu's device plugin will refuse) on the first GPUs
 /// with room, so that the node is never counted emptier than it may be.
-fn hold_shares(cluster: &mut Cluster, id: xpu_sched::NodeId, shares: &[(u64, Option<Vec<u16>>)]) {
-    for (ask, gpus) in shares {
+fn hold_shares(
+    cluster: &mut Cluster,
+    id: xpu_sched::NodeId,
+    shares: &BTreeMap<String, (u64, Option<Vec<u16>>)>,
+) {
+    for (ask, gpus) in shares.values() {
         let Some((count, milli)) = share::spread(*ask) else { continue };
         let Some(node) = cluster.node(id) else { return };
         let free: Vec<u16> = node.devices.iter().map(|d| d.free_milli()).collect();

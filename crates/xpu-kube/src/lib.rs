@@ -22,6 +22,7 @@ pub mod cycle;
 pub mod dra;
 pub mod flex;
 pub mod leader;
+pub mod ledger;
 pub mod metrics;
 pub mod preempt;
 pub mod queues;

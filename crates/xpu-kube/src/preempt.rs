@@ -113,7 +113,7 @@ pub fn plan(
     waiting: &[Waiting],
     binds: &[crate::cycle::Bind],
     excluded: &dyn Fn(&str) -> bool,
-    mix: &[TaskSpec],
+    mix: &[(TaskSpec, u64)],
 ) -> Vec<Preemption> {
     let Some(top) = waiting.iter().map(|w| w.job.priority).max() else { return Vec::new() };
     // The what-if scheduler keeps its own time, far enough from zero that every victim's start
@@ -257,7 +257,11 @@ pub fn plan(
         }
     }
     if !mix.is_empty() && config.policy.needs_mix() {
-        let demands: Vec<_> = mix.iter().filter_map(|t| sched.demand(t).ok()).collect();
+        let demands: Vec<_> = mix
+            .iter()
+            .filter_map(|(t, n)| Some((sched.demand(t).ok()?, *n as usize)))
+            .flat_map(|(d, n)| std::iter::repeat_n(d, n))
+            .collect();
         if !demands.is_empty() {
             sched.set_task_mix(&TaskMix::from_demands(&demands, 0.95));
         }

@@ -100,6 +100,8 @@ impl Default for Options {
 pub struct Caches {
     pub nodes: Store<Node>,
     pub pods: Store<Pod>,
+    /// What bound pods hold, fed by the pod watch before its cache stores each event.
+    pub ledger: Arc<crate::ledger::Ledger>,
     pub jobs: Store<KubeJob>,
     /// Namespaces, for their labels (queues may select namespaces by label).
     pub namespaces: Store<Namespace>,
@@ -125,18 +127,22 @@ pub async fn watch(
     changed: Arc<Notify>,
     queue_config: &(String, String),
 ) -> Caches {
+    let ledger = Arc::new(crate::ledger::Ledger::default());
+    let feed = ledger.clone();
     let caches = Caches {
+        ledger,
         nodes: spawn(
             Api::<Node>::all(client.clone()),
             watcher::Config::default(),
             changed.clone(),
             trim_node,
         ),
-        pods: spawn(
+        pods: spawn_fed(
             Api::<Pod>::all(client.clone()),
             watcher::Config::default(),
             changed.clone(),
             trim_pod,
+            move |ev| feed.feed(ev),
         ),
         jobs: spawn(
             Api::<KubeJob>::all(client.clone()),
@@ -257,8 +263,24 @@ fn spawn<K: Watched>(
     changed: Arc<Notify>,
     trim: fn(&mut K),
 ) -> Store<K> {
+    spawn_fed(api, config, changed, trim, |_| {})
+}
+
+/// [`spawn`], with `feed` given each event (trimmed) before the store takes it.
+fn spawn_fed<K: Watched>(
+    api: Api<K>,
+    config: watcher::Config,
+    changed: Arc<Notify>,
+    trim: fn(&mut K),
+    feed: impl Fn(&watcher::Event<K>) + Send + 'static,
+) -> Store<K> {
     let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, config).modify(trim).default_backoff());
+    let events = watcher(api, config).modify(trim).inspect(move |ev| {
+        if let Ok(ev) = ev {
+            feed(ev);
+        }
+    });
+    let stream = reflector::reflector(writer, events.default_backoff());
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         while let Some(ev) = stream.next().await {
@@ -612,6 +634,7 @@ pub async fn run(
             excluded: &excluded,
             unix_now: k8s_openapi::jiff::Timestamp::now().as_second(),
             memo: Some(&memo),
+            ledger: Some(&caches.ledger),
             ..Snapshot::new(&opts.scheduler_name, &nodes, &pods, &jobs, &assumed_now)
         };
         let now = started.elapsed().as_secs();
