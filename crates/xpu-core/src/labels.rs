@@ -5,12 +5,16 @@
 //! (default `03`, `0b40`, `12`) it publishes `feature.node.kubernetes.io/pci-<label>.present`,
 //! where `<label>` joins `deviceLabelFields` (default `class`, `vendor`) with `_`, and
 //! `pci-<label>.sriov.capable` for devices that can create VFs. xpu adds
-//! `xpu.dev/<kind>.count`, `.product` and `.generation` for each accelerator kind.
+//! `xpu.dev/<kind>.count`, `.product` and `.generation` for each accelerator kind, and the
+//! labels NVIDIA's, AMD's and Intel's own labellers write ([`vendor`]), so a node moved to xpu
+//! keeps matching the manifests written for those.
 
 use std::collections::BTreeMap;
 
 use crate::accel::DeviceKind;
 use crate::inventory::Inventory;
+
+mod vendor;
 
 /// NFD's default `deviceClassWhitelist`.
 pub const NFD_CLASS_WHITELIST: [&str; 3] = ["03", "0b40", "12"];
@@ -50,6 +54,7 @@ pub fn labels(inv: &Inventory) -> BTreeMap<String, String> {
             out.insert(format!("{XPU_PREFIX}/{kind}.generation"), label_value(&g));
         }
     }
+    vendor::add(inv, &mut out);
     out
 }
 

@@ -1,6 +1,6 @@
 //! Which devices a device plugin advertises: `--resource NAME=SELECTOR`.
 //!
-//! Grammar (documented in the README):
+//! Grammar (documented in docs/containers.md):
 //!
 //! ```text
 //! RESOURCE = NAME "=" TERM { "," TERM }

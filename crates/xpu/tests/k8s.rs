@@ -123,4 +123,45 @@ fn nfd_features_file_is_written_atomically_under_the_root() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["written"], false);
     assert_eq!(v["labels"]["xpu.dev/gpu.product"], "A100-SXM4-40GB");
+    // What NVIDIA's GPU feature discovery writes for these GPUs, key for key.
+    for (key, value) in [
+        ("nvidia.com/gpu.present", "true"),
+        ("nvidia.com/gpu.count", "8"),
+        ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-40GB"),
+        ("nvidia.com/gpu.memory", "40960"),
+        ("nvidia.com/gpu.family", "ampere"),
+        ("nvidia.com/gpu.compute.major", "8"),
+        ("nvidia.com/gpu.compute.minor", "0"),
+        ("nvidia.com/mig.capable", "true"),
+        ("nvidia.com/cuda.driver.major", "535"),
+        ("nvidia.com/cuda.driver.minor", "104"),
+        ("nvidia.com/cuda.driver.rev", "05"),
+    ] {
+        assert_eq!(v["labels"][key], value, "{key}: {}", v["labels"]);
+    }
+}
+
+/// On an MI300X host the labels are those AMD's node labeller writes (its documented example
+/// for this part), in both its current and its legacy `beta.amd.com` form.
+#[test]
+fn nfd_features_write_the_amd_labellers_labels() {
+    let fx = hosts::mi300x().build();
+    let root = fx.root().to_str().unwrap();
+    let o = xpu(&["k8s", "nfd-features", "--root", root, "--output", "-", "--format", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let labels = &v["labels"];
+    for (key, value) in [
+        ("amd.com/gpu.cu-count", "304"),
+        ("amd.com/gpu.device-id", "74a1"),
+        ("amd.com/gpu.family", "AI"),
+        ("amd.com/gpu.product-name", "AMD_Instinct_MI300X_OAM"),
+        ("amd.com/gpu.simd-count", "1216"),
+        ("amd.com/gpu.vram", "192G"),
+        ("beta.amd.com/gpu.family.AI", "8"),
+        ("beta.amd.com/gpu.vram.192G", "8"),
+    ] {
+        assert_eq!(labels[key], value, "{key}: {labels}");
+    }
+    assert!(labels.get("nvidia.com/gpu.count").is_none(), "{labels}");
 }

@@ -153,7 +153,7 @@ pub struct ReplayArgs {
     #[arg(long, value_enum)]
     pub format: TraceFormat,
     /// Pools: `pool=a100:nodes=64:gpus=8`, `;`-separated or repeated; add `:flex:delay=300`
-    /// for a flex-start pool (see `xpu sim replay --help` and the README).
+    /// for a flex-start pool (see `xpu sim replay --help` and docs/sim.md).
     #[arg(long, value_name = "SPEC", required = true)]
     pub cluster: Vec<String>,
     #[arg(long, default_value = "xpu")]
