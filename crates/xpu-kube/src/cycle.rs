@@ -2181,13 +2181,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         if let Ok(u) = usage.as_ref() {
             queue_used.entry(queue_of(snap, p)).or_default().add(&Amounts::of(u));
         }
-        let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| {
-            p.metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(share::GPUS_ANNOTATION))
-                .and_then(|g| share::parse_gpus(g))
-        });
+        let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| share::recorded_gpus(p));
         if let Err(e) = used.entry(node.to_owned()).or_default().add(uid, usage.as_ref(), gpus)
             && let Some(key) = PodKey::of(p)
         {

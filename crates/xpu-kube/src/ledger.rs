@@ -159,16 +159,12 @@ impl Book {
             return;
         }
         let usage = convert::usage(p);
-        let gpus = p
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(share::GPUS_ANNOTATION))
-            .and_then(|g| share::parse_gpus(g));
-        let entry = Entry {
+        // Named only when its requests cannot be read.
+        let key = usage.is_err().then(|| PodKey::of(p)).flatten();
+        let mut entry = Entry {
             node: node.to_owned(),
             usage,
-            gpus,
+            gpus: share::recorded_gpus(p),
             charge: shared(
                 &self.charges,
                 (
@@ -182,13 +178,9 @@ impl Book {
                 .is_some()
                 .then(|| p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0)),
             gang: convert::may_be_gang(p).then(|| gang_part(p)),
-            key: None,
+            key,
             mix: None,
         };
-        let mut entry = entry;
-        if entry.usage.is_err() {
-            entry.key = PodKey::of(p);
-        }
         if let Ok(ask) = convert::pod(p) {
             let scheduler = p.spec.as_ref().and_then(|s| s.scheduler_name.as_deref());
             let key = shared(

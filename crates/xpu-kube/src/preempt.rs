@@ -66,13 +66,7 @@ fn held_task(
     t.device_kind = Some(kind);
     if res == SHARE_RESOURCE {
         let (gpus, milli) = share::spread(count)?;
-        let recorded = p
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(share::GPUS_ANNOTATION))
-            .and_then(|g| share::parse_gpus(g))
-            .filter(|g| g.len() == gpus)?;
+        let recorded = share::recorded_gpus(p).filter(|g| g.len() == gpus)?;
         t.devices = if gpus == 1 && u64::from(milli) < convert::MILLI_PER_GPU {
             DeviceAsk::Fraction(milli)
         } else {

@@ -143,6 +143,13 @@ pub fn parse_gpus(s: &str) -> Option<Vec<u16>> {
     Some(out)
 }
 
+/// The GPUs a bound pod's [`GPUS_ANNOTATION`] records, when it records valid ones (the
+/// annotation is not checked against its signature here: this is what the pod holds, not a
+/// choice to act on).
+pub fn recorded_gpus(p: &Pod) -> Option<Vec<u16>> {
+    p.metadata.annotations.as_ref()?.get(GPUS_ANNOTATION).and_then(|g| parse_gpus(g))
+}
+
 /// What a pod asks of [`SHARE_RESOURCE`] (0 when nothing).
 pub fn ask_of(p: &Pod) -> u64 {
     crate::convert::usage(p).ok().and_then(|u| u.devices.get(SHARE_RESOURCE).copied()).unwrap_or(0)

@@ -84,19 +84,7 @@ fn pod(name: &str, scheduler: &str, mix: &str) -> Pod {
         // No claim: a plain extended-resource request that the DeviceClass serves (its implicit
         // name), for which the scheduler makes the claim itself.
         let gpu = json!({ "deviceclass.resource.kubernetes.io/gpu": "1" });
-        let mut requests = json!({ "cpu": "100m", "memory": "200Mi" });
-        requests["deviceclass.resource.kubernetes.io/gpu"] = "1".into();
-        return serde_json::from_value(json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": { "name": name },
-            "spec": {
-                "schedulerName": scheduler,
-                "tolerations": [{ "key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule" }],
-                "containers": [{ "name": "c", "image": "pause",
-                                 "resources": { "requests": requests, "limits": gpu } }],
-            },
-        }))
-        .unwrap();
+        return k8s_bench::pod(name, scheduler, gpu.clone(), gpu);
     }
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",

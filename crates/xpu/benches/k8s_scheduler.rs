@@ -63,17 +63,7 @@ fn pod(name: &str, scheduler: &str, gpus: u32, share: u32) -> Pod {
     } else {
         json!({})
     };
-    serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": { "name": name },
-        "spec": {
-            "schedulerName": scheduler,
-            "tolerations": [{ "key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule" }],
-            "containers": [{ "name": "c", "image": "pause",
-                             "resources": { "requests": { "cpu": "100m", "memory": "200Mi" }, "limits": limits } }],
-        },
-    }))
-    .unwrap()
+    k8s_bench::pod(name, scheduler, json!({}), limits)
 }
 
 struct Mix {

@@ -269,3 +269,28 @@ pub fn table(
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load after: {}", load.trim());
 }
+
+/// A bench pod named `name` for `scheduler`: tolerating not-ready nodes, one `pause` container
+/// asking 100m CPU and 200Mi of memory plus `requests`, with `limits`.
+pub fn pod(
+    name: &str,
+    scheduler: &str,
+    requests: serde_json::Value,
+    limits: serde_json::Value,
+) -> Pod {
+    let mut all = serde_json::json!({ "cpu": "100m", "memory": "200Mi" });
+    if let (Some(all), Some(more)) = (all.as_object_mut(), requests.as_object()) {
+        all.extend(more.clone());
+    }
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name },
+        "spec": {
+            "schedulerName": scheduler,
+            "tolerations": [{ "key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule" }],
+            "containers": [{ "name": "c", "image": "pause",
+                             "resources": { "requests": all, "limits": limits } }],
+        },
+    }))
+    .unwrap()
+}
