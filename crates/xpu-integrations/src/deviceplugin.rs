@@ -788,11 +788,14 @@ pub async fn run(
                 && s.server.is_some()
             {
                 let endpoint = s.plugin.resource.socket_name();
+                // Counted before the call: the kubelet may open ListAndWatch before its answer
+                // to Register reaches us (a real kubelet 1.37 often does).
+                let (asked, watches) = (tokio::time::Instant::now(), s.plugin.watches());
                 match register(&kubelet, &name, &endpoint).await {
                     Ok(()) => {
                         s.registered_with = Some(k);
                         s.failed_with = None;
-                        s.awaiting_watch = Some((tokio::time::Instant::now(), s.plugin.watches()));
+                        s.awaiting_watch = Some((asked, watches));
                         emit(Event::Registered { resource: name.clone() });
                     }
                     Err(error) => {

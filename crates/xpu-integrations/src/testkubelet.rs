@@ -19,6 +19,10 @@ use crate::{limits, pb, transport};
 
 struct Registrar {
     seen: mpsc::UnboundedSender<pb::RegisterRequest>,
+    /// Open the plugin's `ListAndWatch` (and read its first answer) before answering
+    /// `Register`, as a real kubelet may: the plugin's directory, and the streams kept open.
+    watch_first:
+        Option<(PathBuf, std::sync::Mutex<Vec<tonic::Streaming<pb::ListAndWatchResponse>>>)>,
 }
 
 #[tonic::async_trait]
@@ -33,6 +37,15 @@ impl pb::registration_server::Registration for Registrar {
                 "unsupported device plugin API version {:?}; this kubelet speaks {API_VERSION}",
                 r.version
             )));
+        }
+        if let Some((dir, streams)) = &self.watch_first {
+            let channel = transport::connect(&dir.join(&r.endpoint))
+                .await
+                .map_err(|e| Status::unavailable(format!("cannot reach the plugin: {e}")))?;
+            let mut client = pb::device_plugin_client::DevicePluginClient::new(channel);
+            let mut stream = client.list_and_watch(pb::Empty {}).await?.into_inner();
+            stream.message().await?;
+            streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(stream);
         }
         let _ = self.seen.send(r);
         Ok(Response::new(pb::Empty {}))
@@ -50,6 +63,16 @@ pub struct TestKubelet {
 impl TestKubelet {
     /// Starts serving `Registration` on `dir/kubelet.sock`.
     pub fn start(dir: &Path) -> std::io::Result<TestKubelet> {
+        Self::serve(dir, false)
+    }
+
+    /// Like [`TestKubelet::start`], but this kubelet opens each plugin's `ListAndWatch` (and
+    /// reads its first list) before it answers the plugin's `Register`, and keeps it open.
+    pub fn start_watching_first(dir: &Path) -> std::io::Result<TestKubelet> {
+        Self::serve(dir, true)
+    }
+
+    fn serve(dir: &Path, watch_first: bool) -> std::io::Result<TestKubelet> {
         let socket = dir.join(KUBELET_SOCKET);
         let _ = std::fs::remove_file(&socket);
         let listener = UnixListener::bind(&socket)?;
@@ -58,9 +81,12 @@ impl TestKubelet {
         let task = tokio::spawn(
             limits::server()
                 .add_service(
-                    pb::registration_server::RegistrationServer::new(Registrar { seen })
-                        .max_decoding_message_size(limits::MAX_MESSAGE)
-                        .max_encoding_message_size(limits::MAX_MESSAGE),
+                    pb::registration_server::RegistrationServer::new(Registrar {
+                        seen,
+                        watch_first: watch_first.then(|| (dir.to_owned(), Default::default())),
+                    })
+                    .max_decoding_message_size(limits::MAX_MESSAGE)
+                    .max_encoding_message_size(limits::MAX_MESSAGE),
                 )
                 .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
                     let _ = stopped.await;

@@ -512,3 +512,36 @@ async fn a_kubelet_that_never_opens_list_and_watch_is_reported_and_registered_ag
     plugin.shutdown().await;
     kubelet.stop().await;
 }
+
+/// A kubelet that opens ListAndWatch before it answers Register (kubelet 1.37 on a real node
+/// did, found by the multi-node test) is watching: nothing reported, no second registration.
+#[tokio::test]
+async fn a_kubelet_that_watches_before_answering_register_is_not_reported() {
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start_watching_first(dir.path()).unwrap();
+    let cfg = Config {
+        root: Root::new(fixture.root()).unwrap(),
+        plugin_dir: dir.path().to_owned(),
+        resources: Resource::defaults(),
+        interval: Duration::from_millis(40),
+        health: None,
+        watch_timeout: Duration::from_millis(500),
+        share: None,
+    };
+    let (tx, events) = mpsc::unbounded_channel();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(deviceplugin::run(cfg, Some(tx), async {
+        let _ = stopped.await;
+    }));
+    let mut plugin = Running { stop: Some(stop), task, events };
+    kubelet.next_registration(WAIT).await.expect("registration");
+    plugin.wait_for(|e| matches!(e, Event::Registered { .. })).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(kubelet.pending_registrations().is_empty(), "no second registration");
+    while let Ok(e) = plugin.events.try_recv() {
+        assert!(!matches!(e, Event::NoListAndWatch { .. }), "{e:?}");
+    }
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
