@@ -654,7 +654,7 @@ pub(crate) fn target_dir() -> PathBuf {
 }
 
 /// Free ports on 127.0.0.1, all held until every one is found so they are distinct.
-pub(crate) fn free_ports<const N: usize>() -> Result<[u16; N], HarnessError> {
+pub fn free_ports<const N: usize>() -> Result<[u16; N], HarnessError> {
     let mut listeners = Vec::with_capacity(N);
     let mut ports = [0; N];
     for port in &mut ports {

@@ -21,13 +21,16 @@
 //! The host is not changed otherwise: mounts die with the namespace, and killing the namespace's
 //! first process (dropping the [`Node`]) kills containerd, its shims and every container with it.
 //!
-//! The node is named `127.0.0.1`: the kubelet takes a node name that is an IP address as the
-//! Node's InternalIP, and the API server accepts a loopback one. A CNI plugin of a few shell
+//! A node is named by a loopback address (`127.0.0.1` by default; [`NodeOptions::named`] gives
+//! the other nodes of a multi-node test theirs, each in its own namespaces with its own run
+//! directory, cgroup root and ports, its kubelet and stream server listening on that address):
+//! the kubelet takes a node name that is an IP address as the Node's InternalIP, and the API
+//! server accepts a loopback one. A CNI plugin of a few shell
 //! lines creates no interface and reports a `127.0.x.y` address, which is all containerd needs to
 //! call the pod network ready. Images come from `node-images.tar` (`scripts/install-node`):
 //! `xpu.test/busybox:1` for test containers and `xpu.test/pause:1` (busybox `sleep`) as the
 //! sandbox image, imported with `ctr`, never pulled. The kubelet authenticates as
-//! `system:node:127.0.0.1` with a client certificate from the control plane's CA
+//! `system:node:<name>` with a client certificate from the control plane's CA
 //! ([`ControlPlane::node_kubeconfig`]), so the `Node` authorizer and NodeRestriction hold it to
 //! its own Node as in a cluster; it serves its API to anyone on 127.0.0.1 (anonymous,
 //! `AlwaysAllow`: the API server fetches logs through it), and runs with `failCgroupV1: false`
@@ -49,8 +52,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use ::kube::Api;
 use ::kube::api::{Patch, PatchParams};
+use ::kube::{Api, ResourceExt};
 use k8s_openapi::api::core::v1::Node as NodeObject;
 
 use crate::kube::{ControlPlane, bin_dir, free_ports, log_tail, target_dir};
@@ -107,10 +110,15 @@ pub enum NodeError {
     Exited { dir: PathBuf, tails: String },
 
     #[error(
-        "Node {NODE_NAME} not Ready after {waited:.1?} (last: {last}); logs in {}:\n{tails}",
+        "Node {name} not Ready after {waited:.1?} (last: {last}); logs in {}:\n{tails}",
         dir.display()
     )]
-    NotReady { waited: Duration, last: String, dir: PathBuf, tails: String },
+    NotReady { name: String, waited: Duration, last: String, dir: PathBuf, tails: String },
+
+    #[error(
+        "node name {0:?} is not a loopback IPv4 address; name test nodes 127.0.0.2, 127.0.0.3, ... (the kubelet takes the name as the node's address and serves there)"
+    )]
+    BadName(String),
 
     #[error("{action} failed on the test API server")]
     Api {
@@ -127,6 +135,9 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
 /// How the node runs.
 #[derive(Debug, Clone)]
 pub struct NodeOptions {
+    /// The Node's name and address: a loopback IPv4 address ([`NODE_NAME`] by default), where
+    /// the kubelet and containerd's stream server listen. Nodes of one test differ in it.
+    pub name: String,
     /// The kubelet's `nodeStatusUpdateFrequency` (and report frequency): how soon a change of
     /// allocatable devices reaches the Node's status.
     pub node_status_update: Duration,
@@ -144,6 +155,7 @@ pub struct NodeOptions {
 impl Default for NodeOptions {
     fn default() -> Self {
         NodeOptions {
+            name: NODE_NAME.to_owned(),
             node_status_update: Duration::from_secs(4),
             devices_of: None,
             kubelet_flags: Vec::new(),
@@ -154,6 +166,13 @@ impl Default for NodeOptions {
 }
 
 impl NodeOptions {
+    /// Name the node (and give it the address) `name`, a loopback IPv4 address such as
+    /// `127.0.0.2`: several nodes of one control plane each take their own.
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
     /// Give the node's `/dev` the character devices of the fixture host at `root`.
     pub fn devices_of(mut self, root: impl Into<PathBuf>) -> Self {
         self.devices_of = Some(root.into());
@@ -225,6 +244,7 @@ impl NodeBinaries {
 /// pods' cgroups, and removes the run directory (kept, with its path printed, when the thread
 /// is panicking or start-up failed).
 pub struct Node {
+    name: String,
     dir: PathBuf,
     holder: Option<Child>,
     cgroups: Vec<PathBuf>,
@@ -261,12 +281,18 @@ impl Node {
         node.startup = started.elapsed();
         node.keep = false;
         eprintln!(
-            "xpu-testkit: node {NODE_NAME} Ready in {:.2?} (kubelet on port {}), run directory {}",
+            "xpu-testkit: node {} Ready in {:.2?} (kubelet on port {}), run directory {}",
+            node.name,
             node.startup,
             node.kubelet_port,
             node.dir.display()
         );
         Ok(node)
+    }
+
+    /// The Node's name, which is also its address.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The run directory: configurations and `node.log`, `containerd.log`, `kubelet.log`.
@@ -318,6 +344,10 @@ impl Node {
 
     /// The run directory, configuration files, cgroups: everything before a process starts.
     fn prepare(options: &NodeOptions) -> Result<Node, NodeError> {
+        let name = options.name.clone();
+        if !name.parse::<std::net::Ipv4Addr>().is_ok_and(|a| a.is_loopback()) {
+            return Err(NodeError::BadName(name));
+        }
         let base = run_base();
         fs::create_dir_all(&base).map_err(io_err("create", &base))?;
         let pid = std::process::id();
@@ -334,6 +364,7 @@ impl Node {
         let [kubelet_port, healthz_port] = free_ports()?;
         let cgroup_root = format!("xpu-node-{pid}-{n}");
         let mut node = Node {
+            name,
             dir,
             holder: None,
             cgroups: Vec::new(),
@@ -351,10 +382,11 @@ impl Node {
         let plugins = node.device_plugin_dir();
         fs::create_dir_all(&plugins).map_err(io_err("create", &plugins))?;
 
-        write(&dir.join("containerd.toml"), &containerd_config(&dir))?;
+        write(&dir.join("containerd.toml"), &containerd_config(&dir, &node.name))?;
         write(
             &dir.join("kubelet.json"),
             &kubelet_config(
+                &node.name,
                 kubelet_port,
                 healthz_port,
                 &cgroup_root,
@@ -421,7 +453,8 @@ impl Node {
             .env("XPU_NODE_RUN", &self.dir)
             .env("XPU_NODE_BIN", &bins.dir)
             .env("XPU_NODE_IMAGES", &bins.images)
-            .env("XPU_NODE_KUBECONFIG", cp.node_kubeconfig(NODE_NAME)?)
+            .env("XPU_NODE_NAME", &self.name)
+            .env("XPU_NODE_KUBECONFIG", cp.node_kubeconfig(&self.name)?)
             .env("XPU_NODE_KUBELET", &bins.kubelet)
             .env("XPU_NODE_KUBELET_FLAGS", kubelet_flags(options).join(" "))
             .stdin(Stdio::null())
@@ -455,7 +488,7 @@ impl Node {
         let mut last = "no Node object yet".to_owned();
         loop {
             self.check_alive()?;
-            match nodes.get_opt(NODE_NAME).await {
+            match nodes.get_opt(&self.name).await {
                 Ok(Some(node)) => {
                     let ready = node
                         .status
@@ -465,8 +498,17 @@ impl Node {
                         .map(|c| (c.status.clone(), c.message.clone().unwrap_or_default()));
                     match ready {
                         Some((status, _)) if status == "True" => {
-                            untaint(&nodes, &node).await?;
-                            return Ok(());
+                            // The node lifecycle controller, when the plane runs it, writes the
+                            // taints too: on a conflict, read the Node again.
+                            match untaint(&nodes, &node).await {
+                                Ok(()) => return Ok(()),
+                                Err(NodeError::Api { source: ::kube::Error::Api(e), .. })
+                                    if e.code == 409 =>
+                                {
+                                    last = "taints changed while removing not-ready".to_owned();
+                                }
+                                Err(e) => return Err(e),
+                            }
                         }
                         Some((status, message)) => last = format!("Ready={status}: {message}"),
                         None => last = "no Ready condition yet".to_owned(),
@@ -477,6 +519,7 @@ impl Node {
             }
             if Instant::now() >= deadline {
                 return Err(NodeError::NotReady {
+                    name: self.name.clone(),
                     waited: started.elapsed(),
                     last,
                     dir: self.dir.clone(),
@@ -560,7 +603,7 @@ async fn untaint(nodes: &Api<NodeObject>, node: &NodeObject) -> Result<(), NodeE
         "spec": { "taints": kept },
     });
     nodes
-        .patch(NODE_NAME, &PatchParams::default(), &Patch::Merge(patch))
+        .patch(&node.name_any(), &PatchParams::default(), &Patch::Merge(patch))
         .await
         .map_err(|source| NodeError::Api { action: "removing the not-ready taint", source })?;
     Ok(())
@@ -654,7 +697,7 @@ fn remove_cgroup_tree(root: &Path) -> io::Result<()> {
 
 /// containerd's configuration (version 4, containerd 2.4), fields as `containerd config
 /// default` names them. CDI needs no switch in containerd 2.x (always on): only where specs are.
-fn containerd_config(dir: &Path) -> String {
+fn containerd_config(dir: &Path, address: &str) -> String {
     let cdi = dir.join("cdi");
     let cni_bin = dir.join("cni/bin");
     let cni_conf = dir.join("cni/net.d");
@@ -692,7 +735,7 @@ imports = []
     conf_dir = "{cni_conf}"
 
 [plugins."io.containerd.grpc.v1.cri"]
-  stream_server_address = "127.0.0.1"
+  stream_server_address = "{address}"
   stream_server_port = "0"
 "#,
         cdi = cdi.display(),
@@ -719,6 +762,7 @@ fn kubelet_flags(options: &NodeOptions) -> Vec<String> {
 /// The kubelet's configuration file (`kubelet.config.k8s.io/v1beta1` KubeletConfiguration);
 /// `old`: for [`OLD_KUBELET_VERSION`], without the fields it does not know.
 fn kubelet_config(
+    address: &str,
     port: u16,
     healthz_port: u16,
     cgroup_root: &str,
@@ -729,10 +773,10 @@ fn kubelet_config(
     let mut config = serde_json::json!({
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
-        "address": "127.0.0.1",
+        "address": address,
         "port": port,
         "readOnlyPort": 0,
-        "healthzBindAddress": "127.0.0.1",
+        "healthzBindAddress": address,
         "healthzPort": healthz_port,
         // The API server (logs, exec) is the only client, on loopback.
         "authentication": {
@@ -833,7 +877,7 @@ say "images imported: $(tr '\n' ' ' <"$run/import.log")"
 
 # shellcheck disable=SC2086 # the extra flags are words
 "$XPU_NODE_KUBELET" --config="$run/kubelet.json" --kubeconfig="$XPU_NODE_KUBECONFIG" \
-  --hostname-override=127.0.0.1 --v=2 ${XPU_NODE_KUBELET_FLAGS:-} >"$run/kubelet.log" 2>&1 &
+  --hostname-override="$XPU_NODE_NAME" --v=2 ${XPU_NODE_KUBELET_FLAGS:-} >"$run/kubelet.log" 2>&1 &
 say "kubelet started"
 set +e
 wait -n
@@ -865,17 +909,29 @@ mod tests {
 
     #[test]
     fn configurations_name_the_run_directory_and_the_settings_this_machine_needs() {
-        let c = containerd_config(Path::new("/t/node-1"));
+        let c = containerd_config(Path::new("/t/node-1"), "127.0.0.3");
+        assert!(c.contains(r#"stream_server_address = "127.0.0.3""#), "{c}");
         assert!(c.contains(r#"cdi_spec_dirs = ["/t/node-1/cdi"]"#), "{c}");
         assert!(c.contains("restrict_oom_score_adj = true"), "{c}");
         assert!(c.contains("SystemdCgroup = false"), "{c}");
         assert!(c.contains(r#"sandbox = "xpu.test/pause:1""#), "{c}");
         let config = |old| {
-            let text = kubelet_config(10250, 10248, "xpu-node-1-0", Duration::from_secs(4), old);
+            let text = kubelet_config(
+                "127.0.0.3",
+                10250,
+                10248,
+                "xpu-node-1-0",
+                Duration::from_secs(4),
+                old,
+            );
             serde_json::from_str::<serde_json::Value>(&text).unwrap()
         };
         let k = config(false);
         assert_eq!(k["failCgroupV1"], false);
+        assert_eq!(
+            (&k["address"], &k["healthzBindAddress"]),
+            (&"127.0.0.3".into(), &"127.0.0.3".into())
+        );
         assert_eq!(k["containerRuntimeEndpoint"], RUNTIME_ENDPOINT);
         assert_eq!(k["cgroupRoot"], "/xpu-node-1-0");
         assert_eq!(k["nodeStatusUpdateFrequency"], "4000ms");

@@ -14,8 +14,6 @@
 
 mod k8s_support;
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -28,20 +26,11 @@ use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions, K8S_VERSION};
 use xpu_testkit::kubelet::{
     BUSYBOX_IMAGE, CONTAINERD_VERSION, NODE_NAME, Node, NodeOptions, OLD_KUBELET_VERSION,
 };
-use xpu_testkit::sysfs::{MAJOR_NVIDIA, MAJOR_NVIDIA_UVM};
 use xpu_testkit::{BuildOptions, HostSpec, hosts};
 
 use k8s_support::*;
 
 const GPU: &str = "nvidia.com/gpu";
-
-/// The 8×A100 host with its first four GPUs (and the NVSwitches, which are not GPUs).
-fn four_gpu_host() -> HostSpec {
-    let mut h = hosts::a100_8x();
-    h.name = "a100-4x".into();
-    h.devices.retain(|d| d.nvidia_minor.is_none_or(|m| m < 4));
-    h
-}
 
 /// `xpu k8s device-plugin`, killed on drop; its stderr goes to a file.
 struct Plugin {
@@ -68,18 +57,6 @@ fn quantity(node: &NodeObject, field: &str, resource: &str) -> Option<String> {
     Some(map.as_ref()?.get(resource)?.0.clone())
 }
 
-/// `c 195:3 rwm` lines as (type, major, minor) → access.
-fn device_rules(text: &str) -> BTreeMap<(String, String, String), String> {
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let kind = f.next()?.to_owned();
-            let (major, minor) = f.next()?.split_once(':')?;
-            Some(((kind, major.to_owned(), minor.to_owned()), f.next().unwrap_or("").to_owned()))
-        })
-        .collect()
-}
-
 async fn wait_for_quantity(
     nodes: &Api<NodeObject>,
     field: &str,
@@ -93,49 +70,6 @@ async fn wait_for_quantity(
     })
     .await;
     ok.then(|| start.elapsed())
-}
-
-/// The `/dev` nodes a container given GPUs `minors` of the fixture holds: those and the
-/// control nodes.
-fn gpu_nodes(minors: &[u32]) -> BTreeMap<String, (char, u32, u32)> {
-    let mut want: BTreeMap<String, (char, u32, u32)> =
-        minors.iter().map(|&m| (format!("/dev/nvidia{m}"), ('c', MAJOR_NVIDIA, m))).collect();
-    for (path, major, minor) in [
-        ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
-        ("/dev/nvidia-modeset", MAJOR_NVIDIA, 254),
-        ("/dev/nvidia-uvm", MAJOR_NVIDIA_UVM, 0),
-        ("/dev/nvidia-uvm-tools", MAJOR_NVIDIA_UVM, 1),
-    ] {
-        want.insert(path.to_owned(), ('c', major, minor));
-    }
-    want
-}
-
-/// `/dev`: exactly GPUs `minors` and the control nodes in `gpu`, none in `plain`; the device
-/// cgroup: what `gpu` may open beyond `plain` (same pod, same runtime defaults) is exactly those.
-fn assert_only_these_gpus(gpu: &ContainerView, plain: &ContainerView, minors: &[u32]) {
-    let want = gpu_nodes(minors);
-    assert_eq!(gpu.accel_nodes(), want, "the GPU container's /dev");
-    assert_eq!(plain.accel_nodes(), BTreeMap::new(), "the plain container's /dev");
-    if !Path::new("/sys/fs/cgroup/devices").is_dir() {
-        eprintln!("cgroup v2 host: the device cgroup is an eBPF program, not compared here");
-        return;
-    }
-    let g = device_rules(&gpu.extra);
-    let q = device_rules(&plain.extra);
-    assert!(!q.is_empty(), "the plain container's devices.list: {}", plain.extra);
-    let extra: BTreeSet<String> = g
-        .iter()
-        .filter(|(k, _)| !q.contains_key(*k))
-        .map(|((kind, major, minor), access)| {
-            assert!(access.contains("rw"), "{kind} {major}:{minor} {access}");
-            format!("{kind} {major}:{minor}")
-        })
-        .collect();
-    let expected: BTreeSet<String> =
-        want.values().map(|(k, ma, mi)| format!("{k} {ma}:{mi}")).collect();
-    assert_eq!(extra, expected, "devices.list beyond the plain container's");
-    assert!(q.keys().all(|k| g.contains_key(k)), "the GPU container lost a default device");
 }
 
 /// Runs pod `name` of two busybox containers printing their `/dev`, environment and

@@ -4,7 +4,7 @@
 //! ServiceAccount the manifests bind.
 #![allow(dead_code, clippy::unwrap_used, clippy::print_stderr)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::LazyLock;
@@ -15,7 +15,10 @@ use kube::Client;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::{Value, json};
+use xpu_testkit::bundle::ContainerView;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
+use xpu_testkit::sysfs::{MAJOR_NVIDIA, MAJOR_NVIDIA_UVM};
+use xpu_testkit::{HostSpec, hosts};
 
 /// Control planes are heavy on 2 cores: the tests of one binary take turns.
 pub static TURN: LazyLock<tokio::sync::Mutex<()>> = LazyLock::new(|| tokio::sync::Mutex::new(()));
@@ -392,4 +395,67 @@ pub fn kill(child: Option<Child>) {
         let _ = k.kill();
         let _ = k.wait();
     }
+}
+
+/// The 8×A100 host with its first four GPUs (and the NVSwitches, which are not GPUs).
+pub fn four_gpu_host() -> HostSpec {
+    let mut h = hosts::a100_8x();
+    h.name = "a100-4x".into();
+    h.devices.retain(|d| d.nvidia_minor.is_none_or(|m| m < 4));
+    h
+}
+
+/// `c 195:3 rwm` lines as (type, major, minor) → access.
+pub fn device_rules(text: &str) -> BTreeMap<(String, String, String), String> {
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let kind = f.next()?.to_owned();
+            let (major, minor) = f.next()?.split_once(':')?;
+            Some(((kind, major.to_owned(), minor.to_owned()), f.next().unwrap_or("").to_owned()))
+        })
+        .collect()
+}
+
+/// The `/dev` nodes a container given GPUs `minors` of the fixture holds: those and the
+/// control nodes.
+pub fn gpu_nodes(minors: &[u32]) -> BTreeMap<String, (char, u32, u32)> {
+    let mut want: BTreeMap<String, (char, u32, u32)> =
+        minors.iter().map(|&m| (format!("/dev/nvidia{m}"), ('c', MAJOR_NVIDIA, m))).collect();
+    for (path, major, minor) in [
+        ("/dev/nvidiactl", MAJOR_NVIDIA, 255),
+        ("/dev/nvidia-modeset", MAJOR_NVIDIA, 254),
+        ("/dev/nvidia-uvm", MAJOR_NVIDIA_UVM, 0),
+        ("/dev/nvidia-uvm-tools", MAJOR_NVIDIA_UVM, 1),
+    ] {
+        want.insert(path.to_owned(), ('c', major, minor));
+    }
+    want
+}
+
+/// `/dev`: exactly GPUs `minors` and the control nodes in `gpu`, none in `plain`; the device
+/// cgroup: what `gpu` may open beyond `plain` (same pod, same runtime defaults) is exactly those.
+pub fn assert_only_these_gpus(gpu: &ContainerView, plain: &ContainerView, minors: &[u32]) {
+    let want = gpu_nodes(minors);
+    assert_eq!(gpu.accel_nodes(), want, "the GPU container's /dev");
+    assert_eq!(plain.accel_nodes(), BTreeMap::new(), "the plain container's /dev");
+    if !Path::new("/sys/fs/cgroup/devices").is_dir() {
+        eprintln!("cgroup v2 host: the device cgroup is an eBPF program, not compared here");
+        return;
+    }
+    let g = device_rules(&gpu.extra);
+    let q = device_rules(&plain.extra);
+    assert!(!q.is_empty(), "the plain container's devices.list: {}", plain.extra);
+    let extra: BTreeSet<String> = g
+        .iter()
+        .filter(|(k, _)| !q.contains_key(*k))
+        .map(|((kind, major, minor), access)| {
+            assert!(access.contains("rw"), "{kind} {major}:{minor} {access}");
+            format!("{kind} {major}:{minor}")
+        })
+        .collect();
+    let expected: BTreeSet<String> =
+        want.values().map(|(k, ma, mi)| format!("{k} {ma}:{mi}")).collect();
+    assert_eq!(extra, expected, "devices.list beyond the plain container's");
+    assert!(q.keys().all(|k| g.contains_key(k)), "the GPU container lost a default device");
 }

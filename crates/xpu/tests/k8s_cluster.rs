@@ -1,0 +1,539 @@
+//! All of xpu together on several real nodes: one control plane (etcd, kube-apiserver,
+//! kube-controller-manager with the Job, node-lifecycle and taint-eviction controllers), `xpu k8s
+//! scheduler` as the cluster's scheduler (two replicas, leader election), and four real nodes
+//! (`xpu_testkit::kubelet::Node`: kubelet v1.37.2, containerd, runc, each in its own namespaces
+//! on its own loopback address), each with a fixture host and the node agents an admin runs:
+//! - `127.0.0.2` and `127.0.0.3`: four A100s each, `xpu k8s device-plugin` (whole GPUs) and
+//!   `xpu exporter` reading the kubelet's PodResources;
+//! - `127.0.0.4`: four A100s offered as shares (`xpu k8s device-plugin --share`);
+//! - `127.0.0.5`: no accelerator.
+//!
+//! Each GPU node carries the labels `xpu k8s nfd-features` writes for it (NVIDIA's GFD names
+//! among them) and the workloads select on `nvidia.com/gpu.product`. What runs, end to end:
+//! an Indexed Job gang of two 4-GPU pods (one per GPU node), two pods sharing one GPU, a CPU
+//! pod; each container's `/dev` and device cgroup hold exactly its devices, and the exporter
+//! labels each GPU's series with the pod that holds it. Then the failures: a GPU node dies (its
+//! kubelet and containerd killed), goes NotReady, its gang member is evicted and recreated by
+//! the Job controller and waits (nothing else has four free GPUs) until a new node joins, where
+//! xpu places it; the scheduler leader is killed and the standby binds what arrives.
+//!
+//! The node agents run as processes beside each node (as the single-node tests run them), not
+//! yet as the DaemonSet pods of `deploy/kubernetes`; see docs/kubernetes-node.md.
+//!
+//! Needs root and runc; the binaries come from scripts/install-k8s and scripts/install-node.
+
+#![allow(clippy::unwrap_used, clippy::print_stderr)]
+
+mod k8s_support;
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Node as NodeObject, Pod};
+use kube::api::{Api, ListParams, LogParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
+use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions, DEFAULT_CONTROLLERS, free_ports};
+use xpu_testkit::kubelet::{BUSYBOX_IMAGE, Node, NodeOptions};
+use xpu_testkit::{BuildOptions, Fixture};
+
+use k8s_support::*;
+
+const GPU: &str = "nvidia.com/gpu";
+const SHARE: &str = "xpu.dev/gpu-milli";
+/// How long a pod stays bound to an unreachable node before it is evicted.
+const TOLERATION_SECS: i64 = 2;
+
+/// One real node with its fixture and the xpu processes serving it.
+/// Fields drop in order: the agents, then the node, then the fixture they read.
+struct ClusterNode {
+    name: String,
+    agents: Vec<XpuProcess>,
+    /// Where its exporter serves `/metrics`, when it runs one.
+    metrics: Option<String>,
+    node: Node,
+    fx: Fixture,
+}
+
+impl ClusterNode {
+    fn logs(&self) -> String {
+        let mut out = format!("=== node {}\n{}", self.name, self.node.log_tails());
+        for a in &self.agents {
+            out += &format!("--- {}\n{}\n", a.log.display(), tail(&a.log_text(), 3000));
+        }
+        out
+    }
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let start = s.len().saturating_sub(n);
+    let start = (start..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(s.len());
+    &s[start..]
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    Whole,
+    Share,
+    Cpu,
+}
+
+/// Starts node `name` with the role's fixture and agents, and labels it as NFD would with what
+/// `xpu k8s nfd-features` found on its fixture.
+async fn start_node(
+    cp: &ControlPlane,
+    name: &str,
+    role: Role,
+    share_key: &std::path::Path,
+) -> ClusterNode {
+    let spec = four_gpu_host();
+    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let mut options = NodeOptions::default().named(name);
+    if role != Role::Cpu {
+        options = options.devices_of(fx.root());
+    }
+    let node = Node::start(cp, options).await.unwrap_or_else(|e| panic!("node {name}: {e}"));
+    let mut cn = ClusterNode { name: name.to_owned(), fx, node, agents: Vec::new(), metrics: None };
+    if role == Role::Cpu {
+        return cn;
+    }
+    let xpu = env!("CARGO_BIN_EXE_xpu");
+    let out = std::process::Command::new(xpu)
+        .args(["cdi", "generate", "--vendor", "nvidia", "--root"])
+        .arg(cn.fx.root())
+        .arg("--output")
+        .arg(cn.node.cdi_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "xpu cdi generate: {}", String::from_utf8_lossy(&out.stderr));
+
+    // The node's labels, as NFD's master writes them from the feature file.
+    let out = std::process::Command::new(xpu)
+        .args(["k8s", "nfd-features", "--output", "-", "--root"])
+        .arg(cn.fx.root())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "nfd-features: {}", String::from_utf8_lossy(&out.stderr));
+    let labels: BTreeMap<String, String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    let nodes: Api<NodeObject> = Api::all(cp.admin_client());
+    let patch = json!({ "metadata": { "labels": labels } });
+    nodes.patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+
+    let agent_kc = cp.service_account_kubeconfig("xpu-system", "xpu-node-agent").await.unwrap();
+    let mut args: Vec<OsString> =
+        vec!["k8s".into(), "device-plugin".into(), "--interval-ms".into(), "200".into()];
+    args.extend(["--root".into(), cn.fx.root().into()]);
+    args.extend(["--plugin-dir".into(), cn.node.device_plugin_dir().into()]);
+    if role == Role::Share {
+        args.extend(["--share".into(), "--node-name".into(), name.into()]);
+        args.extend([
+            "--share-key".into(),
+            share_key.into(),
+            "--kubeconfig".into(),
+            agent_kc.into(),
+        ]);
+    }
+    cn.agents.push(XpuProcess::spawn(cp, &format!("device-plugin-{name}"), &args));
+    if role == Role::Whole {
+        let [port] = free_ports().unwrap();
+        let listen = format!("127.0.0.1:{port}");
+        let socket = cn.node.var_lib().join("kubelet/pod-resources/kubelet.sock");
+        let args: Vec<OsString> = vec![
+            "exporter".into(),
+            "--root".into(),
+            cn.fx.root().into(),
+            "--listen".into(),
+            listen.clone().into(),
+            "--interval".into(),
+            "500ms".into(),
+            "--pod-resources".into(),
+            socket.into(),
+        ];
+        cn.agents.push(XpuProcess::spawn(cp, &format!("exporter-{name}"), &args));
+        cn.metrics = Some(listen);
+    }
+    let resource = if role == Role::Share { SHARE } else { GPU };
+    // The API server writes 4000 in its canonical form.
+    let want = if role == Role::Share { "4k" } else { "4" };
+    let limit = Duration::from_secs(60);
+    let offered = wait_until(limit, || async {
+        let n = nodes.get(name).await.unwrap();
+        let alloc = n.status.and_then(|s| s.allocatable).unwrap_or_default();
+        alloc.get(resource).is_some_and(|q| q.0 == want)
+    })
+    .await;
+    assert!(offered, "node {name} allocatable {resource}={want} within {limit:?}\n{}", cn.logs());
+    cn
+}
+
+/// A pod (or pod template) running the probe in container `gpu` (with `resources`), then
+/// sleeping; and a plain container beside it.
+fn probe_template(labels: Value, resources: Value) -> Value {
+    let probe = format!(
+        "{}; echo probe-done; sleep 3600",
+        probe_script("cat /sys/fs/cgroup/devices/devices.list")
+    );
+    let container = |name: &str, resources: Value| {
+        json!({
+            "name": name, "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+            "command": ["sh", "-c", probe], "resources": resources,
+        })
+    };
+    let toleration = |key: &str| {
+        json!({ "key": key, "operator": "Exists", "effect": "NoExecute",
+                "tolerationSeconds": TOLERATION_SECS })
+    };
+    json!({
+        "metadata": { "labels": labels },
+        "spec": {
+            "schedulerName": "xpu",
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "terminationGracePeriodSeconds": 1,
+            "tolerations": [
+                toleration("node.kubernetes.io/unreachable"),
+                toleration("node.kubernetes.io/not-ready"),
+            ],
+            "containers": [container("gpu", resources), container("plain", json!({}))],
+        },
+    })
+}
+
+/// What the pod's two containers printed, once both have run their probe.
+async fn views(
+    pods: &Api<Pod>,
+    name: &str,
+    diag: &dyn Fn() -> String,
+) -> (ContainerView, ContainerView) {
+    let mut out = Vec::new();
+    for c in ["gpu", "plain"] {
+        let lp = LogParams { container: Some(c.to_owned()), ..LogParams::default() };
+        let done = wait_until(Duration::from_secs(90), || async {
+            pods.logs(name, &lp).await.is_ok_and(|l| l.contains("probe-done"))
+        })
+        .await;
+        let p = pods.get(name).await.unwrap();
+        assert!(done, "pod {name} container {c} ran its probe\n{}\n{}", status(&p), diag());
+        let text = pods.logs(name, &lp).await.unwrap();
+        out.push(ContainerView::parse(&text));
+    }
+    let plain = out.pop().unwrap();
+    (out.pop().unwrap(), plain)
+}
+
+fn status(p: &Pod) -> String {
+    serde_json::to_string_pretty(&p.status).unwrap()
+}
+
+/// The GPU minors a container was given, from the `/dev/nvidiaN` nodes it sees.
+fn minors(v: &ContainerView) -> Vec<u32> {
+    v.accel_nodes().keys().filter_map(|p| p.strip_prefix("/dev/nvidia")?.parse().ok()).collect()
+}
+
+/// `GET /metrics` from `addr`.
+fn scrape(addr: &str) -> String {
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return String::new() };
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let req = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).is_err() {
+        return String::new();
+    }
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text); // a short read leaves the test's wait to retry
+    text
+}
+
+/// Pods of the cluster as `name → (node, phase, deleting)`, for failure messages.
+async fn placements(pods: &Api<Pod>) -> String {
+    let mut out = String::new();
+    for p in pods.list(&ListParams::default()).await.unwrap().items {
+        let phase = p.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_default();
+        let why = p
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "PodScheduled" && c.status == "False"))
+            .and_then(|c| c.message.clone())
+            .unwrap_or_default();
+        out += &format!(
+            "  {} on {:?} {phase}{} {why}\n",
+            p.metadata.name.as_deref().unwrap_or(""),
+            node_of(&p),
+            if p.metadata.deletion_timestamp.is_some() { " (deleting)" } else { "" },
+        );
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_real_nodes_run_a_gang_shares_and_a_cpu_pod_and_survive_a_node_and_a_leader_dying_needs_root_and_runc()
+ {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let started = Instant::now();
+    let mut controllers: Vec<String> =
+        DEFAULT_CONTROLLERS.iter().map(ToString::to_string).collect();
+    controllers.extend(["node-lifecycle-controller".into(), "taint-eviction-controller".into()]);
+    let cp = plane(
+        ControlPlaneOptions::default()
+            .with_controller_manager()
+            .controllers(controllers)
+            .controller_manager_flag("--node-monitor-period=1s")
+            .controller_manager_flag("--node-monitor-grace-period=16s"),
+    )
+    .await;
+    let admin = cp.admin_client();
+    let kubeconfig = install_scheduler_rbac(&cp).await;
+    let key = cp.dir().join("share.key");
+    std::fs::write(&key, (0..32u8).map(|i| i.wrapping_mul(29) ^ 0xa5).collect::<Vec<u8>>())
+        .unwrap();
+    let key_arg = key.to_str().unwrap().to_owned();
+    let replica = |n: &str| {
+        let extra = [
+            "--share-key",
+            key_arg.as_str(),
+            "--leader-elect",
+            "--leader-elect-resource-namespace=xpu-system",
+            "--leader-elect-lease-duration=8",
+            "--leader-elect-renew-deadline=5",
+            "--leader-elect-retry-period=1",
+        ];
+        XpuScheduler::start(&cp, &kubeconfig, n, &extra)
+    };
+    let mut schedulers = vec![replica("a"), replica("b")];
+
+    let (a, b, s, c) = tokio::join!(
+        start_node(&cp, "127.0.0.2", Role::Whole, &key),
+        start_node(&cp, "127.0.0.3", Role::Whole, &key),
+        start_node(&cp, "127.0.0.4", Role::Share, &key),
+        start_node(&cp, "127.0.0.5", Role::Cpu, &key),
+    );
+    let mut nodes = vec![a, b, s, c];
+    eprintln!("four nodes Ready with their agents {:.1?} after the start", started.elapsed());
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let logs = |nodes: &[ClusterNode], schedulers: &[XpuScheduler]| {
+        let mut out = String::new();
+        for n in nodes {
+            out += &n.logs();
+        }
+        for s in schedulers {
+            out += &format!("--- {}\n{}\n", s.log.display(), tail(&s.log_text(), 4000));
+        }
+        out
+    };
+
+    // 1. An Indexed Job gang: two pods of four GPUs, selecting A100 nodes by GFD's label.
+    let product = "NVIDIA-A100-SXM4-40GB";
+    let mut template = probe_template(
+        json!({ "xpu.dev/gang": "train", "xpu.dev/gang-size": "2" }),
+        json!({ "limits": { GPU: "4" } }),
+    );
+    template["spec"]["nodeSelector"] = json!({ "nvidia.com/gpu.product": product });
+    let job: Job = serde_json::from_value(json!({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": { "name": "train" },
+        "spec": {
+            "completions": 2, "parallelism": 2, "completionMode": "Indexed",
+            "backoffLimit": 6, "template": template,
+        },
+    }))
+    .unwrap();
+    Api::<Job>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &job)
+        .await
+        .unwrap();
+
+    // 2. Two pods of half a GPU each, and 3. a pod with no device.
+    for name in ["half-0", "half-1"] {
+        let mut p = probe_template(json!({}), json!({ "limits": { SHARE: "500" } }));
+        p["metadata"]["name"] = json!(name);
+        pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    }
+    let mut p = probe_template(json!({}), json!({}));
+    p["metadata"]["name"] = json!("cpu");
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+
+    let running = |names: &'static [&'static str]| {
+        let pods = pods.clone();
+        async move {
+            let all = pods.list(&ListParams::default()).await.unwrap().items;
+            let gang = all
+                .iter()
+                .filter(|p| {
+                    p.metadata.labels.as_ref().is_some_and(|l| l.contains_key("xpu.dev/gang"))
+                })
+                .filter(|p| p.metadata.deletion_timestamp.is_none())
+                .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+                .count();
+            let named = names.iter().all(|n| {
+                all.iter().any(|p| {
+                    p.metadata.name.as_deref() == Some(n)
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                })
+            });
+            gang == 2 && named
+        }
+    };
+    let ok = wait_until(Duration::from_secs(120), || running(&["half-0", "half-1", "cpu"])).await;
+    assert!(
+        ok,
+        "every workload running\n{}\n{}",
+        placements(&pods).await,
+        logs(&nodes, &schedulers)
+    );
+    eprintln!(
+        "workloads running {:.1?} after the start:\n{}",
+        started.elapsed(),
+        placements(&pods).await
+    );
+    let diag = || String::new();
+
+    // The gang: one member per whole-GPU node, each with exactly the node's four GPUs.
+    let all = pods.list(&ListParams::default()).await.unwrap().items;
+    let mut gang: Vec<&Pod> = all
+        .iter()
+        .filter(|p| p.metadata.labels.as_ref().is_some_and(|l| l.contains_key("xpu.dev/gang")))
+        .collect();
+    gang.sort_by_key(|p| node_of(p).map(str::to_owned));
+    let gang_nodes: Vec<&str> = gang.iter().filter_map(|p| node_of(p)).collect();
+    assert_eq!(gang_nodes, ["127.0.0.2", "127.0.0.3"], "{}", placements(&pods).await);
+    for p in &gang {
+        let name = p.metadata.name.as_deref().unwrap();
+        let (gpu, plain) = views(&pods, name, &diag).await;
+        assert_only_these_gpus(&gpu, &plain, &[0, 1, 2, 3]);
+    }
+    // The shares: both on the share node, on one GPU, each seeing only that GPU.
+    let mut share_gpu = Vec::new();
+    for name in ["half-0", "half-1"] {
+        let p = pods.get(name).await.unwrap();
+        assert_eq!(node_of(&p), Some("127.0.0.4"), "{}", placements(&pods).await);
+        let chosen = p.metadata.annotations.as_ref().and_then(|a| a.get("xpu.dev/gpus")).cloned();
+        let (gpu, plain) = views(&pods, name, &diag).await;
+        let seen = minors(&gpu);
+        assert_eq!(seen.len(), 1, "{name} sees one GPU: {:?}", gpu.accel_nodes());
+        assert_eq!(
+            chosen,
+            Some(seen[0].to_string()),
+            "{name}: the GPU xpu chose is the one it sees"
+        );
+        assert_only_these_gpus(&gpu, &plain, &seen);
+        share_gpu.push(seen[0]);
+    }
+    assert_eq!(share_gpu[0], share_gpu[1], "two halves of one GPU");
+    // The CPU pod sees no accelerator.
+    let (cpu, _) = views(&pods, "cpu", &diag).await;
+    assert_eq!(cpu.accel_nodes(), BTreeMap::new(), "the CPU pod's /dev");
+
+    // The exporters label each GPU's series with the gang member that holds it.
+    for (node, member) in nodes[..2].iter().zip(&gang) {
+        let addr = node.metrics.clone().unwrap();
+        let member = member.metadata.name.clone().unwrap();
+        let want = format!("pod=\"{member}\"");
+        let mut last = String::new();
+        let labelled = wait_until(Duration::from_secs(30), || {
+            let text = scrape(&addr);
+            let hit = text
+                .lines()
+                .filter(|l| l.starts_with("xpu_device_info") && l.contains(&want))
+                .count();
+            last = text;
+            async move { hit == 4 }
+        })
+        .await;
+        assert!(
+            labelled,
+            "{addr}: four devices held by {member}\n{}\n{}",
+            tail(&last, 3000),
+            node.logs()
+        );
+    }
+
+    // 4. A GPU node dies: its gang member is evicted and recreated, and waits for room.
+    let dead = nodes.remove(1);
+    let victim = gang[1].metadata.name.clone().unwrap();
+    let died = Instant::now();
+    drop(dead);
+    let node_api: Api<NodeObject> = Api::all(admin.clone());
+    let not_ready = wait_until(Duration::from_secs(60), || async {
+        let n = node_api.get("127.0.0.3").await.unwrap();
+        let ready = n.status.and_then(|s| s.conditions).unwrap_or_default();
+        ready.iter().any(|c| c.type_ == "Ready" && c.status != "True")
+    })
+    .await;
+    assert!(not_ready, "node 127.0.0.3 NotReady after its kubelet died");
+    eprintln!("127.0.0.3 NotReady {:.1?} after it died", died.elapsed());
+    let replaced = wait_until(Duration::from_secs(60), || async {
+        let all = pods.list(&ListParams::default()).await.unwrap().items;
+        let evicted = all
+            .iter()
+            .find(|p| p.metadata.name.as_deref() == Some(victim.as_str()))
+            .is_none_or(|p| p.metadata.deletion_timestamp.is_some());
+        let fresh = all.iter().any(|p| {
+            p.metadata.labels.as_ref().is_some_and(|l| l.contains_key("xpu.dev/gang"))
+                && p.metadata.deletion_timestamp.is_none()
+                && node_of(p).is_none()
+        });
+        evicted && fresh
+    })
+    .await;
+    assert!(replaced, "{victim} evicted and recreated\n{}", placements(&pods).await);
+    eprintln!("{victim} evicted and recreated {:.1?} after its node died", died.elapsed());
+    // Nothing has four free GPUs: the member waits (never half a gang member on the share node).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let all = pods.list(&ListParams::default()).await.unwrap().items;
+    let waiting: Vec<&Pod> = all
+        .iter()
+        .filter(|p| p.metadata.labels.as_ref().is_some_and(|l| l.contains_key("xpu.dev/gang")))
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && node_of(p).is_none())
+        .collect();
+    assert_eq!(waiting.len(), 1, "one member waits\n{}", placements(&pods).await);
+    let replacement = waiting[0].metadata.name.clone().unwrap();
+
+    // A new node joins: the member goes there and sees its four GPUs.
+    let fresh = start_node(&cp, "127.0.0.6", Role::Whole, &key).await;
+    nodes.push(fresh);
+    let placed = wait_until(Duration::from_secs(90), || async {
+        let p = pods.get(&replacement).await.unwrap();
+        node_of(&p) == Some("127.0.0.6")
+            && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+    })
+    .await;
+    assert!(
+        placed,
+        "{replacement} on the new node\n{}\n{}",
+        placements(&pods).await,
+        logs(&nodes, &schedulers)
+    );
+    let (gpu, plain) = views(&pods, &replacement, &diag).await;
+    assert_only_these_gpus(&gpu, &plain, &[0, 1, 2, 3]);
+    eprintln!("{replacement} running on 127.0.0.6 {:.1?} after 127.0.0.3 died", died.elapsed());
+
+    // 5. The leader dies: the standby binds what arrives.
+    let leader = schedulers
+        .iter()
+        .position(|s| s.log_text().contains("bound"))
+        .unwrap_or_else(|| panic!("a replica bound the pods\n{}", logs(&nodes, &schedulers)));
+    schedulers[leader].kill9();
+    let killed = Instant::now();
+    let mut p = probe_template(json!({}), json!({}));
+    p["metadata"]["name"] = json!("after-failover");
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    let bound = wait_until(Duration::from_secs(60), || async {
+        node_of(&pods.get("after-failover").await.unwrap()).is_some()
+    })
+    .await;
+    assert!(bound, "the standby binds after the leader died\n{}", logs(&nodes, &schedulers));
+    eprintln!("a pod bound {:.1?} after the leader was killed", killed.elapsed());
+    eprintln!("the whole cluster test took {:.1?}", started.elapsed());
+}
