@@ -1,18 +1,23 @@
 //! All of xpu together on several real nodes: one control plane (etcd, kube-apiserver,
 //! kube-controller-manager with the Job, node-lifecycle and taint-eviction controllers), `xpu k8s
-//! scheduler` as the cluster's scheduler (two replicas, leader election), and four real nodes
+//! scheduler` as the cluster's scheduler (two replicas, leader election), and seven real nodes
 //! (`xpu_testkit::kubelet::Node`: kubelet v1.37.2, containerd, runc, each in its own namespaces
 //! on its own loopback address), each with a fixture host and the node agents an admin runs:
 //! - `127.0.0.2` and `127.0.0.3`: four A100s each, `xpu k8s device-plugin` (whole GPUs) and
 //!   `xpu exporter` reading the kubelet's PodResources;
 //! - `127.0.0.4`: four A100s offered as shares (`xpu k8s device-plugin --share`);
-//! - `127.0.0.5`: no accelerator.
+//! - `127.0.0.5`: no accelerator;
+//! - `127.0.0.7` and `127.0.0.8`: the two TPU v5p hosts of one 2x2x2 slice (GKE's node pool
+//!   labels), the device plugin serving `google.com/tpu`;
+//! - `127.0.0.9`: four A100s behind `xpu k8s dra-driver`.
 //!
-//! Each GPU node carries the labels `xpu k8s nfd-features` writes for it (NVIDIA's GFD names
-//! among them) and the workloads select on `nvidia.com/gpu.product`. What runs, end to end:
-//! an Indexed Job gang of two 4-GPU pods (one per GPU node), two pods sharing one GPU, a CPU
-//! pod; each container's `/dev` and device cgroup hold exactly its devices, and the exporter
-//! labels each GPU's series with the pod that holds it. Then the failures: a GPU node dies (its
+//! Each accelerator node carries the labels `xpu k8s nfd-features` writes for it (NVIDIA's GFD
+//! names among them) and the GPU gang selects on `nvidia.com/gpu.product`. What runs, end to
+//! end: an Indexed Job gang of two 4-GPU pods (one per GPU node), two pods sharing one GPU, a
+//! CPU pod, the GKE seed's two-host TPU Job (each pod its host's four chips and its worker id),
+//! a DRA claim for two GPUs of one NVLink domain; each container's `/dev` and device cgroup
+//! hold exactly its devices, and the exporter labels each GPU's series with the pod that holds
+//! it. Then the failures: a GPU node dies (its
 //! kubelet and containerd killed), goes NotReady, its gang member is evicted and recreated by
 //! the Job controller and waits (nothing else has four free GPUs) until a new node joins, where
 //! xpu places it; the scheduler leader is killed and the standby binds what arrives.
@@ -33,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node as NodeObject, Pod};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, LogParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
@@ -44,6 +50,7 @@ use k8s_support::*;
 
 const GPU: &str = "nvidia.com/gpu";
 const SHARE: &str = "xpu.dev/gpu-milli";
+const TPU: &str = "google.com/tpu";
 /// How long a pod stays bound to an unreachable node before it is evicted.
 const TOLERATION_SECS: i64 = 2;
 
@@ -76,10 +83,24 @@ fn tail(s: &str, n: usize) -> &str {
 
 #[derive(Clone, Copy, PartialEq)]
 enum Role {
+    /// Four A100s, the device plugin (whole GPUs) and the exporter.
     Whole,
+    /// Four A100s offered as `xpu.dev/gpu-milli` shares.
     Share,
+    /// Four A100s behind the DRA driver (no device plugin).
+    Dra,
+    /// A TPU v5p host (four chips) of one 2x2x2 slice, in GKE's node pool labels.
+    Tpu,
+    /// No accelerator.
     Cpu,
 }
+
+/// GKE's labels for a host of the two-host v5p slice `tpu-pool`.
+const TPU_LABELS: [(&str, &str); 3] = [
+    ("cloud.google.com/gke-tpu-accelerator", "tpu-v5p-slice"),
+    ("cloud.google.com/gke-tpu-topology", "2x2x2"),
+    ("cloud.google.com/gke-nodepool", "tpu-pool"),
+];
 
 /// Starts node `name` with the role's fixture and agents, and labels it as NFD would with what
 /// `xpu k8s nfd-features` found on its fixture.
@@ -89,7 +110,7 @@ async fn start_node(
     role: Role,
     share_key: &std::path::Path,
 ) -> ClusterNode {
-    let spec = four_gpu_host();
+    let spec = if role == Role::Tpu { xpu_testkit::hosts::tpu_v5p() } else { four_gpu_host() };
     let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
     let mut options = NodeOptions::default().named(name);
     if role != Role::Cpu {
@@ -101,8 +122,9 @@ async fn start_node(
         return cn;
     }
     let xpu = env!("CARGO_BIN_EXE_xpu");
+    let vendor = if role == Role::Tpu { "google" } else { "nvidia" };
     let out = std::process::Command::new(xpu)
-        .args(["cdi", "generate", "--vendor", "nvidia", "--root"])
+        .args(["cdi", "generate", "--vendor", vendor, "--root"])
         .arg(cn.fx.root())
         .arg("--output")
         .arg(cn.node.cdi_dir())
@@ -117,16 +139,54 @@ async fn start_node(
         .output()
         .unwrap();
     assert!(out.status.success(), "nfd-features: {}", String::from_utf8_lossy(&out.stderr));
-    let labels: BTreeMap<String, String> = String::from_utf8_lossy(&out.stdout)
+    let mut labels: BTreeMap<String, String> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
+    if role == Role::Tpu {
+        // What GKE writes on a TPU node pool's nodes (not a discovery label).
+        labels.extend(TPU_LABELS.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    }
     let nodes: Api<NodeObject> = Api::all(cp.admin_client());
     let patch = json!({ "metadata": { "labels": labels } });
     nodes.patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
 
+    if role == Role::Dra {
+        // deploy/kubernetes lets the driver's ServiceAccount write slices only with a pod's
+        // token, which names its node; a driver run beside the node has none, so it runs as the
+        // admin (as the single-node test's does).
+        let kc = cp.admin_kubeconfig().to_owned();
+        let args: Vec<OsString> = vec![
+            "k8s".into(),
+            "dra-driver".into(),
+            "--node-name".into(),
+            name.into(),
+            "--interval-ms".into(),
+            "200".into(),
+            "--root".into(),
+            cn.fx.root().into(),
+            "--kubeconfig".into(),
+            kc.into(),
+            "--plugin-dir".into(),
+            cn.node.plugins_dir().into(),
+            "--registry-dir".into(),
+            cn.node.plugins_registry_dir().into(),
+            "--cdi-dir".into(),
+            cn.node.cdi_dir().into(),
+        ];
+        cn.agents.push(XpuProcess::spawn(cp, &format!("dra-driver-{name}"), &args));
+        let slices: Api<ResourceSlice> = Api::all(cp.admin_client());
+        let lp = ListParams::default().fields(&format!("spec.nodeName={name},spec.driver=xpu.dev"));
+        let published = wait_until(Duration::from_secs(60), || async {
+            let s = slices.list(&lp).await.unwrap().items;
+            s.iter().flat_map(|s| s.spec.devices.iter().flatten()).count() == 4
+        })
+        .await;
+        assert!(published, "node {name}: four GPUs in its ResourceSlices\n{}", cn.logs());
+        return cn;
+    }
     let agent_kc = cp.service_account_kubeconfig("xpu-system", "xpu-node-agent").await.unwrap();
     let mut args: Vec<OsString> =
         vec!["k8s".into(), "device-plugin".into(), "--interval-ms".into(), "200".into()];
@@ -160,7 +220,11 @@ async fn start_node(
         cn.agents.push(XpuProcess::spawn(cp, &format!("exporter-{name}"), &args));
         cn.metrics = Some(listen);
     }
-    let resource = if role == Role::Share { SHARE } else { GPU };
+    let resource = match role {
+        Role::Share => SHARE,
+        Role::Tpu => TPU,
+        _ => GPU,
+    };
     // The API server writes 4000 in its canonical form.
     let want = if role == Role::Share { "4k" } else { "4" };
     let limit = Duration::from_secs(60);
@@ -239,6 +303,11 @@ fn minors(v: &ContainerView) -> Vec<u32> {
     v.accel_nodes().keys().filter_map(|p| p.strip_prefix("/dev/nvidia")?.parse().ok()).collect()
 }
 
+/// The Job that controls a pod.
+fn job_of(p: &Pod) -> Option<&str> {
+    p.metadata.labels.as_ref()?.get("batch.kubernetes.io/job-name").map(String::as_str)
+}
+
 /// `GET /metrics` from `addr`.
 fn scrape(addr: &str) -> String {
     let Ok(mut s) = std::net::TcpStream::connect(addr) else { return String::new() };
@@ -275,7 +344,7 @@ async fn placements(pods: &Api<Pod>) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn four_real_nodes_run_a_gang_shares_and_a_cpu_pod_and_survive_a_node_and_a_leader_dying_needs_root_and_runc()
+async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leader_dying_needs_root_and_runc()
  {
     if skip_container_tests() {
         return;
@@ -319,8 +388,13 @@ async fn four_real_nodes_run_a_gang_shares_and_a_cpu_pod_and_survive_a_node_and_
         start_node(&cp, "127.0.0.4", Role::Share, &key),
         start_node(&cp, "127.0.0.5", Role::Cpu, &key),
     );
-    let mut nodes = vec![a, b, s, c];
-    eprintln!("four nodes Ready with their agents {:.1?} after the start", started.elapsed());
+    let (t0, t1, d) = tokio::join!(
+        start_node(&cp, "127.0.0.7", Role::Tpu, &key),
+        start_node(&cp, "127.0.0.8", Role::Tpu, &key),
+        start_node(&cp, "127.0.0.9", Role::Dra, &key),
+    );
+    let mut nodes = vec![a, b, s, c, t0, t1, d];
+    eprintln!("seven nodes Ready with their agents {:.1?} after the start", started.elapsed());
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
     let logs = |nodes: &[ClusterNode], schedulers: &[XpuScheduler]| {
         let mut out = String::new();
@@ -364,28 +438,76 @@ async fn four_real_nodes_run_a_gang_shares_and_a_cpu_pod_and_survive_a_node_and_
     p["metadata"]["name"] = json!("cpu");
     pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
 
+    // 4. The GKE seed's multi-host TPU Job: two pods of four chips on the 2x2x2 slice, with the
+    // TPU worker environment a JAX job reads (GKE's webhook writes it there; here the Job does,
+    // from its completion index and the headless Service's names). Not privileged, unlike the
+    // seed's: xpu gives the chips without it.
+    let mut template = probe_template(json!({}), json!({ "limits": { TPU: "4" } }));
+    template["spec"]["subdomain"] = json!("headless-svc");
+    let selector: serde_json::Map<String, Value> =
+        TPU_LABELS[..2].iter().map(|(k, v)| ((*k).to_owned(), json!(v))).collect();
+    template["spec"]["nodeSelector"] = Value::Object(selector);
+    template["spec"]["containers"][0]["env"] = json!([
+        { "name": "TPU_WORKER_ID", "valueFrom": { "fieldRef": {
+            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']" } } },
+        { "name": "TPU_WORKER_HOSTNAMES", "value": "job-1-0.headless-svc,job-1-1.headless-svc" },
+    ]);
+    let job: Job = serde_json::from_value(json!({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": { "name": "job-1" },
+        "spec": {
+            "completions": 2, "parallelism": 2, "completionMode": "Indexed",
+            "backoffLimit": 0, "template": template,
+        },
+    }))
+    .unwrap();
+    Api::<Job>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &job)
+        .await
+        .unwrap();
+
+    // 5. A DRA claim for two GPUs of one NVLink domain.
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": { "name": "nvlink-pair" },
+        "spec": { "devices": {
+            "requests": [{ "name": "gpus", "exactly": { "deviceClassName": "gpu.xpu.dev", "count": 2 } }],
+            "constraints": [{ "matchAttribute": "xpu.dev/interconnectDomain" }],
+        } },
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap();
+    let mut p = probe_template(json!({}), json!({ "claims": [{ "name": "gpus" }] }));
+    p["metadata"]["name"] = json!("claimed");
+    p["spec"]["resourceClaims"] = json!([{ "name": "gpus", "resourceClaimName": "nvlink-pair" }]);
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+
     let running = |names: &'static [&'static str]| {
         let pods = pods.clone();
         async move {
             let all = pods.list(&ListParams::default()).await.unwrap().items;
-            let gang = all
-                .iter()
-                .filter(|p| {
-                    p.metadata.labels.as_ref().is_some_and(|l| l.contains_key("xpu.dev/gang"))
-                })
-                .filter(|p| p.metadata.deletion_timestamp.is_none())
-                .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
-                .count();
+            let running = |job: &str| {
+                all.iter()
+                    .filter(|p| job_of(p) == Some(job))
+                    .filter(|p| p.metadata.deletion_timestamp.is_none())
+                    .filter(|p| {
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                    })
+                    .count()
+            };
             let named = names.iter().all(|n| {
                 all.iter().any(|p| {
                     p.metadata.name.as_deref() == Some(n)
                         && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
                 })
             });
-            gang == 2 && named
+            running("train") == 2 && running("job-1") == 2 && named
         }
     };
-    let ok = wait_until(Duration::from_secs(120), || running(&["half-0", "half-1", "cpu"])).await;
+    let ok =
+        wait_until(Duration::from_secs(120), || running(&["half-0", "half-1", "cpu", "claimed"]))
+            .await;
     assert!(
         ok,
         "every workload running\n{}\n{}",
@@ -434,6 +556,60 @@ async fn four_real_nodes_run_a_gang_shares_and_a_cpu_pod_and_survive_a_node_and_
     // The CPU pod sees no accelerator.
     let (cpu, _) = views(&pods, "cpu", &diag).await;
     assert_eq!(cpu.accel_nodes(), BTreeMap::new(), "the CPU pod's /dev");
+    // The TPU slice: one pod per host of the pool, each with the host's four chips (their vfio
+    // groups and the container node) and its worker id.
+    let mut tpu: Vec<Pod> = all.iter().filter(|p| job_of(p) == Some("job-1")).cloned().collect();
+    tpu.sort_by_key(|p| node_of(p).map(str::to_owned));
+    let tpu_nodes: Vec<&str> = tpu.iter().filter_map(|p| node_of(p)).collect();
+    assert_eq!(tpu_nodes, ["127.0.0.7", "127.0.0.8"], "{}", placements(&pods).await);
+    let mut ids = Vec::new();
+    for p in &tpu {
+        let name = p.metadata.name.as_deref().unwrap();
+        let (chips, plain) = views(&pods, name, &diag).await;
+        let paths: Vec<String> = chips.accel_nodes().into_keys().collect();
+        assert_eq!(
+            paths,
+            ["/dev/vfio/0", "/dev/vfio/1", "/dev/vfio/2", "/dev/vfio/3", "/dev/vfio/vfio"],
+            "{name}: its four chips"
+        );
+        assert_eq!(plain.accel_nodes(), BTreeMap::new(), "{name}: the plain container");
+        let annotations = p.metadata.annotations.clone().unwrap_or_default();
+        let index = annotations["batch.kubernetes.io/job-completion-index"].clone();
+        assert_eq!(chips.env.get("TPU_WORKER_ID"), Some(&index), "{name}");
+        assert_eq!(
+            chips.env.get("TPU_WORKER_HOSTNAMES").map(String::as_str),
+            Some("job-1-0.headless-svc,job-1-1.headless-svc")
+        );
+        ids.push(index);
+    }
+    ids.sort();
+    assert_eq!(ids, ["0", "1"]);
+    // The claim: two GPUs of the DRA node, of one NVLink domain, and nothing else.
+    let claimed = pods.get("claimed").await.unwrap();
+    assert_eq!(node_of(&claimed), Some("127.0.0.9"), "{}", placements(&pods).await);
+    let (gpu, plain) = views(&pods, "claimed", &diag).await;
+    let seen = minors(&gpu);
+    assert_eq!(seen.len(), 2, "two GPUs: {:?}", gpu.accel_nodes());
+    assert_only_these_gpus(&gpu, &plain, &seen);
+    let alloc = claims.get("nvlink-pair").await.unwrap().status.unwrap().allocation.unwrap();
+    let results = alloc.devices.unwrap().results.unwrap();
+    let published =
+        Api::<ResourceSlice>::all(admin.clone()).list(&ListParams::default()).await.unwrap().items;
+    let domains: std::collections::BTreeSet<Option<String>> = results
+        .iter()
+        .map(|r| {
+            assert_eq!(r.pool, "127.0.0.9");
+            published
+                .iter()
+                .filter(|s| s.spec.pool.name == r.pool)
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .find(|d| d.name == r.device)
+                .and_then(|d| d.attributes.as_ref()?.get("interconnectDomain")?.string.clone())
+        })
+        .collect();
+    assert_eq!(results.len(), 2);
+    assert_eq!(domains.len(), 1, "one NVLink domain: {domains:?}");
+    assert!(domains.iter().all(Option::is_some), "devices with a domain: {domains:?}");
 
     // The exporters label each GPU's series with the gang member that holds it.
     for (node, member) in nodes[..2].iter().zip(&gang) {
