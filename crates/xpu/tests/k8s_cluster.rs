@@ -44,7 +44,7 @@ use serde_json::{Value, json};
 use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions, DEFAULT_CONTROLLERS, free_ports};
 use xpu_testkit::kubelet::{BUSYBOX_IMAGE, Node, NodeOptions};
-use xpu_testkit::{BuildOptions, Fixture};
+use xpu_testkit::{BuildOptions, Fixture, HostSpec};
 
 use k8s_support::*;
 
@@ -63,6 +63,7 @@ struct ClusterNode {
     metrics: Option<String>,
     node: Node,
     fx: Fixture,
+    spec: HostSpec,
 }
 
 impl ClusterNode {
@@ -117,7 +118,8 @@ async fn start_node(
         options = options.devices_of(fx.root());
     }
     let node = Node::start(cp, options).await.unwrap_or_else(|e| panic!("node {name}: {e}"));
-    let mut cn = ClusterNode { name: name.to_owned(), fx, node, agents: Vec::new(), metrics: None };
+    let mut cn =
+        ClusterNode { name: name.to_owned(), fx, node, agents: Vec::new(), metrics: None, spec };
     if role == Role::Cpu {
         return cn;
     }
@@ -301,6 +303,29 @@ fn status(p: &Pod) -> String {
 /// The GPU minors a container was given, from the `/dev/nvidiaN` nodes it sees.
 fn minors(v: &ContainerView) -> Vec<u32> {
     v.accel_nodes().keys().filter_map(|p| p.strip_prefix("/dev/nvidia")?.parse().ok()).collect()
+}
+
+/// A GPU of the node's fixture, by its minor, unplugged: its sysfs link removed. Returns what
+/// [`replug`] needs to put it back, and its PCI address.
+fn unplug(n: &ClusterNode, minor: u32) -> (std::path::PathBuf, std::path::PathBuf, String) {
+    let d = n.spec.devices.iter().find(|d| d.nvidia_minor == Some(minor)).unwrap();
+    let addr = d.address.to_string();
+    let link = n.fx.device_dir(&addr);
+    let target = std::fs::read_link(&link).unwrap();
+    std::fs::remove_file(&link).unwrap();
+    (link, target, addr)
+}
+
+fn replug((link, target, _): &(std::path::PathBuf, std::path::PathBuf, String)) {
+    std::os::unix::fs::symlink(target, link).unwrap();
+}
+
+/// The health the kubelet reports for `resource` device `id` in the pod's container `c`.
+fn health_of(p: &Pod, c: &str, resource: &str, id: &str) -> Option<String> {
+    let statuses = p.status.as_ref()?.container_statuses.as_ref()?;
+    let s = statuses.iter().find(|s| s.name == c)?;
+    let r = s.allocated_resources_status.as_ref()?.iter().find(|r| r.name == resource)?;
+    r.resources.as_ref()?.iter().find(|h| h.resource_id == id)?.health.clone()
 }
 
 /// The Job that controls a pod.
@@ -588,9 +613,9 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
     let claimed = pods.get("claimed").await.unwrap();
     assert_eq!(node_of(&claimed), Some("127.0.0.9"), "{}", placements(&pods).await);
     let (gpu, plain) = views(&pods, "claimed", &diag).await;
-    let seen = minors(&gpu);
-    assert_eq!(seen.len(), 2, "two GPUs: {:?}", gpu.accel_nodes());
-    assert_only_these_gpus(&gpu, &plain, &seen);
+    let seen_by_claim = minors(&gpu);
+    assert_eq!(seen_by_claim.len(), 2, "two GPUs: {:?}", gpu.accel_nodes());
+    assert_only_these_gpus(&gpu, &plain, &seen_by_claim);
     let alloc = claims.get("nvlink-pair").await.unwrap().status.unwrap().allocation.unwrap();
     let results = alloc.devices.unwrap().results.unwrap();
     let published =
@@ -635,12 +660,111 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
         );
     }
 
-    // 4. A GPU node dies: its gang member is evicted and recreated, and waits for room.
+    // A device fails under a running pod (it vanishes from the node's PCI bus): the device
+    // plugin reports it Unhealthy, the kubelet takes it out of allocatable and writes it into
+    // the pod's allocatedResourcesStatus; back, it is Healthy again.
+    let holder = gang[0].metadata.name.clone().unwrap();
+    let gone = unplug(&nodes[0], 2);
+    let node_api: Api<NodeObject> = Api::all(admin.clone());
+    let gpus_of = |n: NodeObject| {
+        let alloc = n.status.and_then(|s| s.allocatable).unwrap_or_default();
+        alloc.get(GPU).map(|q| q.0.clone())
+    };
+    let seen = wait_until(Duration::from_secs(60), || async {
+        let p = pods.get(&holder).await.unwrap();
+        let n = node_api.get("127.0.0.2").await.unwrap();
+        health_of(&p, "gpu", GPU, &gone.2).as_deref() == Some("Unhealthy")
+            && gpus_of(n).as_deref() == Some("3")
+    })
+    .await;
+    let p = pods.get(&holder).await.unwrap();
+    assert!(
+        seen,
+        "{} Unhealthy in {holder}'s status, allocatable 3\n{}\n{}",
+        gone.2,
+        status(&p),
+        nodes[0].logs()
+    );
+    assert!(
+        nodes[0].agents[0].log_text().contains(&format!("{GPU}: device {} is Unhealthy", gone.2))
+    );
+    eprintln!(
+        "{} vanished: Unhealthy in {holder}'s allocatedResourcesStatus, allocatable 3",
+        gone.2
+    );
+    replug(&gone);
+    let back = wait_until(Duration::from_secs(60), || async {
+        let p = pods.get(&holder).await.unwrap();
+        let n = node_api.get("127.0.0.2").await.unwrap();
+        health_of(&p, "gpu", GPU, &gone.2).as_deref() == Some("Healthy")
+            && gpus_of(n).as_deref() == Some("4")
+    })
+    .await;
+    assert!(back, "{} Healthy again\n{}", gone.2, status(&pods.get(&holder).await.unwrap()));
+
+    // On the DRA node: a free GPU vanishes, the driver taints it in its slice, and a claim for
+    // the two GPUs left free there waits until it is back.
+    let dra = nodes.iter().find(|n| n.name == "127.0.0.9").unwrap();
+    let free: Vec<u32> = (0..4).filter(|m| !seen_by_claim.contains(m)).collect();
+    let gone = unplug(dra, free[0]);
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let tainted = wait_until(Duration::from_secs(30), || async {
+        slices.list(&ListParams::default()).await.unwrap().items.iter().any(|s| {
+            s.spec.pool.name == "127.0.0.9"
+                && s.spec.devices.iter().flatten().any(|d| {
+                    d.taints
+                        .iter()
+                        .flatten()
+                        .any(|t| t.key == "xpu.dev/unhealthy" && t.effect == "NoSchedule")
+                })
+        })
+    })
+    .await;
+    assert!(tainted, "the vanished GPU tainted in the slice\n{}", dra.logs());
+    let mut second = claim.clone();
+    second.metadata =
+        kube::api::ObjectMeta { name: Some("second-pair".into()), ..Default::default() };
+    second.status = None;
+    claims.create(&PostParams::default(), &second).await.unwrap();
+    let mut p = probe_template(json!({}), json!({ "claims": [{ "name": "gpus" }] }));
+    p["metadata"]["name"] = json!("second");
+    p["spec"]["resourceClaims"] = json!([{ "name": "gpus", "resourceClaimName": "second-pair" }]);
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let waiting = claims.get("second-pair").await.unwrap();
+    assert!(
+        waiting.status.as_ref().and_then(|s| s.allocation.as_ref()).is_none(),
+        "no claim gets a tainted device: {:?}\n{}",
+        waiting.status,
+        placements(&pods).await
+    );
+    assert_eq!(node_of(&pods.get("second").await.unwrap()), None);
+    replug(&gone);
+    let placed = wait_until(Duration::from_secs(60), || async {
+        let p = pods.get("second").await.unwrap();
+        p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+    })
+    .await;
+    assert!(
+        placed,
+        "the claim placed once the GPU is back\n{}\n{}",
+        placements(&pods).await,
+        dra.logs()
+    );
+    let (gpu, plain) = views(&pods, "second", &diag).await;
+    let mut mine = minors(&gpu);
+    mine.sort_unstable();
+    assert_eq!(mine, free, "the two GPUs the first claim left");
+    assert_only_these_gpus(&gpu, &plain, &free);
+    eprintln!(
+        "a GPU of the DRA node vanished: tainted, a claim waited, and got it when it came back"
+    );
+
+    // A GPU node dies: its gang member is evicted and recreated, and waits for room.
     let dead = nodes.remove(1);
     let victim = gang[1].metadata.name.clone().unwrap();
     let died = Instant::now();
     drop(dead);
-    let node_api: Api<NodeObject> = Api::all(admin.clone());
     let not_ready = wait_until(Duration::from_secs(60), || async {
         let n = node_api.get("127.0.0.3").await.unwrap();
         let ready = n.status.and_then(|s| s.conditions).unwrap_or_default();

@@ -35,7 +35,8 @@ pub struct DriverArgs {
     /// How often the host is re-discovered.
     pub interval: Duration,
     /// Device health from telemetry (XIDs, uncorrectable memory errors, lost GPUs): an
-    /// unhealthy device is withdrawn from the published pool until it recovers.
+    /// unhealthy device is tainted `xpu.dev/unhealthy:NoSchedule` in the published pool until it
+    /// recovers.
     pub health: Option<xpu_telemetry::collect::Collector>,
 }
 

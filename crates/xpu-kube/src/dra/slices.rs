@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams};
@@ -120,24 +121,66 @@ pub fn devices(root: &Root, inv: &Inventory) -> Vec<Device> {
     inv.devices.iter().filter_map(|d| device(root, d)).collect()
 }
 
-/// `devices` without those telemetry reports unhealthy (`unhealthy`, by PCI address): an
-/// unhealthy device is withdrawn from the pool, so the scheduler allocates it to no new claim,
-/// and comes back with the next publication after it recovers.
-pub fn without_unhealthy(
+/// The taint key on a device telemetry reports unhealthy.
+pub const UNHEALTHY_TAINT: &str = "xpu.dev/unhealthy";
+
+/// `devices` with those telemetry reports unhealthy (`unhealthy`, by PCI address) tainted
+/// `xpu.dev/unhealthy=<reason>:NoSchedule`: schedulers allocate a tainted device to no claim that
+/// does not tolerate the taint, the claims holding it keep it (and can see why in the slice),
+/// and the taint goes with the next publication after the device recovers. A device that
+/// vanished from the host is published as it was last seen (`known`, which this keeps), tainted
+/// until it comes back. Devices come out in address order.
+pub fn taint_unhealthy(
     devices: Vec<Device>,
     inv: &Inventory,
     unhealthy: &BTreeMap<xpu_core::PciAddress, String>,
+    known: &mut BTreeMap<xpu_core::PciAddress, Device>,
 ) -> Vec<Device> {
-    if unhealthy.is_empty() {
-        return devices;
+    let address: BTreeMap<String, xpu_core::PciAddress> =
+        inv.devices.iter().filter_map(|d| Some((device_name(d)?, d.address))).collect();
+    let mut out: BTreeMap<xpu_core::PciAddress, Device> = BTreeMap::new();
+    for d in devices {
+        if let Some(a) = address.get(&d.name) {
+            known.insert(*a, d.clone());
+            out.insert(*a, d);
+        }
     }
-    let out: std::collections::BTreeSet<String> = inv
-        .devices
-        .iter()
-        .filter(|d| unhealthy.contains_key(&d.address))
-        .filter_map(device_name)
-        .collect();
-    devices.into_iter().filter(|d| !out.contains(&d.name)).collect()
+    for (a, reason) in unhealthy {
+        let Some(d) = out.get_mut(a) else {
+            if let Some(last) = known.get(a) {
+                out.insert(*a, with_taint(last.clone(), reason));
+            }
+            continue;
+        };
+        *d = with_taint(std::mem::take(d), reason);
+    }
+    out.into_values().collect()
+}
+
+fn with_taint(mut d: Device, reason: &str) -> Device {
+    d.taints.get_or_insert_with(Vec::new).push(DeviceTaint {
+        key: UNHEALTHY_TAINT.to_owned(),
+        value: Some(taint_value(reason)),
+        effect: "NoSchedule".to_owned(),
+        // The API server sets it when the taint first appears.
+        time_added: None,
+    });
+    d
+}
+
+/// A health reason as a taint value (a label value: at most 63 of `[A-Za-z0-9._-]`, starting
+/// and ending alphanumeric): `xid 79: GPU has fallen off the bus` → `xid-79-GPU-has-fallen-off-the-bus`.
+fn taint_value(reason: &str) -> String {
+    let mut out = String::new();
+    for c in reason.chars() {
+        if c.is_ascii_alphanumeric() || c == '.' || c == '_' {
+            out.push(c);
+        } else if !out.ends_with('-') && !out.is_empty() {
+            out.push('-');
+        }
+    }
+    out.truncate(63);
+    out.trim_end_matches(|c: char| !c.is_ascii_alphanumeric()).to_owned()
 }
 
 /// The slice name of part `i` of `node`'s pool.
@@ -279,6 +322,8 @@ pub async fn run(
         pci_ids: None,
         skip_names: true,
     };
+    // Every device published so far, for one that vanishes (published tainted as last seen).
+    let mut known = BTreeMap::new();
     loop {
         let started = Instant::now();
         // Discovery and the devices' attributes read sysfs: on the blocking pool, so the
@@ -302,7 +347,7 @@ pub async fn run(
         match read {
             Ok((inv, devs)) => {
                 let unhealthy = health.as_ref().map(|h| h.unhealthy()).unwrap_or_default();
-                let devs = without_unhealthy(devs, &inv, &unhealthy);
+                let devs = taint_unhealthy(devs, &inv, &unhealthy, &mut known);
                 // Only the publisher writes; receivers see the inventory the slices came from.
                 inventory.send_replace(std::sync::Arc::new(inv));
                 match publisher.publish(devs).await {
@@ -335,7 +380,7 @@ mod tests {
     }
 
     #[test]
-    fn a_device_telemetry_calls_unhealthy_is_withdrawn() {
+    fn a_device_telemetry_calls_unhealthy_is_tainted_until_it_recovers() {
         use xpu_telemetry::Reading;
         use xpu_telemetry::nvml::FakeNvml;
         let (_fx, root, inv) = inv(&hosts::a100_8x());
@@ -343,8 +388,8 @@ mod tests {
         let nvml =
             FakeNvml::new(inv.accelerators().map(|d| (d.address, Reading::default())).collect());
         let mut sources: Vec<Box<dyn xpu_telemetry::Source>> = vec![Box::new(nvml.clone())];
-        let health = |sources: &mut Vec<Box<dyn xpu_telemetry::Source>>| {
-            let mut book = xpu_telemetry::health::HealthBook::default();
+        let mut book = xpu_telemetry::health::HealthBook::default();
+        let mut health = |sources: &mut Vec<Box<dyn xpu_telemetry::Source>>| {
             for s in sources.iter_mut() {
                 for (a, r) in s.read(&inv).unwrap().readings {
                     book.observe(a, &r);
@@ -352,13 +397,63 @@ mod tests {
             }
             book.unhealthy()
         };
-        assert_eq!(without_unhealthy(devices(&root, &inv), &inv, &health(&mut sources)).len(), 8);
+        let tainted = |devs: &[Device]| -> Vec<(String, String)> {
+            devs.iter()
+                .flat_map(|d| d.taints.iter().flatten().map(move |t| (d.name.clone(), t.clone())))
+                .map(|(n, t)| {
+                    (n, format!("{}={}:{}", t.key, t.value.unwrap_or_default(), t.effect))
+                })
+                .collect()
+        };
+        let mut known = BTreeMap::new();
+        let all = taint_unhealthy(devices(&root, &inv), &inv, &health(&mut sources), &mut known);
+        assert_eq!((all.len(), tainted(&all)), (8, vec![]));
         nvml.update(|s| s.devices.get_mut(&victim).unwrap().xids.push(79));
-        let bad = health(&mut sources);
-        let published = without_unhealthy(devices(&root, &inv), &inv, &bad);
-        assert_eq!(published.len(), 7);
-        let gone = device_name(inv.device(&victim).unwrap()).unwrap();
-        assert!(published.iter().all(|d| d.name != gone), "{gone} withdrawn");
+        let published =
+            taint_unhealthy(devices(&root, &inv), &inv, &health(&mut sources), &mut known);
+        let name = device_name(inv.device(&victim).unwrap()).unwrap();
+        assert_eq!(published.len(), 8, "still published: its claims keep it");
+        assert_eq!(
+            tainted(&published),
+            [(name, "xpu.dev/unhealthy=xid-79-GPU-has-fallen-off-the-bus:NoSchedule".to_owned())]
+        );
+        // A reset the source reports clears it.
+        nvml.update(|s| s.devices.get_mut(&victim).unwrap().reset = true);
+        let healed = taint_unhealthy(devices(&root, &inv), &inv, &health(&mut sources), &mut known);
+        assert_eq!(tainted(&healed), vec![]);
+        assert_eq!(healed, all, "as before the XID");
+
+        // A device that vanished: published as last seen, tainted, until it comes back.
+        let (fx, root, full) = self::inv(&hosts::a100_8x());
+        let gone = full.accelerators().nth(5).unwrap();
+        let (gone_addr, gone_name) = (gone.address, device_name(gone).unwrap());
+        let mut known = BTreeMap::new();
+        let before = taint_unhealthy(devices(&root, &full), &full, &BTreeMap::new(), &mut known);
+        std::fs::remove_file(fx.device_dir(&gone_addr.to_string())).unwrap();
+        let after = xpu_host::discover(&root, &DiscoverOptions::default()).unwrap();
+        let why = BTreeMap::from([(gone_addr, "vanished from the PCI bus".to_owned())]);
+        let published = taint_unhealthy(devices(&root, &after), &after, &why, &mut known);
+        assert_eq!(published.len(), 8);
+        assert_eq!(
+            tainted(&published),
+            [(gone_name, "xpu.dev/unhealthy=vanished-from-the-PCI-bus:NoSchedule".to_owned())]
+        );
+        let untainted: Vec<Device> =
+            published.into_iter().map(|d| Device { taints: None, ..d }).collect();
+        assert_eq!(untainted, before, "the same devices, in the same order");
+    }
+
+    #[test]
+    fn taint_values_are_label_values() {
+        for (reason, want) in [
+            ("xid 79: GPU has fallen off the bus", "xid-79-GPU-has-fallen-off-the-bus"),
+            ("lost", "lost"),
+            (": !", ""),
+            (&"e".repeat(80), &"e".repeat(63)),
+            ("new uncorrectable memory errors (3)", "new-uncorrectable-memory-errors-3"),
+        ] {
+            assert_eq!(taint_value(reason), want, "{reason}");
+        }
     }
 
     #[test]

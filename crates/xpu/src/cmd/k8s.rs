@@ -232,7 +232,7 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
     };
     crate::output::init_tracing();
     // Telemetry on the discovery interval: a device NVML (or amdgpu's RAS counters) reports
-    // unhealthy is withdrawn from the published pool.
+    // unhealthy is tainted in the published pool (xpu.dev/unhealthy, NoSchedule).
     let interval = Duration::from_millis(a.interval_ms);
     let health = xpu_integrations::exporter::health_collector(&root, interval);
     let args = xpu_kube::dra::DriverArgs {
