@@ -295,6 +295,74 @@ impl Node {
         &self.name
     }
 
+    /// Stops the kubelet (SIGTERM, as `systemctl restart` does) and waits until it runs again
+    /// and the Node is Ready: containerd and every container keep running meanwhile.
+    pub async fn restart_kubelet(&self, cp: &ControlPlane) -> Result<Duration, NodeError> {
+        let started = Instant::now();
+        let old = self
+            .kubelet_pid()
+            .ok_or_else(|| NodeError::Exited { dir: self.dir.clone(), tails: tails(&self.dir) })?;
+        rustix::process::kill_process(old, rustix::process::Signal::TERM).map_err(|e| {
+            NodeError::Io { action: "signal", path: self.dir.clone(), source: e.into() }
+        })?;
+        let nodes: Api<NodeObject> = Api::all(cp.admin_client());
+        loop {
+            let again = self.kubelet_pid().is_some_and(|p| p != old);
+            if again && self.kubelet_healthy() {
+                let n = nodes.get_opt(&self.name).await.ok().flatten();
+                let ready = n
+                    .and_then(|n| n.status)
+                    .and_then(|s| s.conditions)
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                if ready {
+                    return Ok(started.elapsed());
+                }
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                return Err(NodeError::NotReady {
+                    name: self.name.clone(),
+                    waited: started.elapsed(),
+                    last: "the kubelet after a restart".to_owned(),
+                    dir: self.dir.clone(),
+                    tails: tails(&self.dir),
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// The host pid of this node's kubelet: the process whose command line names this run
+    /// directory's `kubelet.json`.
+    fn kubelet_pid(&self) -> Option<rustix::process::Pid> {
+        let flag = format!("--config={}", self.dir.join("kubelet.json").display());
+        let entries = fs::read_dir("/proc").ok()?;
+        entries.flatten().find_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = fs::read(e.path().join("cmdline")).ok()?;
+            cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == flag.as_bytes())
+                .then(|| rustix::process::Pid::from_raw(pid))
+                .flatten()
+        })
+    }
+
+    /// Whether the kubelet's healthz answers `ok`.
+    fn kubelet_healthy(&self) -> bool {
+        let Ok(text) = fs::read_to_string(self.dir.join("kubelet.json")) else { return false };
+        let Ok(config) = serde_json::from_str::<serde_json::Value>(&text) else { return false };
+        let Some(port) = config["healthzPort"].as_u64() else { return false };
+        let addr = format!("{}:{port}", self.name);
+        let Ok(mut s) = std::net::TcpStream::connect(&addr) else { return false };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        use std::io::{Read, Write};
+        let req = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        let mut out = String::new();
+        s.write_all(req.as_bytes()).is_ok()
+            && s.read_to_string(&mut out).is_ok()
+            && out.starts_with("HTTP/1.1 200")
+    }
+
     /// The run directory: configurations and `node.log`, `containerd.log`, `kubelet.log`.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -875,10 +943,20 @@ say "containerd $("$bin/ctr" --address /run/containerd/containerd.sock version |
   { say "importing $XPU_NODE_IMAGES failed:"; cat "$run/import.log"; exit 1; }
 say "images imported: $(tr '\n' ' ' <"$run/import.log")"
 
-# shellcheck disable=SC2086 # the extra flags are words
-"$XPU_NODE_KUBELET" --config="$run/kubelet.json" --kubeconfig="$XPU_NODE_KUBECONFIG" \
-  --hostname-override="$XPU_NODE_NAME" --v=2 ${XPU_NODE_KUBELET_FLAGS:-} >"$run/kubelet.log" 2>&1 &
-say "kubelet started"
+# The kubelet runs under a loop that starts it again when it exits (as systemd's
+# Restart=always does), so a test can restart it (Node::restart_kubelet) without the node.
+(
+  while :; do
+    # shellcheck disable=SC2086 # the extra flags are words
+    "$XPU_NODE_KUBELET" --config="$run/kubelet.json" --kubeconfig="$XPU_NODE_KUBECONFIG" \
+      --hostname-override="$XPU_NODE_NAME" --v=2 ${XPU_NODE_KUBELET_FLAGS:-} >>"$run/kubelet.log" 2>&1 &
+    kubelet=$!
+    say "kubelet started"
+    wait "$kubelet"
+    say "kubelet exited with status $?; starting it again"
+    sleep 0.2
+  done
+) &
 set +e
 wait -n
 status=$?

@@ -760,6 +760,77 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
         "a GPU of the DRA node vanished: tainted, a claim waited, and got it when it came back"
     );
 
+    // The kubelets of the gang member's node and of the DRA node restart: the device plugin and
+    // the DRA driver register again, prepared claims stay prepared, and the running containers
+    // keep their devices (the same containers, never restarted).
+    let dra = nodes.iter().find(|n| n.name == "127.0.0.9").unwrap();
+    let containers = |p: &Pod| -> Vec<(String, Option<String>, i32)> {
+        let statuses =
+            p.status.as_ref().and_then(|s| s.container_statuses.clone()).unwrap_or_default();
+        statuses.into_iter().map(|s| (s.name, s.container_id, s.restart_count)).collect()
+    };
+    let registered =
+        |n: &ClusterNode| n.agents[0].log_text().matches("registered with the kubelet").count();
+    let unprepared = |n: &ClusterNode| n.agents[0].log_text().matches("claim unprepared").count();
+    let held_before = [
+        containers(&pods.get(&holder).await.unwrap()),
+        containers(&pods.get("claimed").await.unwrap()),
+    ];
+    let (plugin_regs, driver_regs, driver_unprepared) =
+        (registered(&nodes[0]), registered(dra), unprepared(dra));
+    let cdi_before: Vec<String> = std::fs::read_dir(dra.node.cdi_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let (a, b) = tokio::join!(nodes[0].node.restart_kubelet(&cp), dra.node.restart_kubelet(&cp));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    eprintln!("kubelets of 127.0.0.2 and 127.0.0.9 restarted and Ready in {a:.1?} and {b:.1?}");
+    let again = wait_until(Duration::from_secs(60), || async {
+        let n = node_api.get("127.0.0.2").await.unwrap();
+        registered(&nodes[0]) > plugin_regs
+            && registered(dra) > driver_regs
+            && gpus_of(n).as_deref() == Some("4")
+    })
+    .await;
+    assert!(
+        again,
+        "the plugin and the driver registered again\n{}\n{}",
+        nodes[0].logs(),
+        dra.logs()
+    );
+    let held_after = [
+        containers(&pods.get(&holder).await.unwrap()),
+        containers(&pods.get("claimed").await.unwrap()),
+    ];
+    assert_eq!(held_after, held_before, "the same containers, never restarted");
+    for name in [holder.as_str(), "claimed"] {
+        let p = pods.get(name).await.unwrap();
+        assert_eq!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Running"), "{name}");
+    }
+    assert_eq!(
+        unprepared(dra),
+        driver_unprepared,
+        "no claim unprepared by the restart\n{}",
+        dra.logs()
+    );
+    let cdi_after: Vec<String> = std::fs::read_dir(dra.node.cdi_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(cdi_after, cdi_before, "the prepared claims' CDI specs stay");
+    // A pod sent to the restarted node runs there.
+    let mut p = probe_template(json!({}), json!({}));
+    p["metadata"]["name"] = json!("after-restart");
+    p["spec"]["nodeName"] = json!("127.0.0.9");
+    p["spec"]["schedulerName"] = json!("default-scheduler");
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    let ran = wait_until(Duration::from_secs(60), || async {
+        let p = pods.get("after-restart").await.unwrap();
+        p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+    })
+    .await;
+    assert!(ran, "a pod runs on the restarted node\n{}", dra.logs());
+
     // A GPU node dies: its gang member is evicted and recreated, and waits for room.
     let dead = nodes.remove(1);
     let victim = gang[1].metadata.name.clone().unwrap();
