@@ -60,6 +60,9 @@ use crate::kube::{ControlPlane, bin_dir, free_ports, log_tail, target_dir};
 
 /// The node's name, and its InternalIP.
 pub const NODE_NAME: &str = "127.0.0.1";
+/// Where a node started with [`NodeOptions::host_root`] shows that fixture host, in its own
+/// mount namespace (under `/var/lib`, the node's own directory, so the host is not touched).
+pub const HOST_ROOT: &str = "/var/lib/xpu-host";
 /// The image test containers run (busybox, `sh` as its command), imported at start.
 pub const BUSYBOX_IMAGE: &str = "xpu.test/busybox:1";
 /// containerd's sandbox image: busybox `sleep`.
@@ -144,6 +147,12 @@ pub struct NodeOptions {
     /// A fixture host root whose character devices under `dev/` are made, with the same majors,
     /// minors and paths, in the node's `/dev`.
     pub devices_of: Option<PathBuf>,
+    /// A fixture host root the node shows its pods at [`HOST_ROOT`] (a bind mount in the
+    /// node's namespace), where a DaemonSet's `hostPath: /` is pointed for the test.
+    pub host_root: Option<PathBuf>,
+    /// More image archives (OCI layouts) imported into the node's containerd at start, beside
+    /// the test images: `scripts/build-image --oci-archive`'s, say.
+    pub images: Vec<PathBuf>,
     /// Flags appended to the kubelet's command line.
     pub kubelet_flags: Vec<String>,
     /// Run this older kubelet release ([`OLD_KUBELET_VERSION`]) instead of the control plane's.
@@ -158,6 +167,8 @@ impl Default for NodeOptions {
             name: NODE_NAME.to_owned(),
             node_status_update: Duration::from_secs(4),
             devices_of: None,
+            host_root: None,
+            images: Vec::new(),
             kubelet_flags: Vec::new(),
             old_kubelet: false,
             ready_timeout: Duration::from_secs(120),
@@ -176,6 +187,18 @@ impl NodeOptions {
     /// Give the node's `/dev` the character devices of the fixture host at `root`.
     pub fn devices_of(mut self, root: impl Into<PathBuf>) -> Self {
         self.devices_of = Some(root.into());
+        self
+    }
+
+    /// Show the fixture host at `root` to the node's pods at [`HOST_ROOT`].
+    pub fn host_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.host_root = Some(root.into());
+        self
+    }
+
+    /// Import the image archive at `path` into the node's containerd at start.
+    pub fn image(mut self, path: impl Into<PathBuf>) -> Self {
+        self.images.push(path.into());
         self
     }
 
@@ -521,6 +544,8 @@ impl Node {
             .env("XPU_NODE_RUN", &self.dir)
             .env("XPU_NODE_BIN", &bins.dir)
             .env("XPU_NODE_IMAGES", &bins.images)
+            .env("XPU_NODE_EXTRA_IMAGES", join_paths(&options.images))
+            .env("XPU_NODE_HOST_ROOT", options.host_root.as_deref().unwrap_or(Path::new("")))
             .env("XPU_NODE_NAME", &self.name)
             .env("XPU_NODE_KUBECONFIG", cp.node_kubeconfig(&self.name)?)
             .env("XPU_NODE_KUBELET", &bins.kubelet)
@@ -648,6 +673,11 @@ fn write(path: &Path, contents: &str) -> Result<(), NodeError> {
 }
 
 /// The last lines of each of the node's logs.
+/// Paths joined with `:` for the node script (none of the test's paths holds one).
+fn join_paths(paths: &[PathBuf]) -> String {
+    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(":")
+}
+
 fn tails(dir: &Path) -> String {
     let mut out = String::new();
     for name in ["node.log", "containerd.log", "kubelet.log"] {
@@ -788,7 +818,8 @@ imports = []
     sandbox = "{PAUSE_IMAGE}"
 
 [plugins."io.containerd.cri.v1.runtime"]
-  cdi_spec_dirs = ["{cdi}"]
+  # The test's directory, and the default one a DRA driver pod writes through its hostPath.
+  cdi_spec_dirs = ["{cdi}", "/var/run/cdi"]
   # Writing a negative oom_score_adj fails in these VMs; keep containers' at or above ours.
   restrict_oom_score_adj = true
   [plugins."io.containerd.cri.v1.runtime".containerd]
@@ -929,6 +960,13 @@ done <"$run/devices"
 mount -t tmpfs -o mode=0755 xpu-node-run /run
 mount --bind "$run/var/lib" /var/lib
 mount --bind "$run/var/log" /var/log
+# What pods write through a hostPath under /etc (NFD's features.d, say) stays in the node.
+mkdir -p "$run/scratch/etc" "$run/scratch/etc.work"
+mount -t overlay xpu-node-etc -o "lowerdir=/etc,upperdir=$run/scratch/etc,workdir=$run/scratch/etc.work" /etc
+if [ -n "${XPU_NODE_HOST_ROOT:-}" ]; then
+  mkdir -p /var/lib/xpu-host
+  mount --bind "$XPU_NODE_HOST_ROOT" /var/lib/xpu-host
+fi
 say "namespace ready: /dev overlay with $(wc -l <"$run/devices") fixture device(s), /run tmpfs, /var/lib and /var/log from $run"
 
 export PATH="$bin:$PATH"
@@ -939,8 +977,10 @@ until "$bin/ctr" --address /run/containerd/containerd.sock version >/dev/null 2>
   sleep 0.1
 done
 say "containerd $("$bin/ctr" --address /run/containerd/containerd.sock version | sed -n 's/^ *Version: *//p' | tail -1) serving"
-"$bin/ctr" --address /run/containerd/containerd.sock -n k8s.io images import "$XPU_NODE_IMAGES" >"$run/import.log" 2>&1 ||
-  { say "importing $XPU_NODE_IMAGES failed:"; cat "$run/import.log"; exit 1; }
+for images in "$XPU_NODE_IMAGES" ${XPU_NODE_EXTRA_IMAGES//:/ }; do
+  "$bin/ctr" --address /run/containerd/containerd.sock -n k8s.io images import "$images" >>"$run/import.log" 2>&1 ||
+    { say "importing $images failed:"; cat "$run/import.log"; exit 1; }
+done
 say "images imported: $(tr '\n' ' ' <"$run/import.log")"
 
 # The kubelet runs under a loop that starts it again when it exits (as systemd's
@@ -989,7 +1029,7 @@ mod tests {
     fn configurations_name_the_run_directory_and_the_settings_this_machine_needs() {
         let c = containerd_config(Path::new("/t/node-1"), "127.0.0.3");
         assert!(c.contains(r#"stream_server_address = "127.0.0.3""#), "{c}");
-        assert!(c.contains(r#"cdi_spec_dirs = ["/t/node-1/cdi"]"#), "{c}");
+        assert!(c.contains(r#"cdi_spec_dirs = ["/t/node-1/cdi", "/var/run/cdi"]"#), "{c}");
         assert!(c.contains("restrict_oom_score_adj = true"), "{c}");
         assert!(c.contains("SystemdCgroup = false"), "{c}");
         assert!(c.contains(r#"sandbox = "xpu.test/pause:1""#), "{c}");

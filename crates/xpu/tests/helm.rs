@@ -6,51 +6,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stderr)]
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod k8s_support;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use k8s_support::render;
 
-/// Where `scripts/install-helm` puts the binary (`$XPU_HELM` overrides).
-fn helm() -> PathBuf {
-    if let Some(p) = std::env::var_os("XPU_HELM") {
-        return PathBuf::from(p);
-    }
-    let cache = std::env::var_os("XPU_HELM_CACHE").map(PathBuf::from).unwrap_or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .unwrap()
-            .join("xpu/helm")
-    });
-    cache.join("v3.22.0/bin/helm")
+fn repo() -> std::path::PathBuf {
+    k8s_support::repo()
 }
 
 fn run(args: &[&str]) -> String {
-    let helm = helm();
-    assert!(helm.exists(), "{} is missing: run scripts/install-helm", helm.display());
-    let o = Command::new(&helm).args(args).current_dir(repo()).output().unwrap();
-    assert!(
-        o.status.success(),
-        "helm {args:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout).unwrap()
-}
-
-/// The chart rendered with `extra` arguments, as one stream of documents.
-fn render(extra: &[&str]) -> Vec<serde_json::Value> {
-    let mut args = vec!["template", "xpu", "deploy/helm/xpu", "--namespace", "xpu-system"];
-    args.extend_from_slice(&["--kube-version", "v1.37.2"]);
-    args.extend_from_slice(extra);
-    let text = run(&args);
-    text.split("\n---")
-        .filter(|d| d.lines().any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#')))
-        .map(|d| serde_norway::from_str(d).unwrap())
-        .collect()
+    k8s_support::helm_run(args)
 }
 
 fn find<'a>(

@@ -43,7 +43,7 @@ use kube::api::{Api, ListParams, LogParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions, DEFAULT_CONTROLLERS, free_ports};
-use xpu_testkit::kubelet::{BUSYBOX_IMAGE, Node, NodeOptions};
+use xpu_testkit::kubelet::{BUSYBOX_IMAGE, HOST_ROOT, Node, NodeOptions};
 use xpu_testkit::{BuildOptions, Fixture, HostSpec};
 
 use k8s_support::*;
@@ -907,4 +907,321 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
     assert!(bound, "the standby binds after the leader died\n{}", logs(&nodes, &schedulers));
     eprintln!("a pod bound {:.1?} after the leader was killed", killed.elapsed());
     eprintln!("the whole cluster test took {:.1?}", started.elapsed());
+}
+
+/// The one place the chart's rendering is changed for the fixture nodes, because they are not
+/// machines: (1) `hostPath: /` (the node's root, which the agents read as `/host`) is the node's
+/// fixture host at [`HOST_ROOT`]; (2) the nodes have no pod network and no Service proxy, so
+/// every xpu pod runs in the node's network (`hostNetwork`), reaches the API server at its
+/// loopback address (`KUBERNETES_SERVICE_HOST`/`PORT`, which in-cluster configuration reads)
+/// and serves its metrics on the node's address (`0.0.0.0:PORT` → `$(POD_IP):PORT`, as the
+/// nodes share one network namespace). Nothing else differs from what an admin applies.
+fn for_fixture_nodes(doc: &mut Value, api_port: u16) {
+    let Some(spec) = doc.pointer_mut("/spec/template/spec") else { return };
+    for v in spec["volumes"].as_array_mut().into_iter().flatten() {
+        if v.pointer("/hostPath/path").and_then(Value::as_str) == Some("/") {
+            v["hostPath"]["path"] = json!(HOST_ROOT);
+        }
+    }
+    spec["hostNetwork"] = json!(true);
+    for c in spec["containers"].as_array_mut().into_iter().flatten() {
+        let env = c["env"].as_array().cloned().unwrap_or_default();
+        let mut env: Vec<Value> = env;
+        env.push(json!({ "name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1" }));
+        env.push(json!({ "name": "KUBERNETES_SERVICE_PORT", "value": api_port.to_string() }));
+        env.push(json!({ "name": "POD_IP", "valueFrom": { "fieldRef": { "fieldPath": "status.podIP" } } }));
+        c["env"] = Value::Array(env);
+        for a in c["args"].as_array_mut().into_iter().flatten() {
+            if let Some(s) = a.as_str()
+                && s.contains("=0.0.0.0:")
+            {
+                *a = json!(s.replace("=0.0.0.0:", "=$(POD_IP):"));
+            }
+        }
+    }
+}
+
+/// Pods of `namespace` with label `app.kubernetes.io/name=app` and their nodes, when Running.
+async fn running_pods(admin: &kube::Client, namespace: &str, app: &str) -> Vec<(String, String)> {
+    let api: Api<Pod> = Api::namespaced(admin.clone(), namespace);
+    let lp = ListParams::default().labels(&format!("app.kubernetes.io/name={app}"));
+    let mut out: Vec<(String, String)> = api
+        .list(&lp)
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .filter_map(|p| Some((p.metadata.name.clone()?, node_of(&p)?.to_owned())))
+        .collect();
+    out.sort_by(|a, b| a.1.cmp(&b.1));
+    out
+}
+
+/// xpu installed as an admin installs it, on two real nodes: the image `scripts/build-image`
+/// makes (here from this build's binary, `--binaries`) imported into each node's containerd,
+/// the Helm chart rendered with a node group for the device plugin and one for DRA, and
+/// applied. The scheduler Deployment (two replicas, leader election), the node agent, the DRA
+/// driver and the exporter DaemonSets run as pods (kube-scheduler places them); xpu's scheduler
+/// pods then place a GPU pod (on the device plugin's node, exactly its GPUs) and a DRA claim's
+/// pod (on the DRA node), the exporter pod labels the GPUs with their pod, and when the leader's
+/// pod is deleted the other replica binds what arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_installed_as_an_admin_runs_xpu_as_pods_on_real_nodes_needs_root_and_runc() {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let started = Instant::now();
+    let work = tempfile::tempdir().unwrap();
+    let archive = work.path().join("xpu-image.tar");
+    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_xpu")).parent().unwrap().to_owned();
+    let out = std::process::Command::new("bash")
+        .arg(repo().join("scripts/build-image"))
+        .arg("--binaries")
+        .arg(&bin_dir)
+        .arg("--oci-archive")
+        .arg(&archive)
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "build-image: {}", String::from_utf8_lossy(&out.stderr));
+    eprintln!("{}", String::from_utf8_lossy(&out.stdout).trim());
+
+    let mut controllers: Vec<String> =
+        DEFAULT_CONTROLLERS.iter().map(ToString::to_string).collect();
+    controllers.extend(
+        [
+            "daemonset-controller",
+            "deployment-controller",
+            "replicaset-controller",
+            "root-ca-certificate-publisher-controller",
+        ]
+        .map(String::from),
+    );
+    let cp = plane(
+        ControlPlaneOptions::default()
+            .with_scheduler()
+            .with_controller_manager()
+            .controllers(controllers),
+    )
+    .await;
+    let admin = cp.admin_client();
+    let api_port: u16 = cp.server_url().rsplit(':').next().unwrap().parse().unwrap();
+
+    // Two nodes of four A100s: one for the device plugin, one for DRA.
+    let node = |name: &'static str, group: &'static str| {
+        let (cp, archive) = (&cp, &archive);
+        async move {
+            let spec = four_gpu_host();
+            let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
+            let options = NodeOptions::default()
+                .named(name)
+                .devices_of(fx.root())
+                .host_root(fx.root())
+                .image(archive);
+            let node =
+                Node::start(cp, options).await.unwrap_or_else(|e| panic!("node {name}: {e}"));
+            // The node's CDI spec, as the admin's host set-up writes it (docs/containers.md).
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_xpu"))
+                .args(["cdi", "generate", "--vendor", "nvidia", "--root"])
+                .arg(fx.root())
+                .arg("--output")
+                .arg(node.cdi_dir())
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let nodes: Api<NodeObject> = Api::all(cp.admin_client());
+            let patch = json!({ "metadata": { "labels": { "xpu.dev/agent": group } } });
+            nodes.patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+            ClusterNode { name: name.into(), agents: Vec::new(), metrics: None, node, fx, spec }
+        }
+    };
+    let (a, b) = tokio::join!(node("127.0.0.2", "device-plugin"), node("127.0.0.3", "dra"));
+    let nodes = [a, b];
+    let logs = || nodes.iter().map(ClusterNode::logs).collect::<String>();
+
+    // The chart, with the node groups an admin sets, applied in the order the files come.
+    let docs = render(&[
+        "--set",
+        "nodeAgent.nodeSelector.xpu\\.dev/agent=device-plugin",
+        "--set",
+        "dra.nodeSelector.xpu\\.dev/agent=dra",
+    ]);
+    let (mut first, mut rest): (Vec<Value>, Vec<Value>) =
+        docs.into_iter().partition(|d| d["kind"] == "Namespace");
+    first.append(&mut rest);
+    for mut doc in first {
+        for_fixture_nodes(&mut doc, api_port);
+        create(&admin, &doc, false)
+            .await
+            .unwrap_or_else(|e| panic!("{} {}: {e}", doc["kind"], doc["metadata"]["name"]));
+    }
+    let want = [
+        ("xpu-node-agent", vec!["127.0.0.2"]),
+        ("xpu-dra-driver", vec!["127.0.0.3"]),
+        ("xpu-exporter", vec!["127.0.0.2", "127.0.0.3"]),
+        ("xpu-scheduler", vec!["127.0.0.2", "127.0.0.3"]),
+    ];
+    let last = std::sync::Mutex::new(Vec::new());
+    let up = wait_until(Duration::from_secs(120), || async {
+        let mut seen = Vec::new();
+        let mut ok = true;
+        for (app, on) in &want {
+            let pods = running_pods(&admin, "xpu-system", app).await;
+            let nodes: Vec<&str> = pods.iter().map(|(_, n)| n.as_str()).collect();
+            ok &= nodes == *on;
+            seen.push(format!("{app}: {pods:?}"));
+        }
+        *last.lock().unwrap() = seen;
+        ok
+    })
+    .await;
+    let last = last.into_inner().unwrap();
+    let system: Api<Pod> = Api::namespaced(admin.clone(), "xpu-system");
+    let diag = || async {
+        let mut out = placements(&system).await;
+        for p in system.list(&ListParams::default()).await.unwrap().items {
+            let name = p.metadata.name.clone().unwrap();
+            let c = p.spec.as_ref().unwrap().containers[0].name.clone();
+            let lp = LogParams { container: Some(c), tail_lines: Some(20), ..LogParams::default() };
+            out += &format!("--- {name}\n{}\n", system.logs(&name, &lp).await.unwrap_or_default());
+        }
+        out
+    };
+    assert!(
+        up,
+        "xpu's pods running where the chart puts them: {last:?}\n{}\n{}",
+        diag().await,
+        logs()
+    );
+    eprintln!("xpu's pods running {:.1?} after the start: {last:?}", started.elapsed());
+
+    // The device plugin pod's GPUs reach allocatable, the driver pod's reach its slices.
+    let node_api: Api<NodeObject> = Api::all(admin.clone());
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let offered = wait_until(Duration::from_secs(60), || async {
+        let n = node_api.get("127.0.0.2").await.unwrap();
+        let alloc = n.status.and_then(|s| s.allocatable).unwrap_or_default();
+        let lp = ListParams::default().fields("spec.nodeName=127.0.0.3,spec.driver=xpu.dev");
+        let devices: usize = slices
+            .list(&lp)
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+            .sum();
+        alloc.get(GPU).is_some_and(|q| q.0 == "4") && devices == 4
+    })
+    .await;
+    assert!(offered, "4 GPUs allocatable on 127.0.0.2, 4 in 127.0.0.3's slices\n{}", diag().await);
+
+    // xpu's scheduler pods place a GPU pod and a claim's pod.
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let mut p = probe_template(json!({}), json!({ "limits": { GPU: "2" } }));
+    p["metadata"]["name"] = json!("two-gpus");
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": { "name": "pair" },
+        "spec": { "devices": { "requests": [
+            { "name": "gpus", "exactly": { "deviceClassName": "gpu.xpu.dev", "count": 2 } }] } },
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap();
+    let mut p = probe_template(json!({}), json!({ "claims": [{ "name": "gpus" }] }));
+    p["metadata"]["name"] = json!("claimed");
+    p["spec"]["resourceClaims"] = json!([{ "name": "gpus", "resourceClaimName": "pair" }]);
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    let ran = wait_until(Duration::from_secs(90), || async {
+        let a = pods.get("two-gpus").await.unwrap();
+        let b = pods.get("claimed").await.unwrap();
+        [a, b].iter().all(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+    })
+    .await;
+    assert!(ran, "both pods running\n{}\n{}\n{}", placements(&pods).await, diag().await, logs());
+    let none = || String::new();
+    for (name, node) in [("two-gpus", "127.0.0.2"), ("claimed", "127.0.0.3")] {
+        let p = pods.get(name).await.unwrap();
+        assert_eq!(node_of(&p), Some(node), "{name}");
+        assert_eq!(p.spec.as_ref().unwrap().scheduler_name.as_deref(), Some("xpu"));
+        let (gpu, plain) = views(&pods, name, &none).await;
+        let seen = minors(&gpu);
+        assert_eq!(seen.len(), 2, "{name}: {:?}", gpu.accel_nodes());
+        assert_only_these_gpus(&gpu, &plain, &seen);
+    }
+
+    // The exporter pod on 127.0.0.2 labels the two GPUs with their pod.
+    let labelled = wait_until(Duration::from_secs(60), || async {
+        let text = scrape("127.0.0.2:9402");
+        text.lines()
+            .filter(|l| l.starts_with("xpu_device_info") && l.contains("pod=\"two-gpus\""))
+            .count()
+            == 2
+    })
+    .await;
+    assert!(
+        labelled,
+        "the exporter pod labels two GPUs with two-gpus\n{}",
+        tail(&scrape("127.0.0.2:9402"), 3000)
+    );
+
+    // The leader's pod deleted: the other replica binds what arrives.
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(admin.clone(), "xpu-system");
+    let holder_of = || async {
+        let l = leases.get_opt("xpu").await.unwrap();
+        l.and_then(|l| l.spec?.holder_identity).filter(|h| !h.is_empty())
+    };
+    let held = wait_until(Duration::from_secs(30), || async { holder_of().await.is_some() }).await;
+    let restarts: Vec<(String, i32)> = system
+        .list(&ListParams::default().labels("app.kubernetes.io/name=xpu-scheduler"))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|p| {
+            let s = p.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+            (p.metadata.name.clone().unwrap(), s.map_or(-1, |s| s[0].restart_count))
+        })
+        .collect();
+    assert!(
+        held,
+        "a replica holds the Lease xpu-system/xpu; restarts {restarts:?}\n{}",
+        diag().await
+    );
+    let holder = holder_of().await.unwrap();
+    let leader = running_pods(&admin, "xpu-system", "xpu-scheduler")
+        .await
+        .into_iter()
+        .map(|(name, _)| name)
+        .find(|name| holder.starts_with(&format!("{name}_")))
+        .unwrap_or_else(|| panic!("the holder {holder} is a scheduler pod"));
+    system.delete(&leader, &Default::default()).await.unwrap();
+    let deleted = Instant::now();
+    // Gone (its container stopped, the Lease given up on SIGTERM) before the next pod comes.
+    let gone = wait_until(Duration::from_secs(60), || async {
+        system.get_opt(&leader).await.unwrap().is_none()
+    })
+    .await;
+    assert!(gone, "{leader} deleted\n{}", diag().await);
+    let mut p = probe_template(json!({}), json!({ "limits": { GPU: "1" } }));
+    p["metadata"]["name"] = json!("after-failover");
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    let bound = wait_until(Duration::from_secs(60), || async {
+        node_of(&pods.get("after-failover").await.unwrap()) == Some("127.0.0.2")
+    })
+    .await;
+    assert!(bound, "the other replica binds after {leader} was deleted\n{}", diag().await);
+    let other = wait_until(Duration::from_secs(30), || async {
+        holder_of().await.is_some_and(|h| h != holder)
+    })
+    .await;
+    let now = holder_of().await.unwrap_or_default();
+    assert!(other, "another replica holds the lease: {now:?}");
+    eprintln!("{leader} deleted: {now} bound a pod {:.1?} later", deleted.elapsed());
+    eprintln!("the chart's test took {:.1?}", started.elapsed());
 }

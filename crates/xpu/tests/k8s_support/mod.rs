@@ -459,3 +459,44 @@ pub fn assert_only_these_gpus(gpu: &ContainerView, plain: &ContainerView, minors
     assert_eq!(extra, expected, "devices.list beyond the plain container's");
     assert!(q.keys().all(|k| g.contains_key(k)), "the GPU container lost a default device");
 }
+
+/// Where `scripts/install-helm` puts the binary (`$XPU_HELM` overrides).
+pub fn helm() -> PathBuf {
+    if let Some(p) = std::env::var_os("XPU_HELM") {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var_os("XPU_HELM_CACHE").map(PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap()
+            .join("xpu/helm")
+    });
+    cache.join("v3.22.0/bin/helm")
+}
+
+/// `helm ARGS...` in the repository; fails the test with its output when it fails.
+pub fn helm_run(args: &[&str]) -> String {
+    let helm = helm();
+    assert!(helm.exists(), "{} is missing: run scripts/install-helm", helm.display());
+    let o = Command::new(&helm).args(args).current_dir(repo()).output().unwrap();
+    assert!(
+        o.status.success(),
+        "helm {args:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// The chart rendered with `extra` arguments (`--set ...`), as one stream of documents.
+pub fn render(extra: &[&str]) -> Vec<Value> {
+    let mut args = vec!["template", "xpu", "deploy/helm/xpu", "--namespace", "xpu-system"];
+    args.extend_from_slice(&["--kube-version", "v1.37.2"]);
+    args.extend_from_slice(extra);
+    let text = helm_run(&args);
+    text.split("\n---")
+        .filter(|d| d.lines().any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#')))
+        .map(|d| serde_norway::from_str(d).unwrap())
+        .collect()
+}
