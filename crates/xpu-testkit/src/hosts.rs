@@ -126,6 +126,15 @@ pub fn a100_8x() -> HostSpec {
     h
 }
 
+/// The 8×A100 host with its first four GPUs (and the NVSwitches, which are not GPUs): the
+/// GPU node of the real-kubelet tests.
+pub fn a100_4x() -> HostSpec {
+    let mut h = a100_8x();
+    h.name = "a100-4x".into();
+    h.devices.retain(|d| d.nvidia_minor.is_none_or(|m| m < 4));
+    h
+}
+
 /// The 8×A100 host with every GPU and NVSwitch bound to `vfio-pci` for passthrough.
 pub fn a100_8x_vfio() -> HostSpec {
     let mut h = hgx_a100("a100-8x-vfio", true);

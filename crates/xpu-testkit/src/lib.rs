@@ -16,6 +16,7 @@
 #![allow(clippy::unwrap_used)]
 
 pub mod bundle;
+pub mod cluster;
 pub mod driver;
 pub mod fake_kernel;
 pub mod hosts;

@@ -42,8 +42,9 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, LogParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
+use xpu_testkit::cluster;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions, DEFAULT_CONTROLLERS, free_ports};
-use xpu_testkit::kubelet::{BUSYBOX_IMAGE, HOST_ROOT, Node, NodeOptions};
+use xpu_testkit::kubelet::{BUSYBOX_IMAGE, Node, NodeOptions};
 use xpu_testkit::{BuildOptions, Fixture, HostSpec};
 
 use k8s_support::*;
@@ -909,38 +910,6 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
     eprintln!("the whole cluster test took {:.1?}", started.elapsed());
 }
 
-/// The one place the chart's rendering is changed for the fixture nodes, because they are not
-/// machines: (1) `hostPath: /` (the node's root, which the agents read as `/host`) is the node's
-/// fixture host at [`HOST_ROOT`]; (2) the nodes have no pod network and no Service proxy, so
-/// every xpu pod runs in the node's network (`hostNetwork`), reaches the API server at its
-/// loopback address (`KUBERNETES_SERVICE_HOST`/`PORT`, which in-cluster configuration reads)
-/// and serves its metrics on the node's address (`0.0.0.0:PORT` → `$(POD_IP):PORT`, as the
-/// nodes share one network namespace). Nothing else differs from what an admin applies.
-fn for_fixture_nodes(doc: &mut Value, api_port: u16) {
-    let Some(spec) = doc.pointer_mut("/spec/template/spec") else { return };
-    for v in spec["volumes"].as_array_mut().into_iter().flatten() {
-        if v.pointer("/hostPath/path").and_then(Value::as_str) == Some("/") {
-            v["hostPath"]["path"] = json!(HOST_ROOT);
-        }
-    }
-    spec["hostNetwork"] = json!(true);
-    for c in spec["containers"].as_array_mut().into_iter().flatten() {
-        let env = c["env"].as_array().cloned().unwrap_or_default();
-        let mut env: Vec<Value> = env;
-        env.push(json!({ "name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1" }));
-        env.push(json!({ "name": "KUBERNETES_SERVICE_PORT", "value": api_port.to_string() }));
-        env.push(json!({ "name": "POD_IP", "valueFrom": { "fieldRef": { "fieldPath": "status.podIP" } } }));
-        c["env"] = Value::Array(env);
-        for a in c["args"].as_array_mut().into_iter().flatten() {
-            if let Some(s) = a.as_str()
-                && s.contains("=0.0.0.0:")
-            {
-                *a = json!(s.replace("=0.0.0.0:", "=$(POD_IP):"));
-            }
-        }
-    }
-}
-
 /// Pods of `namespace` with label `app.kubernetes.io/name=app` and their nodes, when Running.
 async fn running_pods(admin: &kube::Client, namespace: &str, app: &str) -> Vec<(String, String)> {
     let api: Api<Pod> = Api::namespaced(admin.clone(), namespace);
@@ -977,17 +946,8 @@ async fn the_chart_installed_as_an_admin_runs_xpu_as_pods_on_real_nodes_needs_ro
     let work = tempfile::tempdir().unwrap();
     let archive = work.path().join("xpu-image.tar");
     let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_xpu")).parent().unwrap().to_owned();
-    let out = std::process::Command::new("bash")
-        .arg(repo().join("scripts/build-image"))
-        .arg("--binaries")
-        .arg(&bin_dir)
-        .arg("--oci-archive")
-        .arg(&archive)
-        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "build-image: {}", String::from_utf8_lossy(&out.stderr));
-    eprintln!("{}", String::from_utf8_lossy(&out.stdout).trim());
+    let built = cluster::build_image(&repo(), &bin_dir, &archive).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{built}");
 
     let mut controllers: Vec<String> =
         DEFAULT_CONTROLLERS.iter().map(ToString::to_string).collect();
@@ -1053,7 +1013,7 @@ async fn the_chart_installed_as_an_admin_runs_xpu_as_pods_on_real_nodes_needs_ro
         docs.into_iter().partition(|d| d["kind"] == "Namespace");
     first.append(&mut rest);
     for mut doc in first {
-        for_fixture_nodes(&mut doc, api_port);
+        cluster::for_fixture_nodes(&mut doc, api_port);
         create(&admin, &doc, false)
             .await
             .unwrap_or_else(|e| panic!("{} {}: {e}", doc["kind"], doc["metadata"]["name"]));
@@ -1168,6 +1128,21 @@ async fn the_chart_installed_as_an_admin_runs_xpu_as_pods_on_real_nodes_needs_ro
         "the exporter pod labels two GPUs with two-gpus\n{}",
         tail(&scrape("127.0.0.2:9402"), 3000)
     );
+
+    // The example workloads the local cluster's guide applies (docs/examples/local-cluster) are valid
+    // objects of this API server (server-side dry run).
+    let mut examples: Vec<_> = std::fs::read_dir(repo().join("docs/examples/local-cluster"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    examples.sort();
+    for f in &examples {
+        for doc in documents(f) {
+            create(&admin, &doc, true).await.unwrap_or_else(|e| {
+                panic!("{}: {} fails a dry run: {e}", f.display(), doc["kind"])
+            });
+        }
+    }
 
     // The leader's pod deleted: the other replica binds what arrives.
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =

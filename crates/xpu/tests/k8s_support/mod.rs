@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
-use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use xpu_testkit::bundle::ContainerView;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
@@ -38,63 +37,19 @@ pub async fn plane(opts: ControlPlaneOptions) -> ControlPlane {
     }
 }
 
-fn resource_of(kind: &str) -> Option<(&'static str, &'static str, &'static str, bool)> {
-    // (group, version, plural, namespaced)
-    Some(match kind {
-        "Namespace" => ("", "v1", "namespaces", false),
-        "ServiceAccount" => ("", "v1", "serviceaccounts", true),
-        "Service" => ("", "v1", "services", true),
-        "ClusterRole" => ("rbac.authorization.k8s.io", "v1", "clusterroles", false),
-        "ClusterRoleBinding" => ("rbac.authorization.k8s.io", "v1", "clusterrolebindings", false),
-        "Role" => ("rbac.authorization.k8s.io", "v1", "roles", true),
-        "ConfigMap" => ("", "v1", "configmaps", true),
-        "RoleBinding" => ("rbac.authorization.k8s.io", "v1", "rolebindings", true),
-        "Deployment" => ("apps", "v1", "deployments", true),
-        "DaemonSet" => ("apps", "v1", "daemonsets", true),
-        "Job" => ("batch", "v1", "jobs", true),
-        "DeviceClass" => ("resource.k8s.io", "v1", "deviceclasses", false),
-        "PriorityClass" => ("scheduling.k8s.io", "v1", "priorityclasses", false),
-        "PodDisruptionBudget" => ("policy", "v1", "poddisruptionbudgets", true),
-        "ResourceClaim" => ("resource.k8s.io", "v1", "resourceclaims", true),
-        "ValidatingAdmissionPolicy" => {
-            ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies", false)
-        }
-        "ValidatingAdmissionPolicyBinding" => {
-            ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings", false)
-        }
-        _ => return None,
-    })
-}
-
 /// Every document of a manifest file, as JSON.
 pub fn documents(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap();
-    text.split("\n---")
-        .filter(|d| d.lines().any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#')))
-        .map(|d| serde_norway::from_str::<Value>(d).unwrap())
-        .collect()
+    xpu_testkit::cluster::documents(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// Creates one object (server-side dry run when `dry_run`). `Err` carries the API's answer.
-pub async fn create(client: &Client, doc: &Value, dry_run: bool) -> Result<(), kube::Error> {
-    let kind = doc["kind"].as_str().unwrap();
-    let (group, version, plural, namespaced) =
-        resource_of(kind).unwrap_or_else(|| panic!("the test knows no resource for kind {kind}"));
-    let gvk = GroupVersionKind::gvk(group, version, kind);
-    let ar = ApiResource::from_gvk_with_plural(&gvk, plural);
-    let ns = doc["metadata"]["namespace"].as_str().unwrap_or("default");
-    let api: Api<DynamicObject> = if namespaced {
-        Api::namespaced_with(client.clone(), ns, &ar)
-    } else {
-        Api::all_with(client.clone(), &ar)
-    };
-    let obj: DynamicObject = serde_json::from_value(doc.clone()).unwrap();
-    let pp = PostParams { dry_run, ..PostParams::default() };
-    match api.create(&pp, &obj).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 && !dry_run => Ok(()),
-        Err(e) => Err(e),
-    }
+pub async fn create(
+    client: &Client,
+    doc: &Value,
+    dry_run: bool,
+) -> Result<(), xpu_testkit::cluster::CreateError> {
+    xpu_testkit::cluster::create(client, doc, dry_run).await
 }
 
 /// Applies the scheduler's manifests as a cluster admin would (everything but the workloads,
@@ -397,12 +352,9 @@ pub fn kill(child: Option<Child>) {
     }
 }
 
-/// The 8×A100 host with its first four GPUs (and the NVSwitches, which are not GPUs).
+/// The 8×A100 host with its first four GPUs.
 pub fn four_gpu_host() -> HostSpec {
-    let mut h = hosts::a100_8x();
-    h.name = "a100-4x".into();
-    h.devices.retain(|d| d.nvidia_minor.is_none_or(|m| m < 4));
-    h
+    hosts::a100_4x()
 }
 
 /// `c 195:3 rwm` lines as (type, major, minor) → access.
@@ -460,43 +412,12 @@ pub fn assert_only_these_gpus(gpu: &ContainerView, plain: &ContainerView, minors
     assert!(q.keys().all(|k| g.contains_key(k)), "the GPU container lost a default device");
 }
 
-/// Where `scripts/install-helm` puts the binary (`$XPU_HELM` overrides).
-pub fn helm() -> PathBuf {
-    if let Some(p) = std::env::var_os("XPU_HELM") {
-        return PathBuf::from(p);
-    }
-    let cache = std::env::var_os("XPU_HELM_CACHE").map(PathBuf::from).unwrap_or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .unwrap()
-            .join("xpu/helm")
-    });
-    cache.join("v3.22.0/bin/helm")
-}
-
 /// `helm ARGS...` in the repository; fails the test with its output when it fails.
 pub fn helm_run(args: &[&str]) -> String {
-    let helm = helm();
-    assert!(helm.exists(), "{} is missing: run scripts/install-helm", helm.display());
-    let o = Command::new(&helm).args(args).current_dir(repo()).output().unwrap();
-    assert!(
-        o.status.success(),
-        "helm {args:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout).unwrap()
+    xpu_testkit::cluster::helm(&repo(), args).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The chart rendered with `extra` arguments (`--set ...`), as one stream of documents.
 pub fn render(extra: &[&str]) -> Vec<Value> {
-    let mut args = vec!["template", "xpu", "deploy/helm/xpu", "--namespace", "xpu-system"];
-    args.extend_from_slice(&["--kube-version", "v1.37.2"]);
-    args.extend_from_slice(extra);
-    let text = helm_run(&args);
-    text.split("\n---")
-        .filter(|d| d.lines().any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#')))
-        .map(|d| serde_norway::from_str(d).unwrap())
-        .collect()
+    xpu_testkit::cluster::render_chart(&repo(), extra).unwrap_or_else(|e| panic!("{e}"))
 }
