@@ -51,13 +51,23 @@ impl Running {
 }
 
 fn start(fixture: &Fixture, dir: &Path, resources: Vec<Resource>) -> Running {
+    start_waiting(fixture, dir, resources, deviceplugin::LIST_AND_WATCH_WAIT)
+}
+
+/// [`start`], reporting a kubelet that opens no ListAndWatch within `watch_timeout`.
+fn start_waiting(
+    fixture: &Fixture,
+    dir: &Path,
+    resources: Vec<Resource>,
+    watch_timeout: Duration,
+) -> Running {
     let cfg = Config {
         root: Root::new(fixture.root()).unwrap(),
         plugin_dir: dir.to_owned(),
         resources,
         interval: Duration::from_millis(40),
         health: None,
-        watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
+        watch_timeout,
         share: None,
     };
     let (tx, events) = mpsc::unbounded_channel();
@@ -473,23 +483,9 @@ async fn a_kubelet_that_never_opens_list_and_watch_is_reported_and_registered_ag
     let fixture = hosts::a100_8x().build();
     let dir = tempfile::tempdir().unwrap();
     let mut kubelet = TestKubelet::start(dir.path()).unwrap();
-    let cfg = Config {
-        root: Root::new(fixture.root()).unwrap(),
-        plugin_dir: dir.path().to_owned(),
-        resources: Resource::defaults(),
-        interval: Duration::from_millis(40),
-        health: None,
-        // Long enough that this test's own ListAndWatch below always comes in time.
-        watch_timeout: Duration::from_secs(1),
-        share: None,
-    };
-    let (tx, events) = mpsc::unbounded_channel();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(deviceplugin::run(cfg, Some(tx), async {
-        // Sent or dropped (the test failed early): either way the plugin stops.
-        let _ = stopped.await;
-    }));
-    let mut plugin = Running { stop: Some(stop), task, events };
+    // Long enough that this test's own ListAndWatch below always comes in time.
+    let mut plugin =
+        start_waiting(&fixture, dir.path(), Resource::defaults(), Duration::from_secs(1));
     let first = kubelet.next_registration(WAIT).await.expect("registration");
     // This kubelet never calls: reported, then registered again.
     let e = plugin.wait_for(|e| matches!(e, Event::NoListAndWatch { .. })).await;
@@ -520,21 +516,8 @@ async fn a_kubelet_that_watches_before_answering_register_is_not_reported() {
     let fixture = hosts::a100_8x().build();
     let dir = tempfile::tempdir().unwrap();
     let mut kubelet = TestKubelet::start_watching_first(dir.path()).unwrap();
-    let cfg = Config {
-        root: Root::new(fixture.root()).unwrap(),
-        plugin_dir: dir.path().to_owned(),
-        resources: Resource::defaults(),
-        interval: Duration::from_millis(40),
-        health: None,
-        watch_timeout: Duration::from_millis(500),
-        share: None,
-    };
-    let (tx, events) = mpsc::unbounded_channel();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(deviceplugin::run(cfg, Some(tx), async {
-        let _ = stopped.await;
-    }));
-    let mut plugin = Running { stop: Some(stop), task, events };
+    let mut plugin =
+        start_waiting(&fixture, dir.path(), Resource::defaults(), Duration::from_millis(500));
     kubelet.next_registration(WAIT).await.expect("registration");
     plugin.wait_for(|e| matches!(e, Event::Registered { .. })).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Node as NodeObject, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
-use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions, DEFAULT_CONTROLLERS};
+use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
 use xpu_testkit::kubelet::{Node, NodeOptions};
 use xpu_testkit::{BuildOptions, Fixture, HostSpec, cluster, hosts};
 
@@ -110,21 +110,12 @@ async fn run(a: Args) -> Result<(), String> {
     let archive = a.state.join("xpu-image.tar");
     say(started, &cluster::build_image(&a.repo, &a.binaries, &archive)?);
 
-    let mut controllers: Vec<String> =
-        DEFAULT_CONTROLLERS.iter().map(ToString::to_string).collect();
-    controllers.extend(
-        [
-            "daemonset-controller",
-            "deployment-controller",
-            "replicaset-controller",
-            "root-ca-certificate-publisher-controller",
-            "resourceclaim-controller",
-            "garbage-collector-controller",
-            "node-lifecycle-controller",
-            "taint-eviction-controller",
-        ]
-        .map(String::from),
-    );
+    let controllers = cluster::chart_controllers(&[
+        "resourceclaim-controller",
+        "garbage-collector-controller",
+        "node-lifecycle-controller",
+        "taint-eviction-controller",
+    ]);
     let cp = ControlPlane::start(
         ControlPlaneOptions::default()
             .with_scheduler()

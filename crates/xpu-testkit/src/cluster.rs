@@ -92,6 +92,26 @@ pub fn build_image(repo: &Path, binaries: &Path, out: &Path) -> Result<String, S
     Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
 }
 
+/// kube-controller-manager's controllers for a cluster the chart is installed on: the harness's
+/// defaults, those that run its Deployment and DaemonSets and give pods the API server's CA,
+/// and `extra`.
+pub fn chart_controllers(extra: &[&str]) -> Vec<String> {
+    let mut c: Vec<String> =
+        crate::kube::DEFAULT_CONTROLLERS.iter().map(ToString::to_string).collect();
+    c.extend(
+        [
+            "daemonset-controller",
+            "deployment-controller",
+            "replicaset-controller",
+            "root-ca-certificate-publisher-controller",
+        ]
+        .iter()
+        .chain(extra)
+        .map(ToString::to_string),
+    );
+    c
+}
+
 /// The one place the chart's rendering is changed for the fixture nodes, because they are not
 /// machines: (1) `hostPath: /` (the node's root, which the agents read as `/host`) is the node's
 /// fixture host at [`HOST_ROOT`]; (2) the nodes have no pod network and no Service proxy, so

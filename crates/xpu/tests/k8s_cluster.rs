@@ -126,14 +126,7 @@ async fn start_node(
     }
     let xpu = env!("CARGO_BIN_EXE_xpu");
     let vendor = if role == Role::Tpu { "google" } else { "nvidia" };
-    let out = std::process::Command::new(xpu)
-        .args(["cdi", "generate", "--vendor", vendor, "--root"])
-        .arg(cn.fx.root())
-        .arg("--output")
-        .arg(cn.node.cdi_dir())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "xpu cdi generate: {}", String::from_utf8_lossy(&out.stderr));
+    cdi_generate(cn.fx.root(), vendor, &cn.node.cdi_dir());
 
     // The node's labels, as NFD's master writes them from the feature file.
     let out = std::process::Command::new(xpu)
@@ -329,6 +322,23 @@ fn health_of(p: &Pod, c: &str, resource: &str, id: &str) -> Option<String> {
     r.resources.as_ref()?.iter().find(|h| h.resource_id == id)?.health.clone()
 }
 
+/// Creates an Indexed Job of `pods` pods at once (a gang to xpu) from the pod `template`.
+async fn indexed_job(admin: &kube::Client, name: &str, pods: u32, backoff: u32, template: Value) {
+    let job: Job = serde_json::from_value(json!({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": { "name": name },
+        "spec": {
+            "completions": pods, "parallelism": pods, "completionMode": "Indexed",
+            "backoffLimit": backoff, "template": template,
+        },
+    }))
+    .unwrap();
+    Api::<Job>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &job)
+        .await
+        .unwrap();
+}
+
 /// The Job that controls a pod.
 fn job_of(p: &Pod) -> Option<&str> {
     p.metadata.labels.as_ref()?.get("batch.kubernetes.io/job-name").map(String::as_str)
@@ -440,19 +450,7 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
         json!({ "limits": { GPU: "4" } }),
     );
     template["spec"]["nodeSelector"] = json!({ "nvidia.com/gpu.product": product });
-    let job: Job = serde_json::from_value(json!({
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": { "name": "train" },
-        "spec": {
-            "completions": 2, "parallelism": 2, "completionMode": "Indexed",
-            "backoffLimit": 6, "template": template,
-        },
-    }))
-    .unwrap();
-    Api::<Job>::namespaced(admin.clone(), "default")
-        .create(&PostParams::default(), &job)
-        .await
-        .unwrap();
+    indexed_job(&admin, "train", 2, 6, template).await;
 
     // 2. Two pods of half a GPU each, and 3. a pod with no device.
     for name in ["half-0", "half-1"] {
@@ -478,19 +476,7 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
             "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']" } } },
         { "name": "TPU_WORKER_HOSTNAMES", "value": "job-1-0.headless-svc,job-1-1.headless-svc" },
     ]);
-    let job: Job = serde_json::from_value(json!({
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": { "name": "job-1" },
-        "spec": {
-            "completions": 2, "parallelism": 2, "completionMode": "Indexed",
-            "backoffLimit": 0, "template": template,
-        },
-    }))
-    .unwrap();
-    Api::<Job>::namespaced(admin.clone(), "default")
-        .create(&PostParams::default(), &job)
-        .await
-        .unwrap();
+    indexed_job(&admin, "job-1", 2, 0, template).await;
 
     // 5. A DRA claim for two GPUs of one NVLink domain.
     let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
@@ -949,17 +935,7 @@ async fn the_chart_installed_as_an_admin_runs_xpu_as_pods_on_real_nodes_needs_ro
     let built = cluster::build_image(&repo(), &bin_dir, &archive).unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{built}");
 
-    let mut controllers: Vec<String> =
-        DEFAULT_CONTROLLERS.iter().map(ToString::to_string).collect();
-    controllers.extend(
-        [
-            "daemonset-controller",
-            "deployment-controller",
-            "replicaset-controller",
-            "root-ca-certificate-publisher-controller",
-        ]
-        .map(String::from),
-    );
+    let controllers = cluster::chart_controllers(&[]);
     let cp = plane(
         ControlPlaneOptions::default()
             .with_scheduler()
@@ -984,14 +960,7 @@ async fn the_chart_installed_as_an_admin_runs_xpu_as_pods_on_real_nodes_needs_ro
             let node =
                 Node::start(cp, options).await.unwrap_or_else(|e| panic!("node {name}: {e}"));
             // The node's CDI spec, as the admin's host set-up writes it (docs/containers.md).
-            let out = std::process::Command::new(env!("CARGO_BIN_EXE_xpu"))
-                .args(["cdi", "generate", "--vendor", "nvidia", "--root"])
-                .arg(fx.root())
-                .arg("--output")
-                .arg(node.cdi_dir())
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            cdi_generate(fx.root(), "nvidia", &node.cdi_dir());
             let nodes: Api<NodeObject> = Api::all(cp.admin_client());
             let patch = json!({ "metadata": { "labels": { "xpu.dev/agent": group } } });
             nodes.patch(name, &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();

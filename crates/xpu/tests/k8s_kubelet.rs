@@ -178,14 +178,7 @@ async fn plugin_node(cp: &ControlPlane, old: bool) -> PluginNode {
     assert_eq!(quantity(&before, "allocatable", GPU), None, "no GPUs before the plugin");
 
     // The CDI spec the device plugin's Allocate names, where containerd reads specs.
-    let out = Command::new(env!("CARGO_BIN_EXE_xpu"))
-        .args(["cdi", "generate", "--vendor", "nvidia", "--root"])
-        .arg(fx.root())
-        .arg("--output")
-        .arg(node.cdi_dir())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "xpu cdi generate: {}", String::from_utf8_lossy(&out.stderr));
+    cdi_generate(fx.root(), "nvidia", &node.cdi_dir());
 
     // The plugin runs outside the node's namespace, in the directory the kubelet sees as
     // /var/lib/kubelet/device-plugins.

@@ -421,3 +421,16 @@ pub fn helm_run(args: &[&str]) -> String {
 pub fn render(extra: &[&str]) -> Vec<Value> {
     xpu_testkit::cluster::render_chart(&repo(), extra).unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// `xpu cdi generate --vendor VENDOR --root ROOT --output OUT`: the CDI spec a node's device
+/// plugin names, where the node's containerd reads specs.
+pub fn cdi_generate(root: &Path, vendor: &str, out: &Path) {
+    let o = Command::new(env!("CARGO_BIN_EXE_xpu"))
+        .args(["cdi", "generate", "--vendor", vendor, "--root"])
+        .arg(root)
+        .arg("--output")
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "xpu cdi generate: {}", String::from_utf8_lossy(&o.stderr));
+}
