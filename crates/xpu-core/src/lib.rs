@@ -27,6 +27,7 @@ pub mod job;
 mod k8s_fields;
 pub mod kernel;
 pub mod labels;
+pub mod mig;
 pub mod nova;
 pub mod pci;
 pub mod tpu;

@@ -645,11 +645,45 @@ fn dra_nodes(
     let mut nodes: Vec<(&str, &BTreeMap<String, String>)> = Vec::new();
     static NO_LABELS: std::sync::LazyLock<BTreeMap<String, String>> =
         std::sync::LazyLock::new(BTreeMap::new);
+    // The pod's own node constraints first, as kube-scheduler filters node affinity and taints
+    // before DRA: a node the pod may not go to is never the one its claims are kept to.
+    let own = convert::pod(p).ok().map(|a| a.task);
+    let admits = |n: &Node, name: &str, labels: &BTreeMap<String, String>| {
+        let Some(t) = &own else { return true };
+        if !t.node_selector.iter().all(|(k, v)| labels.get(k) == Some(v)) {
+            return false;
+        }
+        if !t.affinity.is_empty() {
+            let mut with_name = labels.clone();
+            with_name.insert(NODE_NAME.into(), name.to_owned());
+            if !xpu_sched::constraints::affinity_matches(&t.affinity, &with_name) {
+                return false;
+            }
+        }
+        let taints: Vec<xpu_sched::constraints::Taint> = n
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|x| {
+                Some(xpu_sched::constraints::Taint {
+                    key: x.key.clone(),
+                    value: x.value.clone().unwrap_or_default(),
+                    effect: x.effect.parse().ok()?,
+                })
+            })
+            .collect();
+        xpu_sched::constraints::tolerated(&taints, &t.tolerations)
+    };
     for n in snap.nodes {
         if let Some(name) = n.metadata.name.as_deref()
             && !excluded.is_some_and(|x| x.iter().any(|e| e == name))
         {
-            nodes.push((name, n.metadata.labels.as_ref().unwrap_or(&NO_LABELS)));
+            let labels = n.metadata.labels.as_ref().unwrap_or(&NO_LABELS);
+            if admits(n, name, labels) {
+                nodes.push((name, labels));
+            }
         }
     }
     for name in names {
@@ -730,9 +764,16 @@ fn dra_nodes(
         .allocated
         .is_empty()
         .then(|| {
-            let specs: Option<Vec<String>> =
-                claims.pending.iter().map(|(c, _)| serde_json::to_string(&c.spec).ok()).collect();
-            Some((specs?, excluded.cloned()))
+            let mut specs: Vec<String> = claims
+                .pending
+                .iter()
+                .map(|(c, _)| serde_json::to_string(&c.spec).ok())
+                .collect::<Option<_>>()?;
+            // The nodes also depend on where the pod itself may go.
+            if let Some(t) = &own {
+                specs.push(format!("{:?}|{:?}|{:?}", t.node_selector, t.affinity, t.tolerations));
+            }
+            Some((specs, excluded.cloned()))
         })
         .flatten();
     if let Some(found) = shape.as_ref().and_then(|k| shapes.get(k)) {

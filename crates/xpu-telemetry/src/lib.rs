@@ -17,6 +17,7 @@
 pub mod amd;
 pub mod collect;
 pub mod health;
+pub mod mig;
 pub mod nvml;
 pub mod render;
 

@@ -88,7 +88,8 @@ fn start_driver(cp: &ControlPlane, root: &Path, dirs: &Path) -> Child {
         .unwrap()
 }
 
-/// Device name -> `driver` attribute, over every slice of the node's pool.
+/// Device name -> `driver` attribute (with ` tainted` after it when the device is tainted:
+/// the driver keeps a vanished device published, tainted), over every slice of the node's pool.
 type Devices = BTreeMap<String, String>;
 
 fn devices_of(slices: &BTreeMap<String, ResourceSlice>) -> Devices {
@@ -102,7 +103,9 @@ fn devices_of(slices: &BTreeMap<String, ResourceSlice>) -> Devices {
                 .and_then(|a| a.get("driver"))
                 .and_then(|a| a.string.clone())
                 .unwrap_or_default();
-            (d.name.clone(), drv)
+            let tainted =
+                if d.taints.as_ref().is_some_and(|t| !t.is_empty()) { " tainted" } else { "" };
+            (d.name.clone(), format!("{drv}{tainted}"))
         })
         .collect()
 }
@@ -274,12 +277,14 @@ async fn bench(rounds: usize, changes: usize) {
             0 => {
                 let t = Instant::now();
                 std::fs::remove_file(&link).unwrap();
-                (t, wait_for(&mut slices, "the GPU gone", |d| !d.contains_key(victim)).await)
+                let gone = |d: &Devices| d.get(victim).is_some_and(|v| v.ends_with(" tainted"));
+                (t, wait_for(&mut slices, "the GPU gone (tainted)", gone).await)
             }
             1 => {
                 let t = Instant::now();
                 std::os::unix::fs::symlink(&target, &link).unwrap();
-                (t, wait_for(&mut slices, "the GPU back", |d| d.contains_key(victim)).await)
+                let back = |d: &Devices| d.get(victim).is_some_and(|v| !v.ends_with(" tainted"));
+                (t, wait_for(&mut slices, "the GPU back", back).await)
             }
             2 => {
                 let t = Instant::now();

@@ -11,6 +11,7 @@
 //!
 //! Allocation is kube-scheduler's: this driver never picks devices.
 
+pub mod mig;
 pub mod plugin;
 pub mod prepare;
 pub mod slices;
@@ -38,6 +39,9 @@ pub struct DriverArgs {
     /// unhealthy device is tainted `xpu.dev/unhealthy:NoSchedule` in the published pool until it
     /// recovers.
     pub health: Option<xpu_telemetry::collect::Collector>,
+    /// MIG through NVML: GPUs in MIG mode are published as their partitions ([`mig`]). `None`
+    /// where there is no NVML MIG control (every GPU is published whole).
+    pub mig: Option<Arc<dyn xpu_telemetry::mig::MigControl>>,
 }
 
 /// Errors starting the driver.
@@ -68,7 +72,12 @@ pub async fn run(
     };
     let inv = xpu_host::discover(&args.root, &opts)?;
     let mut publisher = slices::Publisher::new(client.clone(), &args.node_name).await?;
-    publisher.publish(slices::devices(&args.root, &inv)).await?;
+    let (devices, counters) = slices::with_mig(
+        slices::devices(&args.root, &inv),
+        &inv,
+        &slices::mig_gpus(args.mig.as_deref()),
+    );
+    publisher.publish_with(devices, counters).await?;
     info!(node = %args.node_name, generation = publisher.generation(), "driver started");
     let (tx, rx) = tokio::sync::watch::channel(Arc::new(inv));
     let driver = Arc::new(plugin::Driver::new(
@@ -84,6 +93,7 @@ pub async fn run(
         args.interval,
         tx,
         args.health.clone(),
+        args.mig.clone(),
     ));
     let r = plugin::serve(driver, stop).await;
     loop_task.abort();

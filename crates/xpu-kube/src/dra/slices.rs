@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
+    CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
     ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -25,6 +25,10 @@ use super::DRIVER;
 
 /// `resource.k8s.io/v1` `ResourceSliceMaxDevices`.
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// The limit when a device of the slice has taints or consumes counters.
+pub const MAX_PARTITIONABLE_PER_SLICE: usize = 64;
+/// Counter sets one slice may hold (a slice holds devices or counter sets, never both).
+pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
 /// The standard attribute naming the PCIe root complex (KEP 4381 "standard attributes").
 pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
 /// Field manager of the driver's server-side applies.
@@ -190,17 +194,30 @@ pub fn slice_name(node: &str, i: usize) -> String {
 
 /// The pool's slices: `devices` split at the per-slice limit (one empty slice for a node
 /// without devices, so the pool's generation still tells the scheduler it is empty).
-pub fn slices(node: &str, devices: &[Device], generation: i64) -> Vec<ResourceSlice> {
-    let parts: Vec<&[Device]> = if devices.is_empty() {
-        vec![&[]]
+pub fn slices(
+    node: &str,
+    devices: &[Device],
+    counters: &[CounterSet],
+    generation: i64,
+) -> Vec<ResourceSlice> {
+    // Counter sets first, in slices of their own; then the devices, 64 to a slice when any is
+    // partitionable or tainted, else 128.
+    let per_slice = if devices.iter().any(|d| d.consumes_counters.is_some() || d.taints.is_some()) {
+        MAX_PARTITIONABLE_PER_SLICE
     } else {
-        devices.chunks(MAX_DEVICES_PER_SLICE).collect()
+        MAX_DEVICES_PER_SLICE
     };
+    let mut parts: Vec<(Option<&[CounterSet]>, &[Device])> =
+        counters.chunks(MAX_COUNTER_SETS_PER_SLICE).map(|c| (Some(c), &[][..])).collect();
+    parts.extend(devices.chunks(per_slice).map(|d| (None, d)));
+    if parts.is_empty() {
+        parts.push((None, &[]));
+    }
     let count = i64::try_from(parts.len()).unwrap_or(i64::MAX);
     parts
         .iter()
         .enumerate()
-        .map(|(i, part)| ResourceSlice {
+        .map(|(i, (sets, part))| ResourceSlice {
             metadata: ObjectMeta { name: Some(slice_name(node, i)), ..Default::default() },
             spec: ResourceSliceSpec {
                 driver: DRIVER.to_owned(),
@@ -210,11 +227,56 @@ pub fn slices(node: &str, devices: &[Device], generation: i64) -> Vec<ResourceSl
                     generation,
                     resource_slice_count: count,
                 },
-                devices: Some(part.to_vec()),
+                devices: sets.is_none().then(|| part.to_vec()),
+                shared_counters: sets.map(<[CounterSet]>::to_vec),
                 ..Default::default()
             },
         })
         .collect()
+}
+
+/// The GPUs `mig` reports (none without it, or when it fails: then every GPU is whole, with a
+/// warning).
+pub fn mig_gpus(
+    mig: Option<&dyn xpu_telemetry::mig::MigControl>,
+) -> Vec<xpu_telemetry::mig::MigGpu> {
+    match mig.map(|m| m.gpus()) {
+        None => Vec::new(),
+        Some(Ok(g)) => g,
+        Some(Err(e)) => {
+            warn!(error = %e, "reading MIG state; GPUs published whole");
+            Vec::new()
+        }
+    }
+}
+
+/// `devices` with each GPU that NVML reports in MIG mode (`mig`) replaced by its MIG
+/// partitions ([`super::mig::partitions`]), and their counter sets. A GPU in MIG mode whose
+/// model has no MIG table stays whole, with a warning.
+pub fn with_mig(
+    devices: Vec<Device>,
+    inv: &Inventory,
+    mig: &[xpu_telemetry::mig::MigGpu],
+) -> (Vec<Device>, Vec<CounterSet>) {
+    let mut out = Vec::with_capacity(devices.len());
+    let mut sets = Vec::new();
+    let name_of: BTreeMap<xpu_core::PciAddress, String> =
+        inv.devices.iter().filter_map(|d| Some((d.address, device_name(d)?))).collect();
+    for d in devices {
+        let gpu = mig.iter().find(|g| g.enabled && name_of.get(&g.address) == Some(&d.name));
+        match gpu.map(|g| super::mig::partitions(&d, g)) {
+            Some(Ok((set, parts))) => {
+                sets.push(set);
+                out.extend(parts);
+            }
+            Some(Err(e)) => {
+                warn!(device = %d.name, error = %e, "MIG mode is on but its partitions are unknown; published whole");
+                out.push(d);
+            }
+            None => out.push(d),
+        }
+    }
+    (out, sets)
 }
 
 /// Errors talking to the API server about slices.
@@ -245,7 +307,7 @@ pub struct Publisher {
     api: Api<ResourceSlice>,
     node: String,
     generation: i64,
-    published: Option<Vec<Device>>,
+    published: Option<(Vec<Device>, Vec<CounterSet>)>,
 }
 
 impl Publisher {
@@ -270,11 +332,20 @@ impl Publisher {
 
     /// Publishes `devices` if they differ from what was published; returns whether it did.
     pub async fn publish(&mut self, devices: Vec<Device>) -> Result<bool, PublishError> {
-        if self.published.as_ref() == Some(&devices) {
+        self.publish_with(devices, Vec::new()).await
+    }
+
+    /// [`Publisher::publish`] with the pool's shared counter sets (MIG partitions).
+    pub async fn publish_with(
+        &mut self,
+        devices: Vec<Device>,
+        counters: Vec<CounterSet>,
+    ) -> Result<bool, PublishError> {
+        if self.published.as_ref().is_some_and(|(d, c)| *d == devices && *c == counters) {
             return Ok(false);
         }
         let generation = self.generation + 1;
-        let want = slices(&self.node, &devices, generation);
+        let want = slices(&self.node, &devices, &counters, generation);
         let pp = PatchParams::apply(MANAGER).force();
         for s in &want {
             let name = s.metadata.name.clone().unwrap_or_default();
@@ -303,7 +374,7 @@ impl Publisher {
         }
         info!(node = %self.node, generation, devices = devices.len(), slices = want.len(), "published ResourceSlices");
         self.generation = generation;
-        self.published = Some(devices);
+        self.published = Some((devices, counters));
         Ok(true)
     }
 }
@@ -316,6 +387,7 @@ pub async fn run(
     interval: Duration,
     inventory: tokio::sync::watch::Sender<std::sync::Arc<Inventory>>,
     health: Option<xpu_telemetry::collect::Collector>,
+    mig: Option<std::sync::Arc<dyn xpu_telemetry::mig::MigControl>>,
 ) {
     let opts = xpu_host::DiscoverOptions {
         scope: xpu_host::Scope::Accelerators,
@@ -348,9 +420,11 @@ pub async fn run(
             Ok((inv, devs)) => {
                 let unhealthy = health.as_ref().map(|h| h.unhealthy()).unwrap_or_default();
                 let devs = taint_unhealthy(devs, &inv, &unhealthy, &mut known);
+                // A GPU whose MIG state changed under the driver is published as it is now.
+                let (devs, counters) = with_mig(devs, &inv, &mig_gpus(mig.as_deref()));
                 // Only the publisher writes; receivers see the inventory the slices came from.
                 inventory.send_replace(std::sync::Arc::new(inv));
-                match publisher.publish(devs).await {
+                match publisher.publish_with(devs, counters).await {
                     Ok(true) => {
                         info!(elapsed_ms = started.elapsed().as_millis() as u64, "slices updated")
                     }
@@ -498,7 +572,7 @@ mod tests {
     fn large_pools_split_at_the_api_limit_with_one_generation() {
         let dev = |i: usize| Device { name: format!("gpu-{i}"), ..Default::default() };
         let devs: Vec<Device> = (0..300).map(dev).collect();
-        let s = slices("n1", &devs, 7);
+        let s = slices("n1", &devs, &[], 7);
         assert_eq!(s.len(), 3);
         assert!(s.iter().all(|s| s.spec.pool.resource_slice_count == 3
             && s.spec.pool.generation == 7
@@ -506,6 +580,38 @@ mod tests {
             && s.spec.devices.as_ref().unwrap().len() <= MAX_DEVICES_PER_SLICE));
         let total: usize = s.iter().map(|s| s.spec.devices.as_ref().unwrap().len()).sum();
         assert_eq!(total, 300);
-        assert_eq!(slices("n1", &[], 1).len(), 1, "an empty pool is still published");
+        assert_eq!(slices("n1", &[], &[], 1).len(), 1, "an empty pool is still published");
+    }
+
+    #[test]
+    fn mig_gpus_are_published_as_partitions_with_counter_sets_in_slices_of_their_own() {
+        use xpu_telemetry::mig::{FakeMig, MigControl};
+        let (_fx, root, inv) = inv(&hosts::a100_8x());
+        let gpus: Vec<_> = inv.accelerators().map(|d| d.address).collect();
+        // Two GPUs in MIG mode, one with an instance made outside xpu.
+        let mig = FakeMig::new(
+            gpus.iter().enumerate().map(|(i, a)| (*a, "NVIDIA A100-SXM4-40GB", i < 2)),
+        );
+        mig.create_outside(gpus[1], "7g.40gb", 0).unwrap();
+        let (devices, sets) = with_mig(devices(&root, &inv), &inv, &mig.gpus().unwrap());
+        assert_eq!(sets.len(), 2);
+        // GPU 0: 25 partitions; GPU 1: none (the 7g holds it); six GPUs whole.
+        let mig_devices = devices.iter().filter(|d| d.consumes_counters.is_some()).count();
+        assert_eq!((mig_devices, devices.len()), (25, 31));
+        let whole0 = device_name(inv.device(&gpus[0]).unwrap()).unwrap();
+        assert!(!devices.iter().any(|d| d.name == whole0), "a MIG GPU is not offered whole");
+        let s = slices("n1", &devices, &sets, 3);
+        // One slice of counter sets, then 31 devices at most 64 to a slice.
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].spec.shared_counters.as_ref().unwrap().len(), 2);
+        assert!(s[0].spec.devices.is_none());
+        assert_eq!(s[1].spec.devices.as_ref().unwrap().len(), 31);
+        assert!(s[1].spec.shared_counters.is_none());
+        assert!(s.iter().all(|x| x.spec.pool.resource_slice_count == 2));
+        let many: Vec<Device> = (0..100).map(|_| devices[0].clone()).collect();
+        let s = slices("n1", &many, &sets[..1], 3);
+        let sizes: Vec<usize> =
+            s.iter().map(|x| x.spec.devices.as_ref().map_or(0, Vec::len)).collect();
+        assert_eq!(sizes, [0, 64, 36]);
     }
 }

@@ -246,6 +246,9 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
         },
         interval: Duration::from_millis(a.interval_ms),
         health: Some(health),
+        // MIG partitions are published from a MigControl; the NVML implementation of it is
+        // not built yet, so GPUs are published whole (docs/dra.md).
+        mig: None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1,0 +1,276 @@
+//! Making and destroying MIG instances: the NVML calls (`nvmlDeviceGetMigMode`,
+//! `nvmlDeviceCreateGpuInstanceWithPlacement`, `nvmlGpuInstanceCreateComputeInstance`,
+//! `nvmlGpuInstanceDestroy`) behind [`MigControl`], and [`FakeMig`], which models them with the
+//! profiles, placements and instance lifetimes of `xpu_core::mig`'s tables so that everything
+//! above it is tested without a GPU.
+//!
+//! One compute instance per GPU instance, spanning it (what `nvidia-smi mig -cgi ... -C` makes).
+//! MIG mode itself is never changed here: turning it on needs a GPU reset, which is the admin's.
+//! Instances xpu did not make are reported (`by_xpu: false`) and never destroyed.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use xpu_core::PciAddress;
+use xpu_core::mig::{Layout, MigError, Model};
+
+/// A GPU instance and its compute instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Instance {
+    /// NVML's GPU instance id on its GPU.
+    pub gi: u32,
+    /// The compute instance's id in it.
+    pub ci: u32,
+    pub profile: &'static str,
+    /// First memory slice.
+    pub start: u8,
+    /// `MIG-<uuid>`, what `NVIDIA_VISIBLE_DEVICES` and CUDA name it by.
+    pub uuid: String,
+    /// Made through [`MigControl::create`] (by xpu); `false`: found there.
+    pub by_xpu: bool,
+}
+
+/// A GPU as MIG sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigGpu {
+    pub address: PciAddress,
+    /// NVML's product name (`NVIDIA H200`).
+    pub product: String,
+    /// MIG mode is on (current, not pending).
+    pub enabled: bool,
+    pub instances: Vec<Instance>,
+}
+
+/// Why an instance was not made or destroyed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MigControlError {
+    #[error("no GPU at {0} for MIG")]
+    NoGpu(PciAddress),
+    #[error(
+        "MIG mode is off on the GPU at {0}; xpu leaves it as the admin set it (turning it on needs a GPU reset: nvidia-smi -i <gpu> -mig 1)"
+    )]
+    Disabled(PciAddress),
+    #[error("the GPU at {gpu}: {source}")]
+    Geometry {
+        gpu: PciAddress,
+        #[source]
+        source: MigError,
+    },
+    #[error("no GPU instance {gi} on the GPU at {gpu}")]
+    NoInstance { gpu: PciAddress, gi: u32 },
+    #[error("GPU instance {gi} on the GPU at {gpu} was not made by xpu; it is left as it is")]
+    NotOurs { gpu: PciAddress, gi: u32 },
+    #[error("NVML: {0}")]
+    Nvml(String),
+}
+
+/// The NVML calls MIG needs.
+pub trait MigControl: Send + Sync + std::fmt::Debug {
+    /// Every GPU NVML reports, with its MIG state.
+    fn gpus(&self) -> Result<Vec<MigGpu>, MigControlError>;
+    /// Makes a GPU instance of `profile` at memory slice `start` on the GPU at `gpu`, and a
+    /// compute instance spanning it.
+    fn create(
+        &self,
+        gpu: PciAddress,
+        profile: &str,
+        start: u8,
+    ) -> Result<Instance, MigControlError>;
+    /// Destroys GPU instance `gi` (and its compute instances) if xpu made it.
+    fn destroy(&self, gpu: PciAddress, gi: u32) -> Result<(), MigControlError>;
+}
+
+/// GPU instance ids NVML hands out on one GPU (at most seven instances exist at once).
+const MAX_GI: u32 = 14;
+
+#[derive(Debug, Clone)]
+struct FakeGpu {
+    product: String,
+    enabled: bool,
+    instances: Vec<Instance>,
+}
+
+/// MIG as NVML would do it on the GPUs it is given, by NVIDIA's tables.
+#[derive(Debug, Clone, Default)]
+pub struct FakeMig {
+    gpus: Arc<Mutex<BTreeMap<PciAddress, FakeGpu>>>,
+}
+
+impl FakeMig {
+    /// GPUs by address, with their product name and whether MIG mode is on.
+    pub fn new<'a>(gpus: impl IntoIterator<Item = (PciAddress, &'a str, bool)>) -> Self {
+        let map = gpus
+            .into_iter()
+            .map(|(a, product, enabled)| {
+                (a, FakeGpu { product: product.to_owned(), enabled, instances: Vec::new() })
+            })
+            .collect();
+        FakeMig { gpus: Arc::new(Mutex::new(map)) }
+    }
+
+    /// An instance made behind xpu's back (by `nvidia-smi`, or another tool).
+    pub fn create_outside(
+        &self,
+        gpu: PciAddress,
+        profile: &str,
+        start: u8,
+    ) -> Result<Instance, MigControlError> {
+        self.make(gpu, profile, start, false)
+    }
+
+    /// Destroys any instance, as `nvidia-smi mig -dgi` would behind xpu's back.
+    pub fn destroy_outside(&self, gpu: PciAddress, gi: u32) -> Result<(), MigControlError> {
+        let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
+        let g = gpus.get_mut(&gpu).ok_or(MigControlError::NoGpu(gpu))?;
+        let before = g.instances.len();
+        g.instances.retain(|i| i.gi != gi);
+        if g.instances.len() == before {
+            return Err(MigControlError::NoInstance { gpu, gi });
+        }
+        Ok(())
+    }
+
+    fn make(
+        &self,
+        gpu: PciAddress,
+        profile: &str,
+        start: u8,
+        by_xpu: bool,
+    ) -> Result<Instance, MigControlError> {
+        let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
+        let g = gpus.get_mut(&gpu).ok_or(MigControlError::NoGpu(gpu))?;
+        if !g.enabled {
+            return Err(MigControlError::Disabled(gpu));
+        }
+        let geometry = |source| MigControlError::Geometry { gpu, source };
+        let model = Model::of(&g.product).map_err(geometry)?;
+        let p = model.profile(profile).map_err(geometry)?;
+        layout(model, &g.instances).place(model, p, start).map_err(geometry)?;
+        let gi = (0..=MAX_GI)
+            .find(|id| !g.instances.iter().any(|i| i.gi == *id))
+            .ok_or_else(|| MigControlError::Nvml("no free GPU instance id".into()))?;
+        let i = Instance { gi, ci: 0, profile: p.name, start, uuid: mig_uuid(gpu, gi), by_xpu };
+        g.instances.push(i.clone());
+        Ok(i)
+    }
+}
+
+/// A GPU's instances as a [`Layout`] (instances of profiles the model lacks are left out:
+/// they cannot be there).
+pub fn layout(model: &Model, instances: &[Instance]) -> Layout {
+    let mut l = Layout::default();
+    for i in instances {
+        if let Ok(p) = model.profile(i.profile) {
+            // What NVML reports exists; a clash would be NVML's, not ours to refuse.
+            let _ = l.place(model, p, i.start);
+        }
+    }
+    l
+}
+
+/// A stable MIG UUID for the fake: the GPU's address and the instance id.
+fn mig_uuid(gpu: PciAddress, gi: u32) -> String {
+    format!(
+        "MIG-{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        u32::from(gpu.bus) << 16 | u32::from(gpu.device) << 8 | u32::from(gpu.function),
+        gpu.domain,
+        gi,
+        0,
+        u64::from(gi)
+    )
+}
+
+impl MigControl for FakeMig {
+    fn gpus(&self) -> Result<Vec<MigGpu>, MigControlError> {
+        let gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok(gpus
+            .iter()
+            .map(|(a, g)| MigGpu {
+                address: *a,
+                product: g.product.clone(),
+                enabled: g.enabled,
+                instances: g.instances.clone(),
+            })
+            .collect())
+    }
+
+    fn create(
+        &self,
+        gpu: PciAddress,
+        profile: &str,
+        start: u8,
+    ) -> Result<Instance, MigControlError> {
+        self.make(gpu, profile, start, true)
+    }
+
+    fn destroy(&self, gpu: PciAddress, gi: u32) -> Result<(), MigControlError> {
+        let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
+        let g = gpus.get_mut(&gpu).ok_or(MigControlError::NoGpu(gpu))?;
+        let i = g
+            .instances
+            .iter()
+            .position(|i| i.gi == gi)
+            .ok_or(MigControlError::NoInstance { gpu, gi })?;
+        if !g.instances[i].by_xpu {
+            return Err(MigControlError::NotOurs { gpu, gi });
+        }
+        g.instances.remove(i);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(bus: u8) -> PciAddress {
+        PciAddress { domain: 0, bus, device: 0, function: 0 }
+    }
+
+    #[test]
+    fn instances_are_made_at_valid_placements_and_destroyed_exactly() {
+        let (h200, off) = (addr(0x18), addr(0x2a));
+        let mig = FakeMig::new([(h200, "NVIDIA H200", true), (off, "NVIDIA H200", false)]);
+        let small = mig.create(h200, "1g.18gb", 0).unwrap();
+        let big = mig.create(h200, "3g.71gb", 4).unwrap();
+        assert_eq!((small.gi, big.gi), (0, 1));
+        assert_ne!(small.uuid, big.uuid);
+        assert!(small.uuid.starts_with("MIG-"));
+        // What does not fit the free slices is refused, naming why.
+        let e = mig.create(h200, "4g.71gb", 0).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the GPU at 0000:18:00.0: MIG profile 4g.71gb at memory slice 0 overlaps the 1g.18gb instance at slice 0"
+        );
+        let e = mig.create(h200, "3g.40gb", 0).unwrap_err();
+        assert!(e.to_string().contains("no MIG profile \"3g.40gb\" on the H200"), "{e}");
+        let e = mig.create(off, "1g.18gb", 0).unwrap_err();
+        assert!(e.to_string().contains("MIG mode is off on the GPU at 0000:2a:00.0"), "{e}");
+        // Destroying one leaves the other.
+        mig.destroy(h200, big.gi).unwrap();
+        let gpus = mig.gpus().unwrap();
+        let g = gpus.iter().find(|g| g.address == h200).unwrap();
+        assert_eq!(g.instances, std::slice::from_ref(&small));
+        assert_eq!(
+            mig.destroy(h200, big.gi).unwrap_err(),
+            MigControlError::NoInstance { gpu: h200, gi: 1 }
+        );
+    }
+
+    #[test]
+    fn instances_made_outside_are_reported_and_never_destroyed() {
+        let gpu = addr(0x18);
+        let mig = FakeMig::new([(gpu, "NVIDIA H100 80GB HBM3", true)]);
+        let theirs = mig.create_outside(gpu, "2g.20gb", 0).unwrap();
+        assert!(!theirs.by_xpu);
+        // Their slices are taken.
+        assert!(mig.create(gpu, "1g.10gb", 1).is_err());
+        let ours = mig.create(gpu, "1g.10gb", 2).unwrap();
+        assert_eq!(
+            mig.destroy(gpu, theirs.gi).unwrap_err(),
+            MigControlError::NotOurs { gpu, gi: theirs.gi }
+        );
+        mig.destroy_outside(gpu, theirs.gi).unwrap();
+        assert_eq!(mig.gpus().unwrap()[0].instances, [ours]);
+    }
+}
