@@ -1036,6 +1036,29 @@ impl<'a> Search<'a> {
             }
             if any { sum } else { u64::MAX }
         };
+        // Partitionable devices (MIG) go best fit: the counter set with the least left first
+        // (a partly used GPU before a whole one), and in it the placement that starts highest,
+        // since the large partitions can only start low (a 4g, a 7g at slice 0; a 3g at 0 or 4).
+        let partition = |pi: usize, di: usize| -> (u64, std::cmp::Reverse<i64>) {
+            let d = self.pools[pi].devices[di].0;
+            if d.consumes.is_empty() {
+                return (u64::MAX, std::cmp::Reverse(0));
+            }
+            let mut left = 0u64;
+            for set in d.consumes.keys() {
+                for (&(s, name), have) in &self.pools[pi].counters {
+                    if s == set.as_str() {
+                        let drawn = self.drawn.get(&(pi, s, name)).copied().unwrap_or(0);
+                        left = left.saturating_add(have.saturating_sub(drawn));
+                    }
+                }
+            }
+            let start = d.attributes.iter().find_map(|(k, v)| match v {
+                Value::Int(i) if k.rsplit('/').next() == Some("placementStart") => Some(*i),
+                _ => None,
+            });
+            (left, std::cmp::Reverse(start.unwrap_or(0)))
+        };
         // Per level, domains that can hold what is still needed, smallest first; then the others.
         all.sort_by_cached_key(|&(pi, di)| {
             let per_level: Vec<(bool, u32)> = levels
@@ -1046,7 +1069,7 @@ impl<'a> Search<'a> {
                     (n < need, n)
                 })
                 .collect();
-            (self.pools[pi].binding(), left(pi, di), per_level, pi, di)
+            (self.pools[pi].binding(), left(pi, di), partition(pi, di), per_level, pi, di)
         });
         all
     }
