@@ -264,6 +264,7 @@ mod tests {
         assert_eq!(large.0, "3g.71gb");
         let (s0, l0) = (small.1, large.1);
         assert!(!(l0..l0 + 4).contains(&s0), "no overlap: {got:?}");
+        assert_eq!((s0, l0), (6, 0), "the highest placements free: {got:?}");
         assert!([0, 4].contains(&l0) && (0..7).contains(&s0));
         // What does not fit the free slices is not allocated: a 7g, and a 4g (slices 0-3 are
         // not all free when the 1g took one of them or the 3g took 0-3).
@@ -293,10 +294,14 @@ mod tests {
                 Err(_) => break,
             }
         }
-        assert_eq!(ones, 3, "1 + 3 compute slices of 1g, 3 of the 3g: 7");
+        // xpu's order put the 1g at slice 6 and the 3g at 0: slices 4 and 5 take two more 1g,
+        // and slice 7 (no 1g starts there) is left to a 1g.35gb that no longer fits (compute).
+        // First fit (1g at 0, 3g at 4) would have taken three: a greedy rule, which wins on
+        // churned streams (the packing test below) and loses this one.
+        assert_eq!(ones, 2, "1g at 6, 3g at 0: 1g at 4 and 5");
         let ids: Vec<&dra::DeviceId> = in_use.devices.iter().collect();
         let unique: HashSet<&&dra::DeviceId> = ids.iter().collect();
-        assert_eq!(unique.len(), 5);
+        assert_eq!(unique.len(), 4);
     }
 
     #[test]
