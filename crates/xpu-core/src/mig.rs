@@ -79,6 +79,12 @@ const fn profiles(names: [&'static str; 7], mem: [u16; 7]) -> [Profile; 7] {
     ]
 }
 
+/// The profiles of the 80 GB parts (A100 80GB, H100 80GB): the same names and memory.
+const PROFILES_80GB: [Profile; 7] = profiles(
+    ["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
+    [10, 10, 20, 20, 40, 40, 80],
+);
+
 /// The MIG-capable models xpu knows, most specific name first.
 pub const MODELS: &[Model] = &[
     Model {
@@ -89,22 +95,8 @@ pub const MODELS: &[Model] = &[
             [18, 18, 35, 35, 71, 71, 141],
         ),
     },
-    Model {
-        name: "H100",
-        memory_gb: 80,
-        profiles: profiles(
-            ["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
-            [10, 10, 20, 20, 40, 40, 80],
-        ),
-    },
-    Model {
-        name: "A100-SXM4-80GB",
-        memory_gb: 80,
-        profiles: profiles(
-            ["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
-            [10, 10, 20, 20, 40, 40, 80],
-        ),
-    },
+    Model { name: "H100", memory_gb: 80, profiles: PROFILES_80GB },
+    Model { name: "A100-SXM4-80GB", memory_gb: 80, profiles: PROFILES_80GB },
     Model {
         name: "A100",
         memory_gb: 40,
@@ -178,6 +170,28 @@ impl Layout {
         &self.placed
     }
 
+    /// Compute slices the instances use.
+    pub fn compute_used(&self, model: &Model) -> u8 {
+        self.placed.iter().map(|q| Self::span(model, q).2).sum()
+    }
+
+    /// Per memory slice, whether an instance spans it.
+    pub fn taken(&self, model: &Model) -> [bool; MEMORY_SLICES as usize] {
+        let mut taken = [false; MEMORY_SLICES as usize];
+        for q in &self.placed {
+            let (lo, hi, _) = Self::span(model, q);
+            for s in lo..hi.min(MEMORY_SLICES) {
+                taken[s as usize] = true;
+            }
+        }
+        taken
+    }
+
+    /// Whether an instance holds the GPU's media extension (a `+me` profile).
+    pub fn media_taken(&self) -> bool {
+        self.placed.iter().any(|q| q.profile.ends_with("+me"))
+    }
+
     fn span(model: &Model, p: &Placed) -> (u8, u8, u8) {
         let size = model.profile(p.profile).map_or(0, |x| x.size);
         let compute = model.profile(p.profile).map_or(0, |x| x.compute);
@@ -204,8 +218,7 @@ impl Layout {
                 by: format!("the {} instance at slice {}", by.profile, by.start),
             });
         }
-        let used: u8 = self.placed.iter().map(|q| Self::span(model, q).2).sum();
-        let free = COMPUTE_SLICES.saturating_sub(used);
+        let free = COMPUTE_SLICES.saturating_sub(self.compute_used(model));
         if profile.compute > free {
             return Err(MigError::NoCompute { profile: profile.name, need: profile.compute, free });
         }
@@ -362,6 +375,7 @@ mod tests {
                     l.remove(m.profile(q.profile).unwrap(), q.start).unwrap();
                     continue;
                 }
+                // Most random placements are refused; the invariants below are what is checked.
                 let _ = l.place(m, p, start);
                 let mut mem = [0u8; 8];
                 let mut compute = 0;

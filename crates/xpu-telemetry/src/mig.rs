@@ -120,13 +120,22 @@ impl FakeMig {
 
     /// Destroys any instance, as `nvidia-smi mig -dgi` would behind xpu's back.
     pub fn destroy_outside(&self, gpu: PciAddress, gi: u32) -> Result<(), MigControlError> {
+        self.remove(gpu, gi, false)
+    }
+
+    /// Removes instance `gi` of `gpu`; `ours_only`: refuse one xpu did not make.
+    fn remove(&self, gpu: PciAddress, gi: u32, ours_only: bool) -> Result<(), MigControlError> {
         let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
         let g = gpus.get_mut(&gpu).ok_or(MigControlError::NoGpu(gpu))?;
-        let before = g.instances.len();
-        g.instances.retain(|i| i.gi != gi);
-        if g.instances.len() == before {
-            return Err(MigControlError::NoInstance { gpu, gi });
+        let i = g
+            .instances
+            .iter()
+            .position(|i| i.gi == gi)
+            .ok_or(MigControlError::NoInstance { gpu, gi })?;
+        if ours_only && !g.instances[i].by_xpu {
+            return Err(MigControlError::NotOurs { gpu, gi });
         }
+        g.instances.remove(i);
         Ok(())
     }
 
@@ -155,14 +164,14 @@ impl FakeMig {
     }
 }
 
-/// A GPU's instances as a [`Layout`] (instances of profiles the model lacks are left out:
-/// they cannot be there).
-pub fn layout(model: &Model, instances: &[Instance]) -> Layout {
+/// `instances` (all of a GPU's, or some of them) as a [`Layout`]. One NVML reports that the
+/// tables refuse (a profile the model lacks, a clash) is left out, with a warning: what is
+/// published from the layout then never hands out more than the tables allow.
+pub fn layout<'a>(model: &Model, instances: impl IntoIterator<Item = &'a Instance>) -> Layout {
     let mut l = Layout::default();
     for i in instances {
-        if let Ok(p) = model.profile(i.profile) {
-            // What NVML reports exists; a clash would be NVML's, not ours to refuse.
-            let _ = l.place(model, p, i.start);
+        if let Err(e) = model.profile(i.profile).and_then(|p| l.place(model, p, i.start)) {
+            tracing::warn!(gi = i.gi, error = %e, "a MIG instance NVML reports is not in xpu's tables");
         }
     }
     l
@@ -204,18 +213,7 @@ impl MigControl for FakeMig {
     }
 
     fn destroy(&self, gpu: PciAddress, gi: u32) -> Result<(), MigControlError> {
-        let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
-        let g = gpus.get_mut(&gpu).ok_or(MigControlError::NoGpu(gpu))?;
-        let i = g
-            .instances
-            .iter()
-            .position(|i| i.gi == gi)
-            .ok_or(MigControlError::NoInstance { gpu, gi })?;
-        if !g.instances[i].by_xpu {
-            return Err(MigControlError::NotOurs { gpu, gi });
-        }
-        g.instances.remove(i);
-        Ok(())
+        self.remove(gpu, gi, true)
     }
 }
 

@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node as NodeObject, Pod};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{Node as NodeObject, Pod, Secret};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions};
@@ -194,11 +195,20 @@ async fn run(a: Args) -> Result<(), String> {
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut key))
         .map_err(|e| format!("reading /dev/urandom: {e}"))?;
-    ordered.push(json!({
-        "apiVersion": "v1", "kind": "Secret",
-        "metadata": { "name": "xpu-gpu-share-key", "namespace": "xpu-system" },
-        "data": { "key": base64(&key) },
-    }));
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some("xpu-gpu-share-key".into()),
+            namespace: Some("xpu-system".into()),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([("key".to_owned(), ByteString(key.to_vec()))])),
+        ..Default::default()
+    };
+    // k8s-openapi writes `data` base64-encoded, as the API wants it.
+    let mut secret = serde_json::to_value(secret).map_err(|e| format!("the key Secret: {e}"))?;
+    secret["apiVersion"] = json!("v1");
+    secret["kind"] = json!("Secret");
+    ordered.push(secret);
     ordered.append(&mut rest);
     for mut doc in ordered {
         cluster::for_fixture_nodes(&mut doc, api_port);
@@ -242,29 +252,18 @@ async fn run(a: Args) -> Result<(), String> {
         _ = tokio::signal::ctrl_c() => {}
     }
     say(started, "stopping the nodes and the control plane");
-    let _ = std::fs::remove_file(a.state.join("ready"));
-    let _ = std::fs::remove_file(a.state.join("kubeconfig"));
+    for f in ["ready", "kubeconfig"] {
+        // Written at start-up; gone already (removed by hand) is what we want too.
+        if let Err(e) = std::fs::remove_file(a.state.join(f))
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            eprintln!("local_cluster: removing {}: {e}", a.state.join(f).display());
+        }
+    }
     drop(nodes);
     drop(cp);
     say(started, "stopped");
     Ok(())
-}
-
-/// Standard base64 with padding (a Secret's `data`).
-fn base64(bytes: &[u8]) -> String {
-    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ABC[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
 }
 
 /// `xpu ARGS... ROOT [--output OUT]`; its standard output.

@@ -377,7 +377,10 @@ impl Node {
         let Some(port) = config["healthzPort"].as_u64() else { return false };
         let addr = format!("{}:{port}", self.name);
         let Ok(mut s) = std::net::TcpStream::connect(&addr) else { return false };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        if s.set_read_timeout(Some(Duration::from_secs(2))).is_err() {
+            // Without a timeout the read below could wait for ever: not healthy yet.
+            return false;
+        }
         use std::io::{Read, Write};
         let req = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
         let mut out = String::new();

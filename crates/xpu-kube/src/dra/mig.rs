@@ -19,8 +19,8 @@ use k8s_openapi::api::resource::v1::{
     Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use xpu_core::mig::{COMPUTE_SLICES, Layout, MEMORY_SLICES, MigError, Model, Profile};
-use xpu_telemetry::mig::MigGpu;
+use xpu_core::mig::{COMPUTE_SLICES, MEMORY_SLICES, MigError, Model, Profile};
+use xpu_telemetry::mig::{MigGpu, layout};
 
 /// The `kind` attribute of a MIG device (a whole GPU's is `gpu`).
 pub const KIND: &str = "mig";
@@ -50,26 +50,14 @@ pub fn partitions(whole: &Device, mig: &MigGpu) -> Result<(CounterSet, Vec<Devic
     let model = Model::of(&mig.product)?;
     let set = counter_set_name(&whole.name);
     // What instances xpu did not make hold: never handed out again.
-    let mut foreign = Layout::default();
-    let (mut taken, mut compute, mut media_taken) = ([false; MEMORY_SLICES as usize], 0u8, false);
-    for i in mig.instances.iter().filter(|i| !i.by_xpu) {
-        let Ok(p) = model.profile(i.profile) else { continue };
-        // NVML reported it: it is there whatever our tables think of it.
-        let _ = foreign.place(model, p, i.start);
-        for s in i.start..(i.start + p.size).min(MEMORY_SLICES) {
-            taken[s as usize] = true;
-        }
-        compute = compute.saturating_add(p.compute);
-        media_taken |= media(p);
-    }
+    let foreign = layout(model, mig.instances.iter().filter(|i| !i.by_xpu));
+    let taken = foreign.taken(model);
     let mut counters: BTreeMap<String, Counter> = (0..MEMORY_SLICES)
         .map(|s| (format!("memory-slice-{s}"), counter(u64::from(!taken[s as usize]))))
         .collect();
-    counters.insert(
-        "compute-slices".into(),
-        counter(u64::from(COMPUTE_SLICES.saturating_sub(compute))),
-    );
-    counters.insert("media-extensions".into(), counter(u64::from(!media_taken)));
+    let compute = COMPUTE_SLICES.saturating_sub(foreign.compute_used(model));
+    counters.insert("compute-slices".into(), counter(u64::from(compute)));
+    counters.insert("media-extensions".into(), counter(u64::from(!foreign.media_taken())));
 
     let parent_uuid =
         whole.attributes.as_ref().and_then(|a| a.get("uuid")).and_then(|u| u.string.clone());
@@ -125,6 +113,7 @@ pub fn partitions(whole: &Device, mig: &MigGpu) -> Result<(CounterSet, Vec<Devic
 mod tests {
     use std::collections::{HashMap, HashSet};
 
+    use crate::dra::slices;
     use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
     use serde_json::json;
     use xpu_core::PciAddress;
@@ -153,26 +142,17 @@ mod tests {
         PciAddress::new(0, 0x18, 0, 0)
     }
 
-    /// The pool as the driver would publish it: the counter set in one slice, the devices in
-    /// another (the API takes one or the other in a slice).
-    fn pool(set: CounterSet, devices: Vec<Device>) -> Vec<dra::Slice> {
-        let slice = |name: &str, spec: serde_json::Value| -> dra::Slice {
-            let mut v = json!({
-                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                "metadata": { "name": name },
-                "spec": { "driver": "xpu.dev", "nodeName": "n1",
-                          "pool": { "name": "n1", "generation": 1, "resourceSliceCount": 2 } },
-            });
-            for (k, x) in spec.as_object().unwrap() {
-                v["spec"][k] = x.clone();
-            }
-            let s: ResourceSlice = serde_json::from_value(v).unwrap();
-            claims::slice(&s).unwrap()
-        };
-        vec![
-            slice("n1-counters", json!({ "sharedCounters": [set] })),
-            slice("n1-devices", json!({ "devices": devices })),
-        ]
+    /// The pool as the driver publishes it ([`slices::slices`]: counter sets in a slice of
+    /// their own, then the devices), read back through JSON as the API server returns it.
+    fn pool(sets: &[CounterSet], devices: &[Device]) -> Vec<dra::Slice> {
+        slices::slices("n1", devices, sets, 1)
+            .iter()
+            .map(|s| {
+                let back: ResourceSlice =
+                    serde_json::from_value(serde_json::to_value(s).unwrap()).unwrap();
+                claims::slice(&back).unwrap()
+            })
+            .collect()
     }
 
     fn mig_claim(name: &str, profile: &str, compiled: &claims::Compiled) -> dra::Claim {
@@ -244,7 +224,7 @@ mod tests {
         assert!(!a.contains_key("uuid"));
         assert!(devices.iter().all(|d| d.name.len() <= 63 && !d.name.contains(['.', '+'])));
 
-        let slices = pool(set, devices);
+        let slices = pool(&[set], &devices);
         let refs: Vec<&dra::Slice> = slices.iter().collect();
         let compiled = claims::Compiled::default();
         let classes = classes(&compiled);
@@ -335,19 +315,6 @@ mod tests {
         let e = partitions(&whole(), &gpu).unwrap_err();
         assert!(e.to_string().contains("\"Tesla V100\" is not a MIG-capable GPU"), "{e}");
     }
-}
-
-#[cfg(test)]
-mod published {
-    use std::collections::{BTreeMap, HashMap};
-
-    use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
-    use serde_json::json;
-    use xpu_sched::dra::{self, Limits};
-    use xpu_telemetry::mig::{FakeMig, MigControl};
-
-    use crate::claims;
-    use crate::dra::slices;
 
     /// The pool the publisher writes for an 8-GPU host all in MIG mode (a slice of counter sets,
     /// devices 64 to a slice) is allocated by xpu's allocator as the API server hands it back.
@@ -360,39 +327,13 @@ mod published {
             FakeMig::new(inv.accelerators().map(|d| (d.address, "NVIDIA A100-SXM4-40GB", true)));
         let (devices, counters) =
             slices::with_mig(slices::devices(&root, &inv), &inv, &mig.gpus().unwrap());
-        let objects = slices::slices("n1", &devices, &counters, 1);
-        // Through JSON, as the API server returns them.
-        let converted: Vec<dra::Slice> = objects
-            .iter()
-            .map(|s| {
-                let back = serde_json::from_value(serde_json::to_value(s).unwrap()).unwrap();
-                claims::slice(&back).unwrap()
-            })
-            .collect();
+        let converted = pool(&counters, &devices);
         let refs: Vec<&dra::Slice> = converted.iter().collect();
         let compiled = claims::Compiled::default();
-        let class: DeviceClass = serde_json::from_value(json!({
-            "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-            "metadata": { "name": "mig.xpu.dev" },
-            "spec": { "selectors": [{ "cel": { "expression":
-                "device.driver == \"xpu.dev\" && device.attributes[\"xpu.dev\"].kind == \"mig\"" } }] },
-        }))
-        .unwrap();
-        let classes =
-            HashMap::from([("mig.xpu.dev".to_owned(), claims::class(&class, &compiled).unwrap())]);
-        let c: ResourceClaim = serde_json::from_value(json!({
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-            "metadata": { "name": "c", "namespace": "default" },
-            "spec": { "devices": { "requests": [{ "name": "mig", "exactly": {
-                "deviceClassName": "mig.xpu.dev",
-                "selectors": [{ "cel": { "expression": "device.attributes[\"xpu.dev\"].profile == \"1g.5gb\"" } }],
-            } }] } },
-        }))
-        .unwrap();
-        let claim = claims::claim(&c, &compiled).unwrap();
+        let claim = mig_claim("c", "1g.5gb", &compiled);
         let r = dra::allocate(
             &[claim],
-            &classes,
+            &classes(&compiled),
             &refs,
             &dra::InUse::default(),
             "n1",
@@ -401,23 +342,8 @@ mod published {
         );
         assert!(r.is_ok(), "{r:?}");
     }
-}
 
-/// xpu's packing of MIG partitions against upstream's first fit, on random request streams.
-#[cfg(test)]
-mod packing {
-    use std::collections::{BTreeMap, HashMap};
-
-    use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
-    use serde_json::json;
-    use xpu_core::PciAddress;
-    use xpu_sched::dra::{self, Limits};
-    use xpu_telemetry::mig::{FakeMig, MigControl};
-
-    use super::*;
-    use crate::claims;
-    use crate::dra::slices;
-
+    /// The profile mix of the packing streams, weighted to small partitions.
     const PROFILES: [(&str, u32); 7] = [
         ("1g.18gb", 30),
         ("1g.35gb", 10),
@@ -430,7 +356,7 @@ mod packing {
 
     /// Claims of a random stream placed, in order, on `gpus` H200s in MIG mode; each claim that
     /// does not fit is skipped. Returns the compute slices the placed claims use.
-    fn placed(seed: u64, gpus: u8, claims_n: usize, churn: u64, pack: bool) -> usize {
+    fn stream(seed: u64, gpus: u8, claims_n: usize, churn: u64, pack: bool) -> usize {
         let mig = FakeMig::new(
             (0..gpus).map(|i| (PciAddress::new(0, 0x10 + i, 0, 0), "NVIDIA H200", true)),
         );
@@ -443,25 +369,10 @@ mod packing {
             sets.push(set);
             devices.extend(d);
         }
-        let objects = slices::slices("n1", &devices, &sets, 1);
-        let converted: Vec<dra::Slice> = objects
-            .iter()
-            .map(|s| {
-                let back: ResourceSlice =
-                    serde_json::from_value(serde_json::to_value(s).unwrap()).unwrap();
-                claims::slice(&back).unwrap()
-            })
-            .collect();
+        let converted = pool(&sets, &devices);
         let refs: Vec<&dra::Slice> = converted.iter().collect();
         let compiled = claims::Compiled::default();
-        let class: DeviceClass = serde_json::from_value(json!({
-            "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-            "metadata": { "name": "mig.xpu.dev" },
-            "spec": { "selectors": [{ "cel": { "expression": "device.attributes[\"xpu.dev\"].kind == \"mig\"" } }] },
-        }))
-        .unwrap();
-        let classes =
-            HashMap::from([("mig.xpu.dev".to_owned(), claims::class(&class, &compiled).unwrap())]);
+        let classes = classes(&compiled);
         let total: u32 = PROFILES.iter().map(|p| p.1).sum();
         let mut rng = xpu_sched::rng::Rng::new(seed);
         let mut in_use = dra::InUse::default();
@@ -483,17 +394,7 @@ mod packing {
                 })
                 .unwrap()
                 .0;
-            let c: ResourceClaim = serde_json::from_value(json!({
-                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                "metadata": { "name": format!("c{i}"), "namespace": "default" },
-                "spec": { "devices": { "requests": [{ "name": "mig", "exactly": {
-                    "deviceClassName": "mig.xpu.dev",
-                    "selectors": [{ "cel": { "expression":
-                        format!("device.attributes[\"xpu.dev\"].profile == \"{profile}\"") } }],
-                } }] } },
-            }))
-            .unwrap();
-            let claim = claims::claim(&c, &compiled).unwrap();
+            let claim = mig_claim(&format!("c{i}"), profile, &compiled);
             let limits = Limits { pack, ..Limits::default() };
             if let Ok(a) =
                 dra::allocate(&[claim], &classes, &refs, &in_use, "n1", &BTreeMap::new(), limits)
@@ -513,14 +414,14 @@ mod packing {
     /// (a greedy rule), so the sum is what is held. Figures:
     /// `XPU_MIG_PACK_SEEDS=20 cargo test -p xpu-kube --lib packing -- --nocapture`.
     #[test]
-    fn xpus_order_places_at_least_what_first_fit_places_on_every_stream() {
+    fn packing_places_more_than_first_fit_over_churned_streams() {
         let (mut ours, mut theirs) = (0, 0);
         // Ten streams in the suite; XPU_MIG_PACK_SEEDS=20 for the figure in the docs.
         let seeds: u64 =
             std::env::var("XPU_MIG_PACK_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
         for seed in 1..=seeds {
-            let a = placed(seed, 4, 200, 45, true);
-            let b = placed(seed, 4, 200, 45, false);
+            let a = stream(seed, 4, 200, 45, true);
+            let b = stream(seed, 4, 200, 45, false);
             eprintln!("seed {seed}: xpu {a}, first fit {b}");
             ours += a;
             theirs += b;
