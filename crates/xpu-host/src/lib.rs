@@ -26,6 +26,7 @@ pub mod grub;
 pub mod kernel;
 pub mod limits;
 pub mod metadata_env;
+pub mod mig_caps;
 pub mod modalias;
 pub mod pciids;
 pub mod profile;

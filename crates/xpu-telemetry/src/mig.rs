@@ -9,6 +9,8 @@
 //! Instances xpu did not make are reported (`by_xpu: false`) and never destroyed.
 
 use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use xpu_core::PciAddress;
@@ -90,11 +92,43 @@ struct FakeGpu {
     instances: Vec<Instance>,
 }
 
-/// MIG as NVML would do it on the GPUs it is given, by NVIDIA's tables.
+/// MIG as NVML would do it on the GPUs it is given, by NVIDIA's tables. [`FakeMig::open`] keeps
+/// its state in a file, as the driver keeps it across a process's restarts, so that a test can
+/// run `xpu k8s dra-driver --fake-mig FILE` as a process and read back what it made.
 #[derive(Debug, Clone, Default)]
 pub struct FakeMig {
     gpus: Arc<Mutex<BTreeMap<PciAddress, FakeGpu>>>,
+    file: Option<PathBuf>,
 }
+
+/// [`FakeMig`]'s state file: `{"gpus": [{"address": "0000:25:00.0", "product": "NVIDIA H200",
+/// "enabled": true, "instances": [{"gi": 1, "profile": "1g.18gb", "start": 0, "byXpu": true}]}]}`.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct StateFile {
+    gpus: Vec<GpuState>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct GpuState {
+    address: String,
+    product: String,
+    enabled: bool,
+    #[serde(default)]
+    instances: Vec<InstanceState>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct InstanceState {
+    gi: u32,
+    profile: String,
+    start: u8,
+    by_xpu: bool,
+}
+
+/// State files larger than this are refused.
+const MAX_STATE_BYTES: u64 = 1 << 20;
 
 impl FakeMig {
     /// GPUs by address, with their product name and whether MIG mode is on.
@@ -105,7 +139,73 @@ impl FakeMig {
                 (a, FakeGpu { product: product.to_owned(), enabled, instances: Vec::new() })
             })
             .collect();
-        FakeMig { gpus: Arc::new(Mutex::new(map)) }
+        FakeMig { gpus: Arc::new(Mutex::new(map)), file: None }
+    }
+
+    /// The fake whose state is the file at `path` (read now, rewritten after every change).
+    pub fn open(path: &Path) -> Result<FakeMig, MigControlError> {
+        let bad = |why: String| {
+            MigControlError::Nvml(format!("fake MIG state {}: {why}", path.display()))
+        };
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_STATE_BYTES + 1).read_to_end(&mut bytes))
+            .map_err(|e| bad(e.to_string()))?;
+        if bytes.len() as u64 > MAX_STATE_BYTES {
+            return Err(bad(format!("larger than {MAX_STATE_BYTES} bytes")));
+        }
+        let state: StateFile = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+        let mut map = BTreeMap::new();
+        for g in state.gpus {
+            let address: PciAddress = g.address.parse().map_err(|e| bad(format!("{e}")))?;
+            let model = Model::of(&g.product).map_err(|e| bad(format!("{}: {e}", g.address)))?;
+            let mut instances = Vec::new();
+            for i in g.instances {
+                let p =
+                    model.profile(&i.profile).map_err(|e| bad(format!("{}: {e}", g.address)))?;
+                instances.push(Instance {
+                    gi: i.gi,
+                    ci: 0,
+                    profile: p.name,
+                    start: i.start,
+                    uuid: mig_uuid(address, i.gi),
+                    by_xpu: i.by_xpu,
+                });
+            }
+            map.insert(address, FakeGpu { product: g.product, enabled: g.enabled, instances });
+        }
+        Ok(FakeMig { gpus: Arc::new(Mutex::new(map)), file: Some(path.to_owned()) })
+    }
+
+    /// Writes the state file (when there is one).
+    fn save(&self, gpus: &BTreeMap<PciAddress, FakeGpu>) -> Result<(), MigControlError> {
+        let Some(path) = &self.file else { return Ok(()) };
+        let state = StateFile {
+            gpus: gpus
+                .iter()
+                .map(|(a, g)| GpuState {
+                    address: a.to_string(),
+                    product: g.product.clone(),
+                    enabled: g.enabled,
+                    instances: g
+                        .instances
+                        .iter()
+                        .map(|i| InstanceState {
+                            gi: i.gi,
+                            profile: i.profile.to_owned(),
+                            start: i.start,
+                            by_xpu: i.by_xpu,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        let json =
+            serde_json::to_vec_pretty(&state).map_err(|e| MigControlError::Nvml(e.to_string()))?;
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, json)
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .map_err(|e| MigControlError::Nvml(format!("fake MIG state {}: {e}", path.display())))
     }
 
     /// An instance made behind xpu's back (by `nvidia-smi`, or another tool).
@@ -136,7 +236,7 @@ impl FakeMig {
             return Err(MigControlError::NotOurs { gpu, gi });
         }
         g.instances.remove(i);
-        Ok(())
+        self.save(&gpus)
     }
 
     fn make(
@@ -160,6 +260,7 @@ impl FakeMig {
             .ok_or_else(|| MigControlError::Nvml("no free GPU instance id".into()))?;
         let i = Instance { gi, ci: 0, profile: p.name, start, uuid: mig_uuid(gpu, gi), by_xpu };
         g.instances.push(i.clone());
+        self.save(&gpus)?;
         Ok(i)
     }
 }
@@ -270,5 +371,35 @@ mod tests {
         );
         mig.destroy_outside(gpu, theirs.gi).unwrap();
         assert_eq!(mig.gpus().unwrap()[0].instances, [ours]);
+    }
+
+    #[test]
+    fn the_state_file_keeps_instances_across_opens_and_bad_ones_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mig.json");
+        std::fs::write(
+            &path,
+            r#"{"gpus":[{"address":"0000:25:00.0","product":"NVIDIA H200","enabled":true,
+               "instances":[{"gi":3,"profile":"1g.18gb","start":6,"byXpu":false}]}]}"#,
+        )
+        .unwrap();
+        let a = FakeMig::open(&path).unwrap();
+        let made = a.create(addr(0x25), "3g.71gb", 0).unwrap();
+        let b = FakeMig::open(&path).unwrap();
+        let seen = b.gpus().unwrap().remove(0).instances;
+        assert_eq!(seen.len(), 2);
+        assert!(seen.contains(&made), "{seen:?}");
+        b.destroy(addr(0x25), made.gi).unwrap();
+        assert_eq!(FakeMig::open(&path).unwrap().gpus().unwrap()[0].instances.len(), 1);
+
+        for bad in [
+            r#"{"gpus":[{"address":"25","product":"NVIDIA H200","enabled":true}]}"#,
+            r#"{"gpus":[{"address":"0000:25:00.0","product":"NVIDIA T4","enabled":true}]}"#,
+            r#"{"gpus":[{"address":"0000:25:00.0","product":"NVIDIA H200","enabled":true,"instances":[{"gi":1,"profile":"9g","start":0,"byXpu":true}]}]}"#,
+        ] {
+            std::fs::write(&path, bad).unwrap();
+            let e = FakeMig::open(&path).unwrap_err();
+            assert!(e.to_string().contains("mig.json"), "{e}");
+        }
     }
 }

@@ -135,6 +135,22 @@ pub fn a100_4x() -> HostSpec {
     h
 }
 
+/// Four H200 SXM 141GB on the `nvidia` driver (550.90.07) with MIG's capability nodes
+/// (`/proc/driver/nvidia-caps/mig-minors`, the `nvidia-caps` major): the MIG host. The GPUs'
+/// addresses, minors and UUIDs are those of [`a100_4x`]; MIG mode is NVML's (the fake's).
+pub fn h200_4x() -> HostSpec {
+    let mut h = a100_4x();
+    h.name = "h200-4x".into();
+    h.hostname = h.name.clone();
+    h.nvidia_driver = Some("550.90.07".to_owned());
+    for d in h.devices.iter_mut().filter(|d| d.nvidia_minor.is_some()) {
+        d.device = 0x2335;
+        d.subsystem_device = 0x18be;
+    }
+    h.nvidia_caps = Some(crate::sysfs::MAJOR_NVIDIA_CAPS);
+    h
+}
+
 /// The 8×A100 host with every GPU and NVSwitch bound to `vfio-pci` for passthrough.
 pub fn a100_8x_vfio() -> HostSpec {
     let mut h = hgx_a100("a100-8x-vfio", true);

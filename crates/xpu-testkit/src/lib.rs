@@ -58,6 +58,10 @@ pub struct HostSpec {
     pub control_nodes: Vec<NodeSpec>,
     /// Kernel command line (`/proc/cmdline`).
     pub cmdline: String,
+    /// The `nvidia-caps` character major: when set, `/proc/devices` lists it and
+    /// `/proc/driver/nvidia-caps/mig-minors` lists the MIG capability minors, as the NVIDIA
+    /// driver writes them on a MIG-capable host.
+    pub nvidia_caps: Option<u32>,
 }
 
 /// A `/dev` node to create.
@@ -242,6 +246,7 @@ impl HostSpec {
             modules_alias: Some(hosts::MODULES_ALIAS.to_owned()),
             control_nodes: Vec::new(),
             cmdline: "BOOT_IMAGE=/vmlinuz root=/dev/sda1 ro quiet".to_owned(),
+            nvidia_caps: None,
         }
     }
 

@@ -29,6 +29,8 @@ pub struct Fixture {
 pub const MAJOR_NVIDIA: u32 = 195;
 pub const MAJOR_NVIDIA_UVM: u32 = 508;
 pub const MAJOR_VFIO_GROUP: u32 = 509;
+/// `nvidia-caps` (MIG capability nodes, `/dev/nvidia-caps/nvidia-cap<minor>`): dynamic, as here.
+pub const MAJOR_NVIDIA_CAPS: u32 = 507;
 pub const MAJOR_MISC: u32 = 10;
 pub const MINOR_VFIO_CONTAINER: u32 = 196;
 pub const MAJOR_ACCEL: u32 = 261;
@@ -142,6 +144,15 @@ impl Builder<'_> {
         }
         for n in &spec.control_nodes {
             self.node(n);
+        }
+        if let Some(caps) = spec.nvidia_caps {
+            write(
+                &self.p("proc/devices"),
+                format!(
+                    "Character devices:\n  1 mem\n{MAJOR_NVIDIA} nvidia-frontend\n{MAJOR_NVIDIA_UVM} nvidia-uvm\n{caps} nvidia-caps\n\nBlock devices:\n  8 sd\n"
+                ),
+            );
+            write(&self.p("proc/driver/nvidia-caps/mig-minors"), mig_minors());
         }
     }
 
@@ -269,4 +280,23 @@ impl Builder<'_> {
             }
         }
     }
+}
+
+/// `/proc/driver/nvidia-caps/mig-minors` as the NVIDIA driver writes it: `config` and
+/// `monitor`, then for each of 32 GPUs and 15 GPU instances the instance's `access` minor
+/// followed by its 8 compute instances'.
+pub fn mig_minors() -> String {
+    let mut out = String::from("config 1\nmonitor 2\n");
+    let mut minor = 3;
+    for gpu in 0..32 {
+        for gi in 0..15 {
+            out.push_str(&format!("gpu{gpu}/gi{gi}/access {minor}\n"));
+            minor += 1;
+            for ci in 0..8 {
+                out.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {minor}\n"));
+                minor += 1;
+            }
+        }
+    }
+    out
 }

@@ -447,3 +447,184 @@ async fn dra_claim_on_a_real_kubelet(by_xpu: bool) {
     drop(driver);
     drop(node);
 }
+
+/// `key=value` (or `key="value"`) of a log line.
+fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    let at = line.find(&format!(" {key}=")).unwrap_or_else(|| panic!("{key} in {line}"));
+    let v = &line[at + key.len() + 2..];
+    v.split(' ').next().unwrap_or("").trim_matches('"')
+}
+
+/// MIG on demand through DRA with real runc: the driver (with the fake NVML, `--fake-mig`) on a
+/// real kubelet publishes GPU 0 of an H200 host, in MIG mode, as partitions; kube-scheduler
+/// allocates a `1g.18gb` claim and a `3g.71gb` claim there; `NodePrepareResources` makes each
+/// instance at the allocated placement and each container sees its GPU and exactly its
+/// instance's two `/dev/nvidia-caps` nodes; a `7g.141gb` claim, which no longer fits, is not
+/// allocated; deleting the pods destroys exactly the two instances, and an instance made
+/// outside xpu stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_needs_root_and_runc()
+{
+    use xpu_host::mig_caps::MigCaps;
+    use xpu_telemetry::mig::{FakeMig, MigControl};
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let admin = cp.admin_client();
+    install_dra(&admin).await;
+    let fx =
+        hosts::h200_4x().build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    // GPU 0 in MIG mode with one instance someone else made (1g.18gb at slice 0), the others
+    // whole: 3g.71gb fits only at slice 4, and 1g.18gb then at 1, 2 or 3.
+    let state = cp.dir().join("mig.json");
+    let gpus: Vec<String> =
+        hosts::A100_GPU_BUSES[..4].iter().map(|b| format!("0000:{b:02x}:00.0")).collect();
+    std::fs::write(
+        &state,
+        serde_json::to_vec(&json!({ "gpus": gpus.iter().enumerate().map(|(i, a)| json!({
+            "address": a, "product": "NVIDIA H200", "enabled": i == 0,
+            "instances": if i == 0 { json!([{ "gi": 9, "profile": "1g.18gb", "start": 0, "byXpu": false }]) } else { json!([]) },
+        })).collect::<Vec<_>>() }))
+        .unwrap(),
+    )
+    .unwrap();
+    let args: Vec<std::ffi::OsString> = vec![
+        "k8s".into(),
+        "dra-driver".into(),
+        "--node-name".into(),
+        NODE_NAME.into(),
+        "--interval-ms".into(),
+        "200".into(),
+        "--root".into(),
+        fx.root().into(),
+        "--kubeconfig".into(),
+        cp.admin_kubeconfig().into(),
+        "--plugin-dir".into(),
+        node.plugins_dir().into(),
+        "--registry-dir".into(),
+        node.plugins_registry_dir().into(),
+        "--cdi-dir".into(),
+        node.cdi_dir().into(),
+        "--fake-mig".into(),
+        state.clone().into(),
+    ];
+    let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
+    let diag = || format!("{}\n{}", driver.log_text(), node.log_tails());
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let lp =
+        ListParams::default().fields(&format!("spec.nodeName={NODE_NAME},spec.driver=xpu.dev"));
+    let published = wait_until(Duration::from_secs(30), || async {
+        let s = slices.list(&lp).await.unwrap().items;
+        s.iter().flat_map(|s| s.spec.devices.iter().flatten()).any(|d| d.name.contains("-mig-"))
+    })
+    .await;
+    assert!(published, "GPU 0's partitions published\n{}", diag());
+    let registered = wait_until(Duration::from_secs(30), || async {
+        driver.log_text().contains("registered with the kubelet")
+    })
+    .await;
+    assert!(registered, "the kubelet took the driver's registration\n{}", diag());
+
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
+    let make_claim = |name: &str, profile: &str| -> ResourceClaim {
+        serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": { "name": name },
+            "spec": { "devices": { "requests": [{ "name": "mig", "exactly": {
+                "deviceClassName": "mig.xpu.dev",
+                "selectors": [{ "cel": { "expression":
+                    format!("device.attributes[\"xpu.dev\"].profile == \"{profile}\"") } }] } }] } },
+        }))
+        .unwrap()
+    };
+    let caps = MigCaps::read(&xpu_host::Root::new(fx.root()).unwrap()).unwrap();
+    let fake = || FakeMig::open(&state).unwrap().gpus().unwrap().remove(0).instances;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let pod_spec =
+        |claim: &str| json!({ "resourceClaims": [{ "name": "mig", "resourceClaimName": claim }] });
+    let mut made = Vec::new();
+    for (name, profile) in [("big", "3g.71gb"), ("small", "1g.18gb")] {
+        claims.create(&PostParams::default(), &make_claim(name, profile)).await.unwrap();
+        let (_, view, plain) = run_probe_pod(
+            &pods,
+            &format!("{name}-pod"),
+            pod_spec(name),
+            json!({ "claims": [{ "name": "mig" }] }),
+            diag,
+        )
+        .await;
+        let claim = claims.get(name).await.unwrap();
+        let device = claim
+            .status
+            .unwrap()
+            .allocation
+            .unwrap()
+            .devices
+            .unwrap()
+            .results
+            .unwrap()
+            .remove(0)
+            .device;
+        let start: u8 = device.rsplit('-').next().unwrap().parse().unwrap();
+        // The kubelet unprepares a pod's claims once it has finished: the instance was made
+        // (the driver's log says where) and is gone again.
+        let log = driver.log_text();
+        let line = log
+            .lines()
+            .find(|l| l.contains("MIG instance made") && l.contains(&format!("device={device} ")))
+            .unwrap_or_else(|| panic!("an instance made for {device}\n{}", diag()));
+        assert!(line.contains(&format!("profile=\"{profile}\" start={start} ")), "{line}");
+        let gi: u32 = field(line, "gi").parse().unwrap();
+        let instance = xpu_telemetry::mig::Instance {
+            gi,
+            ci: 0,
+            profile: "",
+            start,
+            uuid: field(line, "uuid").to_owned(),
+            by_xpu: true,
+        };
+        let mut want = gpu_nodes(&[0]);
+        for n in caps.instance(0, instance.gi, instance.ci).unwrap() {
+            want.insert(n.path, ('c', n.major, n.minor));
+        }
+        assert_only_these_nodes(&view, &plain, &want);
+        eprintln!("{name}: {device} is GPU instance {} ({})", instance.gi, instance.uuid);
+        made.push(instance);
+    }
+
+    // Every slice is held: 7g.141gb fits nowhere, and its pod waits unallocated.
+    claims.create(&PostParams::default(), &make_claim("whole", "7g.141gb")).await.unwrap();
+    let mut p = json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "whole-pod" },
+        "spec": { "containers": [{ "name": "c", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+            "command": ["true"], "resources": { "claims": [{ "name": "mig" }] } }] } });
+    p["spec"]["resourceClaims"] = pod_spec("whole")["resourceClaims"].clone();
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    let waits = wait_until(Duration::from_secs(30), || async {
+        let p = pods.get("whole-pod").await.unwrap();
+        p.status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "PodScheduled" && c.status == "False")
+    })
+    .await;
+    assert!(waits, "the 7g.141gb pod waits\n{}", diag());
+    let whole = claims.get("whole").await.unwrap();
+    assert!(whole.status.and_then(|s| s.allocation).is_none(), "7g.141gb not allocated");
+
+    // The pods gone, exactly their instances are destroyed.
+    for name in ["small-pod", "big-pod", "whole-pod"] {
+        pods.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    let destroyed =
+        wait_until(Duration::from_secs(60), || async { fake().iter().all(|i| !i.by_xpu) }).await;
+    assert!(destroyed, "both instances destroyed: {:?}\n{}", fake(), diag());
+    assert_eq!(fake().len(), 1, "the outside instance stays");
+    drop(driver);
+    drop(node);
+}

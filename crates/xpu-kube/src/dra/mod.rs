@@ -86,6 +86,7 @@ pub async fn run(
         args.root.clone(),
         args.paths.clone(),
         rx,
+        args.mig.clone(),
     )?);
     let loop_task = tokio::spawn(slices::run(
         publisher,

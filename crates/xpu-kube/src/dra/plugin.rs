@@ -21,11 +21,13 @@ use tokio::sync::{Mutex, watch};
 use tonic::transport::server::Router;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, info, info_span, warn};
-use xpu_container::cdi::{CdiKind, GenerateOptions, Spec};
-use xpu_core::Inventory;
+use xpu_container::cdi::{CdiKind, DeviceNode, GenerateOptions, Spec};
+use xpu_core::{Inventory, PciAddress};
 use xpu_host::Root;
+use xpu_host::mig_caps::MigCaps;
 use xpu_integrations::drapb::{self, registration as reg, v1, v1beta1};
 use xpu_integrations::limits;
+use xpu_telemetry::mig::{MigControl, MigControlError, MigGpu};
 
 use super::DRIVER;
 use super::prepare::{self, PreparedDevice};
@@ -38,6 +40,22 @@ pub struct PreparedClaim {
     /// The spec's file name in the CDI directory.
     pub spec_file: String,
     pub devices: Vec<PreparedDevice>,
+    /// The MIG instances made for the claim, destroyed when it is unprepared.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig: Vec<MadeInstance>,
+}
+
+/// A MIG instance made for a claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MadeInstance {
+    /// The allocated device it serves.
+    pub device: String,
+    /// The GPU's PCI address.
+    pub gpu: String,
+    /// NVML's GPU instance id.
+    pub gi: u32,
+    /// `MIG-<uuid>`.
+    pub uuid: String,
 }
 
 /// The checkpoint file's content.
@@ -127,6 +145,8 @@ pub struct Driver {
     client: kube::Client,
     inventory: watch::Receiver<Arc<Inventory>>,
     specs: std::sync::Mutex<Option<HostSpecs>>,
+    /// MIG through NVML: instances made on prepare and destroyed on unprepare.
+    mig: Option<Arc<dyn MigControl>>,
     /// Held across a whole prepare or unprepare: the checkpoint and CDI files change together.
     checkpoint: Mutex<Checkpoint>,
 }
@@ -138,6 +158,7 @@ impl Driver {
         root: Root,
         paths: Paths,
         inventory: watch::Receiver<Arc<Inventory>>,
+        mig: Option<Arc<dyn MigControl>>,
     ) -> Result<Driver, PluginError> {
         for d in [paths.dir(), paths.cdi_dir.clone(), paths.registry_dir.clone()] {
             std::fs::create_dir_all(&d)
@@ -152,6 +173,7 @@ impl Driver {
             client,
             inventory,
             specs: std::sync::Mutex::new(None),
+            mig,
             checkpoint: Mutex::new(checkpoint),
         })
     }
@@ -194,8 +216,14 @@ impl Driver {
             .await
             .map_err(|e| format!("{who}: reading it from the API server: {e}"))?;
         let (inv, specs) = self.host();
-        let plan = prepare::plan(&claim, &c.uid, &self.node, &inv, &specs)
+        let mig_gpus = match &self.mig {
+            Some(m) => m.gpus().map_err(|e| format!("{who}: reading MIG state: {e}"))?,
+            None => Vec::new(),
+        };
+        let mut plan = prepare::plan(&claim, &c.uid, &self.node, &inv, &specs, &mig_gpus)
             .map_err(|e| format!("{who} {e}"))?;
+        let made =
+            self.make_instances(&mut plan, &mig_gpus, cp).map_err(|e| format!("{who} {e}"))?;
         let file = prepare::spec_file(&c.uid);
         let path = self.paths.cdi_dir.join(&file);
         // Atomic (a runtime sees the old spec or the new one) but not fsynced: the spec is
@@ -203,8 +231,10 @@ impl Driver {
         // a power cut emptied fails `spec_intact` and is written again by the kubelet's next
         // prepare. The checkpoint, which a restart needs whole, is fsynced.
         let json = xpu_container::cdi::to_json(&plan.spec);
-        xpu_container::fsutil::write_replace(&path, json.as_bytes(), 0o644, false)
-            .map_err(|e| format!("{who}: writing CDI spec {}: {e}", path.display()))?;
+        if let Err(e) = xpu_container::fsutil::write_replace(&path, json.as_bytes(), 0o644, false) {
+            self.destroy_instances(&made);
+            return Err(format!("{who}: writing CDI spec {}: {e}", path.display()));
+        }
         cp.claims.insert(
             c.uid.clone(),
             PreparedClaim {
@@ -212,20 +242,128 @@ impl Driver {
                 name: c.name.clone(),
                 spec_file: file,
                 devices: plan.devices.clone(),
+                mig: made.clone(),
             },
         );
         if let Err(e) = save_checkpoint(&self.paths.checkpoint(), cp) {
             cp.claims.remove(&c.uid);
-            // The spec must not outlive a claim the checkpoint does not know.
+            // Neither the spec nor the instances may outlive a claim the checkpoint does not
+            // know.
             if let Err(rm) = std::fs::remove_file(&path) {
                 warn!(spec = %path.display(), error = %rm, "could not remove the spec of a claim that failed to prepare");
             }
+            self.destroy_instances(&made);
             return Err(format!(
                 "{who}: writing checkpoint {}: {e}",
                 self.paths.checkpoint().display()
             ));
         }
         Ok(plan.devices)
+    }
+
+    /// Makes the plan's MIG instances (or takes over one xpu made at that placement that no
+    /// prepared claim holds: left by a prepare that stopped before its checkpoint) and adds
+    /// each one's capability nodes to its device. On any failure the instances made here are
+    /// destroyed again.
+    fn make_instances(
+        &self,
+        plan: &mut prepare::Plan,
+        gpus: &[MigGpu],
+        cp: &Checkpoint,
+    ) -> Result<Vec<MadeInstance>, String> {
+        if plan.mig.is_empty() {
+            return Ok(Vec::new());
+        }
+        let control = self
+            .mig
+            .as_ref()
+            .ok_or("names MIG devices, but this driver has no MIG control (NVML)")?;
+        let caps = MigCaps::read(&self.root).map_err(|e| e.to_string())?;
+        let held = |gpu: &str, gi: u32| {
+            cp.claims.values().flat_map(|p| &p.mig).any(|m| m.gpu == gpu && m.gi == gi)
+        };
+        let mut made: Vec<MadeInstance> = Vec::new();
+        let mut created: Vec<MadeInstance> = Vec::new();
+        for part in &plan.mig {
+            let gpu = part.gpu.to_string();
+            let left =
+                gpus.iter().filter(|g| g.address == part.gpu).flat_map(|g| &g.instances).find(
+                    |i| {
+                        i.by_xpu
+                            && i.profile == part.profile
+                            && i.start == part.start
+                            && !held(&gpu, i.gi)
+                    },
+                );
+            let instance = match left {
+                Some(i) => i.clone(),
+                None => match control.create(part.gpu, part.profile, part.start) {
+                    Ok(i) => {
+                        info!(device = %part.device, gpu = %gpu, gi = i.gi, profile = part.profile, start = part.start, uuid = %i.uuid, "MIG instance made");
+                        created.push(MadeInstance {
+                            device: part.device.clone(),
+                            gpu: gpu.clone(),
+                            gi: i.gi,
+                            uuid: i.uuid.clone(),
+                        });
+                        i
+                    }
+                    Err(e) => {
+                        self.destroy_instances(&created);
+                        return Err(format!(
+                            "MIG device {}: making {} at memory slice {}: {e}",
+                            part.device, part.profile, part.start
+                        ));
+                    }
+                },
+            };
+            let nodes = match caps.instance(part.gpu_minor, instance.gi, instance.ci) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.destroy_instances(&created);
+                    return Err(format!("MIG device {}: {e}", part.device));
+                }
+            };
+            let edits = &mut plan.spec.devices[part.spec_device].container_edits;
+            edits.device_nodes.extend(nodes.into_iter().map(|n| DeviceNode {
+                path: n.path,
+                node_type: "c".to_owned(),
+                major: n.major.into(),
+                minor: n.minor.into(),
+                file_mode: Some(0o444),
+            }));
+            made.push(MadeInstance {
+                device: part.device.clone(),
+                gpu,
+                gi: instance.gi,
+                uuid: instance.uuid,
+            });
+        }
+        Ok(made)
+    }
+
+    /// Destroys `instances`; what fails is logged (an instance left over is reported by NVML
+    /// and taken over by the next prepare of its placement).
+    fn destroy_instances(&self, instances: &[MadeInstance]) {
+        for m in instances {
+            if let Err(e) = self.destroy_instance(m) {
+                warn!(gpu = %m.gpu, gi = m.gi, error = %e, "MIG instance not destroyed");
+            }
+        }
+    }
+
+    fn destroy_instance(&self, m: &MadeInstance) -> Result<(), String> {
+        let Some(control) = &self.mig else {
+            return Err("no MIG control (NVML) to destroy it with".into());
+        };
+        let gpu: PciAddress = m.gpu.parse().map_err(|e| format!("{e}"))?;
+        match control.destroy(gpu, m.gi) {
+            Ok(()) | Err(MigControlError::NoInstance { .. }) => {
+                info!(gpu = %m.gpu, gi = m.gi, uuid = %m.uuid, "MIG instance destroyed");
+                Ok(())
+            }
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     fn unprepare_one(&self, c: &v1::Claim, cp: &mut Checkpoint) -> Result<(), String> {
@@ -240,6 +378,17 @@ impl Driver {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(format!("{who}: removing CDI spec {}: {e}", path.display())),
+        }
+        // Its MIG instances go with it; one that will not go keeps the claim in the checkpoint
+        // (the kubelet calls again).
+        let instances = cp.claims.get(&c.uid).map(|p| p.mig.clone()).unwrap_or_default();
+        for m in &instances {
+            self.destroy_instance(m).map_err(|e| {
+                format!("{who}: destroying MIG instance {} on the GPU at {}: {e}", m.gi, m.gpu)
+            })?;
+            if let Some(p) = cp.claims.get_mut(&c.uid) {
+                p.mig.retain(|x| x != m);
+            }
         }
         if cp.claims.remove(&c.uid).is_some() {
             save_checkpoint(&self.paths.checkpoint(), cp).map_err(|e| {
@@ -488,7 +637,9 @@ mod tests {
             cdi_dir: dir.join("cdi"),
         };
         let (_, inventory) = watch::channel(Arc::new(Inventory::default()));
-        Arc::new(Driver::new(client, "node-a", Root::new(dir).unwrap(), paths, inventory).unwrap())
+        Arc::new(
+            Driver::new(client, "node-a", Root::new(dir).unwrap(), paths, inventory, None).unwrap(),
+        )
     }
 
     /// Connects once the socket is served.

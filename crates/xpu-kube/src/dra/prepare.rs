@@ -13,9 +13,11 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde::{Deserialize, Serialize};
 use xpu_container::cdi::{self, CdiKind, ContainerEdits, Spec};
-use xpu_core::Inventory;
+use xpu_core::mig::Model;
+use xpu_core::{Inventory, PciAddress, PciDevice};
+use xpu_telemetry::mig::MigGpu;
 
-use super::{DRIVER, slices};
+use super::{DRIVER, mig, slices};
 
 /// The CDI kind of per-claim specs.
 pub const CLAIM_CDI_KIND: &str = "k8s.xpu.dev/claim";
@@ -60,6 +62,23 @@ pub struct PreparedDevice {
 pub struct Plan {
     pub spec: Spec,
     pub devices: Vec<PreparedDevice>,
+    /// MIG instances to make before the spec is written: each adds its capability nodes to
+    /// its device in `spec`.
+    pub mig: Vec<MigPart>,
+}
+
+/// A MIG device of the claim: the instance to make (profile at a placement on a GPU).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigPart {
+    /// The allocated device's name.
+    pub device: String,
+    /// Its index in the plan's `spec.devices`.
+    pub spec_device: usize,
+    pub gpu: PciAddress,
+    /// The minor of the GPU's `/dev/nvidiaN` (the `gpuN` of the capabilities).
+    pub gpu_minor: u32,
+    pub profile: &'static str,
+    pub start: u8,
 }
 
 /// Why a claim cannot be prepared. Each names what is wrong; the plugin prefixes the claim.
@@ -83,6 +102,8 @@ pub enum ClaimError {
     NoNodes { device: String, address: String },
     #[error("{field}: {reason}")]
     Config { field: String, reason: String },
+    #[error("MIG device {device}: {reason}")]
+    Mig { device: String, reason: String },
     #[error(
         "device {device} is bound to {driver}, but mode {mode} needs {wanted}; use the {class} DeviceClass or set mode"
     )]
@@ -172,13 +193,62 @@ pub fn spec_file(uid: &str) -> String {
     format!("xpu.dev-claim_{uid}.json")
 }
 
-/// Decides what preparing `claim` (asked for as `uid`) on `node` means.
+/// The instance a MIG device (`<gpu>-mig-<profile>-<start>`) of GPU `d` stands for, checked
+/// against the GPU's MIG state as NVML reports it (`mig`) and NVIDIA's tables.
+fn mig_part(
+    device: &str,
+    d: &PciDevice,
+    profile: &str,
+    start: u8,
+    mig: &[MigGpu],
+) -> Result<MigPart, ClaimError> {
+    let err = |reason: String| ClaimError::Mig { device: device.to_owned(), reason };
+    let g = mig
+        .iter()
+        .find(|g| g.address == d.address)
+        .ok_or_else(|| err(format!("NVML reports no MIG state for the GPU at {}", d.address)))?;
+    if !g.enabled {
+        return Err(err(format!(
+            "MIG mode is off on the GPU at {} (the admin turns it on: nvidia-smi -i {} -mig 1)",
+            d.address, d.address
+        )));
+    }
+    let model = Model::of(&g.product).map_err(|e| err(e.to_string()))?;
+    let p = mig::profile_by_device_name(model, profile).ok_or_else(|| {
+        let names: Vec<&str> = model.profiles.iter().map(|p| p.name).collect();
+        err(format!("{} offers no profile {profile} (it has {})", g.product, names.join(", ")))
+    })?;
+    if !p.starts.contains(&start) {
+        return Err(err(format!(
+            "{} is never placed at memory slice {start} (placements: {:?})",
+            p.name, p.starts
+        )));
+    }
+    let gpu_minor = d
+        .dev_nodes
+        .iter()
+        .find(|n| xpu_container::edits::is_nvidia_gpu_node(&n.path))
+        .and_then(|n| n.minor)
+        .ok_or_else(|| err(format!("the GPU at {} has no /dev/nvidiaN node", d.address)))?;
+    Ok(MigPart {
+        device: device.to_owned(),
+        spec_device: 0,
+        gpu: d.address,
+        gpu_minor,
+        profile: p.name,
+        start,
+    })
+}
+
+/// Decides what preparing `claim` (asked for as `uid`) on `node` means; `mig` is NVML's view
+/// of the GPUs' MIG state (empty without MIG control).
 pub fn plan(
     claim: &ResourceClaim,
     uid: &str,
     node: &str,
     inv: &Inventory,
     host_specs: &[Spec],
+    mig: &[MigGpu],
 ) -> Result<Plan, ClaimError> {
     let found = claim.metadata.uid.clone().unwrap_or_default();
     if found != uid {
@@ -205,6 +275,7 @@ pub fn plan(
     let mut devices = Vec::new();
     let mut common = ContainerEdits::default();
     let mut kinds_done: Vec<CdiKind> = Vec::new();
+    let mut parts = Vec::new();
     for r in &ours {
         if r.pool != node {
             return Err(ClaimError::OtherNode {
@@ -213,11 +284,16 @@ pub fn plan(
                 node: node.to_owned(),
             });
         }
-        let Some(d) =
-            inv.devices.iter().find(|d| slices::device_name(d).as_deref() == Some(&r.device))
+        // A MIG device is its GPU's nodes and the instance's capabilities.
+        let partition = mig::parse_device_name(&r.device);
+        let whole = partition.map_or(r.device.as_str(), |(gpu, _, _)| gpu);
+        let Some(d) = inv.devices.iter().find(|d| slices::device_name(d).as_deref() == Some(whole))
         else {
             return Err(ClaimError::UnknownDevice { device: r.device.clone() });
         };
+        let part = partition
+            .map(|(_, profile, start)| mig_part(&r.device, d, profile, start, mig))
+            .transpose()?;
         let mode = mode_for(&configs, &r.request);
         let on_vfio = d.driver.as_deref() == Some("vfio-pci");
         if (mode == Mode::Passthrough) != on_vfio {
@@ -261,6 +337,9 @@ pub fn plan(
             kinds_done.push(kind);
         }
         let cdi_name = format!("{uid}-{}", r.device);
+        if let Some(part) = part {
+            parts.push(MigPart { spec_device: devices.len(), ..part });
+        }
         devices.push(cdi::Device { name: cdi_name.clone(), container_edits: edits });
         by_device.insert(
             r.device.clone(),
@@ -278,7 +357,7 @@ pub fn plan(
         devices,
         container_edits: common,
     };
-    Ok(Plan { spec, devices: by_device.into_values().collect() })
+    Ok(Plan { spec, devices: by_device.into_values().collect(), mig: parts })
 }
 
 #[cfg(test)]
@@ -334,7 +413,7 @@ mod tests {
             .iter()
             .map(|g| json!({ "request": "gpus", "driver": DRIVER, "pool": "n1", "device": g }))
             .collect();
-        let p = plan(&claim(json!(results), json!([])), "u1", "n1", &inv, &specs).unwrap();
+        let p = plan(&claim(json!(results), json!([])), "u1", "n1", &inv, &specs, &[]).unwrap();
         assert_eq!(p.devices.len(), 2);
         assert_eq!(p.spec.devices.len(), 2);
         assert!(p.devices[0].cdi_ids[0].starts_with("k8s.xpu.dev/claim=u1-gpu-"));
@@ -357,32 +436,103 @@ mod tests {
         let (_fx, inv, specs) = host();
         let g = first_gpus(&inv, 1).remove(0);
         let r = |driver: &str, pool: &str, dev: &str| json!([{ "request": "r", "driver": driver, "pool": pool, "device": dev }]);
-        let e = plan(&claim(r("gpu.nvidia.com", "n1", &g), json!([])), "u1", "n1", &inv, &specs)
-            .unwrap_err();
-        assert!(matches!(e, ClaimError::OtherDriver { .. }), "{e}");
-        let e = plan(&claim(r(DRIVER, "n2", &g), json!([])), "u1", "n1", &inv, &specs).unwrap_err();
-        assert!(e.to_string().contains("pool n2"), "{e}");
         let e =
-            plan(&claim(r(DRIVER, "n1", "gpu-0000-99-00-0"), json!([])), "u1", "n1", &inv, &specs)
+            plan(&claim(r("gpu.nvidia.com", "n1", &g), json!([])), "u1", "n1", &inv, &specs, &[])
                 .unwrap_err();
+        assert!(matches!(e, ClaimError::OtherDriver { .. }), "{e}");
+        let e = plan(&claim(r(DRIVER, "n2", &g), json!([])), "u1", "n1", &inv, &specs, &[])
+            .unwrap_err();
+        assert!(e.to_string().contains("pool n2"), "{e}");
+        let e = plan(
+            &claim(r(DRIVER, "n1", "gpu-0000-99-00-0"), json!([])),
+            "u1",
+            "n1",
+            &inv,
+            &specs,
+            &[],
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("gpu-0000-99-00-0"), "{e}");
-        let e =
-            plan(&claim(r(DRIVER, "n1", &g), json!([])), "other", "n1", &inv, &specs).unwrap_err();
+        let e = plan(&claim(r(DRIVER, "n1", &g), json!([])), "other", "n1", &inv, &specs, &[])
+            .unwrap_err();
         assert!(matches!(e, ClaimError::Uid { .. }), "{e}");
         let bad = json!([{ "source": "FromClaim", "opaque": { "driver": DRIVER,
             "parameters": { "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mode": "vm" } } }]);
-        let e = plan(&claim(r(DRIVER, "n1", &g), bad), "u1", "n1", &inv, &specs).unwrap_err();
+        let e = plan(&claim(r(DRIVER, "n1", &g), bad), "u1", "n1", &inv, &specs, &[]).unwrap_err();
         assert!(
             e.to_string().contains("config[0].opaque.parameters") && e.to_string().contains("vm"),
             "{e}"
         );
         let bad = json!([{ "source": "FromClaim", "opaque": { "driver": DRIVER,
             "parameters": { "apiVersion": "xpu.dev/v2", "kind": "DeviceConfig" } } }]);
-        let e = plan(&claim(r(DRIVER, "n1", &g), bad), "u1", "n1", &inv, &specs).unwrap_err();
+        let e = plan(&claim(r(DRIVER, "n1", &g), bad), "u1", "n1", &inv, &specs, &[]).unwrap_err();
         assert!(e.to_string().contains("parameters.apiVersion"), "{e}");
         let pt = json!([{ "source": "FromClaim", "opaque": { "driver": DRIVER,
             "parameters": { "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mode": "passthrough" } } }]);
-        let e = plan(&claim(r(DRIVER, "n1", &g), pt), "u1", "n1", &inv, &specs).unwrap_err();
+        let e = plan(&claim(r(DRIVER, "n1", &g), pt), "u1", "n1", &inv, &specs, &[]).unwrap_err();
         assert!(matches!(e, ClaimError::Mode { .. }), "{e}");
+    }
+
+    #[test]
+    fn mig_devices_plan_an_instance_and_refuse_what_no_gpu_offers() {
+        use xpu_telemetry::mig::{FakeMig, MigControl};
+        let (_fx, inv, specs) = host();
+        if specs.is_empty() {
+            eprintln!("skipping: fixture device nodes need root (mknod)");
+            return;
+        }
+        let gpus: Vec<&PciDevice> = inv
+            .devices
+            .iter()
+            .filter(|d| {
+                d.dev_nodes.iter().any(|n| xpu_container::edits::is_nvidia_gpu_node(&n.path))
+            })
+            .collect();
+        let (g0, g1) = (gpus[0], gpus[1]);
+        let fake =
+            FakeMig::new([(g0.address, "NVIDIA H200", true), (g1.address, "NVIDIA H200", false)]);
+        let state = fake.gpus().unwrap();
+        let name0 = slices::device_name(g0).unwrap();
+        let one = |device: String| {
+            claim(
+                json!([{ "request": "mig", "driver": DRIVER, "pool": "n1", "device": device }]),
+                json!([]),
+            )
+        };
+        let p =
+            plan(&one(mig::device_name(&name0, "3g.71gb", 4)), "u1", "n1", &inv, &specs, &state)
+                .unwrap();
+        assert_eq!(p.mig.len(), 1);
+        let part = &p.mig[0];
+        assert_eq!(
+            (part.gpu, part.profile, part.start, part.spec_device),
+            (g0.address, "3g.71gb", 4, 0)
+        );
+        let minor = g0
+            .dev_nodes
+            .iter()
+            .find_map(|n| n.minor.filter(|_| xpu_container::edits::is_nvidia_gpu_node(&n.path)));
+        assert_eq!(Some(part.gpu_minor), minor);
+        // The device's own edits are its GPU's node; the capabilities come when it is made.
+        let nodes = &p.spec.devices[0].container_edits.device_nodes;
+        assert_eq!(nodes.len(), 1, "{nodes:?}");
+
+        let refused = |device: String, needle: &str| {
+            let e = plan(&one(device.clone()), "u1", "n1", &inv, &specs, &state).unwrap_err();
+            assert!(
+                e.to_string().contains(needle) && e.to_string().contains(&device),
+                "{device}: {e}"
+            );
+        };
+        refused(format!("{name0}-mig-5g-99gb-0"), "offers no profile 5g-99gb");
+        refused(mig::device_name(&name0, "3g.71gb", 2), "never placed at memory slice 2");
+        refused(
+            mig::device_name(&slices::device_name(g1).unwrap(), "1g.18gb", 0),
+            "MIG mode is off",
+        );
+        // Without MIG state from NVML, no MIG device is planned.
+        let e = plan(&one(mig::device_name(&name0, "1g.18gb", 0)), "u1", "n1", &inv, &specs, &[])
+            .unwrap_err();
+        assert!(e.to_string().contains("NVML reports no MIG state"), "{e}");
     }
 }

@@ -65,6 +65,11 @@ pub struct DraDriverArgs {
     #[arg(long, value_name = "MS", default_value_t = 500,
           value_parser = clap::value_parser!(u64).range(50..=60000))]
     pub interval_ms: u64,
+    /// Tests only: MIG through a fake NVML whose GPUs, MIG modes and instances are the JSON
+    /// state FILE (rewritten as instances are made and destroyed), with the `/dev/nvidia-caps`
+    /// minors of the root's `/proc/driver/nvidia-caps/mig-minors`.
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub fake_mig: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -247,8 +252,13 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
         interval: Duration::from_millis(a.interval_ms),
         health: Some(health),
         // MIG partitions are published from a MigControl; the NVML implementation of it is
-        // not built yet, so GPUs are published whole (docs/dra.md).
-        mig: None,
+        // not built yet, so GPUs are published whole (docs/dra.md) unless a test gives the fake.
+        mig: match &a.fake_mig {
+            Some(f) => Some(std::sync::Arc::new(
+                xpu_telemetry::mig::FakeMig::open(f).map_err(CliError::input)?,
+            )),
+            None => None,
+        },
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -296,23 +296,41 @@ pub fn start_kube_scheduler(cp: &ControlPlane, log_name: &str, gates: &str) -> C
 }
 
 /// Waits until the number of bound pods in `default` stays the same for `quiet` (or all
-/// `total` are bound, or 90 s pass); returns it.
+/// `total` are bound, or 90 s pass); returns it. It stops sooner, after [`EXPLAINED_QUIET`]
+/// without a change, when every pod that waits has been told why (`PodScheduled=False`): both
+/// schedulers write that on a failed attempt, and a pod retried later (kube-scheduler's backoff
+/// after a cluster event) is back within that time.
 pub async fn settle(admin: &Client, total: usize, quiet: Duration) -> usize {
     let start = Instant::now();
     let (mut last, mut since) = (usize::MAX, Instant::now());
     loop {
-        let n = pods(admin, "default").await.iter().filter(|p| node_of(p).is_some()).count();
+        let all = pods(admin, "default").await;
+        let n = all.iter().filter(|p| node_of(p).is_some()).count();
         if n != last {
             (last, since) = (n, Instant::now());
         }
+        let explained = all.iter().all(|p| node_of(p).is_some() || waits_with_reason(p));
+        let still = since.elapsed().min(start.elapsed());
         if n == total
-            || (since.elapsed() >= quiet && start.elapsed() >= quiet)
+            || still >= quiet
+            || (explained && still >= EXPLAINED_QUIET)
             || start.elapsed() > Duration::from_secs(90)
         {
             return n;
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+}
+
+/// How long [`settle`] waits without a change once every waiting pod has its reason.
+pub const EXPLAINED_QUIET: Duration = Duration::from_secs(5);
+
+/// Whether `p` carries `PodScheduled=False` (a scheduler tried it and said why).
+fn waits_with_reason(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "PodScheduled" && c.status == "False"))
 }
 
 /// Each pod's node, or why it waits (its `PodScheduled=False` message), one per line.
@@ -388,7 +406,17 @@ pub fn gpu_nodes(minors: &[u32]) -> BTreeMap<String, (char, u32, u32)> {
 /// `/dev`: exactly GPUs `minors` and the control nodes in `gpu`, none in `plain`; the device
 /// cgroup: what `gpu` may open beyond `plain` (same pod, same runtime defaults) is exactly those.
 pub fn assert_only_these_gpus(gpu: &ContainerView, plain: &ContainerView, minors: &[u32]) {
-    let want = gpu_nodes(minors);
+    assert_only_these_nodes(gpu, plain, &gpu_nodes(minors));
+}
+
+/// [`assert_only_these_gpus`] for any set of nodes (a MIG instance's capabilities besides its
+/// GPU's).
+pub fn assert_only_these_nodes(
+    gpu: &ContainerView,
+    plain: &ContainerView,
+    want: &BTreeMap<String, (char, u32, u32)>,
+) {
+    let want = want.clone();
     assert_eq!(gpu.accel_nodes(), want, "the GPU container's /dev");
     assert_eq!(plain.accel_nodes(), BTreeMap::new(), "the plain container's /dev");
     if !Path::new("/sys/fs/cgroup/devices").is_dir() {
