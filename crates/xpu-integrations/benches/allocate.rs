@@ -33,6 +33,7 @@ fn main() {
             health: None,
             watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
             share: None,
+            mps: None,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

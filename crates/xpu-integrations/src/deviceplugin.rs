@@ -77,6 +77,8 @@ pub struct Config {
     /// Finds the pod an `Allocate` of [`SHARE_RESOURCE`] is for and the GPUs the scheduler
     /// chose for it; required when `resources` holds that resource.
     pub share: Option<Arc<dyn ShareResolver>>,
+    /// Serve shares of less than a GPU through MPS ([`crate::mps`]).
+    pub mps: Option<Arc<crate::mps::Mps>>,
 }
 
 /// The GPU-share resource: each GPU is offered as [`SHARE_UNITS`] interchangeable units, and
@@ -189,6 +191,8 @@ struct Dev {
     uuid: Option<String>,
     nodes: Vec<String>,
     cdi: Option<String>,
+    /// The model's memory, for MPS's memory limit.
+    memory_mib: Option<u64>,
 }
 
 impl Dev {
@@ -210,6 +214,11 @@ impl Dev {
             uuid: d.uuid.clone(),
             nodes: d.dev_nodes.iter().map(|n| n.path.clone()).collect(),
             cdi,
+            memory_mib: d
+                .vendor_id
+                .zip(d.device_id)
+                .and_then(|(v, id)| xpu_core::accel::lookup(v, id))
+                .map(|a| u64::from(a.memory_gib) * 1024),
         }
     }
 }
@@ -257,6 +266,7 @@ pub struct Plugin {
     /// never called it.
     watches: std::sync::atomic::AtomicU64,
     share: Option<Arc<dyn ShareResolver>>,
+    mps: Option<Arc<crate::mps::Mps>>,
 }
 
 impl Plugin {
@@ -272,6 +282,12 @@ impl Plugin {
         p.updates.send_replace(list);
         p.share = Some(resolver);
         p
+    }
+
+    /// Shares of less than a GPU served through MPS.
+    pub fn with_mps(mut self, mps: Option<Arc<crate::mps::Mps>>) -> Plugin {
+        self.mps = mps;
+        self
     }
 
     /// The devices of `inv` that `resource` selects.
@@ -293,6 +309,7 @@ impl Plugin {
             updates,
             watches: Default::default(),
             share: None,
+            mps: None,
         }
     }
 
@@ -461,6 +478,27 @@ impl Plugin {
         };
         let mut resp = self.allocate_container(&ids)?;
         resp.envs.insert("XPU_GPU_MILLI".to_owned(), grant.milli_per_gpu.to_string());
+        if let Some(mps) = self.mps.as_ref().filter(|_| grant.milli_per_gpu < 1000) {
+            let gpus: Vec<(Option<String>, Option<u64>)> = {
+                let t = self.read();
+                ids.iter()
+                    .filter_map(|id| t.get(id))
+                    .map(|d| (d.uuid.clone(), d.memory_mib))
+                    .collect()
+            };
+            for (uuid, memory) in gpus {
+                let uuid = uuid.ok_or_else(|| {
+                    Status::failed_precondition(format!(
+                        "pod {}: its GPU has no UUID for MPS",
+                        grant.pod
+                    ))
+                })?;
+                let name = mps.share(&uuid, grant.milli_per_gpu, memory).map_err(|e| {
+                    Status::failed_precondition(format!("pod {}: MPS: {e}", grant.pod))
+                })?;
+                resp.cdi_devices.push(pb::CdiDevice { name });
+            }
+        }
         Ok(resp)
     }
 
@@ -716,7 +754,7 @@ pub async fn run(
     for r in &cfg.resources {
         let plugin = if r.name == SHARE_RESOURCE {
             let resolver = cfg.share.clone().ok_or(PluginError::ShareWithoutResolver)?;
-            Arc::new(Plugin::shared(r.clone(), &inv, resolver))
+            Arc::new(Plugin::shared(r.clone(), &inv, resolver).with_mps(cfg.mps.clone()))
         } else {
             Arc::new(Plugin::new(r.clone(), &inv))
         };

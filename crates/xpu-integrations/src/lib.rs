@@ -31,6 +31,7 @@ pub mod exporter;
 pub mod h2authority;
 pub mod h2probe;
 pub mod limits;
+pub mod mps;
 pub mod nfd;
 pub mod novaconf;
 pub mod numa;

@@ -69,6 +69,7 @@ fn start_waiting(
         health: None,
         watch_timeout,
         share: None,
+        mps: None,
     };
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -356,6 +357,7 @@ async fn refuses_a_host_without_matching_devices_and_a_missing_directory() {
         health: None,
         watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
         share: None,
+        mps: None,
     };
     let e = deviceplugin::run(cfg.clone(), None, async {}).await.unwrap_err();
     assert!(e.to_string().contains("no device on this host matches any resource"), "{e}");

@@ -628,3 +628,133 @@ async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_ne
     drop(driver);
     drop(node);
 }
+
+/// GPU shares through MPS on a real kubelet with real runc: `xpu k8s scheduler` places two
+/// `xpu.dev/gpu-milli: 500` pods on one GPU, and `xpu k8s device-plugin --share --mps-dir`
+/// starts that GPU's MPS control daemon once (a fake `nvidia-cuda-mps-control`), and gives
+/// each container the pipe directory and its share's limits through CDI, even the container
+/// that sets its own `CUDA_MPS_*`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mps_shares_get_the_daemons_pipe_and_their_own_limits_needs_root_and_runc() {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default()).await;
+    let admin = cp.admin_client();
+    let kubeconfig = install_scheduler_rbac(&cp).await;
+    let key = cp.dir().join("share.key");
+    std::fs::write(&key, [7u8; 32]).unwrap();
+    let sched =
+        XpuScheduler::start(&cp, &kubeconfig, "mps", &["--share-key", key.to_str().unwrap()]);
+    let fx = four_gpu_host().build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    cdi_generate(fx.root(), "nvidia", &node.cdi_dir());
+
+    // The fake control: `-d` leaves a file naming its GPU in the pipe directory, as the real
+    // daemon leaves its control socket there; `quit` removes it. Every call is logged.
+    let calls = cp.dir().join("mps-calls");
+    let control = cp.dir().join("nvidia-cuda-mps-control");
+    std::fs::write(
+        &control,
+        format!(
+            "#!/bin/sh\ncase \"$1\" in\n-d) echo \"$CUDA_VISIBLE_DEVICES\" > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_LOG_DIRECTORY\" >> {calls} ;;\n*) read cmd; echo \"$cmd $CUDA_VISIBLE_DEVICES\" >> {calls}; rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\" ;;\nesac\n",
+            calls = calls.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&control, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .unwrap();
+    let mps_dir = cp.dir().join("mps");
+    let mut args: Vec<std::ffi::OsString> =
+        vec!["k8s".into(), "device-plugin".into(), "--interval-ms".into(), "200".into()];
+    args.extend(["--root".into(), fx.root().into()]);
+    args.extend(["--plugin-dir".into(), node.device_plugin_dir().into()]);
+    args.extend(["--share".into(), "--node-name".into(), NODE_NAME.into()]);
+    args.extend(["--share-key".into(), key.clone().into()]);
+    args.extend(["--kubeconfig".into(), cp.admin_kubeconfig().into()]);
+    args.extend(["--mps-dir".into(), mps_dir.clone().into()]);
+    args.extend(["--mps-control".into(), control.into()]);
+    args.extend(["--cdi-dir".into(), node.cdi_dir().into()]);
+    let plugin = XpuProcess::spawn(&cp, "xpu-device-plugin", &args);
+    let diag = || format!("{}\n{}\n{}", plugin.log_text(), sched.log_text(), node.log_tails());
+    let nodes: Api<NodeObject> = Api::all(admin.clone());
+    let offered = wait_until(Duration::from_secs(60), || async {
+        let n = nodes.get(NODE_NAME).await.unwrap();
+        quantity(&n, "allocatable", "xpu.dev/gpu-milli").as_deref() == Some("4k")
+    })
+    .await;
+    assert!(offered, "4000 GPU units offered\n{}", diag());
+
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let probe = probe_script(&format!("cat {}/control", xpu_integrations::mps::CONTAINER_PIPE_DIR));
+    for (name, own_env) in [
+        ("honest", json!([])),
+        (
+            "greedy",
+            json!([
+                { "name": "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "value": "100" },
+                { "name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=40960M" },
+                { "name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/mine" },
+            ]),
+        ),
+    ] {
+        let pod = json!({
+            "apiVersion": "v1", "kind": "Pod", "metadata": { "name": name },
+            "spec": { "schedulerName": "xpu", "restartPolicy": "Never",
+                "automountServiceAccountToken": false, "enableServiceLinks": false,
+                "containers": [{ "name": "c", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", probe], "env": own_env,
+                    "resources": { "limits": { "xpu.dev/gpu-milli": "500" } } }] },
+        });
+        pods.create(&PostParams::default(), &serde_json::from_value(pod).unwrap()).await.unwrap();
+    }
+    let mut seen = Vec::new();
+    for name in ["honest", "greedy"] {
+        let done = wait_until(Duration::from_secs(90), || async {
+            let p = pods.get(name).await.unwrap();
+            matches!(p.status.and_then(|s| s.phase).as_deref(), Some("Succeeded" | "Failed"))
+        })
+        .await;
+        let p = pods.get(name).await.unwrap();
+        let phase = p.status.as_ref().and_then(|s| s.phase.clone());
+        assert!(done && phase.as_deref() == Some("Succeeded"), "{name}: {phase:?}\n{}", diag());
+        let out = pods.logs(name, &LogParams::default()).await.unwrap();
+        eprintln!("--- {name}\n{out}");
+        let view = ContainerView::parse(&out);
+        for (k, v) in [
+            ("CUDA_MPS_PIPE_DIRECTORY", xpu_integrations::mps::CONTAINER_PIPE_DIR),
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50"),
+            // Half of an A100 40GB.
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=20480M"),
+            ("XPU_GPU_MILLI", "500"),
+        ] {
+            assert_eq!(view.env.get(k).map(String::as_str), Some(v), "{name}: {k}\n{out}");
+        }
+        // The daemon's pipe directory, as its file there shows: the pod's own GPU.
+        let minors: Vec<u32> = view
+            .nodes
+            .keys()
+            .filter_map(|p| p.strip_prefix("/dev/nvidia")?.parse().ok())
+            .collect();
+        assert_eq!(minors.len(), 1, "{name}: one GPU\n{out}");
+        let gpu = hosts::gpu_uuid(minors[0] as usize);
+        assert_eq!(view.extra.trim(), gpu, "{name}: the pipe directory of its GPU's daemon\n{out}");
+        seen.push(gpu);
+    }
+    assert_eq!(seen[0], seen[1], "both shares on one GPU");
+    let started = std::fs::read_to_string(&calls).unwrap();
+    assert_eq!(started.lines().filter(|l| l.starts_with("start ")).count(), 1, "{started}");
+    assert!(
+        started.contains(&format!(
+            "start {} {}",
+            seen[0],
+            mps_dir.join(&seen[0]).join("log").display()
+        )),
+        "{started}"
+    );
+    drop(plugin);
+    drop(node);
+}

@@ -184,6 +184,22 @@ pub struct DevicePluginArgs {
     /// Kubeconfig for --share; default $KUBECONFIG, ~/.kube/config, then in-cluster.
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
+    /// With --share: serve shares of less than a GPU through NVIDIA MPS, one control daemon per
+    /// GPU with its pipe and log directories under DIR, each container limited to its share
+    /// (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) through CDI.
+    #[arg(long, value_name = "DIR", requires = "share")]
+    pub mps_dir: Option<PathBuf>,
+    /// The MPS control binary.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "nvidia-cuda-mps-control",
+        requires = "mps_dir"
+    )]
+    pub mps_control: PathBuf,
+    /// Where the MPS shares' CDI specs are written (the runtime's CDI directory).
+    #[arg(long, value_name = "DIR", default_value = "/var/run/cdi")]
+    pub cdi_dir: PathBuf,
     #[command(flatten)]
     pub log: crate::output::LogArgs,
 }
@@ -377,6 +393,18 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
     } else {
         None
     };
+    let mps = match args.mps_dir {
+        Some(dir) => {
+            let opts = xpu_integrations::mps::MpsOptions {
+                dir,
+                control: args.mps_control,
+                cdi_dir: args.cdi_dir,
+            };
+            xpu_integrations::mps::check(&opts).map_err(|e| CliError::input(anyhow::anyhow!(e)))?;
+            Some(std::sync::Arc::new(xpu_integrations::mps::Mps::new(opts)))
+        }
+        None => None,
+    };
     let interval = Duration::from_millis(args.interval_ms);
     // Telemetry on the same interval: XIDs and uncorrectable memory errors reported by NVML (or
     // amdgpu's RAS counters) mark a device Unhealthy, not only a vanished one.
@@ -389,6 +417,7 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
         health: Some(health),
         watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
         share: None,
+        mps,
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -421,8 +450,12 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
                 }
             }
         });
+        let mps = cfg.mps.clone();
         let result = deviceplugin::run(cfg, Some(tx), shutdown_signal()).await;
         let _ = printer.await;
+        if let Some(m) = mps {
+            m.stop_all();
+        }
         result
     })
     .map_err(|e| match e {
