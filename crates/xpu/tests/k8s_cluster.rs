@@ -153,25 +153,7 @@ async fn start_node(
         // deploy/kubernetes lets the driver's ServiceAccount write slices only with a pod's
         // token, which names its node; a driver run beside the node has none, so it runs as the
         // admin (as the single-node test's does).
-        let kc = cp.admin_kubeconfig().to_owned();
-        let args: Vec<OsString> = vec![
-            "k8s".into(),
-            "dra-driver".into(),
-            "--node-name".into(),
-            name.into(),
-            "--interval-ms".into(),
-            "200".into(),
-            "--root".into(),
-            cn.fx.root().into(),
-            "--kubeconfig".into(),
-            kc.into(),
-            "--plugin-dir".into(),
-            cn.node.plugins_dir().into(),
-            "--registry-dir".into(),
-            cn.node.plugins_registry_dir().into(),
-            "--cdi-dir".into(),
-            cn.node.cdi_dir().into(),
-        ];
+        let args = dra_driver_args(cp, &cn.node, name, cn.fx.root());
         cn.agents.push(XpuProcess::spawn(cp, &format!("dra-driver-{name}"), &args));
         let slices: Api<ResourceSlice> = Api::all(cp.admin_client());
         let lp = ListParams::default().fields(&format!("spec.nodeName={name},spec.driver=xpu.dev"));

@@ -352,24 +352,7 @@ async fn dra_claim_on_a_real_kubelet(by_xpu: bool) {
         .await
         .unwrap_or_else(|e| panic!("node: {e}"));
 
-    let args: Vec<std::ffi::OsString> = vec![
-        "k8s".into(),
-        "dra-driver".into(),
-        "--node-name".into(),
-        NODE_NAME.into(),
-        "--interval-ms".into(),
-        "200".into(),
-        "--root".into(),
-        fx.root().into(),
-        "--kubeconfig".into(),
-        cp.admin_kubeconfig().into(),
-        "--plugin-dir".into(),
-        node.plugins_dir().into(),
-        "--registry-dir".into(),
-        node.plugins_registry_dir().into(),
-        "--cdi-dir".into(),
-        node.cdi_dir().into(),
-    ];
+    let args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
     let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
     let diag = || {
         let sched = xpu.as_ref().map(|x| x.log_text()).unwrap_or_default();
@@ -493,26 +476,8 @@ async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_ne
         .unwrap(),
     )
     .unwrap();
-    let args: Vec<std::ffi::OsString> = vec![
-        "k8s".into(),
-        "dra-driver".into(),
-        "--node-name".into(),
-        NODE_NAME.into(),
-        "--interval-ms".into(),
-        "200".into(),
-        "--root".into(),
-        fx.root().into(),
-        "--kubeconfig".into(),
-        cp.admin_kubeconfig().into(),
-        "--plugin-dir".into(),
-        node.plugins_dir().into(),
-        "--registry-dir".into(),
-        node.plugins_registry_dir().into(),
-        "--cdi-dir".into(),
-        node.cdi_dir().into(),
-        "--fake-mig".into(),
-        state.clone().into(),
-    ];
+    let mut args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
+    args.extend(["--fake-mig".into(), state.clone().into()]);
     let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
     let diag = || format!("{}\n{}", driver.log_text(), node.log_tails());
     let slices: Api<ResourceSlice> = Api::all(admin.clone());
@@ -734,11 +699,8 @@ async fn mps_shares_get_the_daemons_pipe_and_their_own_limits_needs_root_and_run
             assert_eq!(view.env.get(k).map(String::as_str), Some(v), "{name}: {k}\n{out}");
         }
         // The daemon's pipe directory, as its file there shows: the pod's own GPU.
-        let minors: Vec<u32> = view
-            .nodes
-            .keys()
-            .filter_map(|p| p.strip_prefix("/dev/nvidia")?.parse().ok())
-            .collect();
+        let minors: Vec<u32> =
+            view.nodes.keys().filter_map(|p| p.strip_prefix("/dev/nvidia")?.parse().ok()).collect();
         assert_eq!(minors.len(), 1, "{name}: one GPU\n{out}");
         let gpu = hosts::gpu_uuid(minors[0] as usize);
         assert_eq!(view.extra.trim(), gpu, "{name}: the pipe directory of its GPU's daemon\n{out}");

@@ -462,3 +462,31 @@ pub fn cdi_generate(root: &Path, vendor: &str, out: &Path) {
         .unwrap();
     assert!(o.status.success(), "xpu cdi generate: {}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// `xpu k8s dra-driver`'s arguments for node `name` of `node`, discovering `root`, writing
+/// slices as the admin (a driver run beside the node has no pod token), every 200 ms.
+pub fn dra_driver_args(
+    cp: &ControlPlane,
+    node: &xpu_testkit::kubelet::Node,
+    name: &str,
+    root: &Path,
+) -> Vec<std::ffi::OsString> {
+    vec![
+        "k8s".into(),
+        "dra-driver".into(),
+        "--node-name".into(),
+        name.into(),
+        "--interval-ms".into(),
+        "200".into(),
+        "--root".into(),
+        root.into(),
+        "--kubeconfig".into(),
+        cp.admin_kubeconfig().into(),
+        "--plugin-dir".into(),
+        node.plugins_dir().into(),
+        "--registry-dir".into(),
+        node.plugins_registry_dir().into(),
+        "--cdi-dir".into(),
+        node.cdi_dir().into(),
+    ]
+}
