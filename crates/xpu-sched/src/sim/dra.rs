@@ -9,6 +9,13 @@
 //! order where the claim fits, or the node with the fewest whole free GPUs), so the difference is
 //! the device choice alone.
 //!
+//! With `mig`, every GPU is an H200 in MIG mode instead, published as xpu's DRA driver publishes
+//! one (`xpu-kube`'s `dra::mig`: a counter set per GPU of its memory slices, compute slices and
+//! media extension, and a device per profile and placement of NVIDIA's table drawing on it), and
+//! each GPU pod asks for partitions: a share for the smallest profile whose compute holds it
+//! (`1g.18gb` for up to 1/7 of a GPU, `2g.35gb` up to 2/7, ...), a whole GPU for `7g.141gb`.
+//! The allocation ratio is then what the partitions hold (compute slices over the GPUs').
+//!
 //! Two workloads: OpenB's own ([`super::openb::workload`]: the trace shuffled and inflated to
 //! 130 % of the GPU capacity, nothing leaves), and churn: claims arrive from the same draws until
 //! four times the capacity has arrived, each living an exponentially distributed number of
@@ -70,6 +77,42 @@ pub struct DraOptions {
     pub pack: bool,
     /// 0: OpenB's workload, nothing leaves; above 0: churn at this offered load.
     pub load: f64,
+    /// Every GPU an H200 in MIG mode, and GPU pods asking for MIG partitions.
+    pub mig: bool,
+}
+
+/// The GPU model the MIG replay gives every node.
+pub const MIG_MODEL: &str = "H200";
+
+/// The MIG profile a GPU pod asks for: the smallest whose compute holds a share, the whole GPU
+/// otherwise.
+pub fn mig_profile(pod: &OpenbPod) -> &'static xpu_core::mig::Profile {
+    let model = mig_model();
+    let whole = &model.profiles[model.profiles.len() - 1];
+    if pod.num_gpu != 1 || pod.gpu_milli >= 1000 {
+        return whole;
+    }
+    model
+        .profiles
+        .iter()
+        .filter(|p| !p.name.ends_with("+me") && p.name != "1g.35gb")
+        .find(|p| u32::from(p.compute) * 1000 >= u32::from(pod.gpu_milli) * 7)
+        .unwrap_or(whole)
+}
+
+fn mig_model() -> &'static xpu_core::mig::Model {
+    // The table has the H200; a missing row would be a bug in xpu-core's table.
+    xpu_core::mig::Model::of(MIG_MODEL).unwrap_or_else(|_| unreachable!("H200 is in the MIG table"))
+}
+
+/// Thousandths of a GPU a profile's compute is (rounded down: the books that skip nodes never
+/// refuse a partition that fits).
+fn profile_milli(p: &xpu_core::mig::Profile) -> u32 {
+    if p.compute >= xpu_core::mig::COMPUTE_SLICES {
+        1000
+    } else {
+        u32::from(p.compute) * 1000 / u32::from(xpu_core::mig::COMPUTE_SLICES)
+    }
 }
 
 /// Arrived and placed, for one claim size.
@@ -129,6 +172,87 @@ pub fn slices(nodes: &[OpenbNode], shares: bool) -> Vec<Option<Slice>> {
             })
         })
         .collect()
+}
+
+/// The slice of each node with its GPUs in MIG mode: per GPU `gpu-<i>`, the counter set
+/// `gpu-<i>-mig` and the devices `gpu-<i>-mig-<profile>-<start>` (the GPU's attributes, with
+/// `profile` and `placementStart`).
+pub fn mig_slices(nodes: &[OpenbNode]) -> Vec<Option<Slice>> {
+    use xpu_core::mig::{COMPUTE_SLICES, MEMORY_SLICES};
+    let model = mig_model();
+    nodes
+        .iter()
+        .enumerate()
+        .map(|(ni, n)| {
+            (n.gpus > 0).then(|| {
+                let mut devices = Vec::new();
+                let mut shared_counters = BTreeMap::new();
+                for i in 0..n.gpus {
+                    let set = format!("gpu-{i}-mig");
+                    let mut counters: BTreeMap<String, u64> =
+                        (0..MEMORY_SLICES).map(|m| (format!("memory-slice-{m}"), 1)).collect();
+                    counters.insert("compute-slices".into(), u64::from(COMPUTE_SLICES));
+                    counters.insert("media-extensions".into(), 1);
+                    shared_counters.insert(set.clone(), counters);
+                    let base = gpu(ni, i, &n.model, false);
+                    for p in &model.profiles {
+                        for &start in p.starts {
+                            let mut draws: BTreeMap<String, u64> = (start..start + p.size)
+                                .map(|m| (format!("memory-slice-{m}"), 1))
+                                .collect();
+                            draws.insert("compute-slices".into(), u64::from(p.compute));
+                            if p.name.ends_with("+me") {
+                                draws.insert("media-extensions".into(), 1);
+                            }
+                            let mut attributes = base.attributes.clone();
+                            attributes.insert("profile".into(), Value::String(p.name.into()));
+                            attributes
+                                .insert("placementStart".into(), Value::Int(i64::from(start)));
+                            devices.push(Device {
+                                name: format!(
+                                    "gpu-{i}-mig-{}-{start}",
+                                    p.name.replace(['.', '+'], "-")
+                                ),
+                                attributes,
+                                consumes: BTreeMap::from([(set.clone(), draws)]),
+                                ..Device::default()
+                            });
+                        }
+                    }
+                }
+                Slice {
+                    driver: DRIVER.into(),
+                    pool: n.name.clone(),
+                    generation: 1,
+                    slice_count: 1,
+                    scope: NodeScope::Node(n.name.clone()),
+                    devices,
+                    shared_counters,
+                }
+            })
+        })
+        .collect()
+}
+
+/// Selects the MIG devices of one profile.
+#[derive(Debug)]
+struct ProfileIs(&'static str);
+
+impl Selector for ProfileIs {
+    fn matches(&self, _: &DeviceId, device: &Device) -> Result<bool, String> {
+        Ok(matches!(device.attributes.get("profile"), Some(Value::String(p)) if p == self.0))
+    }
+}
+
+/// The claim of a GPU pod in the MIG replay: its profile, `num_gpu` of them for whole GPUs, with
+/// the topology constraints of [`claim`].
+pub fn mig_claim(pod: &OpenbPod) -> Option<Claim> {
+    let mut c = claim(pod)?;
+    let p = mig_profile(pod);
+    let exact = &mut c.requests[0].alternatives[0].1;
+    exact.capacity.clear();
+    exact.selectors.push(Arc::new(ProfileIs(p.name)));
+    Some(c)
 }
 
 fn gpu(node: usize, i: u16, model: &str, shares: bool) -> Device {
@@ -218,8 +342,13 @@ struct Held {
 /// Runs one seed with `opts`.
 pub fn run(nodes: &[OpenbNode], pods: &[OpenbPod], seed: u64, opts: DraOptions) -> DraRun {
     let shares = pods.iter().any(|p| p.num_gpu == 1 && p.gpu_milli < 1000);
-    let slices = slices(nodes, shares);
-    let claims: Vec<Option<Claim>> = pods.iter().map(claim).collect();
+    let slices = if opts.mig { mig_slices(nodes) } else { slices(nodes, shares) };
+    let claims: Vec<Option<Claim>> =
+        pods.iter().map(if opts.mig { mig_claim } else { claim }).collect();
+    // What a share takes of its GPU: its request, or in MIG mode its profile's compute.
+    let share_milli = |pod: &OpenbPod| {
+        if opts.mig { profile_milli(mig_profile(pod)) } else { u32::from(pod.gpu_milli) }
+    };
     let classes =
         HashMap::from([(CLASS.to_owned(), Class { name: CLASS.into(), selectors: Vec::new() })]);
     let limits = Limits { pack: opts.pack, ..Limits::default() };
@@ -290,7 +419,7 @@ pub fn run(nodes: &[OpenbNode], pods: &[OpenbPod], seed: u64, opts: DraOptions) 
                 && (pod.num_gpu == 0
                     || (pod.gpu_spec.is_empty() || pod.gpu_spec.contains(&n.model))
                         && if is_share {
-                            b.left.iter().any(|&l| l >= u32::from(pod.gpu_milli))
+                            b.left.iter().any(|&l| l >= share_milli(pod))
                         } else {
                             b.whole_free() >= usize::from(pod.num_gpu)
                         })
@@ -366,16 +495,45 @@ pub fn run(nodes: &[OpenbNode], pods: &[OpenbPod], seed: u64, opts: DraOptions) 
     }
     out.double_booked =
         dra::double_booked(held.values().filter_map(|h| h.allocation.as_ref())).len();
-    let used: u64 = books.iter().flat_map(|b| &b.left).map(|&l| u64::from(1000 - l)).sum();
-    out.alloc_pct = if cap == 0 { 0.0 } else { 100.0 * used as f64 / cap as f64 };
+    out.alloc_pct = if cap == 0 {
+        0.0
+    } else if opts.mig {
+        // Exactly what the partitions hold: compute slices over the GPUs'.
+        let slices: u64 =
+            held.values().filter_map(|h| h.allocation.as_ref()).map(mig_compute).sum();
+        100.0 * slices as f64 / (cap / 1000 * u64::from(xpu_core::mig::COMPUTE_SLICES)) as f64
+    } else {
+        let used: u64 = books.iter().flat_map(|b| &b.left).map(|&l| u64::from(1000 - l)).sum();
+        100.0 * used as f64 / cap as f64
+    };
     out.by_size = by_size.into_iter().map(|((_, size), c)| SizeCount { size, ..c }).collect();
     out
 }
 
-/// The devices of an allocation by index on their node, with the compute each took.
+/// The profile of a MIG device's name after `-mig-` (`3g-71gb-4`).
+fn profile_of(part: &str) -> Option<&'static xpu_core::mig::Profile> {
+    let (dns, _) = part.rsplit_once('-')?;
+    mig_model().profiles.iter().find(|p| p.name.replace(['.', '+'], "-") == dns)
+}
+
+/// Compute slices the MIG devices of an allocation hold.
+fn mig_compute(a: &Allocation) -> u64 {
+    a.devices
+        .iter()
+        .filter_map(|d| d.id.device.split_once("-mig-").and_then(|(_, part)| profile_of(part)))
+        .map(|p| u64::from(p.compute))
+        .sum()
+}
+
+/// The devices of an allocation by GPU index on their node, with the compute each took (a MIG
+/// device's: its profile's).
 fn taken(a: &Allocation) -> impl Iterator<Item = (usize, u32)> + '_ {
     a.devices.iter().filter_map(|d| {
-        let i = d.id.device.strip_prefix("gpu-")?.parse().ok()?;
+        let rest = d.id.device.strip_prefix("gpu-")?;
+        if let Some((i, part)) = rest.split_once("-mig-") {
+            return Some((i.parse().ok()?, profile_milli(profile_of(part)?)));
+        }
+        let i = rest.parse().ok()?;
         let milli = d.consumed.as_ref().and_then(|c| c.get(COMPUTE)).copied().unwrap_or(1000);
         Some((i, u32::try_from(milli).unwrap_or(1000)))
     })
@@ -489,10 +647,10 @@ mod tests {
                 _ => pod(i, 1, 1000, &["B"]),
             })
             .collect();
-        for load in [0.0, 0.9] {
+        for (load, mig) in [(0.0, false), (0.9, false), (0.0, true), (0.9, true)] {
             for node in [NodeChoice::First, NodeChoice::Tightest, NodeChoice::Spread] {
                 for pack in [false, true] {
-                    let opts = DraOptions { node, pack, load };
+                    let opts = DraOptions { node, pack, load, mig };
                     let r = run(&nodes, &pods, 3, opts);
                     assert_eq!(r.double_booked, 0, "{opts:?}");
                     assert!(r.placed <= r.claims && r.placed > 0, "{opts:?}: {r:?}");
@@ -524,5 +682,36 @@ mod tests {
         assert_eq!(d[5].attributes.get("numaNode"), Some(&Value::Int(1)));
         assert_eq!(d[4].attributes.get(PCIE_ROOT), d[5].attributes.get(PCIE_ROOT));
         assert_ne!(d[3].attributes.get(PCIE_ROOT), d[4].attributes.get(PCIE_ROOT));
+    }
+
+    /// Shares ask for the smallest profile whose compute holds them, whole GPUs for the whole
+    /// GPU; the MIG slices have a counter set per GPU and a device per profile and placement.
+    #[test]
+    fn mig_claims_ask_for_the_profile_that_holds_the_share() {
+        let names: Vec<&str> = [100, 142, 200, 285, 300, 500, 571, 600, 1000]
+            .iter()
+            .map(|&m| mig_profile(&pod(0, 1, m, &[])).name)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "1g.18gb", "1g.18gb", "2g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "4g.71gb",
+                "7g.141gb", "7g.141gb"
+            ]
+        );
+        assert_eq!(mig_profile(&pod(0, 2, 1000, &[])).name, "7g.141gb");
+        let s = mig_slices(&[node(0, 2, "A")]);
+        let s = s[0].as_ref().unwrap();
+        assert_eq!(s.shared_counters.len(), 2);
+        // H200: 7 (1g) + 7 (1g+me) + 4 (1g.35gb) + 3 (2g) + 2 (3g) + 1 (4g) + 1 (7g) per GPU.
+        assert_eq!(
+            s.devices.len(),
+            2 * 25,
+            "{:?}",
+            s.devices.iter().map(|d| &d.name).collect::<Vec<_>>()
+        );
+        let c = mig_claim(&pod(1, 1, 300, &["A"])).unwrap();
+        assert_eq!(c.requests[0].alternatives[0].1.selectors.len(), 2);
+        assert!(c.requests[0].alternatives[0].1.capacity.is_empty());
     }
 }

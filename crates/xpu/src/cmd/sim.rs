@@ -56,6 +56,11 @@ pub struct DraArgs {
     /// leaving after exponential lifetimes that make this offered load (1.0 = the capacity).
     #[arg(long, default_value_t = 0.0)]
     pub load: f64,
+    /// Every GPU an H200 in MIG mode, each GPU pod asking for MIG partitions (a share: the
+    /// smallest profile whose compute holds it; a whole GPU: 7g.141gb); alloc % is then the
+    /// compute slices the partitions hold.
+    #[arg(long)]
+    pub mig: bool,
     /// How the node is chosen: first (in the seed's node order), tightest (fewest whole free
     /// GPUs: xpu's best fit), spread (most free CPU and memory: kube-scheduler's default score),
     /// or several.
@@ -217,6 +222,8 @@ struct DraJson {
     /// `xpu` (packing) or `first-fit` (upstream's order).
     devices: &'static str,
     load: f64,
+    /// GPUs as H200s in MIG mode, pods asking for partitions.
+    mig: bool,
     /// Means over the seeds; per claim size, summed over them.
     #[serde(flatten)]
     summary: dra::DraSummary,
@@ -246,7 +253,9 @@ fn run_dra(a: DraArgs) -> CmdResult {
     }
     let settings: Vec<dra::DraOptions> = choices
         .iter()
-        .flat_map(|&node| [false, true].map(|pack| dra::DraOptions { node, pack, load: a.load }))
+        .flat_map(|&node| {
+            [false, true].map(|pack| dra::DraOptions { node, pack, load: a.load, mig: a.mig })
+        })
         .collect();
     let threads = a
         .threads
@@ -263,6 +272,7 @@ fn run_dra(a: DraArgs) -> CmdResult {
                 node: opts.node.as_str(),
                 devices: if opts.pack { "xpu" } else { "first-fit" },
                 load: a.load,
+                mig: opts.mig,
                 summary: dra::summarize(&runs),
                 seeds: runs,
             });
