@@ -18,9 +18,16 @@ const XPU: &str = env!("CARGO_BIN_EXE_xpu");
 
 /// The shim's binary `xpu-container-runtime` (the xpu-shim package), built into the same
 /// directory as `xpu`. It belongs to another package, whose binaries cargo does not build for
-/// these tests, so this runs `cargo build` for it (quick when it is current, as after `cargo
-/// test --workspace`).
+/// these tests, so this runs `cargo build` for it, unless `XPU_TEST_SHIM` names the one
+/// `cargo test --workspace` built (scripts/test does: a build of xpu-shim alone unifies features
+/// differently and recompiles its dependencies, some 20 s).
 fn shim() -> PathBuf {
+    // scripts/test names the shim `cargo test --workspace` built, which is current.
+    if let Some(built) = std::env::var_os("XPU_TEST_SHIM") {
+        let built = PathBuf::from(built);
+        assert!(built.is_file(), "XPU_TEST_SHIM={} is not a file", built.display());
+        return built;
+    }
     let shim = Path::new(XPU).with_file_name("xpu-container-runtime");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut build = Command::new(cargo);
