@@ -594,8 +594,8 @@ async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_ne
     drop(node);
 }
 
-/// GPU shares through MPS on a real kubelet with real runc: `xpu k8s scheduler` places two
-/// `xpu.dev/gpu-milli: 500` pods on one GPU, and `xpu k8s device-plugin --share --mps-dir`
+/// GPU shares through MPS on a real kubelet with real runc: `xpu k8s scheduler` places a
+/// 250- and a 500-milli `xpu.dev/gpu-milli` pod on a one-GPU node, and `xpu k8s device-plugin --share --mps-dir`
 /// starts that GPU's MPS control daemon once (a fake `nvidia-cuda-mps-control`), and gives
 /// each container the pipe directory and its share's limits through CDI, even the container
 /// that sets its own `CUDA_MPS_*`.
@@ -612,7 +612,10 @@ async fn mps_shares_get_the_daemons_pipe_and_their_own_limits_needs_root_and_run
     std::fs::write(&key, [7u8; 32]).unwrap();
     let sched =
         XpuScheduler::start(&cp, &kubeconfig, "mps", &["--share-key", key.to_str().unwrap()]);
-    let fx = four_gpu_host().build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    // One GPU, which both shares must use.
+    let mut spec = four_gpu_host();
+    spec.devices.retain(|d| d.nvidia_minor.is_none_or(|m| m == 0));
+    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
     let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
         .await
         .unwrap_or_else(|e| panic!("node: {e}"));
@@ -648,13 +651,15 @@ async fn mps_shares_get_the_daemons_pipe_and_their_own_limits_needs_root_and_run
     let nodes: Api<NodeObject> = Api::all(admin.clone());
     let offered = wait_until(Duration::from_secs(60), || async {
         let n = nodes.get(NODE_NAME).await.unwrap();
-        quantity(&n, "allocatable", "xpu.dev/gpu-milli").as_deref() == Some("4k")
+        quantity(&n, "allocatable", "xpu.dev/gpu-milli").as_deref() == Some("1k")
     })
     .await;
-    assert!(offered, "4000 GPU units offered\n{}", diag());
+    assert!(offered, "1000 GPU units offered\n{}", diag());
 
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
     let probe = probe_script(&format!("cat {}/control", xpu_integrations::mps::CONTAINER_PIPE_DIR));
+    // A quarter and a half of one GPU, each limited to its own share.
+    let shares = [("honest", "250", "25", "0=10240M"), ("greedy", "500", "50", "0=20480M")];
     for (name, own_env) in [
         ("honest", json!([])),
         (
@@ -672,12 +677,12 @@ async fn mps_shares_get_the_daemons_pipe_and_their_own_limits_needs_root_and_run
                 "automountServiceAccountToken": false, "enableServiceLinks": false,
                 "containers": [{ "name": "c", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
                     "command": ["sh", "-c", probe], "env": own_env,
-                    "resources": { "limits": { "xpu.dev/gpu-milli": "500" } } }] },
+                    "resources": { "limits": { "xpu.dev/gpu-milli": shares.iter().find(|s| s.0 == name).unwrap().1 } } }] },
         });
         pods.create(&PostParams::default(), &serde_json::from_value(pod).unwrap()).await.unwrap();
     }
     let mut seen = Vec::new();
-    for name in ["honest", "greedy"] {
+    for (name, milli, percent, memory) in shares {
         let done = wait_until(Duration::from_secs(90), || async {
             let p = pods.get(name).await.unwrap();
             matches!(p.status.and_then(|s| s.phase).as_deref(), Some("Succeeded" | "Failed"))
@@ -691,10 +696,10 @@ async fn mps_shares_get_the_daemons_pipe_and_their_own_limits_needs_root_and_run
         let view = ContainerView::parse(&out);
         for (k, v) in [
             ("CUDA_MPS_PIPE_DIRECTORY", xpu_integrations::mps::CONTAINER_PIPE_DIR),
-            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50"),
-            // Half of an A100 40GB.
-            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=20480M"),
-            ("XPU_GPU_MILLI", "500"),
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", percent),
+            // That part of an A100 40GB.
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", memory),
+            ("XPU_GPU_MILLI", milli),
         ] {
             assert_eq!(view.env.get(k).map(String::as_str), Some(v), "{name}: {k}\n{out}");
         }
