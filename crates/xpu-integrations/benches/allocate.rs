@@ -34,6 +34,7 @@ fn main() {
             watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
             share: None,
             mps: None,
+            replicas: 1,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

@@ -79,7 +79,15 @@ pub struct Config {
     pub share: Option<Arc<dyn ShareResolver>>,
     /// Serve shares of less than a GPU through MPS ([`crate::mps`]).
     pub mps: Option<Arc<crate::mps::Mps>>,
+    /// Time-slicing: every device offered this many times (1: each once).
+    pub replicas: u16,
 }
+
+/// The most replicas of one device time-slicing offers.
+pub const MAX_REPLICAS: u16 = 64;
+/// What a time-sliced resource's name ends with (`nvidia.com/gpu.shared`): pods ask for a
+/// shared GPU by name, never get one unawares.
+pub const SHARED_SUFFIX: &str = ".shared";
 
 /// The GPU-share resource: each GPU is offered as [`SHARE_UNITS`] interchangeable units, and
 /// which GPU a container gets is the scheduler's choice, not the unit ids the kubelet picked.
@@ -230,6 +238,8 @@ struct Table {
     control: Vec<DevNode>,
     /// Advertise each device as [`SHARE_UNITS`] units.
     share: bool,
+    /// Time-slicing: advertise each device this many times (`<id>-r<i>`); 1: once, by its id.
+    replicas: u16,
 }
 
 impl Table {
@@ -237,7 +247,31 @@ impl Table {
         self.devs.binary_search_by(|d| d.id.as_str().cmp(id)).ok().map(|i| &self.devs[i])
     }
 
+    /// The device a time-slicing replica id (`0000:25:00.0-r3`) stands for.
+    fn replica_of<'a>(&self, id: &'a str) -> Option<&'a str> {
+        let (dev, i) = id.rsplit_once("-r")?;
+        let i: u16 = i.parse().ok()?;
+        (i < self.replicas && self.get(dev).is_some()).then_some(dev)
+    }
+
     fn list(&self) -> Vec<pb::Device> {
+        if self.replicas > 1 {
+            return self
+                .devs
+                .iter()
+                .flat_map(|d| {
+                    let health = if d.healthy() { HEALTHY } else { UNHEALTHY };
+                    let topology = d.numa.map(|n| pb::TopologyInfo {
+                        nodes: vec![pb::NumaNode { id: i64::from(n) }],
+                    });
+                    (0..self.replicas).map(move |r| pb::Device {
+                        id: format!("{}-r{r}", d.id),
+                        health: health.to_owned(),
+                        topology: topology.clone(),
+                    })
+                })
+                .collect();
+        }
         let units = if self.share { SHARE_UNITS } else { 1 };
         self.devs
             .iter()
@@ -284,6 +318,53 @@ impl Plugin {
         p
     }
 
+    /// A time-slicing plugin: every device `resource` selects offered `replicas` times, under
+    /// the resource's name with [`SHARED_SUFFIX`].
+    pub fn time_sliced(resource: Resource, inv: &Inventory, replicas: u16) -> Plugin {
+        let mut resource = resource;
+        if !resource.name.ends_with(SHARED_SUFFIX) {
+            resource.name.push_str(SHARED_SUFFIX);
+        }
+        let mut p = Plugin::new(resource, inv);
+        let list = {
+            let t = p.table.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+            t.replicas = replicas.clamp(1, MAX_REPLICAS);
+            t.list()
+        };
+        p.updates.send_replace(list);
+        p
+    }
+
+    /// The `Allocate` answer for one container of a time-sliced resource: one replica, its
+    /// device's nodes, and the mode said in the environment.
+    pub fn allocate_replica(
+        &self,
+        ids: &[String],
+    ) -> Result<pb::ContainerAllocateResponse, Status> {
+        let (dev, replicas) = {
+            let t = self.read();
+            if ids.len() != 1 {
+                return Err(Status::invalid_argument(format!(
+                    "{} is time-sliced: a container gets one GPU, shared in time with other pods, so it asks for 1 (this one asked for {}); for several GPUs ask for whole ones",
+                    self.resource.name,
+                    ids.len()
+                )));
+            }
+            let dev = t.replica_of(&ids[0]).map(str::to_owned).ok_or_else(|| {
+                Status::not_found(format!(
+                    "device {} is not a replica of {}; use an id from ListAndWatch",
+                    quoted(&ids[0]),
+                    self.resource.name
+                ))
+            })?;
+            (dev, t.replicas)
+        };
+        let mut resp = self.allocate_container(&[dev])?;
+        resp.envs.insert("XPU_SHARING".to_owned(), "time-slicing".to_owned());
+        resp.envs.insert("XPU_TIME_SLICE_REPLICAS".to_owned(), replicas.to_string());
+        Ok(resp)
+    }
+
     /// Shares of less than a GPU served through MPS.
     pub fn with_mps(mut self, mps: Option<Arc<crate::mps::Mps>>) -> Plugin {
         self.mps = mps;
@@ -301,7 +382,8 @@ impl Plugin {
             .collect();
         // Ids sort like addresses except for 5-digit (VMD) domains; lookups need id order.
         devs.sort_by(|a, b| a.id.cmp(&b.id));
-        let table = Table { devs, control: inv.host.control_nodes.clone(), share: false };
+        let table =
+            Table { devs, control: inv.host.control_nodes.clone(), share: false, replicas: 1 };
         let (updates, _) = watch::channel(table.list());
         Plugin {
             resource,
@@ -522,6 +604,22 @@ impl Plugin {
             }
             return pb::ContainerPreferredAllocationResponse { device_i_ds: ids };
         }
+        if t.replicas > 1 {
+            // One replica, of the device with the most replicas still free (the least shared).
+            let free = |dev: &str| {
+                r.available_device_i_ds.iter().filter(|id| t.replica_of(id) == Some(dev)).count()
+            };
+            let mut ids: Vec<String> = r.must_include_device_i_ds.clone();
+            let mut avail: Vec<&String> = r
+                .available_device_i_ds
+                .iter()
+                .filter(|id| !ids.contains(id))
+                .filter(|id| t.replica_of(id).and_then(|d| t.get(d)).is_some_and(Dev::healthy))
+                .collect();
+            avail.sort_by_key(|id| std::cmp::Reverse(t.replica_of(id).map_or(0, free)));
+            ids.extend(avail.into_iter().take(size.saturating_sub(ids.len())).cloned());
+            return pb::ContainerPreferredAllocationResponse { device_i_ds: ids };
+        }
         let candidates: Vec<Candidate<'_>> = t
             .devs
             .iter()
@@ -597,6 +695,10 @@ impl pb::device_plugin_server::DevicePlugin for Plugin {
                 }
                 out
             }
+            None if self.read().replicas > 1 => requests
+                .iter()
+                .map(|r| self.allocate_replica(&r.devices_ids))
+                .collect::<Result<_, _>>()?,
             None => requests
                 .iter()
                 .map(|r| self.allocate_container(&r.devices_ids))
@@ -755,6 +857,11 @@ pub async fn run(
         let plugin = if r.name == SHARE_RESOURCE {
             let resolver = cfg.share.clone().ok_or(PluginError::ShareWithoutResolver)?;
             Arc::new(Plugin::shared(r.clone(), &inv, resolver).with_mps(cfg.mps.clone()))
+        } else if cfg.replicas > 1
+            && r.terms.contains(&crate::selector::Term::Kind(xpu_core::DeviceKind::Gpu))
+        {
+            // GPUs only: a TPU or another accelerator is not time-sliced by its runtime.
+            Arc::new(Plugin::time_sliced(r.clone(), &inv, cfg.replicas))
         } else {
             Arc::new(Plugin::new(r.clone(), &inv))
         };
@@ -763,7 +870,7 @@ pub async fn run(
             continue;
         }
         slots.push(Slot {
-            socket: cfg.plugin_dir.join(r.socket_name()),
+            socket: cfg.plugin_dir.join(plugin.resource().socket_name()),
             plugin,
             server: None,
             registered_with: None,

@@ -54,12 +54,27 @@ fn start(fixture: &Fixture, dir: &Path, resources: Vec<Resource>) -> Running {
     start_waiting(fixture, dir, resources, deviceplugin::LIST_AND_WATCH_WAIT)
 }
 
+/// [`start`] with every device offered `replicas` times (time-slicing).
+fn start_sliced(fixture: &Fixture, dir: &Path, replicas: u16) -> Running {
+    start_with(fixture, dir, Resource::defaults(), deviceplugin::LIST_AND_WATCH_WAIT, replicas)
+}
+
 /// [`start`], reporting a kubelet that opens no ListAndWatch within `watch_timeout`.
 fn start_waiting(
     fixture: &Fixture,
     dir: &Path,
     resources: Vec<Resource>,
     watch_timeout: Duration,
+) -> Running {
+    start_with(fixture, dir, resources, watch_timeout, 1)
+}
+
+fn start_with(
+    fixture: &Fixture,
+    dir: &Path,
+    resources: Vec<Resource>,
+    watch_timeout: Duration,
+    replicas: u16,
 ) -> Running {
     let cfg = Config {
         root: Root::new(fixture.root()).unwrap(),
@@ -70,6 +85,7 @@ fn start_waiting(
         watch_timeout,
         share: None,
         mps: None,
+        replicas,
     };
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -358,6 +374,7 @@ async fn refuses_a_host_without_matching_devices_and_a_missing_directory() {
         watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
         share: None,
         mps: None,
+        replicas: 1,
     };
     let e = deviceplugin::run(cfg.clone(), None, async {}).await.unwrap_err();
     assert!(e.to_string().contains("no device on this host matches any resource"), "{e}");
@@ -526,6 +543,75 @@ async fn a_kubelet_that_watches_before_answering_register_is_not_reported() {
     assert!(kubelet.pending_registrations().is_empty(), "no second registration");
     while let Ok(e) = plugin.events.try_recv() {
         assert!(!matches!(e, Event::NoListAndWatch { .. }), "{e:?}");
+    }
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
+
+/// Time-slicing: every GPU offered three times under `nvidia.com/gpu.shared`; the preferred
+/// replica is one of the least shared GPU; a container gets exactly its GPU with the mode in
+/// its environment; asking for two replicas, or for an id that is no replica, is refused.
+#[tokio::test]
+async fn time_slicing_offers_replicas_under_a_shared_name_and_gives_one_gpu() {
+    let fixture = hosts::a100_8x().build();
+    let dir = tempfile::tempdir().unwrap();
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let plugin = start_sliced(&fixture, dir.path(), 3);
+    let reg = kubelet.next_registration(WAIT).await.unwrap();
+    assert_eq!(reg.resource_name, "nvidia.com/gpu.shared");
+    assert_eq!(reg.endpoint, "xpu-nvidia.com-gpu.shared.sock");
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let mut stream = client.list_and_watch(pb::Empty {}).await.unwrap().into_inner();
+    let listed = stream.next().await.unwrap().unwrap().devices;
+    assert_eq!(listed.len(), 24);
+    let first = gpu(hosts::A100_GPU_BUSES[0]);
+    assert_eq!(listed[0].id, format!("{first}-r0"));
+    assert_eq!(listed[2].id, format!("{first}-r2"));
+    assert_eq!(listed[2].topology.as_ref().unwrap().nodes[0].id, 0);
+
+    // Every replica free but one of the first GPU: the preferred one is of another GPU.
+    let available: Vec<String> =
+        listed.iter().map(|d| d.id.clone()).filter(|id| id != &format!("{first}-r0")).collect();
+    let r = pb::PreferredAllocationRequest {
+        container_requests: vec![pb::ContainerPreferredAllocationRequest {
+            available_device_i_ds: available,
+            must_include_device_i_ds: vec![],
+            allocation_size: 1,
+        }],
+    };
+    let pick = client.get_preferred_allocation(r).await.unwrap().into_inner().container_responses
+        [0]
+    .device_i_ds
+    .clone();
+    assert_eq!(pick.len(), 1);
+    assert!(!pick[0].starts_with(&first), "{pick:?}");
+
+    let allocate = |ids: Vec<String>| pb::AllocateRequest {
+        container_requests: vec![pb::ContainerAllocateRequest { devices_ids: ids }],
+    };
+    let second = gpu(hosts::A100_GPU_BUSES[1]);
+    let got = client.allocate(allocate(vec![format!("{second}-r2")])).await.unwrap().into_inner();
+    let c = &got.container_responses[0];
+    assert_eq!(c.envs.get("XPU_SHARING").map(String::as_str), Some("time-slicing"));
+    assert_eq!(c.envs.get("XPU_TIME_SLICE_REPLICAS").map(String::as_str), Some("3"));
+    assert_eq!(c.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&hosts::gpu_uuid(1)));
+    let gpus: Vec<&str> = c
+        .devices
+        .iter()
+        .map(|d| d.host_path.as_str())
+        .filter(|p| p.strip_prefix("/dev/nvidia").is_some_and(|n| n.parse::<u32>().is_ok()))
+        .collect();
+    assert_eq!(gpus, ["/dev/nvidia1"]);
+
+    let e = client
+        .allocate(allocate(vec![format!("{second}-r0"), format!("{second}-r1")]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("nvidia.com/gpu.shared is time-sliced"), "{}", e.message());
+    for bad in [second.clone(), format!("{second}-r3"), format!("{second}-rx")] {
+        let e = client.allocate(allocate(vec![bad.clone()])).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound, "{bad}: {}", e.message());
     }
     plugin.shutdown().await;
     kubelet.stop().await;

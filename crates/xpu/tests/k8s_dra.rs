@@ -32,24 +32,8 @@ const NODE: &str = "gpu-node";
 
 /// `xpu k8s dra-driver` for the fixture host, as a process.
 fn start_driver(cp: &ControlPlane, root: &Path, dirs: &Path, n: u32) -> XpuProcess {
-    let args: Vec<std::ffi::OsString> = vec![
-        "k8s".into(),
-        "dra-driver".into(),
-        "--node-name".into(),
-        NODE.into(),
-        "--interval-ms".into(),
-        "200".into(),
-        "--root".into(),
-        root.into(),
-        "--kubeconfig".into(),
-        cp.admin_kubeconfig().into(),
-        "--plugin-dir".into(),
-        dirs.join("plugins").into(),
-        "--registry-dir".into(),
-        dirs.join("plugins_registry").into(),
-        "--cdi-dir".into(),
-        dirs.join("cdi").into(),
-    ];
+    let dirs = ["plugins", "plugins_registry", "cdi"].map(|d| dirs.join(d));
+    let args = dra_driver_args_in(cp, NODE, root, &dirs);
     XpuProcess::spawn(cp, &format!("xpu-dra-driver-{n}"), &args)
 }
 

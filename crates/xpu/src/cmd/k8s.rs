@@ -200,6 +200,12 @@ pub struct DevicePluginArgs {
     /// Where the MPS shares' CDI specs are written (the runtime's CDI directory).
     #[arg(long, value_name = "DIR", default_value = "/var/run/cdi")]
     pub cdi_dir: PathBuf,
+    /// Time-slicing, with no isolation: offer each device N times under the resource's name
+    /// with `.shared` (nvidia.com/gpu.shared); a container asks for 1 and gets a whole GPU
+    /// that other pods use at the same time (no memory or compute limit, no fault isolation).
+    #[arg(long, value_name = "N", conflicts_with = "share",
+          value_parser = clap::value_parser!(u16).range(2..=64))]
+    pub time_slicing: Option<u16>,
     #[command(flatten)]
     pub log: crate::output::LogArgs,
 }
@@ -418,6 +424,7 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
         watch_timeout: deviceplugin::LIST_AND_WATCH_WAIT,
         share: None,
         mps,
+        replicas: args.time_slicing.unwrap_or(1),
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -471,6 +471,18 @@ pub fn dra_driver_args(
     name: &str,
     root: &Path,
 ) -> Vec<std::ffi::OsString> {
+    let dirs = [node.plugins_dir(), node.plugins_registry_dir(), node.cdi_dir()];
+    dra_driver_args_in(cp, name, root, &dirs)
+}
+
+/// [`dra_driver_args`] with the kubelet's plugin and registry directories and the CDI
+/// directory given.
+pub fn dra_driver_args_in(
+    cp: &ControlPlane,
+    name: &str,
+    root: &Path,
+    [plugins, registry, cdi]: &[PathBuf; 3],
+) -> Vec<std::ffi::OsString> {
     vec![
         "k8s".into(),
         "dra-driver".into(),
@@ -483,10 +495,10 @@ pub fn dra_driver_args(
         "--kubeconfig".into(),
         cp.admin_kubeconfig().into(),
         "--plugin-dir".into(),
-        node.plugins_dir().into(),
+        plugins.into(),
         "--registry-dir".into(),
-        node.plugins_registry_dir().into(),
+        registry.into(),
         "--cdi-dir".into(),
-        node.cdi_dir().into(),
+        cdi.into(),
     ]
 }
