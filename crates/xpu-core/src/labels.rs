@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use crate::accel::DeviceKind;
 use crate::inventory::Inventory;
 
-mod vendor;
+pub mod vendor;
 
 /// NFD's default `deviceClassWhitelist`.
 pub const NFD_CLASS_WHITELIST: [&str; 3] = ["03", "0b40", "12"];

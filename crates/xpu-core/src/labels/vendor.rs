@@ -183,6 +183,57 @@ fn nvidia(devs: &[&PciDevice], driver: Option<&str>, out: &mut BTreeMap<String, 
     }
 }
 
+/// How the node's NVIDIA GPUs are shared, as the device plugin serves them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// Each GPU to one container.
+    None,
+    /// Each GPU offered this many times, with no isolation.
+    TimeSlicing(u16),
+    /// Shares through MPS.
+    Mps,
+}
+
+impl std::str::FromStr for Sharing {
+    type Err = String;
+
+    /// `none`, `mps` or `time-slicing:N` (N from 2 to 64).
+    fn from_str(s: &str) -> Result<Sharing, String> {
+        let bad =
+            || format!("{s:?} is not a sharing mode; give none, mps or time-slicing:N (N 2 to 64)");
+        match s {
+            "none" => Ok(Sharing::None),
+            "mps" => Ok(Sharing::Mps),
+            _ => {
+                let n: u16 =
+                    s.strip_prefix("time-slicing:").ok_or_else(bad)?.parse().map_err(|_| bad())?;
+                if (2..=64).contains(&n) { Ok(Sharing::TimeSlicing(n)) } else { Err(bad()) }
+            }
+        }
+    }
+}
+
+/// GFD's sharing labels on a node with NVIDIA GPUs: `nvidia.com/gpu.sharing-strategy`
+/// (`none`, `time-slicing`, `mps`), `nvidia.com/gpu.replicas` (1 unless time-sliced) and, for
+/// time-slicing, `-SHARED` after `nvidia.com/gpu.product`, so that a selector for the plain
+/// product does not land on a time-sliced node unawares. Nothing on a node without them.
+pub fn sharing(labels: &mut BTreeMap<String, String>, mode: Sharing) {
+    if !labels.contains_key("nvidia.com/gpu.present") {
+        return;
+    }
+    let (strategy, replicas) = match mode {
+        Sharing::None => ("none", 1),
+        Sharing::TimeSlicing(n) => ("time-slicing", n),
+        Sharing::Mps => ("mps", 1),
+    };
+    put(labels, "nvidia.com/gpu.sharing-strategy", strategy);
+    put(labels, "nvidia.com/gpu.replicas", replicas);
+    if let (Sharing::TimeSlicing(_), Some(p)) = (mode, labels.get_mut("nvidia.com/gpu.product")) {
+        let shared = super::label_value(&format!("{p}-SHARED"));
+        *p = shared;
+    }
+}
+
 fn amd(devs: &[&PciDevice], out: &mut BTreeMap<String, String>) {
     let Some(id) = majority(devs) else { return };
     let n = devs.len();
@@ -281,5 +332,30 @@ mod tests {
         assert!(!l.contains_key("nvidia.com/gpu.product"));
         assert_eq!(nvidia_family((7, 0)), "volta");
         assert_eq!(nvidia_family((12, 0)), "blackwell");
+    }
+
+    #[test]
+    fn sharing_labels_say_the_mode_and_mark_a_time_sliced_product() {
+        let mut l = BTreeMap::from([
+            ("nvidia.com/gpu.present".to_owned(), "true".to_owned()),
+            ("nvidia.com/gpu.product".to_owned(), "NVIDIA-H200".to_owned()),
+        ]);
+        sharing(&mut l, "time-slicing:4".parse().unwrap());
+        assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "time-slicing");
+        assert_eq!(l["nvidia.com/gpu.replicas"], "4");
+        assert_eq!(l["nvidia.com/gpu.product"], "NVIDIA-H200-SHARED");
+        let mut m = BTreeMap::from([("nvidia.com/gpu.present".to_owned(), "true".to_owned())]);
+        sharing(&mut m, Sharing::Mps);
+        assert_eq!(
+            (m["nvidia.com/gpu.sharing-strategy"].as_str(), m["nvidia.com/gpu.replicas"].as_str()),
+            ("mps", "1")
+        );
+        let mut none = BTreeMap::new();
+        sharing(&mut none, Sharing::Mps);
+        assert!(none.is_empty(), "no NVIDIA GPU, no label");
+        for bad in ["time-slicing:1", "time-slicing:65", "time-slicing", "hami"] {
+            let e = bad.parse::<Sharing>().unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
     }
 }

@@ -224,6 +224,11 @@ pub struct NfdArgs {
     pub dry_run: bool,
     #[arg(long, value_parser = Format::only(&[Format::Text, Format::Json]), default_value_t = Format::Text)]
     pub format: Format,
+    /// How the device plugin shares this node's NVIDIA GPUs, for GFD's labels
+    /// (`nvidia.com/gpu.sharing-strategy`, `.replicas`, `-SHARED` after the product when
+    /// time-sliced): none, mps or time-slicing:N. Default: no sharing labels.
+    #[arg(long, value_name = "MODE")]
+    pub sharing: Option<String>,
 }
 
 pub fn run(args: Args) -> CmdResult {
@@ -531,7 +536,12 @@ fn nfd_features(args: NfdArgs) -> CmdResult {
     let opts = DiscoverOptions { scope: Scope::All, pci_ids: None, skip_names: true };
     let inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
     warn_all(&inv.warnings);
-    let labels = xpu_core::labels::labels(&inv);
+    let mut labels = xpu_core::labels::labels(&inv);
+    if let Some(mode) = &args.sharing {
+        let mode =
+            mode.parse().map_err(|e: String| CliError::input(anyhow::anyhow!("--sharing {e}")))?;
+        xpu_core::labels::vendor::sharing(&mut labels, mode);
+    }
     let content = nfd::render(&labels);
     let to_stdout = args.output.as_deref() == Some(Path::new("-"));
     let path =
