@@ -132,7 +132,31 @@ pub enum MigError {
     NotPlaced { profile: &'static str, start: u8 },
 }
 
+/// A profile's name as a DNS label: `1g.18gb+me` → `1g-18gb-me`.
+pub fn label(profile: &str) -> String {
+    profile.replace(['.', '+'], "-")
+}
+
+/// The device of `profile` at memory slice `start` of the GPU named `gpu`, as xpu's DRA driver
+/// names partitions: `gpu-0000-18-00-0-mig-3g-71gb-4`.
+pub fn device_name(gpu: &str, profile: &str, start: u8) -> String {
+    format!("{gpu}-mig-{}-{start}", label(profile))
+}
+
+/// The GPU's name, the profile's label and the placement of a partition's [`device_name`]:
+/// `gpu-0000-18-00-0-mig-3g-71gb-4` → (`gpu-0000-18-00-0`, `3g-71gb`, 4).
+pub fn parse_device_name(name: &str) -> Option<(&str, &str, u8)> {
+    let (rest, start) = name.rsplit_once('-')?;
+    let (gpu, profile) = rest.split_once("-mig-")?;
+    Some((gpu, profile, start.parse().ok()?))
+}
+
 impl Model {
+    /// The profile whose [`label`] is `label` (`1g-18gb-me` → `1g.18gb+me`).
+    pub fn profile_by_label(&self, l: &str) -> Option<&Profile> {
+        self.profiles.iter().find(|p| label(p.name) == l)
+    }
+
     /// The model whose name the GPU's product name (`NVIDIA H200`, `A100-SXM4-40GB`) contains.
     pub fn of(product: &str) -> Result<&'static Model, MigError> {
         let p = product.to_ascii_uppercase();

@@ -575,9 +575,15 @@ impl Plugin {
                         grant.pod
                     ))
                 })?;
-                let name = mps.share(&uuid, grant.milli_per_gpu, memory).map_err(|e| {
-                    Status::failed_precondition(format!("pod {}: MPS: {e}", grant.pod))
-                })?;
+                // Starting a daemon runs a process: off the runtime, which also serves every
+                // other resource's ListAndWatch.
+                let (m, milli) = (mps.clone(), grant.milli_per_gpu);
+                let name = tokio::task::spawn_blocking(move || m.share(&uuid, milli, memory))
+                    .await
+                    .map_err(|e| Status::internal(format!("pod {}: MPS: {e}", grant.pod)))?
+                    .map_err(|e| {
+                        Status::failed_precondition(format!("pod {}: MPS: {e}", grant.pod))
+                    })?;
                 resp.cdi_devices.push(pb::CdiDevice { name });
             }
         }

@@ -30,27 +30,12 @@ pub fn counter_set_name(gpu: &str) -> String {
     format!("{gpu}-mig")
 }
 
-/// The device of `profile` at memory slice `start` of the GPU published as `gpu` (a DNS label:
-/// `1g.18gb+me` → `1g-18gb-me`).
-pub fn device_name(gpu: &str, profile: &str, start: u8) -> String {
-    format!("{gpu}-mig-{}-{start}", dns(profile))
-}
-
-fn dns(profile: &str) -> String {
-    profile.replace(['.', '+'], "-")
-}
-
-/// The GPU's device name, the profile's DNS form and the placement of a MIG device's name:
-/// `gpu-0000-18-00-0-mig-3g-71gb-4` → (`gpu-0000-18-00-0`, `3g-71gb`, 4).
-pub fn parse_device_name(name: &str) -> Option<(&str, &str, u8)> {
-    let (rest, start) = name.rsplit_once('-')?;
-    let (gpu, profile) = rest.split_once("-mig-")?;
-    Some((gpu, profile, start.parse().ok()?))
-}
+/// Partition names (`<gpu>-mig-<profile label>-<start>`), shared with `xpu sim dra --mig`.
+pub use xpu_core::mig::{device_name, parse_device_name};
 
 /// The profile of `model` whose device-name form is `dns` (`1g-18gb-me` → `1g.18gb+me`).
 pub fn profile_by_device_name<'m>(model: &'m Model, dns: &str) -> Option<&'m Profile> {
-    model.profiles.iter().find(|p| self::dns(p.name) == dns)
+    model.profile_by_label(dns)
 }
 
 fn counter(n: u64) -> Counter {

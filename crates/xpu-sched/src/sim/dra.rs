@@ -209,9 +209,10 @@ pub fn mig_slices(nodes: &[OpenbNode]) -> Vec<Option<Slice>> {
                             attributes
                                 .insert("placementStart".into(), Value::Int(i64::from(start)));
                             devices.push(Device {
-                                name: format!(
-                                    "gpu-{i}-mig-{}-{start}",
-                                    p.name.replace(['.', '+'], "-")
+                                name: xpu_core::mig::device_name(
+                                    &format!("gpu-{i}"),
+                                    p.name,
+                                    start,
                                 ),
                                 attributes,
                                 consumes: BTreeMap::from([(set.clone(), draws)]),
@@ -510,29 +511,26 @@ pub fn run(nodes: &[OpenbNode], pods: &[OpenbPod], seed: u64, opts: DraOptions) 
     out
 }
 
-/// The profile of a MIG device's name after `-mig-` (`3g-71gb-4`).
-fn profile_of(part: &str) -> Option<&'static xpu_core::mig::Profile> {
-    let (dns, _) = part.rsplit_once('-')?;
-    mig_model().profiles.iter().find(|p| p.name.replace(['.', '+'], "-") == dns)
+/// The profile of a MIG device (`gpu-0-mig-3g-71gb-4`).
+fn profile_of(device: &str) -> Option<&'static xpu_core::mig::Profile> {
+    let (_, label, _) = xpu_core::mig::parse_device_name(device)?;
+    mig_model().profile_by_label(label)
 }
 
 /// Compute slices the MIG devices of an allocation hold.
 fn mig_compute(a: &Allocation) -> u64 {
-    a.devices
-        .iter()
-        .filter_map(|d| d.id.device.split_once("-mig-").and_then(|(_, part)| profile_of(part)))
-        .map(|p| u64::from(p.compute))
-        .sum()
+    a.devices.iter().filter_map(|d| profile_of(&d.id.device)).map(|p| u64::from(p.compute)).sum()
 }
 
 /// The devices of an allocation by GPU index on their node, with the compute each took (a MIG
 /// device's: its profile's).
 fn taken(a: &Allocation) -> impl Iterator<Item = (usize, u32)> + '_ {
     a.devices.iter().filter_map(|d| {
-        let rest = d.id.device.strip_prefix("gpu-")?;
-        if let Some((i, part)) = rest.split_once("-mig-") {
-            return Some((i.parse().ok()?, profile_milli(profile_of(part)?)));
+        if let Some((gpu, _, _)) = xpu_core::mig::parse_device_name(&d.id.device) {
+            let i = gpu.strip_prefix("gpu-")?.parse().ok()?;
+            return Some((i, profile_milli(profile_of(&d.id.device)?)));
         }
+        let rest = d.id.device.strip_prefix("gpu-")?;
         let i = rest.parse().ok()?;
         let milli = d.consumed.as_ref().and_then(|c| c.get(COMPUTE)).copied().unwrap_or(1000);
         Some((i, u32::try_from(milli).unwrap_or(1000)))
