@@ -15,9 +15,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use serde_json::json;
 use xpu_kube::cycle::{self, Snapshot};
+use xpu_kube::pod::Pod;
 use xpu_sched::SchedulerConfig;
 
 fn env_num(name: &str, default: usize) -> usize {

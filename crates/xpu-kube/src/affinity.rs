@@ -10,8 +10,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::pod::Pod;
 use k8s_openapi::api::core::v1::{
-    Pod, PodAffinityTerm, TopologySpreadConstraint, WeightedPodAffinityTerm,
+    PodAffinityTerm, TopologySpreadConstraint, WeightedPodAffinityTerm,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector as KubeSelector;
 use xpu_sched::pods::{

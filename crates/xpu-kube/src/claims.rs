@@ -6,7 +6,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use k8s_openapi::api::core::v1::{NodeSelector, Pod};
+use crate::pod::Pod;
+use k8s_openapi::api::core::v1::NodeSelector;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, DeviceSelector, DeviceToleration, ExactDeviceRequest, ResourceClaim, ResourceSlice,
 };

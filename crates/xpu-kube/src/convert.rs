@@ -8,7 +8,8 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use crate::pod::{Container, Pod};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use xpu_core::DeviceKind;
 use xpu_sched::constraints::{Effect, Operator, Requirement, Taint, Toleration};
@@ -405,7 +406,7 @@ pub fn resources(p: &Pod) -> Result<Resources, Unsupported> {
 }
 
 /// How many containers (init containers included) ask for [`SHARE_RESOURCE`].
-fn share_containers(spec: &k8s_openapi::api::core::v1::PodSpec) -> usize {
+fn share_containers(spec: &crate::pod::PodSpec) -> usize {
     spec.containers
         .iter()
         .chain(spec.init_containers.iter().flatten())
@@ -603,7 +604,7 @@ pub fn may_be_gang(p: &Pod) -> bool {
 
 /// Whether a pod's required node affinity has `matchFields` (nodes then need their name as a
 /// label, [`NODE_NAME`]).
-pub fn has_match_fields(spec: &k8s_openapi::api::core::v1::PodSpec) -> bool {
+pub fn has_match_fields(spec: &crate::pod::PodSpec) -> bool {
     spec.affinity
         .as_ref()
         .and_then(|a| a.node_affinity.as_ref())

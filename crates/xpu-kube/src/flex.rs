@@ -15,7 +15,8 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Pod, PodTemplate, PodTemplateSpec};
+use crate::pod::Pod;
+use k8s_openapi::api::core::v1::{PodTemplate, PodTemplateSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, OwnerReference};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
@@ -208,7 +209,7 @@ pub fn provision(
     };
     // The pod as the autoscaler should imagine it: what it asks and where it may go, not where
     // it is or what it was told.
-    let mut spec = pod.spec.clone().unwrap_or_default();
+    let mut spec = pod.spec.as_ref().map(crate::pod::PodSpec::to_full).unwrap_or_default();
     spec.node_name = None;
     let template = PodTemplate {
         metadata: meta.clone(),

@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use k8s_openapi::api::core::v1::{Pod, PodSpec};
+use crate::pod::{Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use xpu_sched::TaskSpec;
 
@@ -421,7 +421,9 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::Arc;
 
-    use k8s_openapi::api::core::v1::{Node, Pod};
+    use k8s_openapi::api::core::v1::Node;
+
+    use crate::pod::Pod;
     use serde_json::json;
     use xpu_sched::SchedulerConfig;
     use xpu_sched::rng::Rng;

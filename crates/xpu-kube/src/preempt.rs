@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use k8s_openapi::api::core::v1::Pod;
+use crate::pod::Pod;
 use tracing::{debug, warn};
 use xpu_core::DeviceKind;
 use xpu_sched::TaskRef;

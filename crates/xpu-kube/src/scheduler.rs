@@ -14,11 +14,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::pod::Pod;
 use futures_util::StreamExt;
 use k8s_openapi::api::batch::v1::Job as KubeJob;
-use k8s_openapi::api::core::v1::{
-    ConfigMap, Event, Namespace, Node, ObjectReference, Pod, PodTemplate,
-};
+use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Node, ObjectReference, PodTemplate};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Client;
@@ -365,26 +364,10 @@ fn trim_pod(p: &mut Pod) {
         });
     }
     if let Some(s) = p.status.as_mut() {
-        s.container_statuses = None;
-        s.init_container_statuses = None;
-        s.ephemeral_container_statuses = None;
         // PodScheduled only: what a new leader reads to leave an unchanged reason unwritten.
         if let Some(c) = s.conditions.as_mut() {
             c.retain(|c| c.type_ == "PodScheduled");
         }
-    }
-    if let Some(s) = p.spec.as_mut() {
-        for c in s.containers.iter_mut().chain(s.init_containers.iter_mut().flatten()) {
-            c.env = None;
-            c.env_from = None;
-            c.command = None;
-            c.args = None;
-            c.volume_mounts = None;
-            c.liveness_probe = None;
-            c.readiness_probe = None;
-            c.startup_probe = None;
-        }
-        s.volumes = None;
     }
 }
 
@@ -1063,7 +1046,7 @@ async fn provision(client: &Client, p: &flex::Provision) -> Result<(), kube::Err
     let ns = p.namespace.as_str();
     let requests: Api<ProvisioningRequest> = Api::namespaced(client.clone(), ns);
     let templates: Api<PodTemplate> = Api::namespaced(client.clone(), ns);
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
     if let Some(old) = &p.retire {
         for r in [
             requests.delete(old, &DeleteParams::background()).await.map(|_| ()),
@@ -1179,7 +1162,8 @@ async fn preempt(
     }
     let by = p.nominate.first().map(|(k, n)| format!("{k} on node {n}")).unwrap_or_default();
     for v in &p.victims {
-        let api: Api<Pod> = Api::namespaced(client.clone(), &v.namespace);
+        let api: Api<k8s_openapi::api::core::v1::Pod> =
+            Api::namespaced(client.clone(), &v.namespace);
         match api.evict(&v.name, &kube::api::EvictParams::default()).await {
             Ok(_) => {
                 info!(pod = %v, by = %by, "evicted for preemption");

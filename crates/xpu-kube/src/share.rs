@@ -26,7 +26,7 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
+use crate::pod::Pod;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use tracing::{info, warn};

@@ -350,7 +350,13 @@ async fn replay(
         );
     };
     let placed = t1.elapsed();
-    let milli: u64 = ps.iter().filter(|p| node_of(p).is_some()).map(xpu_kube::share::ask_of).sum();
+    // What each bound pod asks, read as the scheduler reads it (its own Pod type).
+    let milli: u64 = ps
+        .iter()
+        .filter(|p| node_of(p).is_some())
+        .filter_map(|p| serde_json::to_value(p).and_then(serde_json::from_value).ok())
+        .map(|p: xpu_kube::pod::Pod| xpu_kube::share::ask_of(&p))
+        .sum();
     let ratio = 100.0 * milli as f64 / (total_gpus * 1000) as f64;
     let bound = ps.iter().filter(|p| node_of(p).is_some()).count();
     eprintln!(
