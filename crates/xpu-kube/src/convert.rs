@@ -8,8 +8,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::node::Node;
 use crate::pod::{Container, Pod};
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use xpu_core::DeviceKind;
 use xpu_sched::constraints::{Effect, Operator, Requirement, Taint, Toleration};

@@ -11,8 +11,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
+use crate::node::Node;
 use crate::pod::Pod;
-use k8s_openapi::api::core::v1::Node;
 use xpu_sched::placement::{DeviceShare, Placement};
 use xpu_sched::policy::TaskMix;
 use xpu_sched::request::{GKE_TPU_ACCELERATOR, GKE_TPU_TOPOLOGY};

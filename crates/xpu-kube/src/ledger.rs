@@ -86,10 +86,12 @@ struct Entry {
     charge: Arc<(String, Option<String>)>,
     /// Its priority, when it is being deleted.
     terminating: Option<i32>,
-    /// The fields [`convert::gang`] reads, for a pod that may be in a gang.
-    gang: Option<Pod>,
+    /// The fields [`convert::gang`] reads, for a pod that may be in a gang. Boxed, as is `key`:
+    /// most pods have neither, and the map holds one entry per bound pod of the cluster (a
+    /// `Pod` inline made each entry about a kilobyte).
+    gang: Option<Box<Pod>>,
     /// Kept only for a pod whose requests cannot be read, to name it.
-    key: Option<PodKey>,
+    key: Option<Box<PodKey>>,
     /// Its scheduler and task, as counted in [`Book::mix`] (shared with it).
     mix: Option<Arc<(String, String)>>,
 }
@@ -160,7 +162,7 @@ impl Book {
         }
         let usage = convert::usage(p);
         // Named only when its requests cannot be read.
-        let key = usage.is_err().then(|| PodKey::of(p)).flatten();
+        let key = usage.is_err().then(|| PodKey::of(p).map(Box::new)).flatten();
         let mut entry = Entry {
             node: node.to_owned(),
             usage,
@@ -177,7 +179,7 @@ impl Book {
                 .deletion_timestamp
                 .is_some()
                 .then(|| p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0)),
-            gang: convert::may_be_gang(p).then(|| gang_part(p)),
+            gang: convert::may_be_gang(p).then(|| Box::new(gang_part(p))),
             key,
             mix: None,
         };
@@ -271,7 +273,7 @@ impl Book {
     /// Bound pods whose requests cannot be read: the pod, its node and why.
     pub(crate) fn unreadable(&self) -> impl Iterator<Item = (&PodKey, &str, &Unsupported)> {
         self.pods.values().filter_map(|e| match (&e.usage, &e.key) {
-            (Err(why), Some(k)) => Some((k, e.node.as_str(), why)),
+            (Err(why), Some(k)) => Some((k.as_ref(), e.node.as_str(), why)),
             _ => None,
         })
     }
@@ -292,7 +294,7 @@ impl Book {
 
     /// Bound pods that may be members of a gang, with their nodes.
     pub(crate) fn gang_pods(&self) -> impl Iterator<Item = (&Pod, &str)> {
-        self.pods.values().filter_map(|e| Some((e.gang.as_ref()?, e.node.as_str())))
+        self.pods.values().filter_map(|e| Some((e.gang.as_deref()?, e.node.as_str())))
     }
 
     /// The tasks of the bound pods of `scheduler`, with the device resource each asks for and
@@ -421,7 +423,7 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::Arc;
 
-    use k8s_openapi::api::core::v1::Node;
+    use crate::node::Node;
 
     use crate::pod::Pod;
     use serde_json::json;
@@ -519,6 +521,12 @@ mod tests {
     /// every event the cluster a cycle builds with the ledger (free CPU, memory and every
     /// device of every node, gangs bound, queue charges, unreadable pods) and the plan it makes
     /// equal those built from the pods alone.
+    #[test]
+    fn an_entry_stays_small() {
+        // One per bound pod of the cluster: 50,000 of these at 1 KB each was 100 MiB.
+        assert!(size_of::<super::Entry>() <= 192, "{}", size_of::<super::Entry>());
+    }
+
     #[test]
     fn the_ledger_equals_a_rebuild_after_every_event() {
         let jobs: HashMap<String, (i32, i32, bool)> =

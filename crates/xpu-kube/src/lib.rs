@@ -9,7 +9,8 @@
 //! - [`status`]: waiting pods' conditions and Events, written off the scheduling loop.
 //! - [`leader`]: Lease leader election, as kube-scheduler does it.
 //! - [`metrics`]: Prometheus counters and `/metrics`.
-//! - [`pod`]: the fields of a Pod the scheduler keeps (its watch cache holds every pod).
+//! - [`pod`], [`node`]: the fields of Pods and Nodes the scheduler keeps (its watch caches
+//!   hold every one of the cluster).
 //! - [`dra`]: the DRA driver `xpu k8s dra-driver`: ResourceSlices, the kubelet DRA plugin.
 //!
 //! Placement itself stays in `xpu-sched`: the policy `xpu sim` measures is the one a cluster
@@ -25,6 +26,7 @@ pub mod flex;
 pub mod leader;
 pub mod ledger;
 pub mod metrics;
+pub mod node;
 pub mod pod;
 pub mod preempt;
 pub mod queues;

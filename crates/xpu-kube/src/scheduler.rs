@@ -14,10 +14,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::node::Node;
 use crate::pod::Pod;
 use futures_util::StreamExt;
 use k8s_openapi::api::batch::v1::Job as KubeJob;
-use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Node, ObjectReference, PodTemplate};
+use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, ObjectReference, PodTemplate};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Client;
@@ -337,17 +338,15 @@ fn watch_when_served<K: Watched>(
     probed
 }
 
-// The caches keep only what a cycle reads: at 5,000 nodes and 10,000 pods, managed fields,
-// image lists, last-applied annotations and Job templates are most of the bytes.
+// The caches keep only what a cycle reads: Pods and Nodes are decoded into xpu's own types
+// (`crate::pod`, `crate::node`), and of what those keep, managed fields and annotations no
+// cycle reads are dropped here.
 fn trim_node(n: &mut Node) {
     n.metadata.managed_fields = None;
     n.metadata.annotations = None;
-    if let Some(s) = n.status.as_mut() {
-        s.images = None;
-        s.node_info = None;
-        s.volumes_attached = None;
-        s.volumes_in_use = None;
-        s.addresses = None;
+    // Ready only: the one condition a cycle reads (a kubelet posts five, with messages).
+    if let Some(c) = n.status.as_mut().and_then(|s| s.conditions.as_mut()) {
+        c.retain(|c| c.type_ == "Ready");
     }
 }
 

@@ -612,7 +612,7 @@ impl Cluster {
 
     pub fn add_node_with_status(
         &mut self,
-        spec: NodeSpec,
+        mut spec: NodeSpec,
         status: NodeStatus,
     ) -> Result<NodeId, ClusterError> {
         if self.by_name.contains_key(&spec.name) {
@@ -624,21 +624,28 @@ impl Cluster {
                 count: spec.devices.len(),
             });
         }
-        let mut domain_names: Vec<&str> = Vec::new();
+        // Interconnect domains numbered in order of first appearance, then the specs' strings
+        // moved into the devices (a node is built every cycle: no copy of them is needed).
+        let mut domain_ids = Vec::with_capacity(spec.devices.len());
+        {
+            let mut domain_names: Vec<&str> = Vec::new();
+            for d in &spec.devices {
+                domain_ids.push(match &d.interconnect_domain {
+                    None => 0,
+                    Some(name) => match domain_names.iter().position(|n| n == name) {
+                        Some(i) => i as u16 + 1,
+                        None => {
+                            domain_names.push(name);
+                            domain_names.len() as u16
+                        }
+                    },
+                });
+            }
+        }
         let mut devices = Vec::with_capacity(spec.devices.len());
         let mut statics = Vec::with_capacity(spec.devices.len());
-        for d in &spec.devices {
+        for (d, domain_id) in std::mem::take(&mut spec.devices).into_iter().zip(domain_ids) {
             let model_id = self.model_id(&d.model)?;
-            let domain_id = match &d.interconnect_domain {
-                None => 0,
-                Some(name) => match domain_names.iter().position(|n| n == name) {
-                    Some(i) => i as u16 + 1,
-                    None => {
-                        domain_names.push(name);
-                        domain_names.len() as u16
-                    }
-                },
-            };
             statics.push(DevStatic {
                 kind: d.kind,
                 model: model_id,
@@ -646,11 +653,11 @@ impl Cluster {
                 domain: domain_id,
             });
             devices.push(Device {
-                id: d.id.clone(),
+                id: d.id,
                 kind: d.kind,
-                model: d.model.clone(),
+                model: d.model,
                 numa_node: d.numa_node,
-                interconnect_domain: d.interconnect_domain.clone(),
+                interconnect_domain: d.interconnect_domain,
                 model_id,
                 domain_id,
                 free: MILLI,
