@@ -708,17 +708,18 @@ pub async fn run(
             for b in &batch {
                 said.at.remove(&b.pod.uid);
             }
-            let permit = binds.clone().acquire_owned().await;
-            let (client, assumed, metrics, changed, ac) = (
+            let (client, assumed, metrics, changed, ac, binds) = (
                 client.clone(),
                 assumed.clone(),
                 metrics.clone(),
                 changed.clone(),
                 assumed_claims.clone(),
+                binds.clone(),
             );
             let key = opts.share_key.clone();
             tokio::spawn(async move {
-                let _permit = permit;
+                // Waited for in the task, not the loop (see the plain binds below).
+                let Ok(_permit) = binds.acquire_owned().await else { return };
                 let t = Instant::now();
                 let written = reserve_claims(&client, &batch).await;
                 metrics.claims_seconds.observe(t.elapsed().as_secs_f64());
@@ -777,12 +778,16 @@ pub async fn run(
                 .pods
                 .get(&ObjectRef::new(&b.pod.name).within(&b.pod.namespace))
                 .and_then(|p| p.metadata.creation_timestamp.as_ref().map(|t| t.0));
-            let permit = binds.clone().acquire_owned().await;
-            let (client, assumed, metrics, changed) =
-                (client.clone(), assumed.clone(), metrics.clone(), changed.clone());
+            let (client, assumed, metrics, changed, binds) =
+                (client.clone(), assumed.clone(), metrics.clone(), changed.clone(), binds.clone());
             let key = opts.share_key.clone();
             tokio::spawn(async move {
-                let _permit = permit;
+                // The permit is waited for here, not in the loop: the next cycle plans while
+                // this one's binds are in flight (its pods are assumed already), instead of
+                // planning only once the last of them has a permit, which made each batch
+                // as large as what arrived while the one before was sent, and every pod wait
+                // for it. The semaphore hands permits out in the order they were asked for.
+                let Ok(_permit) = binds.acquire_owned().await else { return };
                 let t = Instant::now();
                 let r = bind(&client, &b, key.as_deref()).await;
                 metrics.bind_seconds.observe(t.elapsed().as_secs_f64());

@@ -9,6 +9,10 @@
 //!   XPU_BENCH_BOUND=50000: that many pods already bound (10m CPU each, spread over the nodes)
 //!   before the scheduler starts, the 15,000-node shape of issue 44
 //!
+//! After each mix, xpu's and the null binder's own phase histograms (`/metrics`: cycles, the
+//! planning inside them, binds, status writes) are printed: count, mean, and the bucket bound
+//! under which 99 % fall, counted from the scheduler's start.
+//!
 //! `null` is the null binder (`xpu k8s scheduler --null-binder`: xpu's watch, queue and
 //! binding client, each pod to the next node in turn, no decision): the API server's ceiling on
 //! this machine, which every figure is also given against.
@@ -180,12 +184,20 @@ async fn bench(which: &str, nodes: usize, bound: usize, mixes: &[Mix]) -> (Vec<F
     let (seen, watch) = k8s_bench::watch_binds(&client);
     let key = cp.dir().join("share.key");
     std::fs::write(&key, [7u8; 32]).unwrap();
-    let mut child = start_scheduler(which, &cp, &["--share-key".into(), key.into()]);
+    let metrics = k8s_bench::free_addr();
+    let args =
+        ["--share-key".into(), key.into(), "--metrics-addr".into(), metrics.to_string().into()];
+    let mut child = start_scheduler(which, &cp, &args);
     // Let it sync its caches before the clock starts.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let mut out = Vec::new();
     for m in mixes {
         out.push(run_mix(&client, which, m, &seen).await);
+        // Each mix's phases, counted from the scheduler's start (xpu and the null binder).
+        let phases = k8s_bench::phases(metrics);
+        if !phases.is_empty() {
+            eprintln!("{which} after {} pods: {phases}", m.name);
+        }
     }
     let rss = peak_rss_mib(child.id());
     k8s_bench::stop(&mut child);

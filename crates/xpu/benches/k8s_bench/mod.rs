@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -181,17 +181,17 @@ pub async fn run(
     let extra = if which == "kube" { Vec::new() } else { extra };
     let mut child = start_scheduler_gated(which, cp, &extra, gates);
     if !backlog {
-        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
         create_timed(&api, &pods, &created).await;
     }
-    let limit = Instant::now() + std::time::Duration::from_secs(900);
+    let limit = Instant::now() + Duration::from_secs(900);
     loop {
         let done = seen.lock().unwrap().len();
         if done >= n {
             break;
         }
         assert!(Instant::now() < limit, "{what}: only {done}/{n} pods bound after 15 minutes");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let rss_mib = peak_rss_mib(child.id());
     stop(&mut child);
@@ -293,4 +293,54 @@ pub fn pod(
         },
     }))
     .unwrap()
+}
+
+/// A free loopback address for a scheduler's `--metrics-addr`.
+pub fn free_addr() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// Where xpu's time went, from its `/metrics` at `addr`: for each phase histogram, how many
+/// were observed, their mean and the bucket bound under which 99 % fall. Empty when the
+/// endpoint cannot be read.
+pub fn phases(addr: std::net::SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: bench\r\n\r\n");
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    let mut out = Vec::new();
+    for (phase, name) in [
+        ("cycle", "xpu_scheduler_cycle_duration_seconds"),
+        ("plan", "xpu_scheduler_plan_duration_seconds"),
+        ("bind", "xpu_scheduler_bind_duration_seconds"),
+        ("status", "xpu_scheduler_status_update_duration_seconds"),
+        ("claims", "xpu_scheduler_claims_duration_seconds"),
+    ] {
+        let value = |suffix: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name}{suffix} ")))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        };
+        let (Some(count), Some(sum)) = (value("_count"), value("_sum")) else { continue };
+        if count == 0.0 {
+            continue;
+        }
+        // Cumulative buckets: the first bound holding 99 % of the observations.
+        let p99 = text
+            .lines()
+            .filter_map(|l| l.strip_prefix(&format!("{name}_bucket{{le=\"")))
+            .filter_map(|l| {
+                let (bound, n) = l.split_once("\"} ")?;
+                Some((bound.parse::<f64>().ok()?, n.trim().parse::<f64>().ok()?))
+            })
+            .find(|(_, n)| *n >= 0.99 * count)
+            .map_or_else(|| "> 60 s".to_owned(), |(b, _)| format!("<= {b} s"));
+        out.push(format!("{phase} {count:.0}× mean {:.1} ms p99 {p99}", 1e3 * sum / count));
+    }
+    out.join("; ")
 }
