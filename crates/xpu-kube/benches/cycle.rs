@@ -44,15 +44,26 @@ fn node(i: usize) -> Arc<Node> {
 }
 
 fn pod(i: usize, node: Option<String>, gpus: u32) -> Arc<Pod> {
+    let gpus = gpus.to_string();
+    let requests = json!({ "cpu": "1", "memory": "1Gi", "nvidia.com/gpu": gpus });
+    pod_asking(i, node, requests, json!({ "nvidia.com/gpu": gpus }))
+}
+
+/// Pod `i`, bound to `node` or waiting, with one container asking `requests` and `limits`.
+fn pod_asking(
+    i: usize,
+    node: Option<String>,
+    requests: serde_json::Value,
+    limits: serde_json::Value,
+) -> Arc<Pod> {
     Arc::new(
         serde_json::from_value(json!({
             "metadata": { "name": format!("pod-{i:06}"), "namespace": "default",
                           "uid": format!("uid-{i}"), "resourceVersion": "1",
                           "creationTimestamp": "2026-11-28T00:00:00Z" },
             "spec": { "schedulerName": "xpu", "nodeName": node,
-                "containers": [{ "name": "c", "image": "x", "resources": {
-                    "requests": { "cpu": "1", "memory": "1Gi", "nvidia.com/gpu": gpus.to_string() },
-                    "limits": { "nvidia.com/gpu": gpus.to_string() } } }] },
+                "containers": [{ "name": "c", "image": "x",
+                                 "resources": { "requests": requests, "limits": limits } }] },
             "status": { "phase": if node.is_some() { "Running" } else { "Pending" } }
         }))
         .unwrap(),
@@ -95,18 +106,7 @@ fn mixed_pod(i: usize, node: Option<String>) -> Arc<Pod> {
             )
         }
     };
-    Arc::new(
-        serde_json::from_value(json!({
-            "metadata": { "name": format!("pod-{i:06}"), "namespace": "default",
-                          "uid": format!("uid-{i}"), "resourceVersion": "1",
-                          "creationTimestamp": "2026-11-28T00:00:00Z" },
-            "spec": { "schedulerName": "xpu", "nodeName": node,
-                "containers": [{ "name": "c", "image": "x",
-                                 "resources": { "requests": requests, "limits": limits } }] },
-            "status": { "phase": if node.is_some() { "Running" } else { "Pending" } }
-        }))
-        .unwrap(),
-    )
+    pod_asking(i, node, requests, limits)
 }
 
 fn median_ms(runs: usize, mut f: impl FnMut()) -> f64 {

@@ -7,7 +7,6 @@
 //! is 1.5 KB inline before any of it. At 15,000 nodes the difference is tens of MiB, and the
 //! fields left out are never decoded.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use k8s_openapi::ClusterResourceScope;
@@ -50,34 +49,7 @@ pub struct NodeStatus {
     pub conditions: Option<Vec<NodeCondition>>,
 }
 
-impl kube::Resource for Node {
-    type DynamicType = ();
-    type Scope = ClusterResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("Node")
-    }
-
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("")
-    }
-
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("v1")
-    }
-
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("nodes")
-    }
-
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+crate::pod::core_v1_resource!(Node, "Node", "nodes", ClusterResourceScope);
 
 #[cfg(test)]
 mod tests {

@@ -14,7 +14,6 @@
 //! A field added to a cycle's reading must be added here: the compiler says so, since the
 //! cycle only ever sees these types.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use k8s_openapi::NamespaceResourceScope;
@@ -123,34 +122,45 @@ impl PodSpec {
     }
 }
 
-impl kube::Resource for Pod {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
+/// `kube::Resource` for one of xpu's own `core/v1` types (`kube::Api` and the watch caches
+/// need it; k8s-openapi's types get it through their own traits).
+macro_rules! core_v1_resource {
+    ($ty:ty, $kind:literal, $plural:literal, $scope:ty) => {
+        impl kube::Resource for $ty {
+            type DynamicType = ();
+            type Scope = $scope;
 
-    fn kind(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("Pod")
-    }
+            fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($kind)
+            }
 
-    fn group(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("")
-    }
+            fn group(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed("")
+            }
 
-    fn version(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("v1")
-    }
+            fn version(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed("v1")
+            }
 
-    fn plural(_: &()) -> Cow<'_, str> {
-        Cow::Borrowed("pods")
-    }
+            fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+                std::borrow::Cow::Borrowed($plural)
+            }
 
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
+            fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &self.metadata
+            }
 
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
+            fn meta_mut(
+                &mut self,
+            ) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    };
 }
+pub(crate) use core_v1_resource;
+
+core_v1_resource!(Pod, "Pod", "pods", NamespaceResourceScope);
 
 #[cfg(test)]
 mod tests {
