@@ -23,6 +23,7 @@
 //! What it does not do: device-specific preparation in `PreStartContainer` (not requested), or
 //! reading sysfs other than through `xpu_host::discover`.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -255,24 +256,15 @@ impl Table {
     }
 
     fn list(&self) -> Vec<pb::Device> {
-        if self.replicas > 1 {
-            return self
-                .devs
-                .iter()
-                .flat_map(|d| {
-                    let health = if d.healthy() { HEALTHY } else { UNHEALTHY };
-                    let topology = d.numa.map(|n| pb::TopologyInfo {
-                        nodes: vec![pb::NumaNode { id: i64::from(n) }],
-                    });
-                    (0..self.replicas).map(move |r| pb::Device {
-                        id: format!("{}-r{r}", d.id),
-                        health: health.to_owned(),
-                        topology: topology.clone(),
-                    })
-                })
-                .collect();
-        }
-        let units = if self.share { SHARE_UNITS } else { 1 };
+        // Each device once by its id, as SHARE_UNITS units (`<id>-u042`), or as `replicas`
+        // time-slicing replicas (`<id>-r3`).
+        let (copies, id): (usize, fn(&str, usize) -> String) = if self.share {
+            (SHARE_UNITS, |d, u| format!("{d}-u{u:03}"))
+        } else if self.replicas > 1 {
+            (usize::from(self.replicas), |d, r| format!("{d}-r{r}"))
+        } else {
+            (1, |d, _| d.to_owned())
+        };
         self.devs
             .iter()
             .flat_map(|d| {
@@ -280,8 +272,8 @@ impl Table {
                 let topology = d
                     .numa
                     .map(|n| pb::TopologyInfo { nodes: vec![pb::NumaNode { id: i64::from(n) }] });
-                (0..units).map(move |u| pb::Device {
-                    id: if units == 1 { d.id.clone() } else { format!("{}-u{u:03}", d.id) },
+                (0..copies).map(move |c| pb::Device {
+                    id: id(&d.id, c),
                     health: health.to_owned(),
                     topology: topology.clone(),
                 })
@@ -611,10 +603,12 @@ impl Plugin {
             return pb::ContainerPreferredAllocationResponse { device_i_ds: ids };
         }
         if t.replicas > 1 {
-            // One replica, of the device with the most replicas still free (the least shared).
-            let free = |dev: &str| {
-                r.available_device_i_ds.iter().filter(|id| t.replica_of(id) == Some(dev)).count()
-            };
+            // One replica, of the device with the most replicas still free (the least shared),
+            // counted once (up to 64 replicas of each device are offered).
+            let mut free: HashMap<&str, usize> = HashMap::new();
+            for dev in r.available_device_i_ds.iter().filter_map(|id| t.replica_of(id)) {
+                *free.entry(dev).or_default() += 1;
+            }
             let mut ids: Vec<String> = r.must_include_device_i_ds.clone();
             let mut avail: Vec<&String> = r
                 .available_device_i_ds
@@ -622,7 +616,9 @@ impl Plugin {
                 .filter(|id| !ids.contains(id))
                 .filter(|id| t.replica_of(id).and_then(|d| t.get(d)).is_some_and(Dev::healthy))
                 .collect();
-            avail.sort_by_key(|id| std::cmp::Reverse(t.replica_of(id).map_or(0, free)));
+            avail.sort_by_key(|id| {
+                std::cmp::Reverse(t.replica_of(id).and_then(|d| free.get(d)).copied().unwrap_or(0))
+            });
             ids.extend(avail.into_iter().take(size.saturating_sub(ids.len())).cloned());
             return pb::ContainerPreferredAllocationResponse { device_i_ds: ids };
         }

@@ -424,7 +424,6 @@ mod tests {
     use std::sync::Arc;
 
     use crate::node::Node;
-
     use crate::pod::Pod;
     use serde_json::json;
     use xpu_sched::SchedulerConfig;
@@ -515,18 +514,18 @@ mod tests {
         )
     }
 
-    /// The incremental state equals a full rebuild after every event: random sequences of pod
-    /// events (made, bound, changed, ended, being deleted, deleted; assumed by the scheduler
-    /// before the watch shows them bound; relists) and node changes, over many seeds. After
-    /// every event the cluster a cycle builds with the ledger (free CPU, memory and every
-    /// device of every node, gangs bound, queue charges, unreadable pods) and the plan it makes
-    /// equal those built from the pods alone.
     #[test]
     fn an_entry_stays_small() {
         // One per bound pod of the cluster: 50,000 of these at 1 KB each was 100 MiB.
         assert!(size_of::<super::Entry>() <= 192, "{}", size_of::<super::Entry>());
     }
 
+    /// The incremental state equals a full rebuild after every event: random sequences of pod
+    /// events (made, bound, changed, ended, being deleted, deleted; assumed by the scheduler
+    /// before the watch shows them bound; relists) and node changes, over many seeds. After
+    /// every event the cluster a cycle builds with the ledger (free CPU, memory and every
+    /// device of every node, gangs bound, queue charges, unreadable pods) and the plan it makes
+    /// equal those built from the pods alone.
     #[test]
     fn the_ledger_equals_a_rebuild_after_every_event() {
         let jobs: HashMap<String, (i32, i32, bool)> =

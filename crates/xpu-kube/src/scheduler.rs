@@ -719,7 +719,7 @@ pub async fn run(
             let key = opts.share_key.clone();
             tokio::spawn(async move {
                 // Waited for in the task, not the loop (see the plain binds below).
-                let Ok(_permit) = binds.acquire_owned().await else { return };
+                let _permit = bind_permit(binds).await;
                 let t = Instant::now();
                 let written = reserve_claims(&client, &batch).await;
                 metrics.claims_seconds.observe(t.elapsed().as_secs_f64());
@@ -782,12 +782,7 @@ pub async fn run(
                 (client.clone(), assumed.clone(), metrics.clone(), changed.clone(), binds.clone());
             let key = opts.share_key.clone();
             tokio::spawn(async move {
-                // The permit is waited for here, not in the loop: the next cycle plans while
-                // this one's binds are in flight (its pods are assumed already), instead of
-                // planning only once the last of them has a permit, which made each batch
-                // as large as what arrived while the one before was sent, and every pod wait
-                // for it. The semaphore hands permits out in the order they were asked for.
-                let Ok(_permit) = binds.acquire_owned().await else { return };
+                let _permit = bind_permit(binds).await;
                 let t = Instant::now();
                 let r = bind(&client, &b, key.as_deref()).await;
                 metrics.bind_seconds.observe(t.elapsed().as_secs_f64());
@@ -1042,6 +1037,22 @@ fn group_status(
 
 /// How long a ProvisioningRequest just made is not made again (the watch shows it sooner).
 const ASKED_FOR: Duration = Duration::from_secs(10);
+
+/// A permit to bind, waited for in the bind's own task rather than in the scheduling loop: the
+/// next cycle plans while this one's binds are in flight (their pods are assumed already).
+/// Waiting in the loop made it plan again only once the last pod of a batch had a permit, so
+/// each batch grew to what arrived while the one before was sent, and every pod waited for its
+/// batch. The semaphore hands permits out in the order they were asked for. It is never closed;
+/// were it, the bind goes ahead unlimited rather than leave its pod assumed and unbound.
+async fn bind_permit(binds: Arc<Semaphore>) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    match binds.acquire_owned().await {
+        Ok(p) => Some(p),
+        Err(e) => {
+            warn!(error = %e, "the bind limiter is closed; binding without it");
+            None
+        }
+    }
+}
 
 /// Makes one flex-start request: retires the one it replaces, writes the PodTemplate (from the
 /// pod as stored, not the trimmed cached copy) and the request, then points the pods at it.

@@ -33,11 +33,6 @@ pub fn counter_set_name(gpu: &str) -> String {
 /// Partition names (`<gpu>-mig-<profile label>-<start>`), shared with `xpu sim dra --mig`.
 pub use xpu_core::mig::{device_name, parse_device_name};
 
-/// The profile of `model` whose device-name form is `dns` (`1g-18gb-me` → `1g.18gb+me`).
-pub fn profile_by_device_name<'m>(model: &'m Model, dns: &str) -> Option<&'m Profile> {
-    model.profile_by_label(dns)
-}
-
 fn counter(n: u64) -> Counter {
     Counter { value: Quantity(n.to_string()) }
 }

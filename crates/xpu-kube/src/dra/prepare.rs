@@ -214,7 +214,7 @@ fn mig_part(
         )));
     }
     let model = Model::of(&g.product).map_err(|e| err(e.to_string()))?;
-    let p = mig::profile_by_device_name(model, profile).ok_or_else(|| {
+    let p = model.profile_by_label(profile).ok_or_else(|| {
         let names: Vec<&str> = model.profiles.iter().map(|p| p.name).collect();
         err(format!("{} offers no profile {profile} (it has {})", g.product, names.join(", ")))
     })?;

@@ -305,14 +305,22 @@ pub fn free_addr() -> std::net::SocketAddr {
 /// were observed, their mean and the bucket bound under which 99 % fall. Empty when the
 /// endpoint cannot be read.
 pub fn phases(addr: std::net::SocketAddr) -> String {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
-        return String::new();
+    fn scrape(addr: std::net::SocketAddr) -> std::io::Result<String> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: bench\r\n\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        Ok(text)
+    }
+    let text = match scrape(addr) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("phases: /metrics at {addr} not read: {e}");
+            return String::new();
+        }
     };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: bench\r\n\r\n");
-    let mut text = String::new();
-    let _ = s.read_to_string(&mut text);
     let mut out = Vec::new();
     for (phase, name) in [
         ("cycle", "xpu_scheduler_cycle_duration_seconds"),

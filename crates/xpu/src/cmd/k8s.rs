@@ -228,7 +228,7 @@ pub struct NfdArgs {
     /// (`nvidia.com/gpu.sharing-strategy`, `.replicas`, `-SHARED` after the product when
     /// time-sliced): none, mps or time-slicing:N. Default: no sharing labels.
     #[arg(long, value_name = "MODE")]
-    pub sharing: Option<String>,
+    pub sharing: Option<xpu_core::labels::vendor::Sharing>,
 }
 
 pub fn run(args: Args) -> CmdResult {
@@ -537,9 +537,7 @@ fn nfd_features(args: NfdArgs) -> CmdResult {
     let inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
     warn_all(&inv.warnings);
     let mut labels = xpu_core::labels::labels(&inv);
-    if let Some(mode) = &args.sharing {
-        let mode =
-            mode.parse().map_err(|e: String| CliError::input(anyhow::anyhow!("--sharing {e}")))?;
+    if let Some(mode) = args.sharing {
         xpu_core::labels::vendor::sharing(&mut labels, mode);
     }
     let content = nfd::render(&labels);
