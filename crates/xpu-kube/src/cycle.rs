@@ -2,18 +2,21 @@
 //! (which pod binds to which node, why each other pod waits, which nodes are skipped). No I/O
 //! and no clock: [`crate::scheduler`] feeds it the watch caches and carries the decisions out.
 //!
-//! The cycle rebuilds [`xpu_sched::Scheduler`] state from the objects every time: nodes with what
+//! The cycle makes [`xpu_sched::Scheduler`] state from the objects every time: nodes with what
 //! every bound pod (of any scheduler, and the pods this scheduler bound but has not yet seen
 //! bound, the *assumed* ones) already uses subtracted, then the pods waiting for this
 //! scheduler, grouped into gangs, submitted in creation order. Pods are keyed by uid in one map,
-//! so none is counted twice, and a restart needs nothing but the API server's state.
+//! so none is counted twice, and a restart needs nothing but the API server's state. What is
+//! costly to make again and rarely changes is kept by the driver between cycles and checked
+//! against the objects each time: converted objects ([`Memo`]), what bound pods hold
+//! ([`crate::ledger`]) and the cluster itself ([`crate::base`]); with or without them a cycle
+//! decides the same.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::node::Node;
 use crate::pod::Pod;
-use xpu_sched::placement::{DeviceShare, Placement};
 use xpu_sched::policy::TaskMix;
 use xpu_sched::request::{GKE_TPU_ACCELERATOR, GKE_TPU_TOPOLOGY};
 use xpu_sched::{Cluster, Decision, Job, NodeStatus, Scheduler, SchedulerConfig, TaskGroup};
@@ -27,7 +30,7 @@ use crate::share;
 /// Internal node label (never a real one: `~` is not allowed in label keys) saying which device
 /// resource a node offers, so that when a cluster offers GPUs both whole (`nvidia.com/gpu`)
 /// and as shares, a pod only lands on the kind of GPU it asked for.
-const OFFERS: &str = "xpu.dev~offers/";
+pub(crate) const OFFERS: &str = "xpu.dev~offers/";
 
 use crate::convert::NODE_NAME;
 
@@ -287,6 +290,9 @@ struct MemoInner {
     /// Bound pods of this scheduler as tasks, for the task mix FGD and xpu measure against.
     asks: HashMap<String, AskEntry>,
     converted: u64,
+    /// The cluster the last cycle built, for the next to patch.
+    base: Option<crate::base::Base>,
+    built: crate::base::BuildStats,
 }
 
 impl Memo {
@@ -304,6 +310,11 @@ impl Memo {
     pub fn stats(&self) -> (usize, usize, u64) {
         let m = self.lock();
         (m.nodes.len(), m.pods.len(), m.converted)
+    }
+
+    /// How the cycles' clusters were built since the memo was made (see [`crate::base`]).
+    pub fn build_stats(&self) -> crate::base::BuildStats {
+        self.lock().built
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, MemoInner> {
@@ -352,6 +363,33 @@ impl Held<'_> {
 
     fn usage(&mut self, p: &Pod) -> Arc<Result<convert::Usage, convert::Unsupported>> {
         self.0.as_deref_mut().map_or_else(|| Arc::new(convert::usage(p)), |m| m.usage(p))
+    }
+
+    /// The cluster an earlier cycle built and gave back, taken for this one.
+    fn take_base(&mut self) -> Option<crate::base::Base> {
+        self.0.as_deref_mut()?.base.take()
+    }
+
+    fn stats(&mut self) -> Option<&mut crate::base::BuildStats> {
+        self.0.as_deref_mut().map(|m| &mut m.built)
+    }
+
+    fn put_base(&mut self, base: crate::base::Base) {
+        if let Some(m) = self.0.as_deref_mut() {
+            m.base = Some(base);
+        }
+    }
+}
+
+impl Memo {
+    /// Runs `f` on the kept cluster, if one is kept (see [`crate::base`]).
+    pub(crate) fn with_base<T>(&self, f: impl FnOnce(&mut crate::base::Base) -> T) -> Option<T> {
+        self.lock().base.as_mut().map(f)
+    }
+
+    /// Forgets the kept cluster: the next cycle builds it whole.
+    pub(crate) fn drop_base(&self) {
+        self.lock().base = None;
     }
 }
 
@@ -442,7 +480,7 @@ pub fn waits_for(p: &Pod, name: &str, assumed: &HashMap<String, String>) -> bool
 }
 
 /// What the pods bound to a node use.
-#[derive(Default)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub(crate) struct Used {
     pub(crate) cpu: u64,
     pub(crate) mem: u64,
@@ -455,10 +493,25 @@ pub(crate) struct Used {
 }
 
 impl Used {
+    /// Adds what another count holds (pods the ledger does not count, to its sums).
+    pub(crate) fn merge(&mut self, o: &Used) {
+        self.cpu = self.cpu.saturating_add(o.cpu);
+        self.mem = self.mem.saturating_add(o.mem);
+        self.pods += o.pods;
+        for (&res, &n) in &o.dev {
+            let e = self.dev.entry(res).or_default();
+            *e = e.saturating_add(n);
+        }
+        for (uid, v) in &o.shares {
+            self.shares.insert(uid.clone(), v.clone());
+        }
+        self.unreadable |= o.unreadable;
+    }
+
     /// Adds what a pod holds, its `usage` (a GPU share on `gpus`, when recorded). A pod whose
     /// requests do not parse or overflow when summed is counted as holding the whole node,
     /// never as nothing: `Err` says why, for a warning.
-    fn add(
+    pub(crate) fn add(
         &mut self,
         uid: &str,
         usage: &Result<convert::Usage, convert::Unsupported>,
@@ -1454,16 +1507,8 @@ fn plan_once(
     let mut out = Plan::default();
     let mut conflicts = Vec::new();
 
-    let Built {
-        cluster,
-        pool_of,
-        bad_nodes,
-        gang_bound,
-        separate,
-        reserved,
-        unreadable,
-        queue_used,
-    } = cluster_of(snap);
+    let Built { cluster, empty, bad_nodes, gang_bound, separate, reserved, unreadable, queue_used } =
+        cluster_of(snap);
     out.bad_nodes = bad_nodes;
     out.unreadable = unreadable;
     out.preemption_on = snap.preemption;
@@ -1495,7 +1540,12 @@ fn plan_once(
     config.queue_weights.extend(snap.queues.weights());
     let config = &config;
     let mut sched = match Scheduler::new(cluster, config.clone()) {
-        Ok(s) => s,
+        Ok(mut s) => {
+            if let Some(e) = empty {
+                s.set_empty(e);
+            }
+            s
+        }
         Err(e) => {
             for p in &pending {
                 if let Some(k) = PodKey::of(p) {
@@ -1548,9 +1598,11 @@ fn plan_once(
             _ => None,
         })
         .collect();
+    // Node labels by name, for the pods with claims (none waiting: not built).
     let node_labels_pre: HashMap<&str, &BTreeMap<String, String>> = snap
         .nodes
         .iter()
+        .filter(|_| !dra_seq.is_empty())
         .filter_map(|n| Some((n.metadata.name.as_deref()?, n.metadata.labels.as_ref()?)))
         .collect();
     let labels_of = |n: &str| node_labels_pre.get(n).map(|l| (*l).clone()).unwrap_or_default();
@@ -1836,7 +1888,10 @@ fn plan_once(
             }
             let group = match &ask.tpu {
                 Some((acc, topo)) => {
-                    tpu_group(acc, topo, &ask, need, g.size, bound, bound_node.as_deref(), &pool_of)
+                    let c = sched.cluster();
+                    let pool =
+                        bound_node.as_deref().and_then(|n| c.node(c.node_id(n)?)?.pool.clone());
+                    tpu_group(acc, topo, &ask, need, g.size, bound, pool)
                 }
                 None => Ok(TaskGroup::new(idx.len() as u32, ask.task.clone()).gang()),
             };
@@ -2127,13 +2182,17 @@ fn plan_once(
                 crate::preempt::plan(snap, config, &waiting, &out.binds, &excluded, &mix_tasks);
         }
     }
+    let (cluster, empty) = sched.into_parts();
+    crate::base::give_back(snap, cluster, empty);
     (out, conflicts)
 }
 
 /// The cluster a cycle places on, and what it learned building it.
 pub(crate) struct Built {
     pub cluster: Cluster,
-    pub pool_of: HashMap<String, Option<String>>,
+    /// The empty copy of `cluster` kept from an earlier cycle, if any (see
+    /// [`Scheduler::set_empty`]).
+    pub empty: Option<Cluster>,
     /// Nodes left out, with why.
     pub bad_nodes: Vec<(String, String)>,
     /// Per gang: members bound, and a node one of them is on.
@@ -2149,11 +2208,14 @@ pub(crate) struct Built {
     pub queue_used: HashMap<String, Amounts>,
 }
 
-/// Nodes in name order with what every bound (or assumed, or reserved) pod uses taken.
+/// Nodes in name order with what every bound (or assumed, or reserved) pod uses taken. With a
+/// [`Memo`] (and not for a what-if), the cluster the last cycle built is patched instead: only
+/// the nodes whose object, bound pods or last cycle's placements changed are built again
+/// ([`crate::base`]); the result is the same cluster.
 pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let mut bad_nodes = Vec::new();
-    // What bound pods use, per node, and which gang members are already bound where.
-    let mut used: HashMap<String, Used> = HashMap::new();
+    // What the pods the ledger does not count use, per node (without a ledger: every pod).
+    let mut extra: HashMap<String, Used> = HashMap::new();
     let mut gang_bound: HashMap<String, (u32, Option<String>)> = HashMap::new();
     let mut unreadable = Vec::new();
     let mut queue_used: HashMap<String, Amounts> = HashMap::new();
@@ -2175,7 +2237,6 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let ledger = snap.ledger.filter(|_| snap.hold_out.is_none()).map(crate::ledger::Ledger::read);
     if let Some(book) = &ledger {
         for (node, b) in book.nodes() {
-            used.insert(node.to_owned(), b.used());
             if let Some(prio) = b.terminating() {
                 terminating.insert(node.to_owned(), prio);
             }
@@ -2224,36 +2285,31 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
             queue_used.entry(queue_of(snap, p)).or_default().add(&Amounts::of(u));
         }
         let gpus = snap.assumed_gpus.get(uid).cloned().or_else(|| share::recorded_gpus(p));
-        if let Err(e) = used.entry(node.to_owned()).or_default().add(uid, usage.as_ref(), gpus)
+        if let Err(e) = extra.entry(node.to_owned()).or_default().add(uid, usage.as_ref(), gpus)
             && let Some(key) = PodKey::of(p)
         {
             unreadable.push((key, format!("counted as using all of node {node}: {e}")));
         }
         count_gang(p, node);
     }
-    drop(ledger);
 
-    // Nodes in name order (the tie-break order, the same on every replica and restart), with
-    // what is used subtracted.
+    // Nodes in name order (the tie-break order, the same on every replica and restart).
     let mut nodes: Vec<&Arc<Node>> = snap.nodes.iter().collect();
     nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     let mut views = Vec::with_capacity(nodes.len());
     let mut offered: BTreeSet<&'static str> = Default::default();
     for n in nodes {
         let view = memo.node(n);
-        match view.as_ref().clone() {
-            Ok(v) => {
-                for (res, _) in convert::DEVICE_RESOURCES {
-                    let offers =
-                        |id: &str| id.strip_prefix(res).is_some_and(|rest| rest.starts_with('/'));
-                    if v.spec.devices.iter().any(|d| offers(&d.id)) {
-                        offered.insert(res);
-                    }
+        if let Ok(v) = view.as_ref() {
+            for (res, _) in convert::DEVICE_RESOURCES {
+                let offers =
+                    |id: &str| id.strip_prefix(res).is_some_and(|rest| rest.starts_with('/'));
+                if !offered.contains(res) && v.spec.devices.iter().any(|d| offers(&d.id)) {
+                    offered.insert(res);
                 }
-                views.push(v);
             }
-            Err(why) => bad_nodes.push((n.metadata.name.clone().unwrap_or_default(), why)),
         }
+        views.push((n.metadata.name.as_deref().unwrap_or_default(), view));
     }
     // A pod that preempted others keeps its place on its nominated node while they end:
     // counted there as if bound, so nothing else takes the space it evicted for.
@@ -2267,7 +2323,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
             continue;
         }
         let uid = p.metadata.uid.as_deref().unwrap_or("");
-        if let Err(e) = used.entry(node.to_owned()).or_default().add(uid, &convert::usage(p), None)
+        if let Err(e) = extra.entry(node.to_owned()).or_default().add(uid, &convert::usage(p), None)
             && let Some(key) = PodKey::of(p)
         {
             unreadable.push((key, format!("counted as using all of node {node}: {e}")));
@@ -2285,67 +2341,26 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
                     || convert::has_match_fields(s)
             }) || snap.dra.as_ref().is_some_and(|d| extended_claim(d, p).is_some()))
     });
-    let mut cluster = Cluster::new();
-    let mut pool_of: HashMap<String, Option<String>> = HashMap::new();
-    for view in views {
-        let mut spec = view.spec;
-        if by_name {
-            spec.labels.insert(NODE_NAME.into(), spec.name.clone());
-        }
-        if separate {
-            for res in &offered {
-                let prefix = format!("{res}/");
-                if spec.devices.iter().any(|d| d.id.starts_with(&prefix)) {
-                    spec.labels.insert(format!("{OFFERS}{res}"), "true".into());
-                }
-            }
-        }
-        let u = used.remove(spec.name.as_str()).unwrap_or_default();
-        if u.unreadable {
-            (spec.cpu_milli, spec.memory_mib) = (0, 0);
-        }
-        spec.cpu_milli = spec.cpu_milli.saturating_sub(u.cpu);
-        spec.memory_mib = spec.memory_mib.saturating_sub(u.mem);
-        let status = if view.ready && u.pods < view.max_pods {
-            NodeStatus::Ready
-        } else {
-            NodeStatus::Cordoned
-        };
-        pool_of.insert(spec.name.clone(), spec.pool.clone());
-        let name = spec.name.clone();
-        match cluster.add_node_with_status(spec, status) {
-            Ok(id) if u.unreadable => hold_all(&mut cluster, id),
-            Ok(id) => {
-                hold_whole(&mut cluster, id, &u.dev);
-                hold_shares(&mut cluster, id, &u.shares);
-            }
-            Err(e) => bad_nodes.push((name, e.to_string())),
-        }
+    let flags = crate::base::Flags { by_name, separate, offered };
+    let books = crate::base::Books { ledger: ledger.as_deref(), extra: &extra };
+    // A what-if leaves pods out: it neither takes nor leaves the kept cluster.
+    let keep = snap.memo.is_some() && snap.hold_out.is_none();
+    let kept = if keep { memo.take_base() } else { None };
+    let mut stats = crate::base::BuildStats::default();
+    let (cluster, empty, base) =
+        crate::base::build(kept, keep, &views, &books, flags, &mut bad_nodes, &mut stats);
+    if let Some(s) = memo.stats() {
+        s.whole += stats.whole;
+        s.patched += stats.patched;
+        s.nodes += stats.nodes;
+    }
+    if let Some(base) = base {
+        memo.put_base(base);
     }
 
     // In uid order, whichever way the pods were counted.
     unreadable.sort_by(|a, b| a.0.uid.cmp(&b.0.uid));
-    Built { cluster, pool_of, bad_nodes, gang_bound, separate, reserved, unreadable, queue_used }
-}
-
-/// Takes every device of node `id`: a pod there holds what xpu cannot count.
-fn hold_all(cluster: &mut Cluster, id: xpu_sched::NodeId) {
-    let Some(node) = cluster.node(id) else { return };
-    let devices: Vec<DeviceShare> = node
-        .devices
-        .iter()
-        .enumerate()
-        .filter(|(_, d)| d.free_milli() > 0)
-        .map(|(i, d)| DeviceShare { index: i as u16, milli: d.free_milli() })
-        .collect();
-    if devices.is_empty() {
-        return;
-    }
-    let p = Placement { node: id, cpu_milli: 0, memory_mib: 0, devices, tag: 0 };
-    // Every device was free to this extent an instant ago; a failure means a bug here.
-    if let Err(e) = cluster.allocate(&p) {
-        tracing::warn!(node = id, error = %e, "could not hold a node's devices");
-    }
+    Built { cluster, empty, bad_nodes, gang_bound, separate, reserved, unreadable, queue_used }
 }
 
 /// xpu-sched says `Insufficient gpu`; Kubernetes users read resource names.
@@ -2375,8 +2390,7 @@ fn tpu_group(
     need: usize,
     size: u32,
     bound: u32,
-    bound_node: Option<&str>,
-    pool_of: &HashMap<String, Option<String>>,
+    bound_pool: Option<String>,
 ) -> Result<TaskGroup, String> {
     let shape = xpu_core::tpu::slice(acc, topo).map_err(|e| {
         format!("nodeSelector {GKE_TPU_ACCELERATOR}={acc}, {GKE_TPU_TOPOLOGY}={topo}: {e}")
@@ -2396,9 +2410,8 @@ fn tpu_group(
     if bound == 0 {
         return Ok(TaskGroup::tpu(acc, topo, ask.task.clone()));
     }
-    let pool = bound_node.and_then(|n| pool_of.get(n).cloned().flatten());
     let mut task = ask.task.clone();
-    task.pool = pool;
+    task.pool = bound_pool;
     Ok(TaskGroup::new(need as u32, task).gang())
 }
 
@@ -2470,73 +2483,6 @@ fn share_ask(ask: &PodAsk) -> u64 {
     match ask.resources.share_milli {
         0 => u64::from(ask.resources.devices) * convert::MILLI_PER_GPU,
         m => u64::from(m),
-    }
-}
-
-/// Takes the whole devices bound pods hold on node `id` (the kubelet chose which; the last
-/// free ones of each resource stand for them), so the node keeps its capacity: a pod waiting
-/// for a device in use is told `Insufficient`, not that it can never fit.
-fn hold_whole(cluster: &mut Cluster, id: xpu_sched::NodeId, used: &BTreeMap<&'static str, u64>) {
-    for (res, count) in used {
-        let Some(node) = cluster.node(id) else { return };
-        let prefix = format!("{res}/");
-        let devices: Vec<DeviceShare> = node
-            .devices
-            .iter()
-            .enumerate()
-            .rev()
-            .filter(|(_, d)| d.id.starts_with(&prefix) && d.free_milli() == 1000)
-            .take(*count as usize)
-            .map(|(i, _)| DeviceShare { index: i as u16, milli: 1000 })
-            .collect();
-        if devices.is_empty() {
-            continue;
-        }
-        let p = Placement { node: id, cpu_milli: 0, memory_mib: 0, devices, tag: 0 };
-        // The devices were free an instant ago; a failure means a bug in this loop.
-        if let Err(e) = cluster.allocate(&p) {
-            tracing::warn!(node = id, error = %e, "could not count a bound pod's devices");
-        }
-    }
-}
-
-/// Takes the GPU shares bound pods hold on node `id`: on the GPUs recorded for each, else (a
-/// pod bound without xpu's record, which xpu's device plugin will refuse) on the first GPUs
-/// with room, so that the node is never counted emptier than it may be.
-fn hold_shares(
-    cluster: &mut Cluster,
-    id: xpu_sched::NodeId,
-    shares: &BTreeMap<String, (u64, Option<Vec<u16>>)>,
-) {
-    for (ask, gpus) in shares.values() {
-        let Some((count, milli)) = share::spread(*ask) else { continue };
-        let Some(node) = cluster.node(id) else { return };
-        let free: Vec<u16> = node.devices.iter().map(|d| d.free_milli()).collect();
-        let chosen: Vec<u16> = match gpus {
-            Some(g) if g.len() == count && g.iter().all(|&i| usize::from(i) < free.len()) => {
-                g.clone()
-            }
-            _ => (0..free.len() as u16)
-                .filter(|&i| free[usize::from(i)] >= milli)
-                .take(count)
-                .collect(),
-        };
-        let p = Placement {
-            node: id,
-            cpu_milli: 0,
-            memory_mib: 0,
-            devices: chosen
-                .iter()
-                .map(|&index| DeviceShare { index, milli: milli.min(free[usize::from(index)]) })
-                .filter(|d| d.milli > 0)
-                .collect(),
-            tag: 0,
-        };
-        // CPU and memory are already subtracted; a GPU over-committed by pods bound elsewhere
-        // (two pods claiming one GPU) keeps what fits, and the rest is simply not there.
-        if !p.devices.is_empty() && cluster.allocate(&p).is_err() {
-            tracing::debug!(node = id, ?p, "a bound pod's GPU share does not fit its record");
-        }
     }
 }
 

@@ -265,6 +265,11 @@ impl Book {
         self.nodes.iter().map(|(k, v)| (k.as_str(), v))
     }
 
+    /// What the pods bound to node `name` hold, if any are.
+    pub(crate) fn node(&self, name: &str) -> Option<&NodeBook> {
+        self.nodes.get(name)
+    }
+
     /// The generation of what node `name`'s pods hold (0: none bound there yet).
     pub fn generation(&self, name: &str) -> u64 {
         self.nodes.get(name).map_or(0, |n| n.generation)
@@ -430,7 +435,8 @@ mod tests {
     use xpu_sched::rng::Rng;
 
     use super::Ledger;
-    use crate::cycle::{Snapshot, cluster_of, plan};
+    use crate::cycle::{Memo, Snapshot, cluster_of, plan};
+    use xpu_sched::Cluster;
 
     fn node(name: &str, gpu: &str, share: bool, cpu: &str, ready: bool, rv: u64) -> Arc<Node> {
         let mut alloc = json!({ "cpu": cpu, "memory": "64Gi", "pods": "12" });
@@ -497,8 +503,9 @@ mod tests {
         .unwrap()
     }
 
-    /// Everything `cluster_of` decides, in a form two builds can be compared by.
-    fn rendered(snap: &Snapshot<'_>) -> String {
+    /// Everything `cluster_of` decides but the cluster, in a form two builds can be compared
+    /// by; and the cluster, with the empty copy kept (to give back).
+    fn rendered(snap: &Snapshot<'_>) -> (String, Cluster, Option<Cluster>) {
         let b = cluster_of(snap);
         let mut gangs: Vec<_> = b.gang_bound.iter().collect();
         gangs.sort();
@@ -506,12 +513,11 @@ mod tests {
         queues.sort_by(|a, b| a.0.cmp(b.0));
         let mut reserved: Vec<_> = b.reserved.iter().collect();
         reserved.sort();
-        format!(
-            "nodes {:?}\nbad {:?}\ngangs {gangs:?}\nqueues {queues:?}\nunreadable {:?}\nreserved {reserved:?}",
-            b.cluster.nodes(),
-            b.bad_nodes,
-            b.unreadable,
-        )
+        let text = format!(
+            "bad {:?}\ngangs {gangs:?}\nqueues {queues:?}\nunreadable {:?}\nreserved {reserved:?}",
+            b.bad_nodes, b.unreadable,
+        );
+        (text, b.cluster, b.empty)
     }
 
     #[test]
@@ -522,10 +528,12 @@ mod tests {
 
     /// The incremental state equals a full rebuild after every event: random sequences of pod
     /// events (made, bound, changed, ended, being deleted, deleted; assumed by the scheduler
-    /// before the watch shows them bound; relists) and node changes, over many seeds. After
-    /// every event the cluster a cycle builds with the ledger (free CPU, memory and every
-    /// device of every node, gangs bound, queue charges, unreadable pods) and the plan it makes
-    /// equal those built from the pods alone.
+    /// before the watch shows them bound, or as its last plan bound them; relists) and node
+    /// events (changed, added, removed), over many seeds. After every event the cluster a cycle
+    /// builds with the ledger and the kept cluster of the cycles before ([`crate::base`]: free
+    /// CPU, memory and every device of every node, statuses, labels, tie-break ranks; gangs
+    /// bound, queue charges, unreadable pods) and the plan it makes equal those built from the
+    /// pods alone.
     #[test]
     fn the_ledger_equals_a_rebuild_after_every_event() {
         let jobs: HashMap<String, (i32, i32, bool)> =
@@ -543,6 +551,7 @@ mod tests {
             let queues = if seed % 2 == 0 { &mapping } else { &no_queues };
             let mut rng = Rng::new(seed);
             let ledger = Ledger::default();
+            let memo = Memo::default();
             let mut rv = 0u64;
             let mut nodes: Vec<Arc<Node>> = (0..4)
                 .map(|i| {
@@ -556,7 +565,7 @@ mod tests {
             for step in 0..120 {
                 rv += 1;
                 let pick = |rng: &mut Rng, n: usize| rng.index(n.max(1));
-                match rng.index(11) {
+                match rng.index(12) {
                     0..=2 => {
                         made += 1;
                         let p = pod(&mut rng, made, rv);
@@ -621,6 +630,23 @@ mod tests {
                             rv,
                         );
                     }
+                    10 if nodes.len() > 2 && rng.index(2) == 0 => {
+                        nodes.remove(rng.index(nodes.len()));
+                    }
+                    10 => {
+                        let name = format!("n{}", rng.index(7));
+                        if nodes.iter().all(|n| n.metadata.name.as_deref() != Some(&name)) {
+                            let share = rng.index(2) == 1;
+                            nodes.push(node(
+                                &name,
+                                ["8", "4000"][usize::from(share)],
+                                share,
+                                "32",
+                                true,
+                                rv,
+                            ));
+                        }
+                    }
                     9 => {
                         // The watch relists: the whole set again, swapped in at its end.
                         ledger.init();
@@ -643,18 +669,35 @@ mod tests {
                     preemption: seed % 3 == 0,
                     ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed)
                 };
-                let kept = Snapshot { ledger: Some(&ledger), ..rebuilt };
+                let kept = Snapshot { ledger: Some(&ledger), memo: Some(&memo), ..rebuilt };
+                let (text, cluster, empty) = rendered(&kept);
+                let (fresh_text, fresh, _) = rendered(&rebuilt);
+                assert_eq!(text, fresh_text, "seed {seed}, step {step}: the ledger's books differ");
+                if let Err(e) = cluster.same_as(&fresh) {
+                    panic!(
+                        "seed {seed}, step {step}: the kept cluster differs from a rebuild: {e}"
+                    );
+                }
+                crate::base::give_back(&kept, cluster, empty);
+                let planned = plan(&kept, &config, 0, &mut |_| true);
                 assert_eq!(
-                    rendered(&kept),
-                    rendered(&rebuilt),
-                    "seed {seed}, step {step}: the ledger's cluster differs from a rebuild"
-                );
-                assert_eq!(
-                    plan(&kept, &config, 0, &mut |_| true),
+                    planned,
                     plan(&rebuilt, &config, 0, &mut |_| true),
-                    "seed {seed}, step {step}: the ledger changed the plan"
+                    "seed {seed}, step {step}: the ledger or the kept cluster changed the plan"
                 );
+                memo.sweep();
+                // The scheduler assumes what it binds until the watch shows it.
+                if rng.index(2) == 0 {
+                    for b in planned.binds {
+                        assumed.insert(b.pod.uid, b.node);
+                    }
+                }
             }
+            let built = memo.build_stats();
+            assert!(
+                built.patched > built.whole,
+                "seed {seed}: the kept cluster served little: {built:?}"
+            );
             let bound = pods
                 .iter()
                 .filter(|p| {

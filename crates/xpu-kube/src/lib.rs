@@ -17,6 +17,7 @@
 //! gets.
 
 pub mod affinity;
+pub mod base;
 pub mod cel;
 pub mod claims;
 pub mod convert;

@@ -164,6 +164,8 @@ pub enum ClusterError {
     TooManyModels(String),
     #[error("node id {0} does not exist")]
     NoSuchNode(NodeId),
+    #[error("node id {id} is {has:?}, not {given:?}; a node is replaced only by one of its name")]
+    Renamed { id: NodeId, has: String, given: String },
     #[error("placement on node {node:?} would over-commit {what}; this is a scheduler bug")]
     Overcommit { node: String, what: String },
     #[error(
@@ -394,6 +396,22 @@ fn next_uid() -> u64 {
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Adds (or, `add` false, takes away) a node's capacity and what it holds to the totals.
+fn count(cap: &mut Totals, used: &mut Totals, n: &Node, add: bool) {
+    let step = |total: &mut u64, x: u64| {
+        *total = if add { total.saturating_add(x) } else { total.saturating_sub(x) }
+    };
+    step(&mut cap.cpu_milli, n.cpu_milli);
+    step(&mut cap.memory_mib, n.memory_mib);
+    step(&mut used.cpu_milli, n.cpu_milli - n.cpu_free.min(n.cpu_milli));
+    step(&mut used.memory_mib, n.memory_mib - n.mem_free.min(n.memory_mib));
+    for d in &n.devices {
+        let k = kind_index(d.kind);
+        step(&mut cap.device_milli[k], u64::from(MILLI));
+        step(&mut used.device_milli[k], u64::from(MILLI - d.free.min(MILLI)));
+    }
+}
+
 pub(crate) fn kind_index(kind: DeviceKind) -> usize {
     match kind {
         DeviceKind::Gpu => 0,
@@ -434,6 +452,8 @@ pub struct Cluster {
     /// Tie-break rank of each node: among equally scored nodes the lowest rank wins (see
     /// [`Cluster::shuffle_ranks`]).
     ranks: Vec<u32>,
+    /// Nodes whose state changed since [`Cluster::take_touched`], while tracking is on.
+    touched: Option<Vec<NodeId>>,
 }
 
 impl Cluster {
@@ -486,7 +506,25 @@ impl Cluster {
             used: self.used,
             uid: Uid::fresh(),
             ranks: self.ranks.clone(),
+            touched: None,
         }
+    }
+
+    /// Starts (or stops) recording which nodes change state: an owner that keeps a cluster
+    /// across uses lends it out and, with [`Cluster::take_touched`], learns which nodes to
+    /// restore when it comes back.
+    pub fn track_touched(&mut self, on: bool) {
+        self.touched = on.then(Vec::new);
+    }
+
+    /// The nodes whose state changed (allocation, release, status, hold, replacement) since
+    /// tracking started or the last call, each once, in id order; empty when not tracking.
+    pub fn take_touched(&mut self) -> Vec<NodeId> {
+        let Some(t) = self.touched.as_mut() else { return Vec::new() };
+        let mut ids = std::mem::take(t);
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     /// Builds a cluster from node specs.
@@ -612,12 +650,155 @@ impl Cluster {
 
     pub fn add_node_with_status(
         &mut self,
-        mut spec: NodeSpec,
+        spec: NodeSpec,
         status: NodeStatus,
     ) -> Result<NodeId, ClusterError> {
         if self.by_name.contains_key(&spec.name) {
             return Err(ClusterError::DuplicateNode(spec.name));
         }
+        let node = self.make_node(spec, status)?;
+        let id = self.nodes.len() as NodeId;
+        self.ranks.push(id);
+        count(&mut self.capacity, &mut self.used, &node, true);
+        self.by_name.insert(node.name.clone(), id);
+        self.nodes.push(node);
+        self.reclass(id);
+        Ok(id)
+    }
+
+    /// Rebuilds node `id` from `spec` in place, everything free: the same id, tie-break rank
+    /// and name, what it holds and its static facts as `spec` gives them. The same cluster
+    /// results as building every node anew (`replacing_a_node_equals_building_it_anew`).
+    pub fn replace_node(
+        &mut self,
+        id: NodeId,
+        spec: NodeSpec,
+        status: NodeStatus,
+    ) -> Result<(), ClusterError> {
+        let has = &self.nodes.get(id as usize).ok_or(ClusterError::NoSuchNode(id))?.name;
+        if *has != spec.name {
+            return Err(ClusterError::Renamed { id, has: has.clone(), given: spec.name });
+        }
+        let mut node = self.make_node(spec, status)?;
+        let old = &self.nodes[id as usize];
+        (node.class, node.class_pos) = (old.class, old.class_pos);
+        count(&mut self.capacity, &mut self.used, &node, true);
+        let old = std::mem::replace(&mut self.nodes[id as usize], node);
+        count(&mut self.capacity, &mut self.used, &old, false);
+        self.reclass(id);
+        Ok(())
+    }
+
+    /// What an empty copy of the cluster holds for node `id`: its static facts and
+    /// capacity, every device free (what never-fits checks place on).
+    pub fn empty_spec(&self, id: NodeId) -> Option<NodeSpec> {
+        let n = self.node(id)?;
+        Some(NodeSpec {
+            name: n.name.clone(),
+            labels: n.labels.clone(),
+            pool: n.pool.clone(),
+            cpu_milli: n.cpu_milli,
+            memory_mib: n.memory_mib,
+            devices: n
+                .devices
+                .iter()
+                .map(|d| DeviceSpec {
+                    id: d.id.clone(),
+                    kind: d.kind,
+                    model: d.model.clone(),
+                    numa_node: d.numa_node,
+                    interconnect_domain: d.interconnect_domain.clone(),
+                })
+                .collect(),
+            taints: self.shape_of(n).taints.clone(),
+        })
+    }
+
+    /// Whether nothing is held anywhere: every node Ready, idle and wholly free (an empty
+    /// copy that can serve again).
+    pub fn all_free(&self) -> bool {
+        self.nodes.iter().all(|n| {
+            n.status == NodeStatus::Ready
+                && n.reserved == 0
+                && n.tasks == 0
+                && n.cpu_free == n.cpu_milli
+                && n.mem_free == n.memory_mib
+                && n.devices.iter().all(|d| d.free == MILLI)
+        })
+    }
+
+    /// The first difference between two clusters' nodes, as placement sees them (names,
+    /// static facts, free state, status, tie-break ranks, totals); `Ok` when there is none.
+    /// Interned ids (shapes, classes, models, selectors) may differ: they name, not decide.
+    pub fn same_as(&self, other: &Cluster) -> Result<(), String> {
+        if self.nodes.len() != other.nodes.len() {
+            return Err(format!("{} nodes against {}", self.nodes.len(), other.nodes.len()));
+        }
+        for (id, (a, b)) in self.nodes.iter().zip(&other.nodes).enumerate() {
+            let facts = |c: &Cluster, n: &Node| {
+                let shape = c.shape_of(n);
+                format!(
+                    "{} {:?} {:?} {:?} cpu {}/{} mem {}/{} {:?} held {} tags {:?} tasks {} rank {:?} devices {:?}",
+                    n.name,
+                    n.labels,
+                    n.pool,
+                    shape.taints,
+                    n.cpu_free,
+                    n.cpu_milli,
+                    n.mem_free,
+                    n.memory_mib,
+                    n.status,
+                    n.reserved,
+                    n.tag_counts,
+                    n.tasks,
+                    c.by_name.get(&n.name).map(|&i| c.rank(i)),
+                    n.devices
+                        .iter()
+                        .map(|d| (
+                            &d.id,
+                            d.kind,
+                            &d.model,
+                            d.numa_node,
+                            &d.interconnect_domain,
+                            d.free
+                        ))
+                        .collect::<Vec<_>>(),
+                )
+            };
+            let (fa, fb) = (facts(self, a), facts(other, b));
+            if fa != fb {
+                return Err(format!("node {id}: {fa} against {fb}"));
+            }
+            let (ka, kb) = (self.class_key(a), other.class_key(b));
+            if (ka.status, ka.cpu_free, ka.dev_free) != (kb.status, kb.cpu_free, kb.dev_free) {
+                return Err(format!("node {id} ({}): class keys differ", a.name));
+            }
+        }
+        let totals = |c: &Cluster| format!("{:?} {:?}", c.capacity, c.used);
+        if totals(self) != totals(other) {
+            return Err(format!("totals {} against {}", totals(self), totals(other)));
+        }
+        Ok(())
+    }
+
+    /// Drops every node from `len` on (nodes added for one use, such as flex-start slots).
+    pub fn truncate(&mut self, len: usize) {
+        while self.nodes.len() > len {
+            let id = (self.nodes.len() - 1) as NodeId;
+            self.unclass(id);
+            if let Some(t) = self.touched.as_mut() {
+                t.retain(|&n| n != id);
+            }
+            if let Some(n) = self.nodes.pop() {
+                count(&mut self.capacity, &mut self.used, &n, false);
+                self.by_name.remove(&n.name);
+            }
+            self.ranks.pop();
+        }
+    }
+
+    /// A node built from `spec` (models and shape interned), not yet in any class.
+    fn make_node(&mut self, mut spec: NodeSpec, status: NodeStatus) -> Result<Node, ClusterError> {
         if spec.devices.len() > MAX_DEVICES {
             return Err(ClusterError::TooManyDevices {
                 node: spec.name,
@@ -710,15 +891,7 @@ impl Cluster {
                 id
             }
         };
-        let id = self.nodes.len() as NodeId;
-        self.ranks.push(id);
-        self.capacity.cpu_milli = self.capacity.cpu_milli.saturating_add(spec.cpu_milli);
-        self.capacity.memory_mib = self.capacity.memory_mib.saturating_add(spec.memory_mib);
-        for d in &devices {
-            self.capacity.device_milli[kind_index(d.kind)] += u64::from(MILLI);
-        }
-        self.by_name.insert(spec.name.clone(), id);
-        self.nodes.push(Node {
+        Ok(Node {
             name: spec.name,
             labels: spec.labels,
             pool: spec.pool,
@@ -734,9 +907,7 @@ impl Cluster {
             shape,
             class: u32::MAX,
             class_pos: 0,
-        });
-        self.reclass(id);
-        Ok(id)
+        })
     }
 
     /// Gives every node a tie-break rank from a seeded random permutation. Among nodes a policy
@@ -883,13 +1054,9 @@ impl Cluster {
         }
     }
 
-    /// Moves a node to the class of its current state.
-    fn reclass(&mut self, id: NodeId) {
-        let key = self.class_key(&self.nodes[id as usize]);
+    /// Takes a node out of its class (a node just made is in none).
+    fn unclass(&mut self, id: NodeId) {
         let old = self.nodes[id as usize].class;
-        if old != u32::MAX && self.classes[old as usize].key == key {
-            return;
-        }
         if old != u32::MAX {
             let pos = self.nodes[id as usize].class_pos as usize;
             let class = &mut self.classes[old as usize];
@@ -909,6 +1076,20 @@ impl Cluster {
                 }
             }
         }
+        self.nodes[id as usize].class = u32::MAX;
+    }
+
+    /// Moves a node to the class of its current state.
+    fn reclass(&mut self, id: NodeId) {
+        if let Some(t) = self.touched.as_mut() {
+            t.push(id);
+        }
+        let key = self.class_key(&self.nodes[id as usize]);
+        let old = self.nodes[id as usize].class;
+        if old != u32::MAX && self.classes[old as usize].key == key {
+            return;
+        }
+        self.unclass(id);
         let cid = match self.class_ids.get(&key) {
             Some(&c) => c,
             None => {
@@ -1005,6 +1186,94 @@ mod tests {
 
     fn gpu_node(name: &str) -> NodeSpec {
         NodeSpec::new(name, 64_000, 262_144).devices(8, DeviceKind::Gpu, "A100")
+    }
+
+    /// A random node `name`: one of a few shapes, some labelled, some with a pool.
+    fn random_spec(rng: &mut crate::rng::Rng, name: &str) -> NodeSpec {
+        let gpus = [0, 2, 4, 8][rng.index(4)];
+        let model = ["A100", "H100"][rng.index(2)];
+        let mut spec = NodeSpec::new(name, 1000 * (8 + rng.below(8)), 1024 * (16 + rng.below(4)))
+            .devices(gpus, DeviceKind::Gpu, model);
+        if rng.below(3) == 0 {
+            spec = spec.label("zone", format!("z{}", rng.below(3)));
+        }
+        if rng.below(4) == 0 {
+            spec = spec.pool(format!("p{}", rng.below(2)));
+        }
+        spec
+    }
+
+    /// Random placements on node `id` (what its pods hold), allocated in order.
+    fn random_holds(rng: &mut crate::rng::Rng, c: &mut Cluster, id: NodeId) -> Vec<Placement> {
+        let mut held = Vec::new();
+        for _ in 0..rng.below(4) {
+            let n = c.node(id).unwrap();
+            let devices = (0..n.devices.len() as u16)
+                .filter(|&i| n.devices[usize::from(i)].free_milli() >= 500 && rng.below(3) == 0)
+                .map(|index| DeviceShare { index, milli: 500 })
+                .collect();
+            let p = Placement {
+                node: id,
+                cpu_milli: rng.below(n.cpu_free() / 2 + 1),
+                memory_mib: rng.below(n.memory_free() / 2 + 1),
+                devices,
+                tag: rng.below(3) as u8,
+            };
+            c.allocate(&p).unwrap();
+            held.push(p);
+        }
+        held
+    }
+
+    #[test]
+    fn replacing_a_node_equals_building_it_anew() {
+        for seed in 0..40 {
+            let mut rng = crate::rng::Rng::new(seed);
+            let names: Vec<String> = (0..30).map(|i| format!("n{i:02}")).collect();
+            let mut specs: Vec<NodeSpec> = names.iter().map(|n| random_spec(&mut rng, n)).collect();
+            let mut kept = Cluster::from_specs(specs.clone()).unwrap();
+            kept.track_touched(true);
+            let mut holds: Vec<Vec<Placement>> =
+                (0..30).map(|i| random_holds(&mut rng, &mut kept, i)).collect();
+            for round in 0..20 {
+                // Some nodes change (spec, status or what they hold); the kept cluster
+                // replaces just those; a lent-out use allocates and adds slots on top.
+                for _ in 0..rng.below(6) {
+                    let i = rng.index(30);
+                    if rng.below(2) == 0 {
+                        specs[i] = random_spec(&mut rng, &names[i]);
+                    }
+                    let status =
+                        if rng.below(5) == 0 { NodeStatus::Cordoned } else { NodeStatus::Ready };
+                    kept.replace_node(i as NodeId, specs[i].clone(), status).unwrap();
+                    holds[i] = random_holds(&mut rng, &mut kept, i as NodeId);
+                }
+                let mut fresh = Cluster::new();
+                for (i, spec) in specs.iter().enumerate() {
+                    let status = kept.node(i as NodeId).unwrap().status();
+                    let id = fresh.add_node_with_status(spec.clone(), status).unwrap();
+                    for p in &holds[i] {
+                        fresh.allocate(p).unwrap();
+                    }
+                    assert_eq!(id, i as NodeId);
+                }
+                kept.same_as(&fresh).unwrap_or_else(|e| panic!("seed {seed} round {round}: {e}"));
+                kept.audit(holds.iter().flatten()).unwrap();
+                // Lent out: a use adds a slot and places; given back, it is truncated and
+                // the nodes it touched are rebuilt (here: their holds put back).
+                kept.take_touched();
+                let slot = random_spec(&mut rng, "slot");
+                let slot = kept.add_node_with_status(slot, NodeStatus::Off).unwrap();
+                let on = rng.index(30) as NodeId;
+                let extra = random_holds(&mut rng, &mut kept, on);
+                kept.set_status(slot, NodeStatus::Ready).unwrap();
+                kept.undo(&extra).unwrap();
+                let touched = kept.take_touched();
+                assert!(extra.iter().all(|p| touched.contains(&p.node)), "{touched:?}");
+                kept.truncate(30);
+                kept.same_as(&fresh).unwrap_or_else(|e| panic!("seed {seed} after a use: {e}"));
+            }
+        }
     }
 
     #[test]

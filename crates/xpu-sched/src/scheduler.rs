@@ -512,6 +512,25 @@ impl Scheduler {
         })
     }
 
+    /// Gives the scheduler the empty copy of its cluster that never-fits checks and
+    /// reservations place on (every node as its cluster has it, Ready, every device free),
+    /// kept by a caller from an earlier scheduler's [`Scheduler::into_parts`] instead of
+    /// building it anew. Ignored unless it has exactly the cluster's nodes, by name.
+    pub fn set_empty(&mut self, empty: Cluster) {
+        let same = empty.len() == self.cluster.len()
+            && empty.nodes().iter().zip(self.cluster.nodes()).all(|(a, b)| a.name == b.name);
+        if same {
+            self.empty = Some(empty);
+        }
+    }
+
+    /// The cluster, with what this scheduler's jobs hold still held, and the empty copy if
+    /// one was built: for a caller that keeps them for the next scheduler (see
+    /// [`Cluster::track_touched`] for learning what changed).
+    pub fn into_parts(self) -> (Cluster, Option<Cluster>) {
+        (self.cluster, self.empty)
+    }
+
     /// Records a pod already on node `node` (bound before this scheduler's run) for the
     /// inter-pod constraints of the tasks placed after it.
     pub fn place_pod(&mut self, node: NodeId, terms: Arc<PodTerms>) {
@@ -711,27 +730,9 @@ impl Scheduler {
     fn groups_on_empty(&mut self, e: &Entry) -> Option<Vec<ExpandedGroup>> {
         if self.empty.is_none() {
             let mut empty = Cluster::new();
-            for n in self.cluster.nodes() {
-                let spec = NodeSpec {
-                    name: n.name.clone(),
-                    labels: n.labels.clone(),
-                    pool: n.pool.clone(),
-                    cpu_milli: n.cpu_milli,
-                    memory_mib: n.memory_mib,
-                    devices: n
-                        .devices
-                        .iter()
-                        .map(|d| crate::cluster::DeviceSpec {
-                            id: d.id.clone(),
-                            kind: d.kind,
-                            model: d.model.clone(),
-                            numa_node: d.numa_node,
-                            interconnect_domain: d.interconnect_domain.clone(),
-                        })
-                        .collect(),
-                    taints: self.cluster.shape_of(n).taints.clone(),
-                };
+            for id in 0..self.cluster.len() as NodeId {
                 // Same node set, so selector and model ids line up by re-interning below.
+                let spec = self.cluster.empty_spec(id)?;
                 if empty.add_node(spec).is_err() {
                     return None;
                 }
