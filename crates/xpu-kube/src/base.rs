@@ -16,7 +16,9 @@
 //! The whole cluster is built again when the node set changes (a node added or removed, or one
 //! that could not be built turning good or bad), when a cycle-wide choice changes (nodes
 //! labelled by name for pods with DRA claims; device resources kept apart), and every
-//! [`MAX_AGE`] cycles (each cycle interns its pods' selectors into the cluster). A cycle that
+//! [`MAX_AGE`] cycles (each cycle interns its pods' selectors into the cluster), and when the
+//! node shapes interned reach twice the nodes (a node built again with other capacity interns
+//! a shape, and none is dropped). A cycle that
 //! ends before giving the cluster back leaves none, and a what-if (preemption) never takes it.
 //! The kept cluster equals a fresh build after every event
 //! (`ledger::tests::the_ledger_equals_a_rebuild_after_every_event` compares them node by node,
@@ -259,7 +261,9 @@ impl Base {
     /// scheduler changed are marked to be built again. False: it is not the cluster lent.
     fn receive(&mut self, mut cluster: Cluster, empty: Option<Cluster>) -> bool {
         let len = self.index.len();
-        if self.cluster.is_some() || cluster.len() < len {
+        // Nodes built again leave their old shapes interned: past twice the nodes, the next
+        // cycle builds the whole cluster, which holds only the shapes in use.
+        if self.cluster.is_some() || cluster.len() < len || cluster.shape_count() > 2 * len + 256 {
             return false;
         }
         cluster.truncate(len);

@@ -12,6 +12,7 @@
 //! task goes is [`crate::placement`]'s job; what it decided is an [`crate::assignment`].
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use xpu_core::DeviceKind;
@@ -210,11 +211,15 @@ pub(crate) fn affinity_tag(count: u16, milli: u16) -> u8 {
     }
 }
 
+/// A node's labels, shared by the node, its shape and the shape's key (one map per node,
+/// whichever of them outlives the others).
+pub type Labels = Arc<BTreeMap<String, String>>;
+
 /// A node: static description plus free state.
 #[derive(Debug, Clone)]
 pub struct Node {
     pub name: String,
-    pub labels: BTreeMap<String, String>,
+    pub labels: Labels,
     pub pool: Option<String>,
     pub cpu_milli: u64,
     pub memory_mib: u64,
@@ -279,7 +284,7 @@ pub(crate) struct DevStatic {
 /// free state are interchangeable for scoring.
 #[derive(Debug, Clone)]
 pub(crate) struct Shape {
-    pub labels: BTreeMap<String, String>,
+    pub labels: Labels,
     pub pool: Option<String>,
     pub taints: Vec<Taint>,
     /// All devices interchangeable (same kind, model, NUMA node and domain): class keys sort
@@ -297,7 +302,7 @@ pub(crate) struct Shape {
 struct ShapeKey {
     cpu_milli: u64,
     memory_mib: u64,
-    labels: BTreeMap<String, String>,
+    labels: Labels,
     pool: Option<String>,
     taints: Vec<Taint>,
     devs: Vec<DevStatic>,
@@ -566,6 +571,12 @@ impl Cluster {
         self.used
     }
 
+    /// Node shapes interned (every static description a node has had; a node built again
+    /// with other capacity or labels adds one, and none is dropped).
+    pub fn shape_count(&self) -> usize {
+        self.shapes.len()
+    }
+
     /// Number of distinct node states right now (a measure of how much scoring work a decision
     /// costs).
     pub fn state_classes(&self) -> usize {
@@ -695,7 +706,7 @@ impl Cluster {
         let n = self.node(id)?;
         Some(NodeSpec {
             name: n.name.clone(),
-            labels: n.labels.clone(),
+            labels: n.labels.as_ref().clone(),
             pool: n.pool.clone(),
             cpu_milli: n.cpu_milli,
             memory_mib: n.memory_mib,
@@ -847,7 +858,7 @@ impl Cluster {
         let key = ShapeKey {
             cpu_milli: spec.cpu_milli,
             memory_mib: spec.memory_mib,
-            labels: spec.labels.clone(),
+            labels: Arc::new(std::mem::take(&mut spec.labels)),
             pool: spec.pool.clone(),
             taints: {
                 let mut t = spec.taints.clone();
@@ -893,7 +904,7 @@ impl Cluster {
         };
         Ok(Node {
             name: spec.name,
-            labels: spec.labels,
+            labels: Arc::clone(&self.shapes[shape as usize].labels),
             pool: spec.pool,
             cpu_milli: spec.cpu_milli,
             memory_mib: spec.memory_mib,
