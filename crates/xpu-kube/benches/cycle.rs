@@ -240,9 +240,13 @@ fn main() {
         }
     }
     let shown: Vec<String> = times.iter().map(|t| format!("{t:.0}")).collect();
+    let built = memo.build_stats();
     println!(
-        "{rounds} rounds of {pending} waiting pods, each cycle's ms: {}; {} pods bound; peak RSS {:.0} MiB",
+        "{rounds} rounds of {pending} waiting pods, each cycle's ms: {}; clusters built whole {}, patched {}, {} nodes built; {} pods bound; peak RSS {:.0} MiB",
         shown.join(" "),
+        built.whole,
+        built.patched,
+        built.nodes,
         pods.iter().filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some())).count(),
         peak_rss_mib()
     );

@@ -66,6 +66,11 @@ pub struct Metrics {
     pub preemptions: AtomicU64,
     /// Flex-start ProvisioningRequests made (first ones and retries).
     pub provisioning_requests: AtomicU64,
+    /// Cycles that built the whole cluster, cycles that patched the kept one, and nodes built
+    /// by both (see [`crate::base`]).
+    pub cluster_builds_whole: AtomicU64,
+    pub cluster_builds_patched: AtomicU64,
+    pub cluster_nodes_built: AtomicU64,
     pub pending: AtomicU64,
     pub leader: AtomicBool,
     /// One pass of the scheduling loop: planning, assuming, handing binds and status writes
@@ -96,6 +101,9 @@ impl Default for Metrics {
             nodes_skipped: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             provisioning_requests: AtomicU64::new(0),
+            cluster_builds_whole: AtomicU64::new(0),
+            cluster_builds_patched: AtomicU64::new(0),
+            cluster_nodes_built: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             leader: AtomicBool::new(false),
             cycle_seconds: Histogram::new(LATENCY),
@@ -171,6 +179,21 @@ impl Metrics {
             "# HELP xpu_scheduler_provisioning_requests_total Flex-start ProvisioningRequests made, retries included.\n\
              # TYPE xpu_scheduler_provisioning_requests_total counter\nxpu_scheduler_provisioning_requests_total {}",
             c(&self.provisioning_requests)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_cluster_builds_total Cycles by how their cluster was made: built whole, or the last cycle's patched.\n\
+             # TYPE xpu_scheduler_cluster_builds_total counter\n\
+             xpu_scheduler_cluster_builds_total{{kind=\"whole\"}} {}\n\
+             xpu_scheduler_cluster_builds_total{{kind=\"patched\"}} {}",
+            c(&self.cluster_builds_whole),
+            c(&self.cluster_builds_patched)
+        );
+        let _ = writeln!(
+            s,
+            "# HELP xpu_scheduler_cluster_nodes_built_total Nodes built for cycles' clusters, whole builds and patches.\n\
+             # TYPE xpu_scheduler_cluster_nodes_built_total counter\nxpu_scheduler_cluster_nodes_built_total {}",
+            c(&self.cluster_nodes_built)
         );
         let _ = writeln!(
             s,

@@ -631,6 +631,10 @@ pub async fn run(
         };
         metrics.plan_seconds.observe(t0.elapsed().as_secs_f64());
         memo.sweep();
+        let built = memo.build_stats();
+        metrics.cluster_builds_whole.store(built.whole, Ordering::Relaxed);
+        metrics.cluster_builds_patched.store(built.patched, Ordering::Relaxed);
+        metrics.cluster_nodes_built.store(built.nodes, Ordering::Relaxed);
         metrics
             .pending
             .store(plan.pending.saturating_sub(plan.binds.len()) as u64, Ordering::Relaxed);

@@ -350,5 +350,16 @@ pub fn phases(addr: std::net::SocketAddr) -> String {
             .map_or_else(|| "> 60 s".to_owned(), |(b, _)| format!("<= {b} s"));
         out.push(format!("{phase} {count:.0}× mean {:.1} ms p99 {p99}", 1e3 * sum / count));
     }
+    let counter = |line: &str| {
+        text.lines().find_map(|l| l.strip_prefix(line)).and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    if let (Some(whole), Some(patched), Some(nodes)) = (
+        counter("xpu_scheduler_cluster_builds_total{kind=\"whole\"} "),
+        counter("xpu_scheduler_cluster_builds_total{kind=\"patched\"} "),
+        counter("xpu_scheduler_cluster_nodes_built_total "),
+    ) && whole + patched > 0
+    {
+        out.push(format!("clusters built whole {whole}, patched {patched}, {nodes} nodes built"));
+    }
     out.join("; ")
 }
