@@ -480,20 +480,22 @@ pub async fn run(
             .collect();
         let assumed_now = {
             let mut a = assumed.lock().await;
-            // Forget what the watch now shows bound, or gone.
+            // Forget what the watch now shows bound, or gone: one pass over the pods, looking
+            // each up among the few assumed (not a map of every pod of the cluster).
             if !a.is_empty() {
-                let live: HashMap<&str, &Pod> = pods
+                let unbound: std::collections::HashSet<&str> = pods
                     .iter()
-                    .filter_map(|p| Some((p.metadata.uid.as_deref()?, p.as_ref())))
-                    .collect();
-                a.retain(|uid, _| {
-                    live.get(uid.as_str()).is_some_and(|p| {
-                        p.spec
-                            .as_ref()
-                            .and_then(|s| s.node_name.as_deref())
-                            .is_none_or(str::is_empty)
+                    .filter_map(|p| p.metadata.uid.as_deref().map(|u| (u, p)))
+                    .filter(|(u, p)| {
+                        a.contains_key(*u)
+                            && p.spec
+                                .as_ref()
+                                .and_then(|s| s.node_name.as_deref())
+                                .is_none_or(str::is_empty)
                     })
-                });
+                    .map(|(u, _)| u)
+                    .collect();
+                a.retain(|uid, _| unbound.contains(uid.as_str()));
             }
             a.clone()
         };
