@@ -2349,7 +2349,8 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let mut stats = crate::base::BuildStats::default();
     let (cluster, empty, base) =
         crate::base::build(kept, keep, &views, &books, flags, &mut bad_nodes, &mut stats);
-    if let Some(s) = memo.stats() {
+    // A what-if's build is not a cycle's: it is not counted.
+    if keep && let Some(s) = memo.stats() {
         s.whole += stats.whole;
         s.patched += stats.patched;
         s.nodes += stats.nodes;
