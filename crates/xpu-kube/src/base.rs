@@ -127,8 +127,17 @@ pub(crate) fn build(
     bad_nodes: &mut Vec<(String, String)>,
     stats: &mut BuildStats,
 ) -> (Cluster, Option<Cluster>, Option<Base>) {
-    if let Some(mut base) = kept.filter(|b| keep && b.fits(views, &flags))
-        && let Ok(built) = base.patch(views, books)
+    let patched = kept.filter(|b| keep && b.fits(views, &flags)).and_then(|mut base| {
+        match base.patch(views, books) {
+            Ok(built) => Some((base, built)),
+            Err(e) => {
+                // A node the whole build leaves out (it says why in `bad_nodes`).
+                tracing::debug!(error = %e, "kept cluster not patched; building it whole");
+                None
+            }
+        }
+    });
+    if let Some((mut base, built)) = patched
         && let Some(mut cluster) = base.cluster.take()
     {
         bad_nodes.extend(base.bad_nodes.iter().cloned());
@@ -203,6 +212,8 @@ pub(crate) fn build(
 pub(crate) fn give_back(snap: &Snapshot<'_>, cluster: Cluster, empty: Option<Cluster>) {
     let Some(memo) = snap.memo.filter(|_| snap.hold_out.is_none()) else { return };
     if memo.with_base(|b| b.receive(cluster, empty)) == Some(false) {
+        // Not an error: the next cycle builds the whole cluster (see `Base::receive`).
+        tracing::debug!("kept cluster dropped; the next cycle builds it whole");
         memo.drop_base();
     }
 }
