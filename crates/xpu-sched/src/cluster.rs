@@ -338,6 +338,12 @@ impl Selector {
     }
 }
 
+/// How long [`Cluster::activated`] may grow before it is dropped: four entries per class and
+/// some (a few, under test, so that readers falling behind it are exercised).
+fn activated_limit(classes: usize) -> usize {
+    if cfg!(test) { 16 } else { 4 * classes + 4096 }
+}
+
 /// Identifies one distinct node state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct ClassKey {
@@ -358,8 +364,6 @@ pub(crate) struct Class {
     pub members: Vec<NodeId>,
     /// Members by tie-break rank, lowest first.
     pub ranked: BTreeSet<(u32, NodeId)>,
-    /// The lowest rank of a member (`u32::MAX` when empty), read on every tie.
-    pub min_rank: u32,
     /// Position in `Cluster::active`, or `u32::MAX` when the class has no members.
     active_pos: u32,
 }
@@ -447,6 +451,15 @@ pub struct Cluster {
     /// The keys of `active`'s classes, in the same order: placement scans these, so they are
     /// kept contiguous rather than read through each class.
     pub(crate) active_keys: Vec<ClassKey>,
+    /// The lowest rank of each class's members, by class id (`u32::MAX` when it has none):
+    /// read for every class a placement scans, so kept apart from the classes themselves.
+    pub(crate) min_ranks: Vec<u32>,
+    /// Class ids in the order they went from no members to one (made, or taken again): what
+    /// a placer's per-demand lists of fitting classes catch up on. Position `activated_base + i`
+    /// holds `activated[i]`; the window is dropped when it outgrows the classes, and readers
+    /// that fall behind it start again from `active`.
+    pub(crate) activated: Vec<u32>,
+    pub(crate) activated_base: u64,
     /// Bumped when class ids are renumbered, so score memos keyed by class id are dropped.
     pub(crate) class_epoch: u64,
     capacity: Totals,
@@ -506,6 +519,9 @@ impl Cluster {
             class_ids: self.class_ids.clone(),
             active: self.active.clone(),
             active_keys: self.active_keys.clone(),
+            min_ranks: self.min_ranks.clone(),
+            activated: Vec::new(),
+            activated_base: 0,
             class_epoch: self.class_epoch,
             capacity: self.capacity,
             used: self.used,
@@ -938,10 +954,11 @@ impl Cluster {
             if old == r {
                 continue;
             }
-            let class = &mut self.classes[self.nodes[id].class as usize];
+            let cid = self.nodes[id].class as usize;
+            let class = &mut self.classes[cid];
             class.ranked.remove(&(old, id as NodeId));
             class.ranked.insert((r, id as NodeId));
-            class.min_rank = class.ranked.first().map_or(u32::MAX, |&(r, _)| r);
+            self.min_ranks[cid] = class.ranked.first().map_or(u32::MAX, |&(r, _)| r);
             self.ranks[id] = r;
         }
     }
@@ -1073,7 +1090,7 @@ impl Cluster {
             let class = &mut self.classes[old as usize];
             class.members.swap_remove(pos);
             class.ranked.remove(&(self.ranks[id as usize], id));
-            class.min_rank = class.ranked.first().map_or(u32::MAX, |&(r, _)| r);
+            self.min_ranks[old as usize] = class.ranked.first().map_or(u32::MAX, |&(r, _)| r);
             if let Some(&moved) = class.members.get(pos) {
                 self.nodes[moved as usize].class_pos = pos as u32;
             }
@@ -1112,22 +1129,29 @@ impl Cluster {
                     key,
                     members: Vec::new(),
                     ranked: BTreeSet::new(),
-                    min_rank: u32::MAX,
                     active_pos: u32::MAX,
                 });
+                self.min_ranks.push(u32::MAX);
                 self.class_ids.insert(key, c);
                 c
             }
         };
+        let nclasses = self.classes.len();
         let class = &mut self.classes[cid as usize];
         if class.members.is_empty() {
             class.active_pos = self.active.len() as u32;
             self.active.push(cid);
             self.active_keys.push(class.key);
+            if self.activated.len() > activated_limit(nclasses) {
+                self.activated_base += self.activated.len() as u64;
+                self.activated.clear();
+            }
+            self.activated.push(cid);
         }
         class.members.push(id);
         class.ranked.insert((self.ranks[id as usize], id));
-        class.min_rank = class.min_rank.min(self.ranks[id as usize]);
+        let min = &mut self.min_ranks[cid as usize];
+        *min = (*min).min(self.ranks[id as usize]);
         let pos = class.members.len() as u32 - 1;
         let n = &mut self.nodes[id as usize];
         n.class = cid;
@@ -1138,11 +1162,13 @@ impl Cluster {
     /// states; this keeps memory bounded).
     fn collect_classes(&mut self) {
         let old = std::mem::take(&mut self.classes);
+        let old_ranks = std::mem::take(&mut self.min_ranks);
         self.class_ids.clear();
         self.active.clear();
         self.active_keys.clear();
-        for class in old.into_iter().filter(|c| !c.members.is_empty()) {
+        for (class, rank) in old.into_iter().zip(old_ranks).filter(|(c, _)| !c.members.is_empty()) {
             let cid = self.classes.len() as u32;
+            self.min_ranks.push(rank);
             for &m in &class.members {
                 self.nodes[m as usize].class = cid;
             }
@@ -1151,6 +1177,8 @@ impl Cluster {
             self.active_keys.push(class.key);
             self.classes.push(Class { active_pos: cid, ..class });
         }
+        self.activated_base += self.activated.len() as u64;
+        self.activated.clear();
         self.class_epoch += 1;
     }
 

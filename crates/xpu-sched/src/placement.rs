@@ -6,8 +6,12 @@
 //! passes, and breaks ties uniformly at random over *nodes* (kube-scheduler's `selectHost`
 //! reservoir sampling), so a policy behaves the same whether a state is shared by one node or a
 //! thousand. Scores of a (state, task shape) pair are memoised: states are immutable values, so a
-//! score never goes stale. Within a node, devices are chosen NVLink/NUMA-aware: a multi-device
-//! task stays inside one interconnect domain and NUMA node when it can.
+//! score never goes stale. For the same reason whether a task shape fits a state never changes:
+//! a policy that breaks ties by node order (xpu's, FGD's) scans only the states each task shape
+//! was found to fit, looking at each new state once ([`Placer`]'s fitting lists), and makes the
+//! same choice as a scan of every node (a test holds it to one). Within a node, devices are
+//! chosen NVLink/NUMA-aware: a multi-device task stays inside one interconnect domain and NUMA
+//! node when it can.
 
 use std::fmt;
 
@@ -481,9 +485,39 @@ pub struct Placer {
     /// Scores by `[demand id][class id]`; NaN where not computed yet.
     memo: Vec<Vec<f64>>,
     memo_epoch: (u64, u64, u64),
+    /// The classes each (demand, context) fits, for policies that break ties by node order:
+    /// valid for the same `memo_epoch` as `memo`.
+    fitting: FxHashMap<FitKey, Fitting>,
     scratch: Vec<u16>,
     explain: bool,
 }
+
+/// A demand (its id) and the parts of a [`PlaceCtx`] that decide whether a class fits:
+/// `(demand, token, slice, any_status)`.
+type FitKey = (u32, u32, u32, bool);
+
+/// The classes a demand fits, by score. A class is a node state that never changes (its key),
+/// so whether a demand fits it, and its score, never change either; what changes is which
+/// classes have members and their lowest rank. The list holds every fitting class with
+/// members, best score first (and some that have since lost theirs, dropped when met), kept
+/// current from the cluster's log of classes that gained a first member
+/// ([`Cluster::activated`]). A placement then reads only the best scores until one has a
+/// member, and catches up on the classes that came alive since it last asked.
+#[derive(Debug, Default)]
+struct Fitting {
+    /// The log position read up to; `None` before the first read (the list is then built
+    /// from the classes with members).
+    read: Option<u64>,
+    /// (score, class id), highest score first.
+    by_score: Vec<(f64, u32)>,
+    /// Per class id: [`LISTED`], [`NEVER_FITS`] or 0 (neither yet).
+    state: Vec<u8>,
+}
+
+/// A class in [`Fitting::by_score`].
+const LISTED: u8 = 1;
+/// A class the demand does not fit.
+const NEVER_FITS: u8 = 2;
 
 impl fmt::Debug for Placer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -500,6 +534,7 @@ impl Placer {
             demands: FxHashMap::default(),
             memo: Vec::new(),
             memo_epoch: (0, 0, 0),
+            fitting: FxHashMap::default(),
             scratch: Vec::new(),
             explain: true,
         }
@@ -540,6 +575,7 @@ impl Placer {
         let epoch = (cluster.uid.0, cluster.class_epoch, self.policy.epoch());
         if epoch != self.memo_epoch {
             self.memo.clear();
+            self.fitting.clear();
             self.memo_epoch = epoch;
         }
         let did = self.demand_id(d);
@@ -585,6 +621,8 @@ impl Placer {
                     chosen = Some(id as NodeId);
                 }
             }
+        } else if !uniform {
+            chosen = self.best_fitting(cluster, d, did, ctx);
         } else {
             let mut chosen_class = u32::MAX;
             let row = memo_row(&mut self.memo, did, cluster.classes.len());
@@ -611,7 +649,7 @@ impl Placer {
                 }
                 let class = &cluster.classes[cid as usize];
                 let size = class.members.len() as u64;
-                let rank = class.min_rank;
+                let rank = cluster.min_ranks[cid as usize];
                 let take = if s > best {
                     weight = size;
                     true
@@ -657,6 +695,90 @@ impl Placer {
         };
         self.scratch = devs;
         Ok(p)
+    }
+
+    /// The best node for `d` by score, then by rank, from the classes it fits ([`Fitting`]);
+    /// the same choice as a scan of every node with node-order ties.
+    fn best_fitting(
+        &mut self,
+        cluster: &Cluster,
+        d: &Demand,
+        did: u32,
+        ctx: &PlaceCtx<'_>,
+    ) -> Option<NodeId> {
+        let fit = self.fitting.entry((did, ctx.token, ctx.slice, ctx.any_status)).or_default();
+        let row = memo_row(&mut self.memo, did, cluster.classes.len());
+        let policy = &mut self.policy;
+        let log_end = cluster.activated_base + cluster.activated.len() as u64;
+        let (fresh, rebuild): (&[u32], bool) = match fit.read {
+            Some(read) if read >= cluster.activated_base => {
+                (&cluster.activated[(read - cluster.activated_base) as usize..], false)
+            }
+            _ => {
+                fit.by_score.clear();
+                fit.state.clear();
+                (&cluster.active, true)
+            }
+        };
+        fit.state.resize(cluster.classes.len(), 0);
+        for &cid in fresh {
+            let c = cid as usize;
+            let Some(&first) = cluster.classes[c].members.first() else {
+                continue; // no members again; its next first member logs it again
+            };
+            if fit.state[c] != 0 {
+                continue;
+            }
+            let node = &cluster.nodes()[first as usize];
+            let fits = class_fits(cluster, &cluster.classes[c].key, d, ctx)
+                .unwrap_or_else(|| check(cluster, node, d, ctx).is_ok());
+            if !fits {
+                fit.state[c] = NEVER_FITS;
+                continue;
+            }
+            let mut s = row[c];
+            if s.is_nan() {
+                s = sanitize(policy.score(cluster, node, d));
+                row[c] = s;
+            }
+            fit.state[c] = LISTED;
+            if rebuild {
+                fit.by_score.push((s, cid));
+            } else {
+                let at = fit.by_score.partition_point(|&(x, _)| x >= s);
+                fit.by_score.insert(at, (s, cid));
+            }
+        }
+        fit.read = Some(log_end);
+        if rebuild {
+            fit.by_score.sort_by(|a, b| b.0.total_cmp(&a.0));
+        }
+        // The best score with a member, the lowest rank among its classes; classes met
+        // without members leave the list (kept compact in place).
+        let ranks = &cluster.min_ranks;
+        let mut best: Option<(f64, u32, u32)> = None;
+        let mut kept = 0;
+        let mut read = 0;
+        while read < fit.by_score.len() {
+            let (s, cid) = fit.by_score[read];
+            if best.is_some_and(|(bs, _, _)| s < bs) {
+                break;
+            }
+            read += 1;
+            let rank = ranks[cid as usize];
+            if rank == u32::MAX {
+                fit.state[cid as usize] = 0;
+                continue;
+            }
+            fit.by_score[kept] = (s, cid);
+            kept += 1;
+            if best.is_none_or(|(_, br, _)| rank < br) {
+                best = Some((s, rank, cid));
+            }
+        }
+        fit.by_score.drain(kept..read);
+        let (_, _, cid) = best?;
+        cluster.classes[cid as usize].ranked.first().map(|&(_, n)| n)
     }
 
     /// Counts, per filter, the nodes that cannot take `d`.
@@ -985,5 +1107,102 @@ mod tests {
             }
         }
         assert!((800..1200).contains(&hits), "{hits}");
+    }
+
+    /// The fitting-class scan (node-order ties) picks what a scan of every node would: the
+    /// highest score, then the lowest rank. Random clusters of symmetric and mixed-model nodes,
+    /// allocations, releases, status changes and holds, under several contexts.
+    #[test]
+    fn fitting_classes_choose_as_a_scan_of_every_node() {
+        use crate::policy::{PolicyKind, TaskMix};
+        for seed in 0..40u64 {
+            let mut rng = Rng::new(seed);
+            let specs = (0..30).map(|i| {
+                let mut n = NodeSpec::new(format!("n{i}"), 8000 + 4000 * (i % 3), 64_000);
+                let models = if i % 5 == 0 { ["A100", "T4"] } else { ["A100", "A100"] };
+                for g in 0..(2 + i % 3 * 2) {
+                    n = n.device(DeviceSpec::new(
+                        format!("gpu{g}"),
+                        DeviceKind::Gpu,
+                        models[(g % 2) as usize],
+                    ));
+                }
+                n
+            });
+            let mut c = Cluster::from_specs(specs).unwrap();
+            c.shuffle_ranks(seed);
+            let a100 = c.model_mask(&["A100"]).unwrap();
+            let demands: Vec<Demand> = (0..12)
+                .map(|k| {
+                    let cpu = 500 * (1 + rng.below(6));
+                    match k % 4 {
+                        0 => Demand::cpu(cpu, 1000),
+                        1 => Demand::share(
+                            cpu,
+                            1000,
+                            DeviceKind::Gpu,
+                            100 * (1 + rng.below(9) as u16),
+                        ),
+                        2 => Demand::whole(cpu, 1000, DeviceKind::Gpu, 1 + rng.below(3) as u16),
+                        _ => Demand::whole(cpu, 1000, DeviceKind::Gpu, 1).with_models(a100),
+                    }
+                })
+                .collect();
+            let mix = TaskMix::from_demands(&demands, 0.95);
+            let mut p = Placer::new(PolicyKind::Xpu.build(&mix), seed);
+            p.set_explain(false);
+            let mut reference = PolicyKind::Xpu.build(&mix);
+            let mut held: Vec<Placement> = Vec::new();
+            for step in 0..400 {
+                let d = demands[rng.index(demands.len())];
+                let ctx = match step % 7 {
+                    0 => PlaceCtx { any_status: true, ..PlaceCtx::default() },
+                    1 => PlaceCtx { token: 5, ..PlaceCtx::default() },
+                    _ => PlaceCtx::default(),
+                };
+                let mut want: Option<(f64, u32, NodeId)> = None;
+                for (id, node) in c.nodes().iter().enumerate() {
+                    if check(&c, node, &d, &ctx).is_err() {
+                        continue;
+                    }
+                    let s = sanitize(reference.score(&c, node, &d));
+                    let r = c.rank(id as NodeId);
+                    if want.is_none_or(|(bs, br, _)| s > bs || (s == bs && r < br)) {
+                        want = Some((s, r, id as NodeId));
+                    }
+                }
+                let got = p.place(&c, &d, &ctx).ok();
+                assert_eq!(
+                    got.as_ref().map(|g| g.node),
+                    want.map(|w| w.2),
+                    "seed {seed} step {step}"
+                );
+                match rng.below(10) {
+                    0..6 => {
+                        if let Some(g) = got {
+                            c.allocate(&g).unwrap();
+                            held.push(g);
+                        }
+                    }
+                    6..8 if !held.is_empty() => {
+                        let g = held.swap_remove(rng.index(held.len()));
+                        c.release(&g).unwrap();
+                    }
+                    8 => {
+                        let id = rng.index(c.len()) as NodeId;
+                        let st = if rng.below(2) == 0 {
+                            NodeStatus::Cordoned
+                        } else {
+                            NodeStatus::Ready
+                        };
+                        c.set_status(id, st).unwrap();
+                    }
+                    _ => {
+                        let id = rng.index(c.len()) as NodeId;
+                        c.set_reserved(id, if rng.below(2) == 0 { 5 } else { 0 });
+                    }
+                }
+            }
+        }
     }
 }
