@@ -10,7 +10,9 @@
 //! nodes with GPUs, a quarter with GPU shares, and waiting CPU, GPU and share pods in turn.
 //! `XPU_BENCH_ROUNDS=N` then runs N cycles in a row, each binding what it placed before the
 //! next (what a running scheduler's cycles see: nodes filled unevenly, cycle after cycle). `XPU_BENCH_MEMO_ONLY=1` runs only the
-//! cycles with the ledger (for a profile of them).
+//! cycles with the ledger (for a profile of them). `XPU_BENCH_ANTI=1` makes each waiting pod
+//! anti-affine on the hostname to the pods of its app (every pod carries one of 100 `app`
+//! labels), so that each cycle also records where every bound pod is.
 //!
 //!   cargo bench -p xpu-kube --bench cycle
 
@@ -34,7 +36,8 @@ fn node(i: usize) -> Arc<Node> {
     Arc::new(
         serde_json::from_value(json!({
             "metadata": { "name": format!("node-{i:05}"), "resourceVersion": "1",
-                          "labels": { "topology.kubernetes.io/zone": format!("z{}", i % 4) } },
+                          "labels": { "topology.kubernetes.io/zone": format!("z{}", i % 4),
+                                      "kubernetes.io/hostname": format!("node-{i:05}") } },
             "status": { "allocatable": { "cpu": "128", "memory": "1024Gi", "pods": "110",
                                          "nvidia.com/gpu": "8" },
                         "conditions": [{ "type": "Ready", "status": "True" }] }
@@ -56,18 +59,25 @@ fn pod_asking(
     requests: serde_json::Value,
     limits: serde_json::Value,
 ) -> Arc<Pod> {
-    Arc::new(
-        serde_json::from_value(json!({
-            "metadata": { "name": format!("pod-{i:06}"), "namespace": "default",
-                          "uid": format!("uid-{i}"), "resourceVersion": "1",
-                          "creationTimestamp": "2026-11-28T00:00:00Z" },
-            "spec": { "schedulerName": "xpu", "nodeName": node,
-                "containers": [{ "name": "c", "image": "x",
-                                 "resources": { "requests": requests, "limits": limits } }] },
-            "status": { "phase": if node.is_some() { "Running" } else { "Pending" } }
-        }))
-        .unwrap(),
-    )
+    let mut v = json!({
+        "metadata": { "name": format!("pod-{i:06}"), "namespace": "default",
+                      "uid": format!("uid-{i}"), "resourceVersion": "1",
+                      "creationTimestamp": "2026-11-28T00:00:00Z",
+                      "labels": { "app": format!("app-{}", i % 100) } },
+        "spec": { "schedulerName": "xpu", "nodeName": node,
+            "containers": [{ "name": "c", "image": "x",
+                             "resources": { "requests": requests, "limits": limits } }] },
+        "status": { "phase": if node.is_some() { "Running" } else { "Pending" } }
+    });
+    // `XPU_BENCH_ANTI=1`: each waiting pod is anti-affine, on the hostname, to the pods of its
+    // app (so every cycle also records where every bound pod is).
+    if node.is_none() && std::env::var_os("XPU_BENCH_ANTI").is_some() {
+        v["spec"]["affinity"] = json!({ "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [{
+                "labelSelector": { "matchLabels": { "app": format!("app-{}", i % 100) } },
+                "topologyKey": "kubernetes.io/hostname" }] } });
+    }
+    Arc::new(serde_json::from_value(v).unwrap())
 }
 
 /// The k8s scheduler bench's node: a quarter with 8 whole GPUs, a quarter with 8 GPUs offered
@@ -78,7 +88,8 @@ fn mixed_node(i: usize) -> Arc<Node> {
     Arc::new(
         serde_json::from_value(json!({
             "metadata": { "name": format!("node-{i:05}"), "resourceVersion": "1",
-                          "labels": { "topology.kubernetes.io/zone": format!("zone-{}", i % 4) } },
+                          "labels": { "topology.kubernetes.io/zone": format!("zone-{}", i % 4),
+                                      "kubernetes.io/hostname": format!("node-{i:05}") } },
             "status": { "allocatable": { "cpu": "32", "memory": "256Gi", "pods": "110",
                                          "nvidia.com/gpu": gpus, "xpu.dev/gpu-milli": shares },
                         "conditions": [{ "type": "Ready", "status": "True" }] }

@@ -492,9 +492,10 @@ pub struct Placer {
     explain: bool,
 }
 
-/// A demand (its id) and the parts of a [`PlaceCtx`] that decide whether a class fits:
-/// `(demand, token, slice, any_status)`.
-type FitKey = (u32, u32, u32, bool);
+/// A demand (its id) and the parts of a [`PlaceCtx`] that decide whether a class fits, but
+/// the job token: `(demand, slice, any_status)`. Tokens differ from job to job, so a class held
+/// for one is listed as if the token matched and marked [`HELD`]; the scan checks the token.
+type FitKey = (u32, u32, bool);
 
 /// The classes a demand fits, by score. A class is a node state that never changes (its key),
 /// so whether a demand fits it, and its score, never change either; what changes is which
@@ -513,6 +514,9 @@ struct Fitting {
     /// Per class id: [`LISTED`], [`NEVER_FITS`] or 0 (neither yet).
     state: Vec<u8>,
 }
+
+/// Marks a class id in [`Fitting::by_score`] held for a job token (only that job may use it).
+const HELD: u32 = 1 << 31;
 
 /// A class in [`Fitting::by_score`].
 const LISTED: u8 = 1;
@@ -706,7 +710,7 @@ impl Placer {
         did: u32,
         ctx: &PlaceCtx<'_>,
     ) -> Option<NodeId> {
-        let fit = self.fitting.entry((did, ctx.token, ctx.slice, ctx.any_status)).or_default();
+        let fit = self.fitting.entry((did, ctx.slice, ctx.any_status)).or_default();
         let row = memo_row(&mut self.memo, did, cluster.classes.len());
         let policy = &mut self.policy;
         let log_end = cluster.activated_base + cluster.activated.len() as u64;
@@ -730,8 +734,13 @@ impl Placer {
                 continue;
             }
             let node = &cluster.nodes()[first as usize];
-            let fits = class_fits(cluster, &cluster.classes[c].key, d, ctx)
-                .unwrap_or_else(|| check(cluster, node, d, ctx).is_ok());
+            let key = &cluster.classes[c].key;
+            // Judged as if the job it is held for asked; the scan checks the token.
+            let held = !ctx.any_status && key.reserved != 0;
+            let as_holder = PlaceCtx { token: key.reserved, ..*ctx };
+            let cctx = if held { &as_holder } else { ctx };
+            let fits = class_fits(cluster, key, d, cctx)
+                .unwrap_or_else(|| check(cluster, node, d, cctx).is_ok());
             if !fits {
                 fit.state[c] = NEVER_FITS;
                 continue;
@@ -742,11 +751,12 @@ impl Placer {
                 row[c] = s;
             }
             fit.state[c] = LISTED;
+            let entry = if held { cid | HELD } else { cid };
             if rebuild {
-                fit.by_score.push((s, cid));
+                fit.by_score.push((s, entry));
             } else {
                 let at = fit.by_score.partition_point(|&(x, _)| x >= s);
-                fit.by_score.insert(at, (s, cid));
+                fit.by_score.insert(at, (s, entry));
             }
         }
         fit.read = Some(log_end);
@@ -760,18 +770,22 @@ impl Placer {
         let mut kept = 0;
         let mut read = 0;
         while read < fit.by_score.len() {
-            let (s, cid) = fit.by_score[read];
+            let (s, entry) = fit.by_score[read];
             if best.is_some_and(|(bs, _, _)| s < bs) {
                 break;
             }
             read += 1;
+            let cid = entry & !HELD;
             let rank = ranks[cid as usize];
             if rank == u32::MAX {
                 fit.state[cid as usize] = 0;
                 continue;
             }
-            fit.by_score[kept] = (s, cid);
+            fit.by_score[kept] = (s, entry);
             kept += 1;
+            if entry & HELD != 0 && cluster.classes[cid as usize].key.reserved != ctx.token {
+                continue; // held for another job
+            }
             if best.is_none_or(|(_, br, _)| rank < br) {
                 best = Some((s, rank, cid));
             }
@@ -1158,6 +1172,7 @@ mod tests {
                 let ctx = match step % 7 {
                     0 => PlaceCtx { any_status: true, ..PlaceCtx::default() },
                     1 => PlaceCtx { token: 5, ..PlaceCtx::default() },
+                    2 => PlaceCtx { token: 6, ..PlaceCtx::default() },
                     _ => PlaceCtx::default(),
                 };
                 let mut want: Option<(f64, u32, NodeId)> = None;
@@ -1199,7 +1214,7 @@ mod tests {
                     }
                     _ => {
                         let id = rng.index(c.len()) as NodeId;
-                        c.set_reserved(id, if rng.below(2) == 0 { 5 } else { 0 });
+                        c.set_reserved(id, [0, 5, 6][rng.index(3)]);
                     }
                 }
             }
