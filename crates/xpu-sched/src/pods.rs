@@ -8,7 +8,9 @@
 //! placed), counted per node for every distinct pod matcher a constraint has asked about, and
 //! each node's domain per topology key. A placement asks it for a [`PodMask`] (the nodes a task
 //! may not use, with the reason, and a preference score per node); the counts are kept as pods
-//! come and go, never recomputed from all pods per candidate node.
+//! come and go, never recomputed from all pods per candidate node. A matcher asked about for
+//! the first time is counted over the pods carrying one of its `In` labels (lists of the pods
+//! per label, kept as pods come and go), not over every pod.
 //!
 //! Semantics follow kube-scheduler's `InterPodAffinity` and `PodTopologySpread` plugins:
 //! - affinity: a node passes when it has every term's topology key and, per term, the domain
@@ -210,6 +212,44 @@ pub struct PodIndex {
     owned: FxHashMap<Owned, Counts>,
     /// Per topology key: each node's domain ([`NO_DOMAIN`] without the label).
     domains: FxHashMap<String, Arc<[u32]>>,
+    /// Positions in `pods` of the pods carrying each label, by [`label_hash`]: where to look
+    /// for the pods a selector with an `In` requirement matches, instead of at every pod (a
+    /// cycle with 100 anti-affinity matchers over 50,000 bound pods matched 5 million label
+    /// sets). Candidates only: a pod found here is still matched in full. Built on first use,
+    /// then kept as pods come and go.
+    by_label: Option<FxHashMap<u64, Vec<u32>>>,
+}
+
+/// Enters pod `p`, at position `at`, in the lists of its labels.
+fn post(index: &mut FxHashMap<u64, Vec<u32>>, p: &PodTerms, at: u32) {
+    for (k, v) in &p.labels {
+        index.entry(label_hash(k, v)).or_default().push(at);
+    }
+}
+
+/// Takes position `at` out of the lists of pod `p`'s labels.
+fn unpost(index: &mut FxHashMap<u64, Vec<u32>>, p: &PodTerms, at: u32) {
+    for (k, v) in &p.labels {
+        let h = label_hash(k, v);
+        if let Some(list) = index.get_mut(&h) {
+            if let Some(j) = list.iter().rposition(|&x| x == at) {
+                list.swap_remove(j);
+            }
+            if list.is_empty() {
+                index.remove(&h);
+            }
+        }
+    }
+}
+
+/// A hash of one label, `key=value`.
+fn label_hash(key: &str, value: &str) -> u64 {
+    use std::hash::Hasher;
+    let mut h = crate::hash::FxHasher::default();
+    h.write(key.as_bytes());
+    h.write_u8(0xff); // not in UTF-8: no two (key, value) pairs give the same bytes
+    h.write(value.as_bytes());
+    h.finish()
 }
 
 fn bump(c: &mut Counts, node: NodeId, up: bool) {
@@ -246,15 +286,57 @@ impl PodIndex {
     /// Records a pod on `node`.
     pub fn add(&mut self, node: NodeId, pod: Arc<PodTerms>) {
         self.account(node, &pod, true);
+        if let Some(index) = self.by_label.as_mut() {
+            post(index, &pod, self.pods.len() as u32);
+        }
         self.pods.push((node, pod));
     }
 
     /// Forgets a pod recorded on `node` (the most recent one equal to `pod`).
     pub fn remove(&mut self, node: NodeId, pod: &PodTerms) {
         if let Some(i) = self.pods.iter().rposition(|(n, p)| *n == node && **p == *pod) {
+            let last = self.pods.len() as u32 - 1;
             let (_, p) = self.pods.swap_remove(i);
+            if let Some(index) = self.by_label.as_mut() {
+                // The removed pod leaves its lists; the last pod moves to position `i`.
+                unpost(index, &p, i as u32);
+                if let Some((_, moved)) = self.pods.get(i) {
+                    unpost(index, moved, last);
+                    post(index, moved, i as u32);
+                }
+            }
             self.account(node, &p, false);
         }
+    }
+
+    /// The positions of the pods that may match every matcher, when one of them has an `In`
+    /// requirement that narrows the pods down (its values' lists, the shortest such).
+    fn candidates(&mut self, matchers: &[PodMatcher]) -> Option<Vec<u32>> {
+        let ins =
+            || matchers.iter().flat_map(|m| m.selector.reqs.iter()).filter(|r| r.op == LabelOp::In);
+        ins().next()?;
+        let pods = &self.pods;
+        let index = self.by_label.get_or_insert_with(|| {
+            let mut index = FxHashMap::default();
+            for (i, (_, p)) in pods.iter().enumerate() {
+                post(&mut index, p, i as u32);
+            }
+            index
+        });
+        let lists = |r: &LabelReq| {
+            r.values.iter().filter_map(|v| index.get(&label_hash(&r.key, v))).collect::<Vec<_>>()
+        };
+        let best = ins()
+            .map(|r| {
+                let l = lists(r);
+                (l.iter().map(|x| x.len()).sum::<usize>(), l)
+            })
+            .min_by_key(|(n, _)| *n)?;
+        let mut out: Vec<u32> = best.1.into_iter().flatten().copied().collect();
+        // A pod has one value per key, but a selector may name a value twice.
+        out.sort_unstable();
+        out.dedup();
+        Some(out)
     }
 
     fn account(&mut self, node: NodeId, pod: &PodTerms, up: bool) {
@@ -301,10 +383,14 @@ impl PodIndex {
     fn counts(&mut self, matchers: &[PodMatcher]) -> &Counts {
         if !self.counters.contains_key(matchers) {
             let mut c = Counts::default();
-            for (n, p) in &self.pods {
+            let mut count = |(n, p): &(NodeId, Arc<PodTerms>)| {
                 if matchers.iter().all(|m| m.matches(p)) {
                     bump(&mut c, *n, true);
                 }
+            };
+            match self.candidates(matchers) {
+                Some(at) => at.iter().for_each(|&i| count(&self.pods[i as usize])),
+                None => self.pods.iter().for_each(count),
             }
             self.counters.insert(matchers.to_vec(), c);
         }
@@ -578,5 +664,71 @@ mod tests {
         let mut q = (*p).clone();
         q.spread[0].min_domains = 3;
         assert!(open(&idx.mask(&c, &q, &yes)).is_empty());
+    }
+
+    /// Counts found through the label lists equal counts over every pod, through adds and
+    /// removes (the lists built part way and kept after), for random selectors of every
+    /// operator.
+    #[test]
+    fn counts_through_label_lists_equal_a_scan_of_every_pod() {
+        let mut rng = crate::rng::Rng::new(11);
+        let keys = ["app", "tier", "zone"];
+        let vals = ["a", "b", "c", "d"];
+        let req = |rng: &mut crate::rng::Rng| {
+            let op =
+                [LabelOp::In, LabelOp::NotIn, LabelOp::Exists, LabelOp::DoesNotExist][rng.index(4)];
+            let n = 1 + rng.index(3);
+            LabelReq {
+                key: keys[rng.index(3)].into(),
+                op,
+                values: (0..n).map(|_| vals[rng.index(4)].to_owned()).collect(),
+            }
+        };
+        for round in 0..30 {
+            let mut idx = PodIndex::new();
+            let mut live: Vec<(NodeId, Arc<PodTerms>)> = Vec::new();
+            for step in 0..300 {
+                if rng.below(4) == 0 && !live.is_empty() {
+                    let (n, p) = live.swap_remove(rng.index(live.len()));
+                    idx.remove(n, &p);
+                } else {
+                    let mut labels = BTreeMap::new();
+                    for k in keys {
+                        if rng.below(3) > 0 {
+                            labels.insert(k.to_owned(), vals[rng.index(4)].to_owned());
+                        }
+                    }
+                    let ns = ["ns", "other"][rng.index(2)].to_owned();
+                    let p = Arc::new(PodTerms { namespace: ns, labels, ..PodTerms::default() });
+                    let n = rng.index(20) as NodeId;
+                    idx.add(n, p.clone());
+                    live.push((n, p));
+                }
+                if step % 7 != 0 {
+                    continue;
+                }
+                let matchers: Vec<PodMatcher> = (0..1 + rng.index(2))
+                    .map(|_| PodMatcher {
+                        selector: LabelSelector {
+                            nothing: false,
+                            reqs: (0..rng.index(3)).map(|_| req(&mut rng)).collect(),
+                        },
+                        namespaces: if rng.below(2) == 0 {
+                            Namespaces::All
+                        } else {
+                            Namespaces::Only(vec!["ns".into()])
+                        },
+                    })
+                    .collect();
+                let mut want = Counts::default();
+                for (n, p) in &live {
+                    if matchers.iter().all(|m| m.matches(p)) {
+                        bump(&mut want, *n, true);
+                    }
+                }
+                idx.counters.clear();
+                assert_eq!(idx.counts(&matchers), &want, "round {round} step {step}: {matchers:?}");
+            }
+        }
     }
 }
