@@ -15,7 +15,8 @@
 //!
 //! `null` is the null binder (`xpu k8s scheduler --null-binder`: xpu's watch, queue and
 //! binding client, each pod to the next node in turn, no decision): the API server's ceiling on
-//! this machine, which every figure is also given against.
+//! this machine, which every figure is also given against. Both run with `MALLOC_ARENA_MAX=2`,
+//! as `deploy/kubernetes/scheduler.yaml` runs the scheduler.
 //!
 //! Both schedulers get the same objects and the same client budget: kube-scheduler runs with
 //! `clientConnection.qps/burst` 5000 (as scheduler_perf sets it; its default 50 would bind 50

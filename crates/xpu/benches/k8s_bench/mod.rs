@@ -87,6 +87,12 @@ pub fn start_scheduler_gated(
             .args(xpu_args)
             .args(if which == "null" { &["--null-binder"][..] } else { &[] })
             .env("RUST_LOG", "warn")
+            // As deploy/kubernetes/scheduler.yaml runs it (`XPU_BENCH_ARENAS=16`: glibc's own
+            // limit on 2 cores, 8 per core).
+            .env(
+                "MALLOC_ARENA_MAX",
+                std::env::var("XPU_BENCH_ARENAS").unwrap_or_else(|_| "2".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
