@@ -515,6 +515,9 @@ struct Fitting {
     state: Vec<u8>,
 }
 
+/// Most task shapes a placer keeps fitting lists for at once.
+const FITTING_MAX: usize = 1024;
+
 /// Marks a class id in [`Fitting::by_score`] held for a job token (only that job may use it).
 const HELD: u32 = 1 << 31;
 
@@ -710,7 +713,12 @@ impl Placer {
         did: u32,
         ctx: &PlaceCtx<'_>,
     ) -> Option<NodeId> {
-        let fit = self.fitting.entry((did, ctx.slice, ctx.any_status)).or_default();
+        let key = (did, ctx.slice, ctx.any_status);
+        if self.fitting.len() >= FITTING_MAX && !self.fitting.contains_key(&key) {
+            // A long-lived placer meets ever more task shapes: start again rather than grow.
+            self.fitting.clear();
+        }
+        let fit = self.fitting.entry(key).or_default();
         let row = memo_row(&mut self.memo, did, cluster.classes.len());
         let policy = &mut self.policy;
         let log_end = cluster.activated_base + cluster.activated.len() as u64;
