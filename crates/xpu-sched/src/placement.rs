@@ -631,6 +631,7 @@ impl Placer {
         } else if !uniform {
             chosen = self.best_fitting(cluster, d, did, ctx);
         } else {
+            // Uniform ties over nodes: a class is drawn in proportion to its members.
             let mut chosen_class = u32::MAX;
             let row = memo_row(&mut self.memo, did, cluster.classes.len());
             for (&cid, key) in cluster.active.iter().zip(&cluster.active_keys) {
@@ -654,29 +655,22 @@ impl Placer {
                 if s < best {
                     continue;
                 }
-                let class = &cluster.classes[cid as usize];
-                let size = class.members.len() as u64;
-                let rank = cluster.min_ranks[cid as usize];
+                let size = cluster.classes[cid as usize].members.len() as u64;
                 let take = if s > best {
                     weight = size;
                     true
                 } else {
                     weight += size;
-                    if uniform { self.rng.below(weight) < size } else { rank < best_rank }
+                    self.rng.below(weight) < size
                 };
                 if take {
                     best = s;
-                    best_rank = rank;
                     chosen_class = cid;
                 }
             }
             if chosen_class != u32::MAX {
                 let class = &cluster.classes[chosen_class as usize];
-                chosen = if uniform {
-                    Some(class.members[self.rng.index(class.members.len())])
-                } else {
-                    class.ranked.first().map(|&(_, n)| n)
-                };
+                chosen = Some(class.members[self.rng.index(class.members.len())]);
             }
         }
         let Some(id) = chosen else {

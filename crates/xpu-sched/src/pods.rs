@@ -247,7 +247,7 @@ fn label_hash(key: &str, value: &str) -> u64 {
     use std::hash::Hasher;
     let mut h = crate::hash::FxHasher::default();
     h.write(key.as_bytes());
-    h.write_u8(0xff); // not in UTF-8: no two (key, value) pairs give the same bytes
+    h.write_u8(0xff); // never in UTF-8; a collision only costs time: candidates are matched
     h.write(value.as_bytes());
     h.finish()
 }
