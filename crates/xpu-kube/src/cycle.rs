@@ -293,6 +293,8 @@ struct MemoInner {
     /// The cluster the last cycle built, for the next to patch.
     base: Option<crate::base::Base>,
     built: crate::base::BuildStats,
+    /// The inter-pod index of the placed pods (see [`crate::placed`]).
+    placed: crate::placed::Kept,
 }
 
 impl Memo {
@@ -1438,6 +1440,11 @@ pub fn null_plan(snap: &Snapshot<'_>, cursor: &mut usize) -> Plan {
 /// Records every bound (or assumed) pod, but those `snap.hold_out` leaves out, where it is, for
 /// the inter-pod constraints of the pods placed after it.
 pub(crate) fn record_placed(snap: &Snapshot<'_>, sched: &mut Scheduler) {
+    if let (Some(memo), None) = (snap.memo, snap.hold_out) {
+        let index = memo.lock().placed.update(snap, sched.cluster());
+        sched.set_pods(index);
+        return;
+    }
     for p in snap.pods.iter().filter(|p| !terminal(p)) {
         let Some(node) = bound_node(p, snap.assumed) else { continue };
         if snap.hold_out.is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u))) {
@@ -3203,6 +3210,193 @@ mod tests {
                     })
                     .count();
                 assert_eq!(p, live, "seed {seed}: the memo keeps pods that ended or are gone");
+            }
+        }
+    }
+
+    /// The inter-pod index kept across cycles ([`crate::placed`]) equals one built afresh after
+    /// every event of random sequences: nodes added, relabelled and removed; pods with labels,
+    /// anti-affinity, affinity and spread (some across namespaces chosen by label) made, bound,
+    /// assumed, relabelled, ended and deleted; namespaces relabelled. After each event the
+    /// kept index holds the same pods on the same nodes, and a cycle with the memo plans what a
+    /// cycle without it plans.
+    #[test]
+    fn the_kept_pod_index_equals_a_fresh_one_after_every_event() {
+        let apps = ["a", "b", "c"];
+        for seed in 0..16u64 {
+            let mut rng = xpu_sched::rng::Rng::new(seed);
+            let memo = Memo::default();
+            let mut version = 0u64;
+            let mut next = || {
+                version += 1;
+                version.to_string()
+            };
+            let node_of = |i: usize, zone: usize, rv: String| -> Arc<Node> {
+                Arc::new(
+                    serde_json::from_value(json!({
+                        "metadata": { "name": format!("n{i}"), "resourceVersion": rv,
+                                      "labels": { "kubernetes.io/hostname": format!("n{i}"),
+                                                  "zone": format!("z{zone}") } },
+                        "status": { "allocatable": { "cpu": "8", "memory": "64Gi", "pods": "110" },
+                                    "conditions": [{ "type": "Ready", "status": "True" }] }
+                    }))
+                    .unwrap(),
+                )
+            };
+            let pod_of = |i: usize, rng: &mut xpu_sched::rng::Rng, rv: String| -> Pod {
+                let app = apps[rng.index(3)];
+                let other = apps[rng.index(3)];
+                let key = ["zone", "kubernetes.io/hostname"][rng.index(2)];
+                let term = json!({ "labelSelector": { "matchLabels": { "app": other } },
+                                   "topologyKey": key,
+                                   "namespaceSelector": if rng.below(3) == 0 {
+                                       json!({ "matchLabels": { "team": "x" } }) } else { json!(null) } });
+                let affinity = match rng.index(4) {
+                    0 => {
+                        json!({ "podAntiAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": [term] } })
+                    }
+                    1 => {
+                        json!({ "podAffinity": { "preferredDuringSchedulingIgnoredDuringExecution": [
+                        { "weight": 10, "podAffinityTerm": term }] } })
+                    }
+                    2 => {
+                        json!({ "podAntiAffinity": { "preferredDuringSchedulingIgnoredDuringExecution": [
+                        { "weight": 5, "podAffinityTerm": term }] } })
+                    }
+                    _ => json!(null),
+                };
+                let spread = if rng.below(4) == 0 {
+                    json!([{ "maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule",
+                             "labelSelector": { "matchLabels": { "app": app } } }])
+                } else {
+                    json!(null)
+                };
+                let ns = ["ns1", "ns2"][rng.index(2)];
+                serde_json::from_value::<Pod>(json!({
+                    "metadata": { "name": format!("p{i}"), "namespace": ns,
+                                  "uid": format!("u{i}"), "resourceVersion": rv,
+                                  "labels": { "app": app },
+                                  "creationTimestamp": format!("2026-01-01T00:{:02}:{:02}Z", i / 60 % 60, i % 60) },
+                    "spec": { "schedulerName": "xpu", "affinity": affinity, "topologySpreadConstraints": spread,
+                        "containers": [{ "name": "c", "resources": { "requests": { "cpu": "1", "memory": "1Gi" } } }] },
+                    "status": { "phase": "Pending" }
+                }))
+                .unwrap()
+            };
+            let mut nodes: Vec<Arc<Node>> = Vec::new();
+            let mut pods: Vec<Arc<Pod>> = Vec::new();
+            let mut assumed: HashMap<String, String> = HashMap::new();
+            let mut namespace_labels: HashMap<String, BTreeMap<String, String>> = HashMap::new();
+            let mut made = 0usize;
+            for step in 0..80 {
+                let node_name = |nodes: &[Arc<Node>], rng: &mut xpu_sched::rng::Rng| {
+                    nodes[rng.index(nodes.len())].metadata.name.clone().unwrap()
+                };
+                match rng.index(10) {
+                    0 if nodes.len() < 6 => {
+                        let i = rng.index(8);
+                        if nodes
+                            .iter()
+                            .all(|n| n.metadata.name.as_deref() != Some(&format!("n{i}")))
+                        {
+                            nodes.push(node_of(i, rng.index(3), next()));
+                            nodes.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+                        }
+                    }
+                    1 if !nodes.is_empty() => {
+                        let k = rng.index(nodes.len());
+                        let i: usize =
+                            nodes[k].metadata.name.as_deref().unwrap()[1..].parse().unwrap();
+                        nodes[k] = node_of(i, rng.index(3), next());
+                    }
+                    2 if nodes.len() > 1 && rng.below(2) == 0 => {
+                        nodes.remove(rng.index(nodes.len()));
+                    }
+                    3 | 4 => {
+                        made += 1;
+                        pods.push(Arc::new(pod_of(made, &mut rng, next())));
+                    }
+                    5 if !pods.is_empty() && !nodes.is_empty() => {
+                        let k = rng.index(pods.len());
+                        let node = node_name(&nodes, &mut rng);
+                        let uid = pods[k].metadata.uid.clone().unwrap();
+                        if rng.below(3) == 0 {
+                            assumed.insert(uid, node);
+                        } else {
+                            assumed.remove(&uid);
+                            let mut p = (*pods[k]).clone();
+                            if let Some(spec) = p.spec.as_mut() {
+                                spec.node_name = Some(node);
+                            }
+                            p.metadata.resource_version = Some(next());
+                            pods[k] = Arc::new(p);
+                        }
+                    }
+                    6 if !pods.is_empty() => {
+                        let k = rng.index(pods.len());
+                        let mut p = (*pods[k]).clone();
+                        if rng.below(2) == 0 {
+                            if let Some(st) = p.status.as_mut() {
+                                st.phase = Some(["Succeeded", "Running"][rng.index(2)].into());
+                            }
+                        } else {
+                            // Relabelled, or written with nothing of its terms changed.
+                            let app = apps[rng.index(3)];
+                            if rng.below(2) == 0 {
+                                p.metadata.labels = Some([("app".into(), app.into())].into());
+                            }
+                        }
+                        p.metadata.resource_version = Some(next());
+                        pods[k] = Arc::new(p);
+                    }
+                    7 if !pods.is_empty() => {
+                        let gone = pods.remove(rng.index(pods.len()));
+                        assumed.remove(gone.metadata.uid.as_deref().unwrap());
+                    }
+                    8 => {
+                        let ns = ["ns1", "ns2"][rng.index(2)];
+                        let team = ["x", "y"][rng.index(2)];
+                        namespace_labels.insert(ns.into(), [("team".into(), team.into())].into());
+                    }
+                    _ => {}
+                }
+                let jobs = HashMap::new();
+                let fresh_snap = Snapshot {
+                    namespace_labels: &namespace_labels,
+                    ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed)
+                };
+                let memo_snap = Snapshot {
+                    memo: Some(&memo),
+                    namespace_labels: &namespace_labels,
+                    ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed)
+                };
+                // The kept index against pods entered afresh, on the same cluster.
+                let cluster = cluster_of(&fresh_snap).cluster;
+                let kept = memo.lock().placed.update(&memo_snap, &cluster);
+                let mut fresh = xpu_sched::pods::PodIndex::new();
+                for p in pods.iter().filter(|p| !terminal(p)) {
+                    let Some(node) = bound_node(p, &assumed) else { continue };
+                    let Some(id) = cluster.node_id(node) else { continue };
+                    if let Some(t) = placed_terms(&fresh_snap, p) {
+                        fresh.add(id, t);
+                    }
+                }
+                let listed = |x: &xpu_sched::pods::PodIndex| {
+                    let mut v: Vec<String> =
+                        x.pods().iter().map(|(n, t)| format!("{n} {t:?}")).collect();
+                    v.sort_unstable();
+                    v
+                };
+                assert_eq!(listed(&kept), listed(&fresh), "seed {seed} step {step}");
+                // And the decisions: a cycle with the memo plans what one without it plans.
+                let config = SchedulerConfig::default();
+                let without = plan(&fresh_snap, &config, 0, &mut |_| true);
+                let with = plan(&memo_snap, &config, 0, &mut |_| true);
+                assert_eq!(
+                    with, without,
+                    "seed {seed} step {step}: the kept index changed the plan"
+                );
+                memo.sweep();
             }
         }
     }

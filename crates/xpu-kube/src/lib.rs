@@ -28,6 +28,7 @@ pub mod leader;
 pub mod ledger;
 pub mod metrics;
 pub mod node;
+pub(crate) mod placed;
 pub mod pod;
 pub mod preempt;
 pub mod queues;

@@ -65,7 +65,7 @@ pub mod assignment;
 pub mod cluster;
 pub mod constraints;
 pub mod dra;
-mod hash;
+pub mod hash;
 pub mod inventory;
 pub mod manifest;
 pub mod nova;

@@ -218,6 +218,8 @@ pub struct PodIndex {
     /// sets). Candidates only: a pod found here is still matched in full. Built on first use,
     /// then kept as pods come and go.
     by_label: Option<FxHashMap<u64, Vec<u32>>>,
+    /// Positions in `pods` of the pods on each node: a pod leaves without a scan of every pod.
+    by_node: FxHashMap<NodeId, Vec<u32>>,
 }
 
 /// Enters pod `p`, at position `at`, in the lists of its labels.
@@ -286,27 +288,64 @@ impl PodIndex {
     /// Records a pod on `node`.
     pub fn add(&mut self, node: NodeId, pod: Arc<PodTerms>) {
         self.account(node, &pod, true);
+        let at = self.pods.len() as u32;
         if let Some(index) = self.by_label.as_mut() {
-            post(index, &pod, self.pods.len() as u32);
+            post(index, &pod, at);
         }
+        self.by_node.entry(node).or_default().push(at);
         self.pods.push((node, pod));
     }
 
     /// Forgets a pod recorded on `node` (the most recent one equal to `pod`).
     pub fn remove(&mut self, node: NodeId, pod: &PodTerms) {
-        if let Some(i) = self.pods.iter().rposition(|(n, p)| *n == node && **p == *pod) {
-            let last = self.pods.len() as u32 - 1;
-            let (_, p) = self.pods.swap_remove(i);
-            if let Some(index) = self.by_label.as_mut() {
-                // The removed pod leaves its lists; the last pod moves to position `i`.
-                unpost(index, &p, i as u32);
-                if let Some((_, moved)) = self.pods.get(i) {
-                    unpost(index, moved, last);
-                    post(index, moved, i as u32);
-                }
-            }
-            self.account(node, &p, false);
+        let Some(here) = self.by_node.get_mut(&node) else { return };
+        let found = here
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|&(_, at)| *self.pods[at as usize].1 == *pod)
+            .max_by_key(|&(_, at)| at);
+        let Some((j, i)) = found else { return };
+        here.swap_remove(j);
+        if here.is_empty() {
+            self.by_node.remove(&node);
         }
+        let last = self.pods.len() as u32 - 1;
+        let (_, p) = self.pods.swap_remove(i as usize);
+        if let Some(index) = self.by_label.as_mut() {
+            unpost(index, &p, i);
+        }
+        if let Some((moved_node, moved)) = self.pods.get(i as usize) {
+            // The last pod moves to position `i`.
+            if let Some(at) =
+                self.by_node.get_mut(moved_node).and_then(|l| l.iter_mut().find(|at| **at == last))
+            {
+                *at = i;
+            }
+            if let Some(index) = self.by_label.as_mut() {
+                unpost(index, moved, last);
+                post(index, moved, i);
+            }
+        }
+        self.account(node, &p, false);
+    }
+
+    /// Builds the lists of the pods carrying each label now (else they are built on first use),
+    /// for an index kept and copied: each copy then starts with them.
+    pub fn index_labels(&mut self) {
+        let pods = &self.pods;
+        self.by_label.get_or_insert_with(|| {
+            let mut index = FxHashMap::default();
+            for (i, (_, p)) in pods.iter().enumerate() {
+                post(&mut index, p, i as u32);
+            }
+            index
+        });
+    }
+
+    /// Every pod recorded, with its node, in no particular order.
+    pub fn pods(&self) -> &[(NodeId, Arc<PodTerms>)] {
+        &self.pods
     }
 
     /// The positions of the pods that may match every matcher, when one of them has an `In`
@@ -315,14 +354,8 @@ impl PodIndex {
         let ins =
             || matchers.iter().flat_map(|m| m.selector.reqs.iter()).filter(|r| r.op == LabelOp::In);
         ins().next()?;
-        let pods = &self.pods;
-        let index = self.by_label.get_or_insert_with(|| {
-            let mut index = FxHashMap::default();
-            for (i, (_, p)) in pods.iter().enumerate() {
-                post(&mut index, p, i as u32);
-            }
-            index
-        });
+        self.index_labels();
+        let index = self.by_label.as_ref()?;
         let lists = |r: &LabelReq| {
             r.values.iter().filter_map(|v| index.get(&label_hash(&r.key, v))).collect::<Vec<_>>()
         };
@@ -704,6 +737,15 @@ mod tests {
                     idx.add(n, p.clone());
                     live.push((n, p));
                 }
+                // Every position is listed once, under the node its pod is on.
+                let mut listed: Vec<u32> = Vec::new();
+                for (n, at) in &idx.by_node {
+                    assert!(at.iter().all(|&i| idx.pods[i as usize].0 == *n), "step {step}");
+                    listed.extend(at);
+                }
+                listed.sort_unstable();
+                assert_eq!(listed, (0..idx.pods.len() as u32).collect::<Vec<_>>(), "step {step}");
+                assert_eq!(idx.len(), live.len());
                 if step % 7 != 0 {
                     continue;
                 }

@@ -537,6 +537,12 @@ impl Scheduler {
         self.pods.add(node, terms);
     }
 
+    /// Starts from `index` as the pods already placed (a caller's copy of an index it keeps
+    /// across schedulers; its node ids must be this cluster's), instead of pod by pod.
+    pub fn set_pods(&mut self, index: PodIndex) {
+        self.pods = index;
+    }
+
     pub fn cluster(&self) -> &Cluster {
         &self.cluster
     }
