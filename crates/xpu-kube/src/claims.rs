@@ -500,39 +500,189 @@ pub fn claim(c: &ResourceClaim, compiled: &Compiled) -> Result<dra::Claim, Strin
 /// What every allocated claim of the cluster holds.
 pub fn in_use<'a>(claims: impl IntoIterator<Item = &'a ResourceClaim>) -> dra::InUse {
     let mut out = dra::InUse::default();
-    for c in claims {
-        let Some(results) = c
-            .status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .and_then(|a| a.devices.as_ref())
-            .and_then(|d| d.results.as_ref())
-        else {
-            continue;
-        };
-        let devices = results
-            .iter()
-            .map(|r| dra::Allocated {
-                request: r.request.clone(),
-                id: dra::DeviceId {
-                    driver: r.driver.clone(),
-                    pool: r.pool.clone(),
-                    device: r.device.clone(),
-                },
-                admin_access: r.admin_access == Some(true),
-                consumed: r.consumed_capacity.as_ref().map(|m| {
-                    m.iter().filter_map(|(k, q)| Some((k.clone(), milli(&q.0)?))).collect()
-                }),
-                binding_conditions: r.binding_conditions.clone().unwrap_or_default(),
-                binding_failure_conditions: r
-                    .binding_failure_conditions
-                    .clone()
-                    .unwrap_or_default(),
-            })
-            .collect();
-        out.add(&dra::Allocation { devices });
+    for a in claims.into_iter().filter_map(allocation) {
+        out.add(&a);
     }
     out
+}
+
+/// The devices a claim's `status.allocation` holds, if it is allocated.
+pub fn allocation(c: &ResourceClaim) -> Option<dra::Allocation> {
+    let results = c.status.as_ref()?.allocation.as_ref()?.devices.as_ref()?.results.as_ref()?;
+    let devices = results
+        .iter()
+        .map(|r| dra::Allocated {
+            request: r.request.clone(),
+            id: dra::DeviceId {
+                driver: r.driver.clone(),
+                pool: r.pool.clone(),
+                device: r.device.clone(),
+            },
+            admin_access: r.admin_access == Some(true),
+            consumed: r
+                .consumed_capacity
+                .as_ref()
+                .map(|m| m.iter().filter_map(|(k, q)| Some((k.clone(), milli(&q.0)?))).collect()),
+            binding_conditions: r.binding_conditions.clone().unwrap_or_default(),
+            binding_failure_conditions: r.binding_failure_conditions.clone().unwrap_or_default(),
+        })
+        .collect();
+    Some(dra::Allocation { devices })
+}
+
+/// The cluster's ResourceClaims as a cycle reads them (by namespace and name) and what the
+/// allocated ones hold ([`in_use`]), kept from one cycle to the next: [`ClaimBook::update`]
+/// reads only the claims written since the last (by `resourceVersion`) and takes out those
+/// gone, so a cycle costs what changed, not every claim of the cluster. Devices are counted by
+/// the claims holding them, so that one claim let go never frees a device another still holds.
+/// Equals [`in_use`] over every claim after every event
+/// (`tests::the_claim_book_equals_a_rebuild_after_every_event`; capacity consumed down to 0 may
+/// stay listed as 0, which is what an absent entry means).
+#[derive(Debug, Default)]
+pub struct ClaimBook {
+    by_key: HashMap<(String, String), Arc<ResourceClaim>>,
+    /// By uid (or `namespace/name` for a claim without one).
+    entries: HashMap<String, ClaimEntry>,
+    in_use: dra::InUse,
+    /// Per device, the claims holding it whole, and those holding capacity of it.
+    whole: HashMap<dra::DeviceId, u32>,
+    shared: HashMap<dra::DeviceId, u32>,
+    round: u64,
+}
+
+#[derive(Debug)]
+struct ClaimEntry {
+    /// `None`: read again on every update.
+    version: Option<String>,
+    key: (String, String),
+    allocation: Option<dra::Allocation>,
+    /// `status.allocation` is set (even with no device results).
+    allocated: bool,
+    seen: u64,
+}
+
+impl ClaimBook {
+    /// Brings the book up to `claims`, every claim of the cluster.
+    pub fn update(&mut self, claims: &[Arc<ResourceClaim>]) {
+        self.round += 1;
+        let round = self.round;
+        for c in claims {
+            let (Some(ns), Some(name)) =
+                (c.metadata.namespace.as_deref(), c.metadata.name.as_deref())
+            else {
+                continue;
+            };
+            let version = c.metadata.resource_version.as_deref();
+            let id = match c.metadata.uid.as_deref() {
+                Some(u) => std::borrow::Cow::Borrowed(u),
+                None => std::borrow::Cow::Owned(format!("{ns}/{name}")),
+            };
+            if let Some(e) = self.entries.get_mut(id.as_ref())
+                && version.is_some()
+                && e.version.as_deref() == version
+            {
+                e.seen = round;
+                continue;
+            }
+            self.forget(id.as_ref());
+            let allocation = allocation(c);
+            if let Some(a) = &allocation {
+                self.hold(a);
+            }
+            let key = (ns.to_owned(), name.to_owned());
+            self.by_key.insert(key.clone(), c.clone());
+            let version = version.map(str::to_owned);
+            let allocated = c.status.as_ref().is_some_and(|s| s.allocation.is_some());
+            let e = ClaimEntry { version, key, allocation, allocated, seen: round };
+            self.entries.insert(id.into_owned(), e);
+        }
+        let gone: Vec<String> =
+            self.entries.iter().filter(|(_, e)| e.seen != round).map(|(k, _)| k.clone()).collect();
+        for id in gone {
+            self.forget(&id);
+        }
+    }
+
+    /// Takes a claim out of the book.
+    fn forget(&mut self, id: &str) {
+        let Some(e) = self.entries.remove(id) else { return };
+        if let Some(a) = &e.allocation {
+            self.let_go(a);
+        }
+        // Its name may name a newer claim by now (deleted and made again).
+        let same = |c: &Arc<ResourceClaim>| match c.metadata.uid.as_deref() {
+            Some(u) => u == id,
+            None => id.split_once('/') == Some((e.key.0.as_str(), e.key.1.as_str())),
+        };
+        if self.by_key.get(&e.key).is_some_and(same) {
+            self.by_key.remove(&e.key);
+        }
+    }
+
+    /// Counts what allocation `a` holds as in use (an allocated claim, or one a cycle is
+    /// writing: [`ClaimBook::let_go`] takes it out again).
+    pub fn hold(&mut self, a: &dra::Allocation) {
+        for d in a.devices.iter().filter(|d| !d.admin_access) {
+            let counts = if d.consumed.is_some() { &mut self.shared } else { &mut self.whole };
+            *counts.entry(d.id.clone()).or_default() += 1;
+        }
+        self.in_use.add(a);
+    }
+
+    /// Takes out what [`ClaimBook::hold`] counted for `a`.
+    pub fn let_go(&mut self, a: &dra::Allocation) {
+        for d in a.devices.iter().filter(|d| !d.admin_access) {
+            match &d.consumed {
+                Some(c) => {
+                    let last = release(&mut self.shared, &d.id);
+                    if last {
+                        self.in_use.capacity.remove(&d.id);
+                    } else if let Some(have) = self.in_use.capacity.get_mut(&d.id) {
+                        for (k, v) in c {
+                            if let Some(x) = have.get_mut(k) {
+                                *x = x.saturating_sub(*v);
+                            }
+                        }
+                    }
+                }
+                None => {
+                    if release(&mut self.whole, &d.id) {
+                        self.in_use.devices.remove(&d.id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Claims by namespace and name.
+    pub fn claims(&self) -> &HashMap<(String, String), Arc<ResourceClaim>> {
+        &self.by_key
+    }
+
+    /// What the allocated claims (and those held with [`ClaimBook::hold`]) hold.
+    pub fn in_use(&self) -> &dra::InUse {
+        &self.in_use
+    }
+
+    /// Whether the claim with this uid is in the book, allocated (`Some(true)`) or not.
+    pub fn allocated(&self, uid: &str) -> Option<bool> {
+        self.entries.get(uid).map(|e| e.allocated)
+    }
+}
+
+/// One claim fewer holding `id`; whether it was the last.
+fn release(counts: &mut HashMap<dra::DeviceId, u32>, id: &dra::DeviceId) -> bool {
+    match counts.get_mut(id) {
+        Some(n) if *n > 1 => {
+            *n -= 1;
+            false
+        }
+        Some(_) => {
+            counts.remove(id);
+            true
+        }
+        None => false,
+    }
 }
 
 /// How long a claim allocated with binding conditions may wait for them, from its
@@ -796,5 +946,132 @@ mod tests {
         assert!(
             matches!(binding_state(&claim(false_, at), late), Binding::Failed(w) if w.contains("within 600 s"))
         );
+    }
+
+    /// The claim book kept across cycles equals a rebuild from every claim after every event
+    /// of random sequences: claims made, allocated (whole devices, capacity, admin access; two
+    /// claims on one device among them), let go, written unchanged, deleted and made again
+    /// under the same name, and allocations held for a cycle and let go.
+    #[test]
+    fn the_claim_book_equals_a_rebuild_after_every_event() {
+        fn normal(u: &dra::InUse) -> (Vec<String>, Vec<String>) {
+            let mut d: Vec<String> = u.devices.iter().map(|x| format!("{x:?}")).collect();
+            d.sort_unstable();
+            let mut c: Vec<String> = u
+                .capacity
+                .iter()
+                .map(|(k, v)| {
+                    let v: Vec<_> = v.iter().filter(|(_, n)| **n > 0).collect();
+                    format!("{k:?} {v:?}")
+                })
+                .collect();
+            c.sort_unstable();
+            (d, c)
+        }
+        for seed in 0..24u64 {
+            let mut rng = xpu_sched::rng::Rng::new(seed);
+            let mut book = ClaimBook::default();
+            let mut claims: Vec<Arc<ResourceClaim>> = Vec::new();
+            let (mut version, mut made) = (0u64, 0u64);
+            let mut held: Vec<dra::Allocation> = Vec::new();
+            for step in 0..120 {
+                version += 1;
+                let results = |rng: &mut xpu_sched::rng::Rng| {
+                    let n = 1 + rng.index(2);
+                    (0..n)
+                        .map(|_| {
+                            let mut r = json!({ "request": "r", "driver": "d", "pool": "p",
+                                                "device": format!("g{}", rng.index(4)) });
+                            match rng.index(4) {
+                                0 => {
+                                    r["consumedCapacity"] =
+                                        json!({ "memory": format!("{}Gi", rng.index(3)) })
+                                }
+                                1 => r["adminAccess"] = json!(true),
+                                _ => {}
+                            }
+                            r
+                        })
+                        .collect::<Vec<_>>()
+                };
+                match rng.index(7) {
+                    0 | 1 => {
+                        made += 1;
+                        let name = format!("c{}", rng.index(6));
+                        claims.retain(|c| c.metadata.name.as_deref() != Some(name.as_str()));
+                        let status = if rng.below(2) == 0 {
+                            json!({ "allocation": { "devices": { "results": results(&mut rng) } } })
+                        } else {
+                            json!({})
+                        };
+                        claims.push(Arc::new(
+                            serde_json::from_value(json!({
+                                "metadata": { "name": name, "namespace": "ns", "uid": format!("u{made}"),
+                                              "resourceVersion": version.to_string() },
+                                "spec": {}, "status": status }))
+                            .unwrap(),
+                        ));
+                    }
+                    2 | 3 if !claims.is_empty() => {
+                        let k = rng.index(claims.len());
+                        let mut c = (*claims[k]).clone();
+                        let status = match rng.index(3) {
+                            0 => {
+                                json!({ "allocation": { "devices": { "results": results(&mut rng) } } })
+                            }
+                            1 => json!({}),
+                            _ => serde_json::to_value(&c.status).unwrap(),
+                        };
+                        c.status = serde_json::from_value(status).unwrap();
+                        c.metadata.resource_version = Some(version.to_string());
+                        claims[k] = Arc::new(c);
+                    }
+                    4 if !claims.is_empty() => {
+                        claims.remove(rng.index(claims.len()));
+                    }
+                    5 => {
+                        let c: ResourceClaim = serde_json::from_value(json!({
+                            "metadata": { "name": "x", "namespace": "ns" }, "spec": {},
+                            "status": { "allocation": { "devices": { "results": results(&mut rng) } } } }))
+                        .unwrap();
+                        held.push(allocation(&c).unwrap());
+                    }
+                    _ => {}
+                }
+                book.update(&claims);
+                for a in &held {
+                    book.hold(a);
+                }
+                let mut fresh = in_use(claims.iter().map(|c| c.as_ref()));
+                for a in &held {
+                    fresh.add(a);
+                }
+                assert_eq!(normal(book.in_use()), normal(&fresh), "seed {seed} step {step}");
+                let mut keys: Vec<_> = book
+                    .claims()
+                    .iter()
+                    .map(|(k, c)| (k.clone(), c.metadata.uid.clone()))
+                    .collect();
+                keys.sort();
+                let mut want: Vec<_> = claims
+                    .iter()
+                    .map(|c| {
+                        let key = (
+                            c.metadata.namespace.clone().unwrap(),
+                            c.metadata.name.clone().unwrap(),
+                        );
+                        (key, c.metadata.uid.clone())
+                    })
+                    .collect();
+                want.sort();
+                assert_eq!(keys, want, "seed {seed} step {step}");
+                for a in &held {
+                    book.let_go(a);
+                }
+                if rng.below(3) == 0 {
+                    held.clear();
+                }
+            }
+        }
     }
 }

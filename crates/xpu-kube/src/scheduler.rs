@@ -438,6 +438,8 @@ pub async fn run(
     let assumed_claims: Arc<Mutex<HashMap<String, xpu_sched::dra::Allocation>>> = Arc::default();
     // Nodes and bound pods converted in earlier cycles, by resourceVersion.
     let memo = cycle::Memo::default();
+    // Every claim, and what the allocated ones hold, kept from cycle to cycle.
+    let mut claim_book = crate::claims::ClaimBook::default();
     // The null binder's next node.
     let mut null_cursor = 0usize;
     // Claims whose allocation was taken back lately, by uid.
@@ -513,35 +515,20 @@ pub async fn run(
             .collect();
         // DRA state, from the caches.
         compiled.next_cycle();
-        let claim_objects = caches.claims.state();
-        let dra_claims: HashMap<(String, String), Arc<ResourceClaim>> = claim_objects
-            .iter()
-            .filter_map(|c| {
-                Some(((c.metadata.namespace.clone()?, c.metadata.name.clone()?), c.clone()))
-            })
-            .collect();
-        let mut in_use = crate::claims::in_use(claim_objects.iter().map(|c| c.as_ref()));
-        {
+        claim_book.update(&caches.claims.state());
+        // What claims being written hold, counted in for this cycle and out after it.
+        let writing: Vec<xpu_sched::dra::Allocation> = {
             let mut a = assumed_claims.lock().await;
-            if !a.is_empty() {
-                // Claim uid → whether the watch shows it allocated.
-                let shown: HashMap<&str, bool> = claim_objects
-                    .iter()
-                    .filter_map(|c| {
-                        let allocated = c.status.as_ref().is_some_and(|s| s.allocation.is_some());
-                        Some((c.metadata.uid.as_deref()?, allocated))
-                    })
-                    .collect();
-                // Forget what the watch now shows allocated, or gone; a claim made for a pod's
-                // extended resources, once the watch shows the pod bound (it was made first).
-                a.retain(|uid, _| match uid.strip_prefix(cycle::EXTENDED_UID) {
-                    Some(pod) => assumed_now.contains_key(pod),
-                    None => shown.get(uid.as_str()) == Some(&false),
-                });
-            }
-            for alloc in a.values() {
-                in_use.add(alloc);
-            }
+            // Forget what the watch now shows allocated, or gone; a claim made for a pod's
+            // extended resources, once the watch shows the pod bound (it was made first).
+            a.retain(|uid, _| match uid.strip_prefix(cycle::EXTENDED_UID) {
+                Some(pod) => assumed_now.contains_key(pod),
+                None => claim_book.allocated(uid) == Some(false),
+            });
+            a.values().cloned().collect()
+        };
+        for alloc in &writing {
+            claim_book.hold(alloc);
         }
         let mut current = HashMap::with_capacity(slices.len());
         for sl in caches.slices.state() {
@@ -589,9 +576,9 @@ pub async fn run(
             slices: &slice_index,
             classes: &dra_classes,
             class_objects: &class_objects,
-            claims: &dra_claims,
+            claims: claim_book.claims(),
             compiled: &compiled,
-            in_use: &in_use,
+            in_use: claim_book.in_use(),
         };
         let group_objects = caches.pod_groups.get().map(Store::state);
         let pod_groups: Option<crate::convert::PodGroups> = group_objects.as_ref().map(|gs| {
@@ -632,6 +619,9 @@ pub async fn run(
             cycle::plan(&snap, &config, now, &mut explain)
         };
         metrics.plan_seconds.observe(t0.elapsed().as_secs_f64());
+        for alloc in &writing {
+            claim_book.let_go(alloc);
+        }
         memo.sweep();
         let built = memo.build_stats();
         metrics.cluster_builds_whole.store(built.whole, Ordering::Relaxed);
