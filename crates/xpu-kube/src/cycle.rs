@@ -1401,8 +1401,11 @@ pub fn plan(
 
 /// The null binder of the throughput benches: every waiting pod to the next Ready node in turn
 /// (nodes in name order, `cursor` kept by the caller across cycles), deciding nothing: no fit, no
-/// claims, no gangs. Run through the same watch, queue and binding client as [`plan`], its rate
-/// is the API server's ceiling for any scheduler on the same control plane.
+/// gangs. Run through the same watch, queue and binding client as [`plan`], its rate is the API
+/// server's ceiling for any scheduler on the same control plane. A pod with ResourceClaims
+/// waits until they exist, then goes to the next node in turn with free devices enough, its
+/// claims given that node's first free devices (no selector, constraint or capacity looked
+/// at): the same writes any DRA scheduler makes (the claim's status, then the binding).
 pub fn null_plan(snap: &Snapshot<'_>, cursor: &mut usize) -> Plan {
     let mut out = Plan::default();
     let mut ready: Vec<&str> = snap
@@ -1428,13 +1431,111 @@ pub fn null_plan(snap: &Snapshot<'_>, cursor: &mut usize) -> Plan {
         let kb = (&b.metadata.creation_timestamp, &b.metadata.namespace, &b.metadata.name);
         ka.partial_cmp(&kb).unwrap_or(std::cmp::Ordering::Equal)
     });
+    let mut taken = snap.dra.map(|d| d.in_use.clone()).unwrap_or_default();
     for p in pending {
         let Some(pod) = PodKey::of(p) else { continue };
-        *cursor = (*cursor + 1) % ready.len();
-        let node = ready[*cursor].to_owned();
-        out.binds.push(Bind { pod, node, gang: None, share: None, claims: Vec::new() });
+        let names = crate::claims::pod_claims(p).unwrap_or_else(|_| vec![String::new()]);
+        if names.is_empty() {
+            *cursor = (*cursor + 1) % ready.len();
+            let node = ready[*cursor].to_owned();
+            out.binds.push(Bind { pod, node, gang: None, share: None, claims: Vec::new() });
+            continue;
+        }
+        let Some(dra) = snap.dra else { continue };
+        let Some(found) = names
+            .iter()
+            .map(|n| dra.claims.get(&(pod.namespace.clone(), n.clone())))
+            .collect::<Option<Vec<_>>>()
+        else {
+            continue;
+        };
+        for _ in 0..ready.len() {
+            *cursor = (*cursor + 1) % ready.len();
+            let node = ready[*cursor];
+            if let Some(claims) = null_claims(&dra, &found, &pod.uid, node, &mut taken) {
+                let node = node.to_owned();
+                out.binds.push(Bind { pod, node, gang: None, share: None, claims });
+                break;
+            }
+        }
     }
     out
+}
+
+/// The null binder's claim writes for a pod's `claims` on `node`: each claim not allocated
+/// gets the node's first devices not `taken` (as many as its requests count; a request for
+/// all devices gets one), each allocated one is reserved; `None` when the node has too few.
+fn null_claims(
+    dra: &Dra<'_>,
+    claims: &[&Arc<k8s_openapi::api::resource::v1::ResourceClaim>],
+    pod_uid: &str,
+    node: &str,
+    taken: &mut xpu_sched::dra::InUse,
+) -> Option<Vec<ClaimWrite>> {
+    let slices = dra.slices.for_node(node);
+    let mut free = slices.iter().flat_map(|s| {
+        s.devices.iter().map(|d| xpu_sched::dra::DeviceId {
+            driver: s.driver.clone(),
+            pool: s.pool.clone(),
+            device: d.name.clone(),
+        })
+    });
+    // Devices given to this pod's claims so far.
+    let mut mine: Vec<xpu_sched::dra::Allocation> = Vec::new();
+    let mut out = Vec::new();
+    for c in claims {
+        let write = |allocation, devices| ClaimWrite {
+            namespace: c.metadata.namespace.clone().unwrap_or_default(),
+            name: c.metadata.name.clone().unwrap_or_default(),
+            uid: c.metadata.uid.clone().unwrap_or_default(),
+            allocation,
+            devices,
+            create: None,
+            cached: Some((*c).clone()),
+        };
+        let status = c.status.as_ref();
+        if status.is_some_and(|s| s.allocation.is_some()) {
+            let reserved = status
+                .and_then(|s| s.reserved_for.as_ref())
+                .is_some_and(|r| r.iter().any(|r| r.uid == pod_uid));
+            if !reserved {
+                out.push(write(None, None));
+            }
+            continue;
+        }
+        let claim = crate::claims::claim(c, dra.compiled).ok()?;
+        let mut devices = Vec::new();
+        for r in &claim.requests {
+            let (sub, exact) = r.alternatives.first()?;
+            let n = match exact.mode {
+                xpu_sched::dra::Mode::Count(n) => n,
+                xpu_sched::dra::Mode::All => 1,
+            };
+            let request = match sub {
+                Some(sub) => format!("{}/{sub}", r.name),
+                None => r.name.clone(),
+            };
+            for _ in 0..n {
+                let id = free.by_ref().find(|id| !taken.devices.contains(id))?;
+                devices.push(xpu_sched::dra::Allocated {
+                    request: request.clone(),
+                    id,
+                    admin_access: false,
+                    consumed: None,
+                    binding_conditions: Vec::new(),
+                    binding_failure_conditions: Vec::new(),
+                });
+            }
+        }
+        let a = xpu_sched::dra::Allocation { devices };
+        let json = crate::claims::allocation_json(&a, c, dra.class_objects, node);
+        mine.push(a.clone());
+        out.push(write(Some(json), Some(a)));
+    }
+    for a in &mine {
+        taken.add(a);
+    }
+    Some(out)
 }
 
 /// Records every bound (or assumed) pod, but those `snap.hold_out` leaves out, where it is, for

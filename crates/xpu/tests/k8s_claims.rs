@@ -536,6 +536,55 @@ async fn a_device_taint_rule_keeps_claims_off_the_devices_it_taints() {
     assert!(node_of(&get(&admin, "two").await).is_none());
 }
 
+/// The benches' null binder makes the writes a DRA scheduler makes and decides nothing: each
+/// pod with a claim waits for its claim, then goes to the next node in turn with free devices,
+/// its claim allocated the node's first free ones (never one another claim holds) and
+/// reserved for it; a pod for which no node has devices left waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_null_binder_allocates_first_free_devices_and_binds() {
+    let _turn = TURN.lock().await;
+    let (cp, admin, kubeconfig, alice) = claims_plane().await;
+    let pp = PostParams::default();
+    for n in ["n1", "n2"] {
+        add_node(&admin, &NodeDef::new(n)).await;
+        Api::<ResourceSlice>::all(admin.clone())
+            .create(&pp, &slice(n, &[("g0", 0, "A100"), ("g1", 0, "A100")]))
+            .await
+            .unwrap();
+    }
+    let sched = XpuScheduler::start(&cp, &kubeconfig, "null", &["--null-binder"]);
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(alice.clone(), NS);
+    templates.create(&pp, &template("one", 1, "true")).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(alice.clone(), NS);
+    let names = ["p1", "p2", "p3", "p4", "p5"];
+    for n in names {
+        pods.create(&pp, &claim_pod(n, "one", &[])).await.unwrap();
+    }
+    let four = wait_until(Duration::from_secs(60), || async {
+        let mut bound = 0;
+        for n in names {
+            bound += usize::from(node_of(&get(&admin, n).await).is_some());
+        }
+        bound == 4
+    })
+    .await;
+    assert!(four, "four of five bind\n{}", sched.log_text());
+    let mut held = Vec::new();
+    for n in names {
+        let p = get(&admin, n).await;
+        let Some(node) = node_of(&p) else { continue };
+        let c = claim_of(&admin, n).await.unwrap();
+        let st = c.status.unwrap();
+        let r = st.allocation.unwrap().devices.unwrap().results.unwrap();
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].pool, node, "{n}: a device of its own node");
+        held.push(format!("{}/{}", r[0].pool, r[0].device));
+        assert_eq!(st.reserved_for.unwrap()[0].uid, p.metadata.uid.unwrap());
+    }
+    held.sort();
+    assert_eq!(held, ["n1/g0", "n1/g1", "n2/g0", "n2/g1"], "every device once");
+}
+
 /// Devices with binding conditions (KEP-5007, GA in 1.37), as a fabric-attached GPU publishes
 /// them: xpu allocates the claim with the conditions copied and reserves it for the pod, but
 /// binds the pod only once the driver sets the conditions True in the claim's
