@@ -16,6 +16,9 @@
 //!   XPU_BENCH_SCHEDULERS=kube,xpu XPU_BENCH_SHAPES=anti,affinity,spread,gang
 //!   XPU_BENCH_BACKLOG=1: every pod is created before the scheduler starts, and the figures run
 //!   from its start (the API server's create rate then bounds neither scheduler)
+//!   XPU_BENCH_BOUND=50000: that many pods already bound before the measured ones arrive
+//!   (spread over the nodes, each labelled with one of 100 other apps, one in ten anti-affine on
+//!   the hostname to an app no measured pod has): the inter-pod state a cycle must account for
 //!
 //! kube-scheduler runs with `clientConnection.qps/burst` 5000, as scheduler_perf sets it.
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::print_stderr)]
@@ -82,6 +85,26 @@ fn pod(shape: &str, i: usize, scheduler: &str) -> Pod {
     .unwrap()
 }
 
+/// A pod already bound to its node when created: the cluster's running workload, with labels
+/// and (one in ten) an anti-affinity term of its own, so that every inter-pod check meets it.
+fn bound_pod(i: usize, nodes: usize) -> Pod {
+    let mut spec = json!({
+        "nodeName": format!("node-{:05}", i % nodes),
+        "containers": [{ "name": "c", "image": "pause",
+                         "resources": { "requests": { "cpu": "10m", "memory": "16Mi" } } }],
+    });
+    if i.is_multiple_of(10) {
+        spec["affinity"] = json!({ "podAntiAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": [
+            { "labelSelector": { "matchLabels": { "color": "red" } }, "topologyKey": "kubernetes.io/hostname" } ] } });
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": format!("bound-{i:06}"), "labels": { "app": format!("app-{}", i % 100) } },
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
 fn group(i: usize) -> PodGroup {
     serde_json::from_value(json!({
         "metadata": { "name": format!("g-{i:05}") },
@@ -92,7 +115,13 @@ fn group(i: usize) -> PodGroup {
 
 const GATES: &str = "GenericWorkload=true,TopologyAwareWorkloadScheduling=true";
 
-async fn bench(which: &str, shape: &str, nodes: usize, pods: usize) -> k8s_bench::Figures {
+async fn bench(
+    which: &str,
+    shape: &str,
+    nodes: usize,
+    bound: usize,
+    pods: usize,
+) -> k8s_bench::Figures {
     let gang = shape == "gang";
     let mut opts = ControlPlaneOptions::default();
     if gang {
@@ -103,6 +132,14 @@ async fn bench(which: &str, shape: &str, nodes: usize, pods: usize) -> k8s_bench
     let cp = ControlPlane::start(opts).await.unwrap_or_else(|e| panic!("control plane: {e}"));
     let client = cp.admin_client();
     create_all(&Api::<Node>::all(client.clone()), nodes, 32, node).await;
+    if bound > 0 {
+        let t = std::time::Instant::now();
+        create_all(&Api::<Pod>::namespaced(client.clone(), "default"), bound, 64, |i| {
+            bound_pod(i, nodes)
+        })
+        .await;
+        eprintln!("{which}: {bound} bound pods created in {:.1} s", t.elapsed().as_secs_f64());
+    }
     if gang {
         create_all(&Api::<PodGroup>::namespaced(client.clone(), "default"), pods / GANG, 32, group)
             .await;
@@ -115,14 +152,16 @@ async fn bench(which: &str, shape: &str, nodes: usize, pods: usize) -> k8s_bench
 fn main() {
     let nodes = env_num("XPU_BENCH_NODES", 500);
     let pods = env_num("XPU_BENCH_PODS", 402);
+    let bound = env_num("XPU_BENCH_BOUND", 0);
     let which = std::env::var("XPU_BENCH_SCHEDULERS").unwrap_or_else(|_| "kube,xpu".into());
     let shapes =
         std::env::var("XPU_BENCH_SHAPES").unwrap_or_else(|_| "anti,affinity,spread,gang".into());
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let title =
-        format!("k8s inter-pod bench: {nodes} nodes in {ZONES} zones, {pods} pods per shape");
+    let title = format!(
+        "k8s inter-pod bench: {nodes} nodes in {ZONES} zones, {bound} pods bound before, {pods} pods per shape"
+    );
     k8s_bench::table(&title, "shape", &shapes, &which, |w, shape| {
-        rt.block_on(bench(w, shape, nodes, pods))
+        rt.block_on(bench(w, shape, nodes, bound, pods))
     });
 }

@@ -171,6 +171,9 @@ pub async fn run(
     let (seen, watch) = watch_binds(&client);
     let pods = make(if which == "kube" { "default-scheduler" } else { "xpu" });
     let n = pods.len();
+    // Only the measured pods count (pods bound before they arrive are seen bound too).
+    let names: std::collections::HashSet<String> =
+        pods.iter().filter_map(|p| p.metadata.name.clone()).collect();
     let api: Api<Pod> = Api::namespaced(client.clone(), "default");
     let backlog = std::env::var_os("XPU_BENCH_BACKLOG").is_some();
     let created: Mutex<HashMap<String, Instant>> = Mutex::default();
@@ -192,7 +195,7 @@ pub async fn run(
     }
     let limit = Instant::now() + Duration::from_secs(900);
     loop {
-        let done = seen.lock().unwrap().len();
+        let done = seen.lock().unwrap().keys().filter(|k| names.contains(*k)).count();
         if done >= n {
             break;
         }
@@ -202,7 +205,8 @@ pub async fn run(
     let rss_mib = peak_rss_mib(child.id());
     stop(&mut child);
     watch.abort();
-    let seen = seen.lock().unwrap();
+    let mut seen = seen.lock().unwrap();
+    seen.retain(|k, _| names.contains(k));
     let created = created.lock().unwrap();
     let from = |name: &str| if backlog { Some(started) } else { created.get(name).copied() };
     let t0 = if backlog { started } else { created.values().min().copied().unwrap_or(started) };
