@@ -26,6 +26,7 @@
 //!   `maxSkew` (the smallest is 0 while there are fewer domains than `minDomains`).
 
 use std::collections::BTreeMap;
+use std::hash::RandomState;
 use std::sync::Arc;
 
 use crate::cluster::{Cluster, NodeId};
@@ -220,19 +221,22 @@ pub struct PodIndex {
     by_label: Option<FxHashMap<u64, Vec<u32>>>,
     /// Positions in `pods` of the pods on each node: a pod leaves without a scan of every pod.
     by_node: FxHashMap<NodeId, Vec<u32>>,
+    /// The keys of [`label_hash`], random per index (and kept by its copies): labels are chosen
+    /// by whoever writes a pod, and must not be able to make every label land on one list.
+    seed: RandomState,
 }
 
 /// Enters pod `p`, at position `at`, in the lists of its labels.
-fn post(index: &mut FxHashMap<u64, Vec<u32>>, p: &PodTerms, at: u32) {
+fn post(seed: &RandomState, index: &mut FxHashMap<u64, Vec<u32>>, p: &PodTerms, at: u32) {
     for (k, v) in &p.labels {
-        index.entry(label_hash(k, v)).or_default().push(at);
+        index.entry(label_hash(seed, k, v)).or_default().push(at);
     }
 }
 
 /// Takes position `at` out of the lists of pod `p`'s labels.
-fn unpost(index: &mut FxHashMap<u64, Vec<u32>>, p: &PodTerms, at: u32) {
+fn unpost(seed: &RandomState, index: &mut FxHashMap<u64, Vec<u32>>, p: &PodTerms, at: u32) {
     for (k, v) in &p.labels {
-        let h = label_hash(k, v);
+        let h = label_hash(seed, k, v);
         if let Some(list) = index.get_mut(&h) {
             if let Some(j) = list.iter().rposition(|&x| x == at) {
                 list.swap_remove(j);
@@ -244,10 +248,10 @@ fn unpost(index: &mut FxHashMap<u64, Vec<u32>>, p: &PodTerms, at: u32) {
     }
 }
 
-/// A hash of one label, `key=value`.
-fn label_hash(key: &str, value: &str) -> u64 {
-    use std::hash::Hasher;
-    let mut h = crate::hash::FxHasher::default();
+/// A keyed hash of one label, `key=value`.
+fn label_hash(seed: &RandomState, key: &str, value: &str) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = seed.build_hasher();
     h.write(key.as_bytes());
     h.write_u8(0xff); // never in UTF-8; a collision only costs time: candidates are matched
     h.write(value.as_bytes());
@@ -290,7 +294,7 @@ impl PodIndex {
         self.account(node, &pod, true);
         let at = self.pods.len() as u32;
         if let Some(index) = self.by_label.as_mut() {
-            post(index, &pod, at);
+            post(&self.seed, index, &pod, at);
         }
         self.by_node.entry(node).or_default().push(at);
         self.pods.push((node, pod));
@@ -313,7 +317,7 @@ impl PodIndex {
         let last = self.pods.len() as u32 - 1;
         let (_, p) = self.pods.swap_remove(i as usize);
         if let Some(index) = self.by_label.as_mut() {
-            unpost(index, &p, i);
+            unpost(&self.seed, index, &p, i);
         }
         if let Some((moved_node, moved)) = self.pods.get(i as usize) {
             // The last pod moves to position `i`.
@@ -323,8 +327,8 @@ impl PodIndex {
                 *at = i;
             }
             if let Some(index) = self.by_label.as_mut() {
-                unpost(index, moved, last);
-                post(index, moved, i);
+                unpost(&self.seed, index, moved, last);
+                post(&self.seed, index, moved, i);
             }
         }
         self.account(node, &p, false);
@@ -333,11 +337,11 @@ impl PodIndex {
     /// Builds the lists of the pods carrying each label now (else they are built on first use),
     /// for an index kept and copied: each copy then starts with them.
     pub fn index_labels(&mut self) {
-        let pods = &self.pods;
+        let (pods, seed) = (&self.pods, &self.seed);
         self.by_label.get_or_insert_with(|| {
             let mut index = FxHashMap::default();
             for (i, (_, p)) in pods.iter().enumerate() {
-                post(&mut index, p, i as u32);
+                post(seed, &mut index, p, i as u32);
             }
             index
         });
@@ -357,7 +361,11 @@ impl PodIndex {
         self.index_labels();
         let index = self.by_label.as_ref()?;
         let lists = |r: &LabelReq| {
-            r.values.iter().filter_map(|v| index.get(&label_hash(&r.key, v))).collect::<Vec<_>>()
+            let seed = &self.seed;
+            r.values
+                .iter()
+                .filter_map(|v| index.get(&label_hash(seed, &r.key, v)))
+                .collect::<Vec<_>>()
         };
         let best = ins()
             .map(|r| {
