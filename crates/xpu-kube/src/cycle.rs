@@ -1434,7 +1434,8 @@ pub fn null_plan(snap: &Snapshot<'_>, cursor: &mut usize) -> Plan {
     let mut taken = snap.dra.map(|d| d.in_use.clone()).unwrap_or_default();
     for p in pending {
         let Some(pod) = PodKey::of(p) else { continue };
-        let names = crate::claims::pod_claims(p).unwrap_or_else(|_| vec![String::new()]);
+        // A claim still to be made from its template: the pod waits.
+        let Ok(names) = crate::claims::pod_claims(p) else { continue };
         if names.is_empty() {
             *cursor = (*cursor + 1) % ready.len();
             let node = ready[*cursor].to_owned();
@@ -1480,8 +1481,6 @@ fn null_claims(
             device: d.name.clone(),
         })
     });
-    // Devices given to this pod's claims so far.
-    let mut mine: Vec<xpu_sched::dra::Allocation> = Vec::new();
     let mut out = Vec::new();
     for c in claims {
         let write = |allocation, devices| ClaimWrite {
@@ -1529,10 +1528,10 @@ fn null_claims(
         }
         let a = xpu_sched::dra::Allocation { devices };
         let json = crate::claims::allocation_json(&a, c, dra.class_objects, node);
-        mine.push(a.clone());
         out.push(write(Some(json), Some(a)));
     }
-    for a in &mine {
+    // Only once every claim of the pod has its devices.
+    for a in out.iter().filter_map(|w| w.devices.as_ref()) {
         taken.add(a);
     }
     Some(out)

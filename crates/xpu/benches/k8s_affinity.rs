@@ -85,24 +85,24 @@ fn pod(shape: &str, i: usize, scheduler: &str) -> Pod {
     .unwrap()
 }
 
-/// A pod already bound to its node when created: the cluster's running workload, with labels
-/// and (one in ten) an anti-affinity term of its own, so that every inter-pod check meets it.
+/// A pod already bound to its node ([`k8s_bench::bound_pod`]), with one of 100 other apps'
+/// labels and (one in ten) an anti-affinity term of its own, so that every inter-pod check
+/// meets it.
 fn bound_pod(i: usize, nodes: usize) -> Pod {
-    let mut spec = json!({
-        "nodeName": format!("node-{:05}", i % nodes),
-        "containers": [{ "name": "c", "image": "pause",
-                         "resources": { "requests": { "cpu": "10m", "memory": "16Mi" } } }],
-    });
+    let mut p = k8s_bench::bound_pod(i, nodes);
+    p.metadata.labels = Some([("app".to_owned(), format!("app-{}", i % 100))].into());
     if i.is_multiple_of(10) {
-        spec["affinity"] = json!({ "podAntiAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": [
-            { "labelSelector": { "matchLabels": { "color": "red" } }, "topologyKey": "kubernetes.io/hostname" } ] } });
+        let spec = p.spec.as_mut().unwrap();
+        spec.affinity = Some(
+            serde_json::from_value(
+                json!({ "podAntiAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": [
+                { "labelSelector": { "matchLabels": { "color": "red" } },
+                  "topologyKey": "kubernetes.io/hostname" } ] } }),
+            )
+            .unwrap(),
+        );
     }
-    serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": { "name": format!("bound-{i:06}"), "labels": { "app": format!("app-{}", i % 100) } },
-        "spec": spec,
-    }))
-    .unwrap()
+    p
 }
 
 fn group(i: usize) -> PodGroup {
@@ -132,14 +132,7 @@ async fn bench(
     let cp = ControlPlane::start(opts).await.unwrap_or_else(|e| panic!("control plane: {e}"));
     let client = cp.admin_client();
     create_all(&Api::<Node>::all(client.clone()), nodes, 32, node).await;
-    if bound > 0 {
-        let t = std::time::Instant::now();
-        create_all(&Api::<Pod>::namespaced(client.clone(), "default"), bound, 64, |i| {
-            bound_pod(i, nodes)
-        })
-        .await;
-        eprintln!("{which}: {bound} bound pods created in {:.1} s", t.elapsed().as_secs_f64());
-    }
+    k8s_bench::create_bound(&client, which, bound, |i| bound_pod(i, nodes)).await;
     if gang {
         create_all(&Api::<PodGroup>::namespaced(client.clone(), "default"), pods / GANG, 32, group)
             .await;

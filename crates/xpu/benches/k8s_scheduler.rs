@@ -151,21 +151,6 @@ async fn run_mix(
     }
 }
 
-/// A pod already bound to its node when created (no scheduler involved): the cluster's running
-/// workload, which every cycle of a scheduler must account for.
-fn bound_pod(i: usize, nodes: usize) -> Pod {
-    serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": { "name": format!("bound-{i:06}") },
-        "spec": {
-            "nodeName": format!("node-{:05}", i % nodes),
-            "containers": [{ "name": "c", "image": "pause",
-                             "resources": { "requests": { "cpu": "10m", "memory": "16Mi" } } }],
-        },
-    }))
-    .unwrap()
-}
-
 async fn bench(which: &str, nodes: usize, bound: usize, mixes: &[Mix]) -> (Vec<Figures>, f64) {
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
@@ -174,14 +159,7 @@ async fn bench(which: &str, nodes: usize, bound: usize, mixes: &[Mix]) -> (Vec<F
     let t = Instant::now();
     create_all(&Api::<Node>::all(client.clone()), nodes, 32, node).await;
     eprintln!("{which}: {nodes} nodes created in {:.1} s", t.elapsed().as_secs_f64());
-    if bound > 0 {
-        let t = Instant::now();
-        create_all(&Api::<Pod>::namespaced(client.clone(), "default"), bound, 64, |i| {
-            bound_pod(i, nodes)
-        })
-        .await;
-        eprintln!("{which}: {bound} bound pods created in {:.1} s", t.elapsed().as_secs_f64());
-    }
+    k8s_bench::create_bound(&client, which, bound, |i| k8s_bench::bound_pod(i, nodes)).await;
     let (seen, watch) = k8s_bench::watch_binds(&client);
     let key = cp.dir().join("share.key");
     std::fs::write(&key, [7u8; 32]).unwrap();

@@ -35,6 +35,32 @@ where
     }
 }
 
+/// A pod already bound to node `node-{i % nodes}` when created (no scheduler involved): the
+/// cluster's running workload, which every cycle of a scheduler must account for.
+pub fn bound_pod(i: usize, nodes: usize) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": format!("bound-{i:06}") },
+        "spec": {
+            "nodeName": format!("node-{:05}", i % nodes),
+            "containers": [{ "name": "c", "image": "pause",
+                             "resources": { "requests": { "cpu": "10m", "memory": "16Mi" } } }],
+        },
+    }))
+    .unwrap()
+}
+
+/// Creates `bound` pods made by `make` (each bound to its node) in the default namespace, and
+/// says how long that took.
+pub async fn create_bound(client: &Client, which: &str, bound: usize, make: impl Fn(usize) -> Pod) {
+    if bound == 0 {
+        return;
+    }
+    let t = Instant::now();
+    create_all(&Api::<Pod>::namespaced(client.clone(), "default"), bound, 64, make).await;
+    eprintln!("{which}: {bound} bound pods created in {:.1} s", t.elapsed().as_secs_f64());
+}
+
 /// The peak resident set of process `pid` (VmHWM), MiB.
 pub fn peak_rss_mib(pid: u32) -> f64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
