@@ -229,6 +229,11 @@ pub struct Snapshot<'a> {
     pub scheduler_name: &'a str,
     pub nodes: &'a [Arc<Node>],
     pub pods: &'a [Arc<Pod>],
+    /// The pods of `pods` whose `spec.nodeName` is empty (waiting or assumed), when the driver
+    /// has them from a pass of its own: a cycle's passes over the pods that skip those the
+    /// watch shows bound (waiting pods, and with a ledger what bound pods hold) read only
+    /// these, so they cost what waits, not what runs. `None`: they filter `pods`.
+    pub unbound: Option<&'a [Arc<Pod>]>,
     /// Job uid → (completions, parallelism, Indexed).
     pub jobs: &'a HashMap<String, (i32, i32, bool)>,
     /// Pods this scheduler bound whose binding the watch has not shown yet: uid → node.
@@ -436,6 +441,7 @@ impl<'a> Snapshot<'a> {
             scheduler_name,
             nodes,
             pods,
+            unbound: None,
             jobs,
             assumed,
             assumed_gpus: &NO_GPUS,
@@ -453,6 +459,12 @@ impl<'a> Snapshot<'a> {
             memo: None,
             ledger: None,
         }
+    }
+
+    /// The pods that may be waiting or assumed: [`Self::unbound`] when given, else every pod.
+    /// Callers still filter; this only leaves out pods the watch shows bound.
+    pub(crate) fn maybe_unbound(&self) -> &'a [Arc<Pod>] {
+        self.unbound.unwrap_or(self.pods)
     }
 }
 
@@ -1420,8 +1432,11 @@ pub fn null_plan(snap: &Snapshot<'_>, cursor: &mut usize) -> Plan {
         .filter_map(|n| n.metadata.name.as_deref())
         .collect();
     ready.sort_unstable();
-    let mut pending: Vec<&Arc<Pod>> =
-        snap.pods.iter().filter(|p| waits_for(p, snap.scheduler_name, snap.assumed)).collect();
+    let mut pending: Vec<&Arc<Pod>> = snap
+        .maybe_unbound()
+        .iter()
+        .filter(|p| waits_for(p, snap.scheduler_name, snap.assumed))
+        .collect();
     out.pending = pending.len();
     if ready.is_empty() {
         return out;
@@ -1623,8 +1638,11 @@ fn plan_once(
     let scheduler_name = snap.scheduler_name;
 
     // Pending pods, oldest first, grouped into units.
-    let mut pending: Vec<&Arc<Pod>> =
-        snap.pods.iter().filter(|p| waits_for(p, scheduler_name, snap.assumed)).collect();
+    let mut pending: Vec<&Arc<Pod>> = snap
+        .maybe_unbound()
+        .iter()
+        .filter(|p| waits_for(p, scheduler_name, snap.assumed))
+        .collect();
     pending.sort_by(|a, b| {
         let ka = (&a.metadata.creation_timestamp, &a.metadata.namespace, &a.metadata.name);
         let kb = (&b.metadata.creation_timestamp, &b.metadata.namespace, &b.metadata.name);
@@ -2103,7 +2121,9 @@ fn plan_once(
             }
         }
         let mut memo = Held::of(snap);
-        for p in snap.pods {
+        // With a ledger, pods the watch shows bound are its: only the others are read.
+        let pods = if ledger.is_some() { snap.maybe_unbound() } else { snap.pods };
+        for p in pods {
             let mine =
                 p.spec.as_ref().and_then(|s| s.scheduler_name.as_deref()) == Some(scheduler_name);
             if !mine || terminal(p) || bound_node(p, snap.assumed).is_none() {
@@ -2137,9 +2157,11 @@ fn plan_once(
     let mut cycle_in_use = snap.dra.map(|d| d.in_use.clone()).unwrap_or_default();
     // Claims allocated in this cycle, by uid.
     let mut claimed: std::collections::HashSet<String> = std::collections::HashSet::new();
+    // Node labels by name, for the pods with claims (none waiting: not built).
     let node_labels: HashMap<&str, &BTreeMap<String, String>> = snap
         .nodes
         .iter()
+        .filter(|_| !pod_claims.is_empty())
         .filter_map(|n| Some((n.metadata.name.as_deref()?, n.metadata.labels.as_ref()?)))
         .collect();
     for d in sched.schedule(now) {
@@ -2361,7 +2383,9 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
         }
     }
     let mut memo = Held::of(snap);
-    for p in snap.pods {
+    // With a ledger, pods the watch shows bound are its: only the others are read.
+    let pods = if ledger.is_some() { snap.maybe_unbound() } else { snap.pods };
+    for p in pods {
         if terminal(p) {
             continue;
         }
@@ -2421,7 +2445,8 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     // A pod that preempted others keeps its place on its nominated node while they end:
     // counted there as if bound, so nothing else takes the space it evicted for.
     let mut reserved: HashMap<String, String> = HashMap::new();
-    for p in snap.pods.iter().filter(|p| waits_for(p, snap.scheduler_name, snap.assumed)) {
+    for p in snap.maybe_unbound().iter().filter(|p| waits_for(p, snap.scheduler_name, snap.assumed))
+    {
         let Some(node) = p.status.as_ref().and_then(|s| s.nominated_node_name.as_deref()) else {
             continue;
         };
@@ -2441,7 +2466,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     let separate = offered.len() > 1;
     // Nodes carry their name as a label only when a waiting pod has DRA claims (a label
     // unique to each node gives every node a shape of its own in xpu-sched).
-    let by_name = snap.pods.iter().any(|p| {
+    let by_name = snap.maybe_unbound().iter().any(|p| {
         waits_for(p, snap.scheduler_name, snap.assumed)
             && (p.spec.as_ref().is_some_and(|s| {
                 s.resource_claims.as_ref().is_some_and(|c| !c.is_empty())

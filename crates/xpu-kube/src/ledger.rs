@@ -530,7 +530,8 @@ mod tests {
     /// events (made, bound, changed, ended, being deleted, deleted; assumed by the scheduler
     /// before the watch shows them bound, or as its last plan bound them; relists) and node
     /// events (changed, added, removed), over many seeds. After every event the cluster a cycle
-    /// builds with the ledger and the kept cluster of the cycles before ([`crate::base`]: free
+    /// builds with the ledger, reading only the pods the watch shows unbound
+    /// ([`Snapshot::unbound`]), and the kept cluster of the cycles before ([`crate::base`]: free
     /// CPU, memory and every device of every node, statuses, labels, tie-break ranks; gangs
     /// bound, queue charges, unreadable pods) and the plan it makes equal those built from the
     /// pods alone.
@@ -669,7 +670,18 @@ mod tests {
                     preemption: seed % 3 == 0,
                     ..Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed)
                 };
-                let kept = Snapshot { ledger: Some(&ledger), memo: Some(&memo), ..rebuilt };
+                // And reads the pods the watch shows unbound, from its own pass.
+                let unbound: Vec<_> = pods
+                    .iter()
+                    .filter(|p| p.spec.as_ref().unwrap().node_name.is_none())
+                    .cloned()
+                    .collect();
+                let kept = Snapshot {
+                    ledger: Some(&ledger),
+                    memo: Some(&memo),
+                    unbound: Some(&unbound),
+                    ..rebuilt
+                };
                 let (text, cluster, empty) = rendered(&kept);
                 let (fresh_text, fresh, _) = rendered(&rebuilt);
                 assert_eq!(text, fresh_text, "seed {seed}, step {step}: the ledger's books differ");

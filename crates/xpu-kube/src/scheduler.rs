@@ -480,24 +480,24 @@ pub async fn run(
                 ))
             })
             .collect();
+        // The pods the watch shows unbound (waiting, or bound by this scheduler and not yet
+        // seen so): one pass over every pod, reading only `spec.nodeName`, so that the
+        // cycle's own passes read these few instead of every pod of the cluster.
+        let unbound: Vec<Arc<Pod>> = pods
+            .iter()
+            .filter(|p| {
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref()).is_none_or(str::is_empty)
+            })
+            .cloned()
+            .collect();
         let assumed_now = {
             let mut a = assumed.lock().await;
-            // Forget what the watch now shows bound, or gone: one pass over the pods, looking
-            // each up among the few assumed (not a map of every pod of the cluster).
+            // Forget what the watch now shows bound, or gone: kept are the assumed pods the
+            // watch still shows unbound.
             if !a.is_empty() {
-                let unbound: std::collections::HashSet<&str> = pods
-                    .iter()
-                    .filter_map(|p| p.metadata.uid.as_deref().map(|u| (u, p)))
-                    .filter(|(u, p)| {
-                        a.contains_key(*u)
-                            && p.spec
-                                .as_ref()
-                                .and_then(|s| s.node_name.as_deref())
-                                .is_none_or(str::is_empty)
-                    })
-                    .map(|(u, _)| u)
-                    .collect();
-                a.retain(|uid, _| unbound.contains(uid.as_str()));
+                let still: std::collections::HashSet<&str> =
+                    unbound.iter().filter_map(|p| p.metadata.uid.as_deref()).collect();
+                a.retain(|uid, _| still.contains(uid.as_str()));
             }
             a.clone()
         };
@@ -606,6 +606,7 @@ pub async fn run(
             unix_now: k8s_openapi::jiff::Timestamp::now().as_second(),
             memo: Some(&memo),
             ledger: Some(&caches.ledger),
+            unbound: Some(&unbound),
             ..Snapshot::new(&opts.scheduler_name, &nodes, &pods, &jobs, &assumed_now)
         };
         let now = started.elapsed().as_secs();
@@ -633,6 +634,8 @@ pub async fn run(
         debug!(
             pending = plan.pending,
             binds = plan.binds.len(),
+            plan_ms = t0.elapsed().as_millis() as u64,
+            since_pass_ms = pass.elapsed().as_millis() as u64,
             waiting = plan.waiting.len(),
             "cycle"
         );

@@ -112,7 +112,8 @@ pub fn start_scheduler_gated(
             .arg(cp.admin_kubeconfig())
             .args(xpu_args)
             .args(if which == "null" { &["--null-binder"][..] } else { &[] })
-            .env("RUST_LOG", "warn")
+            // `XPU_BENCH_LOG`: its RUST_LOG (`xpu_kube::scheduler=debug` logs each cycle).
+            .env("RUST_LOG", std::env::var("XPU_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
             // As deploy/kubernetes/scheduler.yaml runs it (`XPU_BENCH_ARENAS=16`: glibc's own
             // limit on 2 cores, 8 per core).
             .env(
