@@ -110,7 +110,12 @@ pub fn quantity(q: &str, scale: f64) -> Option<u64> {
 }
 
 fn q(map: Option<&BTreeMap<String, Quantity>>, key: &str, scale: f64) -> Result<u64, String> {
-    match map.and_then(|m| m.get(key)) {
+    q_of(map.and_then(|m| m.get(key)), key, scale)
+}
+
+/// [`q`] of a value looked up already.
+fn q_of(v: Option<&Quantity>, key: &str, scale: f64) -> Result<u64, String> {
+    match v {
         None => Ok(0),
         Some(v) => {
             quantity(&v.0, scale).ok_or_else(|| format!("{key}: {:?} is not a quantity", v.0))
@@ -255,7 +260,8 @@ fn container_sum(c: &Container, path: &str) -> Result<Sum, Unsupported> {
     let lim = r.and_then(|r| r.limits.as_ref());
     let pick = |key: &str, scale: f64| -> Result<u64, Unsupported> {
         let from = if req.is_some_and(|m| m.contains_key(key)) { req } else { lim };
-        q(from, key, scale).map_err(|e| unsupported(&format!("{path}.resources"), &e))
+        q_of(from.and_then(|m| m.get(key)), key, scale)
+            .map_err(|e| unsupported(&format!("{path}.resources"), &e))
     };
     let mut s = Sum { cpu: pick("cpu", 1000.0)?, mem: pick("memory", 1.0)?, ..Sum::default() };
     for (res, _) in DEVICE_RESOURCES {
