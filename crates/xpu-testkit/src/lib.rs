@@ -108,6 +108,9 @@ pub struct DevSpec {
     pub drm_minor: Option<u32>,
     /// AMD XGMI hive id.
     pub xgmi_hive: Option<String>,
+    /// The display controller the firmware booted on: its `boot_vga` reads `1` (the fixtures
+    /// write no `boot_vga` for other functions; xpu reads a missing one as `0`).
+    pub boot_vga: bool,
 }
 
 impl DevSpec {
@@ -132,6 +135,7 @@ impl DevSpec {
             accel_minor: None,
             drm_minor: None,
             xgmi_hive: None,
+            boot_vga: false,
         }
     }
 
@@ -190,6 +194,12 @@ impl DevSpec {
 
     pub fn drm(mut self, minor: u32) -> Self {
         self.drm_minor = Some(minor);
+        self
+    }
+
+    /// The host's boot display (`boot_vga` reads `1`).
+    pub fn boot_vga(mut self) -> Self {
+        self.boot_vga = true;
         self
     }
 

@@ -197,6 +197,9 @@ impl Builder<'_> {
         write(&dir.join("irq"), "0\n");
         write(&dir.join("enable"), "1\n");
         write(&dir.join("driver_override"), "(null)\n");
+        if d.boot_vga {
+            write(&dir.join("boot_vga"), "1\n");
+        }
         write(
             &dir.join("resource"),
             "0x0000000000000000 0x0000000000000000 0x0000000000000000\n".repeat(13),

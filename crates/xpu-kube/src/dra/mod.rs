@@ -14,6 +14,7 @@
 pub mod mig;
 pub mod plugin;
 pub mod prepare;
+pub mod rebind;
 pub mod slices;
 
 use std::path::PathBuf;

@@ -29,8 +29,10 @@ use xpu_integrations::drapb::{self, registration as reg, v1, v1beta1};
 use xpu_integrations::limits;
 use xpu_telemetry::mig::{MigControl, MigControlError, MigGpu};
 
-use super::DRIVER;
-use super::prepare::{self, PreparedDevice};
+use super::prepare::{self, ClaimError, PreparedDevice};
+use super::{DRIVER, rebind};
+use xpu_core::kernel::Kernel;
+use xpu_host::kernel::SysfsKernel;
 
 /// What the checkpoint remembers of one prepared claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,6 +45,13 @@ pub struct PreparedClaim {
     /// The MIG instances made for the claim, destroyed when it is unprepared.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mig: Vec<MadeInstance>,
+    /// The PCI functions moved to `vfio-pci` for the claim (its passthrough devices and their
+    /// IOMMU group companions), returned to their drivers when it is unprepared.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vfio: Vec<PciAddress>,
+    /// When it was prepared (RFC 3339): `xpu vfio status` says since when a use holds a device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
 }
 
 /// A MIG instance made for a claim.
@@ -149,6 +158,8 @@ pub struct Driver {
     mig: Option<Arc<dyn MigControl>>,
     /// Held across a whole prepare or unprepare: the checkpoint and CDI files change together.
     checkpoint: Mutex<Checkpoint>,
+    /// The kernel the passthrough moves write to (sysfs under `root`; a fake in tests).
+    kernel: std::sync::Mutex<Box<dyn Kernel + Send>>,
 }
 
 impl Driver {
@@ -166,6 +177,7 @@ impl Driver {
         }
         let checkpoint = load_checkpoint(&paths.checkpoint())?;
         info!(claims = checkpoint.claims.len(), "checkpoint loaded");
+        let root_for_kernel = root.clone();
         Ok(Driver {
             node: node.to_owned(),
             root,
@@ -175,14 +187,96 @@ impl Driver {
             specs: std::sync::Mutex::new(None),
             mig,
             checkpoint: Mutex::new(checkpoint),
+            kernel: std::sync::Mutex::new(Box::new(SysfsKernel::new(root_for_kernel))),
         })
+    }
+
+    /// The driver with `kernel` for its passthrough moves (a fake kernel, in tests).
+    pub fn with_kernel(mut self, kernel: Box<dyn Kernel + Send>) -> Self {
+        self.kernel = std::sync::Mutex::new(kernel);
+        self
+    }
+
+    /// The host read again now (after a move to or from `vfio-pci`), with its CDI specs.
+    fn rediscover(&self) -> Result<(Arc<Inventory>, Arc<Vec<Spec>>), String> {
+        let opts = xpu_host::DiscoverOptions {
+            scope: xpu_host::Scope::Accelerators,
+            pci_ids: None,
+            skip_names: true,
+        };
+        let inv = Arc::new(xpu_host::discover(&self.root, &opts).map_err(|e| e.to_string())?);
+        let specs = self.specs_for(&inv);
+        Ok((inv, specs))
+    }
+
+    /// Who holds each PCI function now, by the checkpoint (`but`: the claim being prepared):
+    /// the devices of every other prepared claim and the functions moved for them.
+    fn holders(&self, cp: &Checkpoint, inv: &Inventory, but: &str) -> BTreeMap<PciAddress, String> {
+        let mut out = BTreeMap::new();
+        for (uid, p) in cp.claims.iter().filter(|(uid, _)| uid.as_str() != but) {
+            let who = format!("claim {}/{} ({uid})", p.namespace, p.name);
+            for d in &p.devices {
+                let whole =
+                    super::mig::parse_device_name(&d.device).map_or(d.device.as_str(), |x| x.0);
+                if let Some(x) = inv
+                    .devices
+                    .iter()
+                    .find(|x| super::slices::device_name(x).as_deref() == Some(whole))
+                {
+                    out.insert(x.address, who.clone());
+                }
+            }
+            for a in &p.vfio {
+                out.insert(*a, who.clone());
+            }
+        }
+        out
+    }
+
+    /// A plan's error, but for a device on `vfio-pci` because another claim's passthrough
+    /// moved it there: that is named as held by that claim.
+    fn explain(&self, e: ClaimError, cp: &Checkpoint, inv: &Inventory, uid: &str) -> String {
+        if let ClaimError::Mode { device, .. } = &e
+            && let Some(d) = inv
+                .devices
+                .iter()
+                .find(|d| super::slices::device_name(d).as_deref() == Some(device.as_str()))
+            && let Some(who) = self.holders(cp, inv, uid).get(&d.address)
+        {
+            return format!(
+                "device {device} is passed through, with its IOMMU group, by {who}; it comes back when that claim is released"
+            );
+        }
+        e.to_string()
+    }
+
+    /// Returns `moved` to their drivers after a prepare that failed later; what fails is
+    /// logged (the functions stay on `vfio-pci`, recorded in the VFIO state file).
+    fn give_back(&self, moved: &[PciAddress]) {
+        if moved.is_empty() {
+            return;
+        }
+        let r = self.rediscover().and_then(|(inv, _)| {
+            let mut k = self.kernel.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            rebind::give_back(&self.root, &inv, &mut **k, moved).map_err(|e| e.to_string())
+        });
+        if let Err(e) = r {
+            warn!(error = %e, "functions moved for a claim that failed to prepare stay on vfio-pci; `xpu vfio unbind` returns them");
+        }
     }
 
     fn host(&self) -> (Arc<Inventory>, Arc<Vec<Spec>>) {
         let inv = self.inventory.borrow().clone();
+        let specs = self.specs_for(&inv);
+        (inv, specs)
+    }
+
+    /// The CDI specs `xpu cdi generate` writes for `inv` (kept for the last inventory).
+    fn specs_for(&self, inv: &Arc<Inventory>) -> Arc<Vec<Spec>> {
+        let inv = inv.clone();
         let mut cache = self.specs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(c) = cache.as_ref().filter(|c| Arc::ptr_eq(&c.inv, &inv) || *c.inv == *inv) {
-            return (c.inv.clone(), c.specs.clone());
+            return c.specs.clone();
         }
         let files =
             xpu_host::driver_files::find(&self.root, inv.host.nvidia_driver_version.as_deref());
@@ -194,8 +288,8 @@ impl Driver {
         let specs = Arc::new(
             xpu_container::cdi::generate(&inv, &files, &opts).map(|g| g.specs).unwrap_or_default(),
         );
-        *cache = Some(HostSpecs { inv: inv.clone(), specs: specs.clone() });
-        (inv, specs)
+        *cache = Some(HostSpecs { inv, specs: specs.clone() });
+        specs
     }
 
     /// Prepares one claim; the error names the claim.
@@ -216,14 +310,51 @@ impl Driver {
             .await
             .map_err(|e| format!("{who}: reading it from the API server: {e}"))?;
         let (inv, specs) = self.host();
-        let mig_gpus = match &self.mig {
-            Some(m) => m.gpus().map_err(|e| format!("{who}: reading MIG state: {e}"))?,
-            None => Vec::new(),
+        // Passthrough devices on their vendor driver go to vfio-pci first, group and all.
+        let moves = prepare::to_move(&claim, &inv).map_err(|e| format!("{who} {e}"))?;
+        let (inv, specs, moved) = if moves.is_empty() {
+            (inv, specs, Vec::new())
+        } else {
+            let held = self.holders(cp, &inv, &c.uid);
+            rebind::check(&self.root, &inv, &moves, &held).map_err(|e| format!("{who}: {e}"))?;
+            let moved = {
+                let mut k = self.kernel.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                rebind::take(&self.root, &inv, &mut **k, &moves)
+            }
+            .map_err(|e| format!("{who}: {e}"))?;
+            info!(claim = %c.uid, moved = ?moved, "moved to vfio-pci for passthrough");
+            match self.rediscover() {
+                Ok((inv, specs)) => (inv, specs, moved),
+                Err(e) => {
+                    self.give_back(&moved);
+                    return Err(format!("{who}: reading the host after moving its devices: {e}"));
+                }
+            }
         };
-        let mut plan = prepare::plan(&claim, &c.uid, &self.node, &inv, &specs, &mig_gpus)
-            .map_err(|e| format!("{who} {e}"))?;
-        let made =
-            self.make_instances(&mut plan, &mig_gpus, cp).map_err(|e| format!("{who} {e}"))?;
+        let mig_gpus = match &self.mig {
+            Some(m) => m.gpus().map_err(|e| format!("{who}: reading MIG state: {e}")),
+            None => Ok(Vec::new()),
+        };
+        let planned = mig_gpus.and_then(|mig_gpus| {
+            let plan = prepare::plan(&claim, &c.uid, &self.node, &inv, &specs, &mig_gpus)
+                .map_err(|e| self.explain(e, cp, &inv, &c.uid))
+                .map_err(|e| format!("{who} {e}"))?;
+            Ok((plan, mig_gpus))
+        });
+        let (mut plan, mig_gpus) = match planned {
+            Ok(p) => p,
+            Err(e) => {
+                self.give_back(&moved);
+                return Err(e);
+            }
+        };
+        let made = match self.make_instances(&mut plan, &mig_gpus, cp) {
+            Ok(m) => m,
+            Err(e) => {
+                self.give_back(&moved);
+                return Err(format!("{who} {e}"));
+            }
+        };
         let file = prepare::spec_file(&c.uid);
         let path = self.paths.cdi_dir.join(&file);
         // Atomic (a runtime sees the old spec or the new one) but not fsynced: the spec is
@@ -233,6 +364,7 @@ impl Driver {
         let json = xpu_container::cdi::to_json(&plan.spec);
         if let Err(e) = xpu_container::fsutil::write_replace(&path, json.as_bytes(), 0o644, false) {
             self.destroy_instances(&made);
+            self.give_back(&moved);
             return Err(format!("{who}: writing CDI spec {}: {e}", path.display()));
         }
         cp.claims.insert(
@@ -243,6 +375,8 @@ impl Driver {
                 spec_file: file,
                 devices: plan.devices.clone(),
                 mig: made.clone(),
+                vfio: moved.clone(),
+                since: Some(k8s_openapi::jiff::Timestamp::now().to_string()),
             },
         );
         if let Err(e) = save_checkpoint(&self.paths.checkpoint(), cp) {
@@ -253,6 +387,7 @@ impl Driver {
                 warn!(spec = %path.display(), error = %rm, "could not remove the spec of a claim that failed to prepare");
             }
             self.destroy_instances(&made);
+            self.give_back(&moved);
             return Err(format!(
                 "{who}: writing checkpoint {}: {e}",
                 self.paths.checkpoint().display()
@@ -388,6 +523,21 @@ impl Driver {
             })?;
             if let Some(p) = cp.claims.get_mut(&c.uid) {
                 p.mig.retain(|x| x != m);
+            }
+        }
+        // The functions moved to vfio-pci for it go back to their drivers; a move that fails
+        // keeps the claim in the checkpoint (the kubelet calls again).
+        let moved = cp.claims.get(&c.uid).map(|p| p.vfio.clone()).unwrap_or_default();
+        if !moved.is_empty() {
+            let (inv, _) =
+                self.rediscover().map_err(|e| format!("{who}: reading the host: {e}"))?;
+            let mut k = self.kernel.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            rebind::give_back(&self.root, &inv, &mut **k, &moved)
+                .map_err(|e| format!("{who}: {e}"))?;
+            drop(k);
+            info!(claim = %c.uid, returned = ?moved, "returned from vfio-pci");
+            if let Some(p) = cp.claims.get_mut(&c.uid) {
+                p.vfio.clear();
             }
         }
         if cp.claims.remove(&c.uid).is_some() {

@@ -34,7 +34,8 @@ pub enum Mode {
     /// Through the vendor driver's device nodes (the device must not be on `vfio-pci`).
     #[default]
     Container,
-    /// Whole device through VFIO, for a VM (the device must be on `vfio-pci`).
+    /// Whole device through VFIO, for a VM: a device on its vendor driver is moved to `vfio-pci`
+    /// with its IOMMU group first ([`super::rebind`]).
     Passthrough,
 }
 
@@ -238,6 +239,37 @@ fn mig_part(
         profile: p.name,
         start,
     })
+}
+
+/// The devices of `claim` asked for in `passthrough` mode that are not on `vfio-pci` yet: the
+/// plugin moves them (with their IOMMU groups, [`super::rebind`]) before [`plan`]. Devices this
+/// node does not have are left to [`plan`] to name.
+pub fn to_move(claim: &ResourceClaim, inv: &Inventory) -> Result<Vec<PciAddress>, ClaimError> {
+    let Some(results) = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref())
+    else {
+        return Ok(Vec::new());
+    };
+    let configs = configs(claim)?;
+    let mut out = Vec::new();
+    for r in results.iter().filter(|r| r.driver == DRIVER) {
+        if mode_for(&configs, &r.request) != Mode::Passthrough {
+            continue;
+        }
+        let Some(d) =
+            inv.devices.iter().find(|d| slices::device_name(d).as_deref() == Some(&r.device))
+        else {
+            continue;
+        };
+        if d.driver.as_deref() != Some("vfio-pci") && !out.contains(&d.address) {
+            out.push(d.address);
+        }
+    }
+    Ok(out)
 }
 
 /// Decides what preparing `claim` (asked for as `uid`) on `node` means; `mig` is NVML's view
@@ -469,7 +501,13 @@ mod tests {
         assert!(e.to_string().contains("parameters.apiVersion"), "{e}");
         let pt = json!([{ "source": "FromClaim", "opaque": { "driver": DRIVER,
             "parameters": { "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mode": "passthrough" } } }]);
-        let e = plan(&claim(r(DRIVER, "n1", &g), pt), "u1", "n1", &inv, &specs, &[]).unwrap_err();
+        // Passthrough for a GPU on its vendor driver: the plugin moves it first
+        // (`super::rebind`); planned without the move, it is refused.
+        let c = claim(r(DRIVER, "n1", &g), pt.clone());
+        let addr = inv.devices.iter().find(|d| slices::device_name(d).as_deref() == Some(&g));
+        assert_eq!(to_move(&c, &inv).unwrap(), vec![addr.unwrap().address]);
+        assert!(to_move(&claim(r(DRIVER, "n1", &g), json!([])), &inv).unwrap().is_empty());
+        let e = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap_err();
         assert!(matches!(e, ClaimError::Mode { .. }), "{e}");
     }
 

@@ -121,8 +121,23 @@ pub fn device(root: &Root, d: &PciDevice) -> Option<Device> {
 }
 
 /// Every published device of the inventory, in address order.
+/// Each also says whether it can be passed through (`passthroughCapable`: on `vfio-pci`
+/// already, or movable there with its IOMMU group on prepare, [`super::rebind`]).
 pub fn devices(root: &Root, inv: &Inventory) -> Vec<Device> {
-    inv.devices.iter().filter_map(|d| device(root, d)).collect()
+    inv.devices
+        .iter()
+        .filter_map(|d| {
+            let mut dev = device(root, d)?;
+            let capable = super::rebind::capable(root, inv, d);
+            if let Some(a) = dev.attributes.as_mut() {
+                a.insert(
+                    "passthroughCapable".to_owned(),
+                    DeviceAttribute { bool: Some(capable), ..Default::default() },
+                );
+            }
+            Some(dev)
+        })
+        .collect()
 }
 
 /// The taint key on a device telemetry reports unhealthy.
@@ -557,6 +572,19 @@ mod tests {
         assert_eq!(a["kind"].string.as_deref(), Some("gpu"));
         assert_eq!(a["passthrough"].bool, Some(false));
         assert!(d.capacity.as_ref().unwrap()["memory"].value.0.ends_with("Gi"));
+    }
+
+    #[test]
+    fn devices_on_their_vendor_driver_can_be_passed_through_when_their_group_allows() {
+        let (_fx, root, inv) = inv(&hosts::a100_8x());
+        let devs = devices(&root, &inv);
+        let a = |d: &Device| d.attributes.clone().unwrap();
+        assert!(devs.iter().all(|d| a(d)["passthrough"].bool == Some(false)));
+        assert!(devs.iter().all(|d| a(d)["passthroughCapable"].bool == Some(true)));
+        let mut bare = inv.clone();
+        bare.devices.iter_mut().for_each(|d| d.iommu_group = None);
+        let devs = devices(&root, &bare);
+        assert!(devs.iter().all(|d| a(d)["passthroughCapable"].bool == Some(false)));
     }
 
     #[test]
