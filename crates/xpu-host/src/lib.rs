@@ -34,6 +34,7 @@ pub mod provision;
 pub mod root;
 pub mod textdiff;
 pub mod vfio;
+pub mod vm_devices;
 
 pub use discover::{
     DiscoverError, DiscoverOptions, Scope, Wanted, discover, discover_nodes, host_key,

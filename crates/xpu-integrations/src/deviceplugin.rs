@@ -815,10 +815,25 @@ pub async fn register(kubelet_socket: &Path, resource: &str, endpoint: &str) -> 
     }
 }
 
+/// The host's accelerators, less those kept for Nova's VMs ([`xpu_host::vm_devices`]; a list
+/// that cannot be read keeps every accelerator back, logged, rather than offer one Nova may
+/// hold).
 async fn discover(root: &Root) -> Result<Inventory, xpu_host::DiscoverError> {
     let root = root.clone();
     let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
-    match tokio::task::spawn_blocking(move || xpu_host::discover(&root, &opts)).await {
+    let read = move || {
+        let mut inv = xpu_host::discover(&root, &opts)?;
+        match xpu_host::vm_devices::read(&root, xpu_host::vm_devices::VM_DEVICES) {
+            Ok(Some(kept)) => inv.devices.retain(|d| !kept.contains(&d.address)),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "offering no device until the list of devices kept for VMs reads");
+                inv.devices.retain(|d| !d.kind.is_accelerator());
+            }
+        }
+        Ok(inv)
+    };
+    match tokio::task::spawn_blocking(read).await {
         Ok(r) => r,
         // The blocking pool only fails this way when the runtime shuts down.
         Err(_) => Ok(Inventory::default()),
@@ -974,4 +989,27 @@ pub async fn run(
 /// A socket that cannot be re-created is reported and retried on the next tick.
 fn report_restart_failure(emit: &impl Fn(Event), resource: &str, e: &PluginError) {
     emit(Event::RegisterFailed { resource: resource.to_owned(), error: e.to_string() });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Devices kept for Nova's VMs are not offered; a list that does not read offers none.
+    #[tokio::test]
+    async fn devices_kept_for_nova_are_left_out_and_a_bad_list_leaves_out_every_one() {
+        let fx = xpu_testkit::hosts::a100_8x().build();
+        let root = Root::new(fx.root()).unwrap();
+        let gpus = |inv: &Inventory| inv.accelerators().count();
+        let all = discover(&root).await.unwrap();
+        let first = all.accelerators().next().unwrap().address;
+        let list = fx.root().join("etc/xpu/vm-devices");
+        std::fs::create_dir_all(list.parent().unwrap()).unwrap();
+        std::fs::write(&list, format!("{first}\n")).unwrap();
+        let left = discover(&root).await.unwrap();
+        assert_eq!(gpus(&left), gpus(&all) - 1);
+        assert!(left.device(&first).is_none());
+        std::fs::write(&list, "first-gpu\n").unwrap();
+        assert_eq!(gpus(&discover(&root).await.unwrap()), 0);
+    }
 }

@@ -270,6 +270,25 @@ pub fn plan(inv: &Inventory, template: &str) -> Result<Plan, NovaConfError> {
     })
 }
 
+/// Makes each `device_spec` name its device by PCI address as well as ids, for a node whose
+/// other devices of the same model are not Nova's (a mixed node, [`xpu_host::vm_devices`]): a
+/// spec by ids alone would let nova-compute claim every such device of the host.
+pub fn pin_addresses(plan: &mut Plan) {
+    plan.device_spec = plan
+        .aliases
+        .iter()
+        .flat_map(|g| {
+            g.devices.iter().map(move |a| {
+                json_object(&[
+                    ("address", a.to_string()),
+                    ("vendor_id", format!("{:04x}", g.vendor_id)),
+                    ("product_id", format!("{:04x}", g.product_id)),
+                ])
+            })
+        })
+        .collect();
+}
+
 /// Which part of the plan to print.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Part {

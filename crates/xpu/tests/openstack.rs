@@ -104,6 +104,55 @@ fn nova_config_on_8x_a100_gives_type_pci_10de_20b0() {
     assert!(!stdout(&o).contains("device_spec"));
 }
 
+/// A mixed node: the devices `/etc/xpu/vm-devices` lists are Nova's, named by address so that
+/// nova-compute never claims the GPUs Kubernetes has; a bad list is an input error naming it.
+#[test]
+fn nova_config_on_a_mixed_node_configures_only_the_listed_devices_by_address() {
+    let fx = hosts::a100_8x_vfio().build();
+    let all = plan(fx.root());
+    let gpus: Vec<String> = all["aliases"][0]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect();
+    let list = fx.root().join("etc/xpu/vm-devices");
+    std::fs::create_dir_all(list.parent().unwrap()).unwrap();
+    std::fs::write(&list, format!("# Nova's\n{}\n{}  # second\n", gpus[6], gpus[7])).unwrap();
+    let p = plan(fx.root());
+    let a = &p["aliases"][0];
+    assert_eq!(a["devices"], serde_json::json!([gpus[6], gpus[7]]));
+    let want: Vec<String> = [&gpus[6], &gpus[7]]
+        .iter()
+        .map(|g| {
+            format!("{{\"address\": \"{g}\", \"vendor_id\": \"10de\", \"product_id\": \"20b0\"}}")
+        })
+        .collect();
+    assert_eq!(p["device_spec"], serde_json::json!(want));
+    assert!(
+        p["notes"][0].as_str().unwrap().contains("only the 2 devices /etc/xpu/vm-devices lists")
+    );
+    assert!(p["flavors"].as_array().unwrap().iter().any(|f| f["count"] == 2));
+
+    let root = fx.root().to_str().unwrap();
+    std::fs::write(&list, "0000:07:00.0\nsecond-gpu\n").unwrap();
+    let o = xpu(&["openstack", "nova-config", "--root", root]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("/etc/xpu/vm-devices:2: \"second-gpu\" is not a PCI address"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(&list, "0000:99:00.0\n").unwrap();
+    let o = xpu(&["openstack", "nova-config", "--root", root]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("0000:99:00.0 is not an accelerator of this host"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[test]
 fn nova_config_template_errors_are_input_errors() {
     let fx = hosts::sriov().build();

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 use xpu_core::kernel::Kernel;
 use xpu_core::{Inventory, PciAddress, PciDevice};
-use xpu_host::{Root, vfio};
+use xpu_host::{Root, vfio, vm_devices};
 
 /// Why a claim's devices are not moved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -27,6 +27,8 @@ pub enum RebindError {
     NoGroup { address: PciAddress },
     #[error("device {address} is in IOMMU group {group} ({members}), {why}")]
     Group { address: PciAddress, group: u32, members: String, why: String },
+    #[error("{0}; no device is passed through until it reads")]
+    List(String),
     #[error("moving the devices of IOMMU group {groups} to vfio-pci: {reason}")]
     Bind { groups: String, reason: String },
     #[error("returning {devices} from vfio-pci: {reason}")]
@@ -61,13 +63,17 @@ fn member_list(members: &[&PciDevice]) -> String {
 }
 
 /// Checks that the groups of `targets` may be moved: each has an IOMMU group, none holds the
-/// boot GPU, and no member is held by anyone but `claim` (`held`: address → who holds it).
+/// boot GPU or a device kept for Nova ([`vm_devices`]), and no member is held by anyone but
+/// the claim (`held`: address → who holds it).
 pub fn check(
     root: &Root,
     inv: &Inventory,
     targets: &[PciAddress],
     held: &BTreeMap<PciAddress, String>,
 ) -> Result<(), RebindError> {
+    let kept = vm_devices::read(root, vm_devices::VM_DEVICES)
+        .map_err(|e| RebindError::List(e.to_string()))?
+        .unwrap_or_default();
     for address in targets {
         let Some(d) = inv.device(address) else { continue };
         let group = d.iommu_group.ok_or(RebindError::NoGroup { address: *address })?;
@@ -82,6 +88,13 @@ pub fn check(
             return Err(refuse(format!(
                 "which holds the host's boot GPU {}: it stays with the host; pass through a device of another group",
                 boot.address
+            )));
+        }
+        if let Some(m) = members.iter().find(|m| kept.contains(&m.address)) {
+            return Err(refuse(format!(
+                "and {} in it is kept for OpenStack Nova's VMs (listed in {})",
+                m.address,
+                vm_devices::VM_DEVICES
             )));
         }
         if let Some((m, who)) =
@@ -295,6 +308,20 @@ mod tests {
         assert!(e.contains("held by claim ns/c0") && e.contains("snd_hda_intel"), "{e}");
         // The bridge neither blocks nor is listed.
         assert!(!e.contains("0000:00:1c.0"), "{e}");
+        // A group with a device kept for Nova; a list that does not read stops every move.
+        let list = fx.root().join("etc/xpu/vm-devices");
+        std::fs::create_dir_all(list.parent().unwrap()).unwrap();
+        std::fs::write(&list, format!("{}\n", gpus[3])).unwrap();
+        let e = check(&root, &inv, &gpus[2..3], &none).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("and {} in it is kept for OpenStack Nova's VMs", gpus[3])),
+            "{e}"
+        );
+        check(&root, &inv, &gpus[1..2], &none).unwrap();
+        std::fs::write(&list, "gpu3\n").unwrap();
+        let e = check(&root, &inv, &gpus[1..2], &none).unwrap_err().to_string();
+        assert!(e.contains("vm-devices:1") && e.contains("no device is passed through"), "{e}");
+        std::fs::remove_file(&list).unwrap();
         // A device with no IOMMU group.
         let mut bare = inv.clone();
         bare.devices.iter_mut().for_each(|d| d.iommu_group = None);

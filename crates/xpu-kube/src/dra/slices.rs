@@ -122,10 +122,20 @@ pub fn device(root: &Root, d: &PciDevice) -> Option<Device> {
 
 /// Every published device of the inventory, in address order.
 /// Each also says whether it can be passed through (`passthroughCapable`: on `vfio-pci`
-/// already, or movable there with its IOMMU group on prepare, [`super::rebind`]).
+/// already, or movable there with its IOMMU group on prepare, [`super::rebind`]). Devices kept
+/// for Nova ([`xpu_host::vm_devices`]) are left out; a list that cannot be read leaves every
+/// device out (logged), rather than offer one Nova may hold.
 pub fn devices(root: &Root, inv: &Inventory) -> Vec<Device> {
+    let kept = match xpu_host::vm_devices::read(root, xpu_host::vm_devices::VM_DEVICES) {
+        Ok(k) => k.unwrap_or_default(),
+        Err(e) => {
+            warn!(error = %e, "publishing no device until the list of devices kept for VMs reads");
+            return Vec::new();
+        }
+    };
     inv.devices
         .iter()
+        .filter(|d| !kept.contains(&d.address))
         .filter_map(|d| {
             let mut dev = device(root, d)?;
             let capable = super::rebind::capable(root, inv, d);
@@ -585,6 +595,21 @@ mod tests {
         bare.devices.iter_mut().for_each(|d| d.iommu_group = None);
         let devs = devices(&root, &bare);
         assert!(devs.iter().all(|d| a(d)["passthroughCapable"].bool == Some(false)));
+    }
+
+    #[test]
+    fn devices_kept_for_nova_are_not_published_and_a_bad_list_publishes_none() {
+        let (fx, root, inv) = inv(&hosts::a100_8x());
+        let all = devices(&root, &inv);
+        let addr = |d: &Device| d.attributes.clone().unwrap()["pciBusID"].string.clone().unwrap();
+        let list = fx.root().join("etc/xpu/vm-devices");
+        std::fs::create_dir_all(list.parent().unwrap()).unwrap();
+        std::fs::write(&list, format!("{}\n{}\n", addr(&all[0]), addr(&all[1]))).unwrap();
+        let left = devices(&root, &inv);
+        assert_eq!(left.len(), all.len() - 2);
+        assert!(left.iter().all(|d| addr(d) != addr(&all[0]) && addr(d) != addr(&all[1])));
+        std::fs::write(&list, "not-an-address\n").unwrap();
+        assert!(devices(&root, &inv).is_empty());
     }
 
     #[test]

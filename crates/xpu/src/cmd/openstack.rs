@@ -51,6 +51,11 @@ pub struct NovaConfigArgs {
     /// Print only one part.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
+    /// The devices kept for Nova on a node that also serves Kubernetes: a file of PCI
+    /// addresses, one per line (a host path under the root). When it exists, only these are
+    /// configured, and xpu's device plugin and DRA driver leave them out.
+    #[arg(long, value_name = "FILE", default_value = xpu_host::vm_devices::VM_DEVICES)]
+    pub vm_devices: String,
     #[arg(long, value_parser = Format::only(&[Format::Text, Format::Json]), default_value_t = Format::Text)]
     pub format: Format,
 }
@@ -91,9 +96,29 @@ pub fn run(args: Args) -> CmdResult {
 fn nova_config(args: NovaConfigArgs) -> CmdResult {
     let root = root_arg(args.root)?;
     let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
-    let inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
+    let mut inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
     warn_all(&inv.warnings);
-    let plan = novaconf::plan(&inv, &args.alias_name).map_err(CliError::input)?;
+    let kept = xpu_host::vm_devices::read(&root, &args.vm_devices).map_err(CliError::input)?;
+    if let Some(kept) = &kept {
+        for a in kept {
+            if !inv.device(a).is_some_and(|d| d.kind.is_accelerator()) {
+                return Err(CliError::input(anyhow::anyhow!(
+                    "{}: {a} is not an accelerator of this host; `xpu discover` lists them",
+                    args.vm_devices
+                )));
+            }
+        }
+        inv.devices.retain(|d| kept.contains(&d.address) || !d.kind.is_accelerator());
+    }
+    let mut plan = novaconf::plan(&inv, &args.alias_name).map_err(CliError::input)?;
+    if let Some(kept) = &kept {
+        novaconf::pin_addresses(&mut plan);
+        plan.notes.push(format!(
+            "only the {} devices {} lists are configured; the node's other accelerators stay with Kubernetes",
+            kept.len(),
+            args.vm_devices
+        ));
+    }
     if plan.aliases.is_empty() {
         return Err(CliError::failed(anyhow::anyhow!(
             "no GPU, TPU or NPU on this host to pass through; `xpu discover` lists what was found"
