@@ -118,6 +118,14 @@ impl Outcome {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct State {
     pub devices: BTreeMap<String, DevState>,
+    /// When xpu moved each device to `vfio-pci`, Unix seconds (`xpu vfio status` says since
+    /// when); absent in files written before it was recorded.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub since: BTreeMap<String, u64>,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// A device's binding: its driver and its `driver_override` (`None` for the kernel's
@@ -477,8 +485,10 @@ pub fn bind<K: Kernel + ?Sized>(
         outcome.operations = m.ops;
         let touched = result?;
         let mut state = load_state(root)?;
+        let now = unix_now();
         for (addr, start) in touched {
             state.devices.entry(addr.to_string()).or_insert(start);
+            state.since.entry(addr.to_string()).or_insert(now);
         }
         save_state(root, &state)?;
     }
@@ -595,6 +605,7 @@ pub fn unbind<K: Kernel + ?Sized>(
         let mut state = state;
         for addr in &set {
             state.devices.remove(&addr.to_string());
+            state.since.remove(&addr.to_string());
         }
         save_state(root, &state)?;
     }
@@ -686,6 +697,8 @@ pub struct DeviceStatus {
     pub vfio_node: Option<VfioNode>,
     /// The driver `xpu vfio unbind` will restore, when xpu bound the device.
     pub previous_driver: Option<String>,
+    /// When xpu moved it to `vfio-pci`, Unix seconds.
+    pub vfio_since: Option<u64>,
 }
 
 /// Whether `group` can be handed to a guest as it is, and what blocks it.
@@ -749,6 +762,7 @@ pub fn status(
                     .devices
                     .get(&d.address.to_string())
                     .and_then(|s| s.driver.clone()),
+                vfio_since: state.since.get(&d.address.to_string()).copied(),
             }
         })
         .collect())

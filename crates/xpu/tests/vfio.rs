@@ -38,6 +38,68 @@ fn status_reports_driver_group_viability_and_node() {
     assert!(text.contains("/dev/vfio/1 (0666)"), "{text}");
 }
 
+/// Which use holds each device and since when: a DRA claim's passthrough (from the driver's
+/// checkpoint), the list of devices kept for Nova, xpu's own bind (its state file), the host.
+#[test]
+fn status_says_which_use_holds_each_device_and_since_when() {
+    let fx = hosts::a100_8x_vfio().build();
+    let root = fx.root().to_str().unwrap();
+    let rows = |extra: &[&str]| -> Vec<Value> {
+        let mut args =
+            vec!["vfio", "status", "--all-accelerators", "--root", root, "--format", "json"];
+        args.extend(extra);
+        let out = xpu(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<Value>(&out.stdout).unwrap().as_array().unwrap().clone()
+    };
+    let all = rows(&[]);
+    let gpus: Vec<String> = all
+        .iter()
+        .filter(|d| d["kind"] == "gpu")
+        .map(|d| d["address"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(all.iter().all(|d| d["held_by"] == "vfio-pci: bound outside xpu"), "{all:?}");
+    let put = |path: &str, text: &str| {
+        let p = fx.root().join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    };
+    let name = |a: &str| format!("gpu-{}", a.replace([':', '.'], "-"));
+    put(
+        "var/lib/kubelet/plugins/xpu.dev/checkpoint.json",
+        &serde_json::json!({ "version": 1, "claims": { "u1": {
+            "namespace": "vms", "name": "win11", "spec_file": "x.json",
+            "devices": [{ "requests": ["gpu"], "pool": "n", "device": name(&gpus[0]), "cdi_ids": [] }],
+            "vfio": [gpus[0]], "since": "2026-11-29T18:00:00Z" } } })
+        .to_string(),
+    );
+    put("etc/xpu/vm-devices", &format!("{}\n", gpus[1]));
+    put(
+        "var/lib/xpu/vfio-state.json",
+        &serde_json::json!({ "devices": { gpus[2].clone(): { "driver": "nvidia", "driver_override": null } },
+                             "since": { gpus[2].clone(): 1_764_432_000u64 } })
+        .to_string(),
+    );
+    let now = rows(&[]);
+    let row = |a: &str| now.iter().find(|d| d["address"] == a).unwrap().clone();
+    assert_eq!(row(&gpus[0])["held_by"], "vm: claim vms/win11");
+    assert_eq!(row(&gpus[0])["since"], "2026-11-29T18:00:00Z");
+    assert_eq!(row(&gpus[1])["held_by"], "nova: listed in /etc/xpu/vm-devices");
+    assert_eq!(row(&gpus[2])["held_by"], "vfio-pci: xpu vfio bind");
+    assert_eq!(row(&gpus[2])["since"], "2025-11-29T16:00:00Z");
+    assert_eq!(row(&gpus[2])["previous_driver"], "nvidia");
+    assert_eq!(row(&gpus[3])["held_by"], "vfio-pci: bound outside xpu");
+    let out = xpu(&["vfio", "status", &gpus[0], "--root", root]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("HELD BY") && text.contains("vm: claim vms/win11"), "{text}");
+    // A checkpoint that is not one is an input error naming it and the flag.
+    put("var/lib/kubelet/plugins/xpu.dev/checkpoint.json", "{");
+    let out = xpu(&["vfio", "status", "--root", root]);
+    assert_eq!(out.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("checkpoint.json") && e.contains("--dra-checkpoint"), "{e}");
+}
+
 #[test]
 fn bind_dry_run_prints_the_writes_and_makes_none() {
     let fx = hosts::a100_8x().build();
