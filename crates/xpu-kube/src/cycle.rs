@@ -1451,6 +1451,28 @@ pub fn null_plan(snap: &Snapshot<'_>, cursor: &mut usize) -> Plan {
         let Some(pod) = PodKey::of(p) else { continue };
         // A claim still to be made from its template: the pod waits.
         let Ok(names) = crate::claims::pod_claims(p) else { continue };
+        // Extended resources backed by DRA: a claim made for the pod, with xpu's own writes
+        // (the claim, its allocation, the pod's extendedResourceClaimStatus, the binding).
+        if names.is_empty()
+            && let Some(dra) = snap.dra
+            && let Some((standin, ext, _)) = extended_claim(&dra, p)
+        {
+            for _ in 0..ready.len() {
+                *cursor = (*cursor + 1) % ready.len();
+                let node = ready[*cursor];
+                if let Some(mut claims) = null_claims(&dra, &[&standin], &pod.uid, node, &mut taken)
+                {
+                    for w in &mut claims {
+                        w.create = Some(ext.clone());
+                        w.cached = None;
+                    }
+                    let node = node.to_owned();
+                    out.binds.push(Bind { pod, node, gang: None, share: None, claims });
+                    break;
+                }
+            }
+            continue;
+        }
         if names.is_empty() {
             *cursor = (*cursor + 1) % ready.len();
             let node = ready[*cursor].to_owned();

@@ -539,7 +539,8 @@ async fn a_device_taint_rule_keeps_claims_off_the_devices_it_taints() {
 /// The benches' null binder makes the writes a DRA scheduler makes and decides nothing: each
 /// pod with a claim waits for its claim, then goes to the next node in turn with free devices,
 /// its claim allocated the node's first free ones (never one another claim holds) and
-/// reserved for it; a pod for which no node has devices left waits.
+/// reserved for it; a pod asking an extended resource backed by DRA gets a claim made for it,
+/// as xpu makes one; a pod for which no node has devices left waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_null_binder_allocates_first_free_devices_and_binds() {
     let _turn = TURN.lock().await;
@@ -552,12 +553,27 @@ async fn the_null_binder_allocates_first_free_devices_and_binds() {
             .await
             .unwrap();
     }
+    // An extended resource backed by DRA: the null binder makes its claim as xpu does (the
+    // pod is named to come first of the pods made in the same second).
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": "xgpu" },
+        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }],
+                  "extendedResourceName": "example.com/gpu" }
+    }))
+    .unwrap();
+    Api::<DeviceClass>::all(admin.clone()).create(&pp, &class).await.unwrap();
     let sched = XpuScheduler::start(&cp, &kubeconfig, "null", &["--null-binder"]);
     let templates: Api<ResourceClaimTemplate> = Api::namespaced(alice.clone(), NS);
     templates.create(&pp, &template("one", 1, "true")).await.unwrap();
     let pods: Api<Pod> = Api::namespaced(alice.clone(), NS);
-    let names = ["p1", "p2", "p3", "p4", "p5"];
-    for n in names {
+    let extended: Pod = serde_json::from_value(json!({ "metadata": { "name": "a1" },
+        "spec": { "schedulerName": "xpu", "restartPolicy": "Never", "containers": [{
+            "name": "c", "image": "busybox",
+            "resources": { "requests": { "example.com/gpu": "1" }, "limits": { "example.com/gpu": "1" } } }] } }))
+    .unwrap();
+    pods.create(&pp, &extended).await.unwrap();
+    let names = ["a1", "p1", "p2", "p3", "p4"];
+    for n in &names[1..] {
         pods.create(&pp, &claim_pod(n, "one", &[])).await.unwrap();
     }
     let four = wait_until(Duration::from_secs(60), || async {
@@ -569,11 +585,19 @@ async fn the_null_binder_allocates_first_free_devices_and_binds() {
     })
     .await;
     assert!(four, "four of five bind\n{}", sched.log_text());
+    let a1 = get(&admin, "a1").await;
+    let st = a1.status.as_ref().and_then(|s| s.extended_resource_claim_status.clone());
+    let st = st.unwrap_or_else(|| panic!("a1: {:?}\n{}", a1.status, sched.log_text()));
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), NS);
     let mut held = Vec::new();
     for n in names {
         let p = get(&admin, n).await;
         let Some(node) = node_of(&p) else { continue };
-        let c = claim_of(&admin, n).await.unwrap();
+        let c = if n == "a1" {
+            claims.get(&st.resource_claim_name).await.unwrap()
+        } else {
+            claim_of(&admin, n).await.unwrap()
+        };
         let st = c.status.unwrap();
         let r = st.allocation.unwrap().devices.unwrap().results.unwrap();
         assert_eq!(r.len(), 1);
