@@ -625,15 +625,8 @@ fn extended_claim(
     let mut mappings = Vec::new();
     let mut served = Vec::new();
     for (i, c) in spec.containers.iter().enumerate() {
-        let r = c.resources.as_ref();
-        let asked: BTreeMap<&String, &k8s_openapi::apimachinery::pkg::api::resource::Quantity> = r
-            .and_then(|r| r.limits.as_ref())
-            .into_iter()
-            .flatten()
-            .chain(r.and_then(|r| r.requests.as_ref()).into_iter().flatten())
-            .collect();
         let mut n = 0;
-        for (res, q) in asked {
+        for (res, q) in container_asks(c) {
             let Some(class) = dra.extended.get(res.as_str()) else { continue };
             let count: u64 = q.0.parse().ok()?;
             if count == 0 {
@@ -669,6 +662,42 @@ fn extended_claim(
     standin.metadata.finalizers = None;
     let ext = ExtendedClaim { object, mappings: serde_json::Value::Array(mappings) };
     Some((Arc::new(standin), Arc::new(ext), served))
+}
+
+/// What a container asks for, limits first, then requests (a request wins for a name in both).
+fn container_asks(
+    c: &crate::pod::Container,
+) -> BTreeMap<&String, &k8s_openapi::apimachinery::pkg::api::resource::Quantity> {
+    let r = c.resources.as_ref();
+    r.and_then(|r| r.limits.as_ref())
+        .into_iter()
+        .flatten()
+        .chain(r.and_then(|r| r.requests.as_ref()).into_iter().flatten())
+        .collect()
+}
+
+/// The resources [`extended_claim`] would serve for `p`, without building its claim (a cycle
+/// asks this of every waiting pod, more than once): `None` when it would make none.
+fn extended_served(dra: &Dra<'_>, p: &Pod) -> Option<Vec<String>> {
+    if dra.extended.is_empty() {
+        return None;
+    }
+    let spec = p.spec.as_ref()?;
+    let mut served: Vec<String> = Vec::new();
+    for c in &spec.containers {
+        for (res, q) in container_asks(c) {
+            if !dra.extended.contains_key(res.as_str()) {
+                continue;
+            }
+            let count: u64 = q.0.parse().ok()?;
+            if count > 0 && !served.contains(res) {
+                served.push(res.clone());
+            }
+        }
+    }
+    p.metadata.name.as_ref()?;
+    p.metadata.uid.as_ref()?;
+    (!served.is_empty()).then_some(served)
 }
 
 /// The nodes a pod's claims fit (each with the devices it would have left free), and the claims.
@@ -1817,7 +1846,7 @@ fn plan_once(
         // An extended resource DRA devices serve (no node advertises it) is the pod's
         // extended-resource claim, not a device-plugin count.
         if let (Some(r), Some(dra)) = (ask.resources.device_resource, snap.dra.as_ref())
-            && extended_claim(dra, p).is_some_and(|(_, _, served)| served.iter().any(|x| x == r))
+            && extended_served(dra, p).is_some_and(|served| served.iter().any(|x| x == r))
         {
             ask.resources.device_resource = None;
             ask.resources.devices = 0;
@@ -2493,7 +2522,7 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
             && (p.spec.as_ref().is_some_and(|s| {
                 s.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
                     || convert::has_match_fields(s)
-            }) || snap.dra.as_ref().is_some_and(|d| extended_claim(d, p).is_some()))
+            }) || snap.dra.as_ref().is_some_and(|d| extended_served(d, p).is_some()))
     });
     let flags = crate::base::Flags { by_name, separate, offered };
     let books = crate::base::Books { ledger: ledger.as_deref(), extra: &extra };
@@ -3358,6 +3387,57 @@ mod tests {
                     .count();
                 assert_eq!(p, live, "seed {seed}: the memo keeps pods that ended or are gone");
             }
+        }
+    }
+
+    /// The cheap check of which extended resources DRA serves for a pod says exactly what
+    /// building the pod's claim says, over pods asking served and unserved resources, zero,
+    /// malformed and repeated quantities, in one container or several.
+    #[test]
+    fn extended_served_agrees_with_the_claim_it_stands_for() {
+        let slices = SliceIndex::new(std::iter::empty());
+        let (classes, class_objects, claims) = (HashMap::new(), HashMap::new(), HashMap::new());
+        let compiled = crate::claims::Compiled::default();
+        let in_use = xpu_sched::dra::InUse::default();
+        let in_flight = std::collections::HashSet::new();
+        let extended: HashMap<String, String> = [
+            ("example.com/gpu".to_owned(), "xgpu".to_owned()),
+            (format!("{IMPLICIT_EXTENDED}xgpu"), "xgpu".to_owned()),
+        ]
+        .into();
+        let dra = Dra {
+            slices: &slices,
+            classes: &classes,
+            class_objects: &class_objects,
+            claims: &claims,
+            compiled: &compiled,
+            in_use: &in_use,
+            in_flight: &in_flight,
+            extended: &extended,
+        };
+        let asks =
+            ["example.com/gpu", "deviceclass.resource.kubernetes.io/xgpu", "nvidia.com/gpu", "cpu"];
+        let amounts = ["1", "0", "2", "x", "-1"];
+        let mut rng = xpu_sched::rng::Rng::new(7);
+        for i in 0..400 {
+            let containers: Vec<serde_json::Value> = (0..1 + rng.index(3))
+                .map(|c| {
+                    let mut limits = serde_json::Map::new();
+                    let mut requests = serde_json::Map::new();
+                    for _ in 0..rng.index(3) {
+                        let m = if rng.index(2) == 0 { &mut limits } else { &mut requests };
+                        m.insert(asks[rng.index(4)].into(), amounts[rng.index(5)].into());
+                    }
+                    json!({ "name": format!("c{c}"),
+                            "resources": { "limits": limits, "requests": requests } })
+                })
+                .collect();
+            let p: Pod = serde_json::from_value(json!({
+                "metadata": { "name": format!("p{i}"), "namespace": "ns", "uid": format!("u{i}") },
+                "spec": { "containers": containers } }))
+            .unwrap();
+            let want = extended_claim(&dra, &p).map(|(_, _, served)| served);
+            assert_eq!(extended_served(&dra, &p), want, "{:?}", p.spec);
         }
     }
 
