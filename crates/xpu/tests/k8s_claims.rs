@@ -68,6 +68,17 @@ fn claim_pod(name: &str, template: &str, labels: &[(&str, &str)]) -> Pod {
     p
 }
 
+/// DeviceClass `xgpu`: the driver's devices, also served as the extended resource
+/// `example.com/gpu`.
+fn extended_class() -> DeviceClass {
+    serde_json::from_value(json!({
+        "metadata": { "name": "xgpu" },
+        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }],
+                  "extendedResourceName": "example.com/gpu" }
+    }))
+    .unwrap()
+}
+
 async fn tenant(cp: &xpu_testkit::kube::ControlPlane) -> Client {
     let admin = cp.admin_client();
     let pp = PostParams::default();
@@ -392,13 +403,7 @@ async fn extended_resources_backed_by_dra_get_a_claim_of_their_own() {
     let (cp, admin, kubeconfig, alice) = claims_plane().await;
     add_node(&admin, &NodeDef::new("n1")).await;
     let pp = PostParams::default();
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": { "name": "xgpu" },
-        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }],
-                  "extendedResourceName": "example.com/gpu" }
-    }))
-    .unwrap();
-    Api::<DeviceClass>::all(admin.clone()).create(&pp, &class).await.unwrap();
+    Api::<DeviceClass>::all(admin.clone()).create(&pp, &extended_class()).await.unwrap();
     let gpus: Vec<(String, i64)> = (0..4).map(|i| (format!("g{i}"), 0)).collect();
     let gpus: Vec<(&str, i64, &str)> = gpus.iter().map(|(n, d)| (n.as_str(), *d, "A100")).collect();
     Api::<ResourceSlice>::all(admin.clone()).create(&pp, &slice("n1", &gpus)).await.unwrap();
@@ -555,13 +560,7 @@ async fn the_null_binder_allocates_first_free_devices_and_binds() {
     }
     // An extended resource backed by DRA: the null binder makes its claim as xpu does (the
     // pod is named to come first of the pods made in the same second).
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": { "name": "xgpu" },
-        "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == '{DRIVER}'") } }],
-                  "extendedResourceName": "example.com/gpu" }
-    }))
-    .unwrap();
-    Api::<DeviceClass>::all(admin.clone()).create(&pp, &class).await.unwrap();
+    Api::<DeviceClass>::all(admin.clone()).create(&pp, &extended_class()).await.unwrap();
     let sched = XpuScheduler::start(&cp, &kubeconfig, "null", &["--null-binder"]);
     let templates: Api<ResourceClaimTemplate> = Api::namespaced(alice.clone(), NS);
     templates.create(&pp, &template("one", 1, "true")).await.unwrap();
