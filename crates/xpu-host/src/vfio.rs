@@ -140,6 +140,13 @@ fn dev_dir(addr: &PciAddress) -> String {
     format!("/sys/bus/pci/devices/{addr}")
 }
 
+/// Whether the kernel marks `addr` as the boot VGA device (its `boot_vga` reads `1`): the
+/// console's framebuffer lives on it, so it stays with the host.
+pub fn boot_vga(root: &Root, addr: &PciAddress) -> bool {
+    root.read_bounded(&root.path(format!("{}/boot_vga", dev_dir(addr))), crate::root::ATTR_MAX)
+        .is_ok_and(|b| String::from_utf8_lossy(&b).trim() == "1")
+}
+
 /// Reads a device's driver link and override now.
 pub fn read_dev_state(root: &Root, addr: &PciAddress) -> DevState {
     let dir = dev_dir(addr);

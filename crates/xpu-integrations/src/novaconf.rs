@@ -52,6 +52,8 @@ pub enum NovaConfError {
     Template { template: String, reason: String },
     #[error("{file}:{line}: {reason}")]
     Ini { file: String, line: usize, reason: String },
+    #[error("{list}: {address} is not an accelerator of this host; `xpu discover` lists them")]
+    NotHere { list: String, address: PciAddress },
     #[error(transparent)]
     Nova(#[from] NovaError),
 }
@@ -270,10 +272,33 @@ pub fn plan(inv: &Inventory, template: &str) -> Result<Plan, NovaConfError> {
     })
 }
 
+/// [`plan`] for a node that also serves Kubernetes: only the accelerators `kept` (the list of
+/// devices kept for Nova, read from `list`, [`xpu_host::vm_devices`]), each `device_spec` pinned
+/// by address. `Err` names an address of the list that is not an accelerator of the host.
+pub fn plan_kept(
+    inv: &Inventory,
+    template: &str,
+    kept: &std::collections::BTreeSet<PciAddress>,
+    list: &str,
+) -> Result<Plan, NovaConfError> {
+    if let Some(a) = kept.iter().find(|a| !inv.device(a).is_some_and(|d| d.kind.is_accelerator())) {
+        return Err(NovaConfError::NotHere { list: list.to_owned(), address: *a });
+    }
+    let mut only = inv.clone();
+    only.devices.retain(|d| kept.contains(&d.address) || !d.kind.is_accelerator());
+    let mut plan = plan(&only, template)?;
+    pin_addresses(&mut plan);
+    plan.notes.push(format!(
+        "only the {} devices {list} lists are configured; the node's other accelerators stay with Kubernetes",
+        kept.len()
+    ));
+    Ok(plan)
+}
+
 /// Makes each `device_spec` name its device by PCI address as well as ids, for a node whose
 /// other devices of the same model are not Nova's (a mixed node, [`xpu_host::vm_devices`]): a
 /// spec by ids alone would let nova-compute claim every such device of the host.
-pub fn pin_addresses(plan: &mut Plan) {
+fn pin_addresses(plan: &mut Plan) {
     plan.device_spec = plan
         .aliases
         .iter()

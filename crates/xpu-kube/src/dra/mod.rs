@@ -16,6 +16,7 @@ pub mod plugin;
 pub mod prepare;
 pub mod rebind;
 pub mod slices;
+pub mod uses;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -75,6 +75,25 @@ pub struct Checkpoint {
     pub claims: BTreeMap<String, PreparedClaim>,
 }
 
+impl Checkpoint {
+    /// The prepared claim (uid, claim) holding each PCI function of `inv`: its devices (a MIG
+    /// device holds its GPU) and the functions moved to `vfio-pci` for it; claim `but` left out.
+    pub fn holders<'a>(
+        &'a self,
+        inv: &Inventory,
+        but: &str,
+    ) -> BTreeMap<PciAddress, (&'a str, &'a PreparedClaim)> {
+        let mut out = BTreeMap::new();
+        for (uid, p) in self.claims.iter().filter(|(uid, _)| uid.as_str() != but) {
+            let devices = p.devices.iter().filter_map(|d| super::slices::by_name(inv, &d.device));
+            for a in devices.map(|d| d.address).chain(p.vfio.iter().copied()) {
+                out.insert(a, (uid.as_str(), p));
+            }
+        }
+        out
+    }
+}
+
 /// Errors starting the plugin.
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
@@ -212,35 +231,17 @@ impl Driver {
     /// Who holds each PCI function now, by the checkpoint (`but`: the claim being prepared):
     /// the devices of every other prepared claim and the functions moved for them.
     fn holders(&self, cp: &Checkpoint, inv: &Inventory, but: &str) -> BTreeMap<PciAddress, String> {
-        let mut out = BTreeMap::new();
-        for (uid, p) in cp.claims.iter().filter(|(uid, _)| uid.as_str() != but) {
-            let who = format!("claim {}/{} ({uid})", p.namespace, p.name);
-            for d in &p.devices {
-                let whole =
-                    super::mig::parse_device_name(&d.device).map_or(d.device.as_str(), |x| x.0);
-                if let Some(x) = inv
-                    .devices
-                    .iter()
-                    .find(|x| super::slices::device_name(x).as_deref() == Some(whole))
-                {
-                    out.insert(x.address, who.clone());
-                }
-            }
-            for a in &p.vfio {
-                out.insert(*a, who.clone());
-            }
-        }
-        out
+        cp.holders(inv, but)
+            .into_iter()
+            .map(|(a, (uid, p))| (a, format!("claim {}/{} ({uid})", p.namespace, p.name)))
+            .collect()
     }
 
     /// A plan's error, but for a device on `vfio-pci` because another claim's passthrough
     /// moved it there: that is named as held by that claim.
     fn explain(&self, e: ClaimError, cp: &Checkpoint, inv: &Inventory, uid: &str) -> String {
         if let ClaimError::Mode { device, .. } = &e
-            && let Some(d) = inv
-                .devices
-                .iter()
-                .find(|d| super::slices::device_name(d).as_deref() == Some(device.as_str()))
+            && let Some(d) = super::slices::by_name(inv, device)
             && let Some(who) = self.holders(cp, inv, uid).get(&d.address)
         {
             return format!(
@@ -310,51 +311,52 @@ impl Driver {
             .await
             .map_err(|e| format!("{who}: reading it from the API server: {e}"))?;
         let (inv, specs) = self.host();
-        // Passthrough devices on their vendor driver go to vfio-pci first, group and all.
+        // Passthrough devices on their vendor driver go to vfio-pci first, group and all; they
+        // go back if anything after fails.
         let moves = prepare::to_move(&claim, &inv).map_err(|e| format!("{who} {e}"))?;
-        let (inv, specs, moved) = if moves.is_empty() {
-            (inv, specs, Vec::new())
-        } else {
-            let held = self.holders(cp, &inv, &c.uid);
-            rebind::check(&self.root, &inv, &moves, &held).map_err(|e| format!("{who}: {e}"))?;
-            let moved = {
-                let mut k = self.kernel.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                rebind::take(&self.root, &inv, &mut **k, &moves)
-            }
-            .map_err(|e| format!("{who}: {e}"))?;
-            info!(claim = %c.uid, moved = ?moved, "moved to vfio-pci for passthrough");
-            match self.rediscover() {
-                Ok((inv, specs)) => (inv, specs, moved),
-                Err(e) => {
-                    self.give_back(&moved);
-                    return Err(format!("{who}: reading the host after moving its devices: {e}"));
-                }
-            }
-        };
+        if moves.is_empty() {
+            return self.prepare_on(c, &claim, cp, &inv, &specs, &[], &who);
+        }
+        let held = self.holders(cp, &inv, &c.uid);
+        rebind::check(&self.root, &inv, &moves, &held).map_err(|e| format!("{who}: {e}"))?;
+        let moved = {
+            let mut k = self.kernel.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            rebind::take(&self.root, &inv, &mut **k, &moves)
+        }
+        .map_err(|e| format!("{who}: {e}"))?;
+        info!(claim = %c.uid, moved = ?moved, "moved to vfio-pci for passthrough");
+        let prepared = self
+            .rediscover()
+            .map_err(|e| format!("{who}: reading the host after moving its devices: {e}"))
+            .and_then(|(inv, specs)| self.prepare_on(c, &claim, cp, &inv, &specs, &moved, &who));
+        if prepared.is_err() {
+            self.give_back(&moved);
+        }
+        prepared
+    }
+
+    /// The rest of [`Driver::prepare_one`], on the host as it is now (`moved`: the functions
+    /// moved to `vfio-pci` for the claim, recorded with it): the plan, its MIG instances, the
+    /// claim's CDI spec and the checkpoint; what this made is undone if a later step fails.
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_on(
+        &self,
+        c: &v1::Claim,
+        claim: &ResourceClaim,
+        cp: &mut Checkpoint,
+        inv: &Inventory,
+        specs: &[Spec],
+        moved: &[PciAddress],
+        who: &str,
+    ) -> Result<Vec<PreparedDevice>, String> {
         let mig_gpus = match &self.mig {
-            Some(m) => m.gpus().map_err(|e| format!("{who}: reading MIG state: {e}")),
-            None => Ok(Vec::new()),
+            Some(m) => m.gpus().map_err(|e| format!("{who}: reading MIG state: {e}"))?,
+            None => Vec::new(),
         };
-        let planned = mig_gpus.and_then(|mig_gpus| {
-            let plan = prepare::plan(&claim, &c.uid, &self.node, &inv, &specs, &mig_gpus)
-                .map_err(|e| self.explain(e, cp, &inv, &c.uid))
-                .map_err(|e| format!("{who} {e}"))?;
-            Ok((plan, mig_gpus))
-        });
-        let (mut plan, mig_gpus) = match planned {
-            Ok(p) => p,
-            Err(e) => {
-                self.give_back(&moved);
-                return Err(e);
-            }
-        };
-        let made = match self.make_instances(&mut plan, &mig_gpus, cp) {
-            Ok(m) => m,
-            Err(e) => {
-                self.give_back(&moved);
-                return Err(format!("{who} {e}"));
-            }
-        };
+        let mut plan = prepare::plan(claim, &c.uid, &self.node, inv, specs, &mig_gpus)
+            .map_err(|e| format!("{who} {}", self.explain(e, cp, inv, &c.uid)))?;
+        let made =
+            self.make_instances(&mut plan, &mig_gpus, cp).map_err(|e| format!("{who} {e}"))?;
         let file = prepare::spec_file(&c.uid);
         let path = self.paths.cdi_dir.join(&file);
         // Atomic (a runtime sees the old spec or the new one) but not fsynced: the spec is
@@ -364,7 +366,6 @@ impl Driver {
         let json = xpu_container::cdi::to_json(&plan.spec);
         if let Err(e) = xpu_container::fsutil::write_replace(&path, json.as_bytes(), 0o644, false) {
             self.destroy_instances(&made);
-            self.give_back(&moved);
             return Err(format!("{who}: writing CDI spec {}: {e}", path.display()));
         }
         cp.claims.insert(
@@ -375,7 +376,7 @@ impl Driver {
                 spec_file: file,
                 devices: plan.devices.clone(),
                 mig: made.clone(),
-                vfio: moved.clone(),
+                vfio: moved.to_vec(),
                 since: Some(k8s_openapi::jiff::Timestamp::now().to_string()),
             },
         );
@@ -387,7 +388,6 @@ impl Driver {
                 warn!(spec = %path.display(), error = %rm, "could not remove the spec of a claim that failed to prepare");
             }
             self.destroy_instances(&made);
-            self.give_back(&moved);
             return Err(format!(
                 "{who}: writing checkpoint {}: {e}",
                 self.paths.checkpoint().display()

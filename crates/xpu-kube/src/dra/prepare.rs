@@ -111,19 +111,20 @@ pub enum ClaimError {
     Mode { device: String, driver: String, mode: String, wanted: String, class: String },
 }
 
+/// The claim's `status.allocation.devices`, when it is allocated.
+fn allocated(
+    claim: &ResourceClaim,
+) -> Option<&k8s_openapi::api::resource::v1::DeviceAllocationResult> {
+    claim.status.as_ref()?.allocation.as_ref()?.devices.as_ref()
+}
+
 /// A configuration and the requests it applies to (`None`: all of the claim's).
 type Scoped = (Option<Vec<String>>, DeviceConfig);
 
 /// The configuration that applies to each request, from `status.allocation.devices.config`
 /// (class configs come before claim configs there, so a later entry wins).
 fn configs(claim: &ResourceClaim) -> Result<Vec<Scoped>, ClaimError> {
-    let Some(cfgs) = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.config.as_ref())
-    else {
+    let Some(cfgs) = allocated(claim).and_then(|d| d.config.as_ref()) else {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
@@ -245,13 +246,7 @@ fn mig_part(
 /// plugin moves them (with their IOMMU groups, [`super::rebind`]) before [`plan`]. Devices this
 /// node does not have are left to [`plan`] to name.
 pub fn to_move(claim: &ResourceClaim, inv: &Inventory) -> Result<Vec<PciAddress>, ClaimError> {
-    let Some(results) = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref())
-    else {
+    let Some(results) = allocated(claim).and_then(|d| d.results.as_ref()) else {
         return Ok(Vec::new());
     };
     let configs = configs(claim)?;
@@ -260,11 +255,11 @@ pub fn to_move(claim: &ResourceClaim, inv: &Inventory) -> Result<Vec<PciAddress>
         if mode_for(&configs, &r.request) != Mode::Passthrough {
             continue;
         }
-        let Some(d) =
-            inv.devices.iter().find(|d| slices::device_name(d).as_deref() == Some(&r.device))
-        else {
+        // A MIG device is never passed through: [`plan`] refuses it on its GPU's driver.
+        if mig::parse_device_name(&r.device).is_some() {
             continue;
-        };
+        }
+        let Some(d) = slices::by_name(inv, &r.device) else { continue };
         if d.driver.as_deref() != Some("vfio-pci") && !out.contains(&d.address) {
             out.push(d.address);
         }
@@ -286,13 +281,8 @@ pub fn plan(
     if found != uid {
         return Err(ClaimError::Uid { wanted: uid.to_owned(), found });
     }
-    let results = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref())
-        .ok_or(ClaimError::NotAllocated)?;
+    let results =
+        allocated(claim).and_then(|d| d.results.as_ref()).ok_or(ClaimError::NotAllocated)?;
     let ours: Vec<_> = results.iter().filter(|r| r.driver == DRIVER).collect();
     if ours.is_empty() {
         let mut others: Vec<&str> = results.iter().map(|r| r.driver.as_str()).collect();
@@ -318,9 +308,7 @@ pub fn plan(
         }
         // A MIG device is its GPU's nodes and the instance's capabilities.
         let partition = mig::parse_device_name(&r.device);
-        let whole = partition.map_or(r.device.as_str(), |(gpu, _, _)| gpu);
-        let Some(d) = inv.devices.iter().find(|d| slices::device_name(d).as_deref() == Some(whole))
-        else {
+        let Some(d) = slices::by_name(inv, &r.device) else {
             return Err(ClaimError::UnknownDevice { device: r.device.clone() });
         };
         let part = partition

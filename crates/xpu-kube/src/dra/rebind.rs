@@ -8,9 +8,11 @@
 //! back, a failure at any write returns every device touched to its starting driver and
 //! override, and the previous drivers are recorded in the VFIO state file under the root. What
 //! is checked here first, so that a move is never started that the kernel would allow but the
-//! node must not: a group with no IOMMU group at all, a group that holds the host's boot GPU
-//! (the console's framebuffer lives on it), and a group with a device another claim holds (in a
-//! container, or passed through already). Each refusal names the group and its members.
+//! node must not: a device with no IOMMU group at all, a group that holds the host's boot GPU
+//! (the console's framebuffer lives on it) or a function that is no part of an accelerator (a
+//! NIC sharing a GPU's group on a board without ACS), and a group with a device another claim
+//! holds (in a container, or passed through already) or Nova keeps. Each refusal names the group
+//! and its members.
 
 use std::collections::BTreeMap;
 
@@ -35,23 +37,48 @@ pub enum RebindError {
     Unbind { devices: String, reason: String },
 }
 
-/// Whether the kernel marks `address` as the boot VGA device (`boot_vga` reads `1`).
-pub fn boot_vga(root: &Root, address: &PciAddress) -> bool {
-    std::fs::read_to_string(root.path(format!("sys/bus/pci/devices/{address}/boot_vga")))
-        .is_ok_and(|s| s.trim() == "1")
-}
-
 /// The endpoints of IOMMU group `group` (bridges left out).
 fn endpoints(inv: &Inventory, group: u32) -> Vec<&PciDevice> {
     inv.iommu_group(group).filter(|p| !p.is_bridge()).collect()
 }
 
-/// Whether `d` can be passed through: on `vfio-pci` already, or in an IOMMU group without the
-/// host's boot GPU (what [`check`] refuses whoever holds what).
+/// A member of a group that must not go to a VM with it: the host's boot GPU, or a function
+/// that is not part of an accelerator (neither one itself nor a function of an accelerator's
+/// slot, as a GPU's HDMI audio function is): a NIC or a disk controller sharing the group of a
+/// GPU on a board without ACS would reach the claim's VM.
+fn host_member(root: &Root, members: &[&PciDevice]) -> Option<(PciAddress, String)> {
+    let slot = |a: &PciAddress| (a.domain, a.bus, a.device);
+    let accelerators: Vec<_> =
+        members.iter().filter(|m| m.kind.is_accelerator()).map(|m| slot(&m.address)).collect();
+    members.iter().find_map(|m| {
+        if vfio::boot_vga(root, &m.address) {
+            Some((
+                m.address,
+                format!(
+                    "which holds the host's boot GPU {}: it stays with the host; pass through a device of another group",
+                    m.address
+                ),
+            ))
+        } else if !accelerators.contains(&slot(&m.address)) {
+            Some((
+                m.address,
+                format!(
+                    "and {} ({}) in it is not part of an accelerator: passing the group through would give it to the VM",
+                    m.address,
+                    m.driver.as_deref().unwrap_or("no driver")
+                ),
+            ))
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether `d` can be passed through: on `vfio-pci` already, or in an IOMMU group whose every
+/// member may go to a VM with it (what [`check`] refuses whoever holds what).
 pub fn capable(root: &Root, inv: &Inventory, d: &PciDevice) -> bool {
     d.driver.as_deref() == Some(vfio::VFIO_DRIVER)
-        || d.iommu_group
-            .is_some_and(|g| endpoints(inv, g).iter().all(|m| !boot_vga(root, &m.address)))
+        || d.iommu_group.is_some_and(|g| host_member(root, &endpoints(inv, g)).is_none())
 }
 
 fn member_list(members: &[&PciDevice]) -> String {
@@ -63,8 +90,9 @@ fn member_list(members: &[&PciDevice]) -> String {
 }
 
 /// Checks that the groups of `targets` may be moved: each has an IOMMU group, none holds the
-/// boot GPU or a device kept for Nova ([`vm_devices`]), and no member is held by anyone but
-/// the claim (`held`: address → who holds it).
+/// boot GPU, a function that is not part of an accelerator or a device kept for Nova
+/// ([`vm_devices`]), and no member is held by anyone but the claim (`held`: address → who holds
+/// it).
 pub fn check(
     root: &Root,
     inv: &Inventory,
@@ -84,11 +112,8 @@ pub fn check(
             members: member_list(&members),
             why,
         };
-        if let Some(boot) = members.iter().find(|m| boot_vga(root, &m.address)) {
-            return Err(refuse(format!(
-                "which holds the host's boot GPU {}: it stays with the host; pass through a device of another group",
-                boot.address
-            )));
+        if let Some((_, why)) = host_member(root, &members) {
+            return Err(refuse(why));
         }
         if let Some(m) = members.iter().find(|m| kept.contains(&m.address)) {
             return Err(refuse(format!(
@@ -160,8 +185,8 @@ mod tests {
     type Snapshot = BTreeMap<std::path::PathBuf, Node>;
 
     /// The 8×A100 host with `vfio-pci` loaded; GPU 0's IOMMU group also holds its audio
-    /// function and a bridge, GPUs 2 and 3 share a group, and GPU 7's group holds the host's
-    /// boot VGA controller.
+    /// function and a bridge, GPUs 2 and 3 share a group, GPU 5's group holds a NIC of the host,
+    /// and GPU 7's group holds the host's boot VGA controller.
     fn host() -> Fixture {
         let mut h = hosts::a100_8x();
         h.loaded_modules.extend(["vfio", "vfio_pci", "vfio_iommu_type1"].map(str::to_owned));
@@ -174,6 +199,7 @@ mod tests {
             .collect();
         let (first, g0) = gpus[0];
         let g2 = gpus[2].1;
+        let g5 = gpus[5].1;
         let g7 = gpus[7].1;
         for d in h.devices.iter_mut().filter(|d| d.address == gpus[3].0) {
             d.iommu_group = Some(g2);
@@ -182,6 +208,8 @@ mod tests {
         h.devices
             .push(DevSpec::new(&audio, 0x10de, 0x1aef, 0x040300).group(g0).driver("snd_hda_intel"));
         h.devices.push(DevSpec::new("0000:00:1c.0", 0x8086, 0xa110, 0x060400).group(g0));
+        h.devices
+            .push(DevSpec::new("0000:5e:00.0", 0x8086, 0x1592, 0x020000).group(g5).driver("ice"));
         h.devices.push(
             DevSpec::new("0000:00:02.0", 0x8086, 0x3e92, 0x030000)
                 .group(g7)
@@ -322,6 +350,12 @@ mod tests {
         let e = check(&root, &inv, &gpus[1..2], &none).unwrap_err().to_string();
         assert!(e.contains("vm-devices:1") && e.contains("no device is passed through"), "{e}");
         std::fs::remove_file(&list).unwrap();
+        // A group with a host function that is no part of a GPU (a NIC without ACS between).
+        let e = check(&root, &inv, &gpus[5..6], &none).unwrap_err().to_string();
+        assert!(e.contains("0000:5e:00.0 (ice) in it is not part of an accelerator"), "{e}");
+        let nic_gpu = inv.device(&gpus[5]).unwrap();
+        assert!(!capable(&root, &inv, nic_gpu));
+        assert!(capable(&root, &inv, inv.device(&gpus[0]).unwrap()), "an audio function is");
         // A device with no IOMMU group.
         let mut bare = inv.clone();
         bare.devices.iter_mut().for_each(|d| d.iommu_group = None);

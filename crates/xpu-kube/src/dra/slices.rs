@@ -46,6 +46,13 @@ pub fn device_name(d: &PciDevice) -> Option<String> {
     Some(format!("{kind}-{}", d.address.dns_label()))
 }
 
+/// The inventory device a published device name stands for (a MIG device's name,
+/// `<gpu>-mig-<profile>-<start>`, stands for its GPU).
+pub fn by_name<'a>(inv: &'a Inventory, name: &str) -> Option<&'a PciDevice> {
+    let whole = super::mig::parse_device_name(name).map_or(name, |(gpu, _, _)| gpu);
+    inv.devices.iter().find(|d| device_name(d).as_deref() == Some(whole))
+}
+
 fn string(s: impl Into<String>) -> DeviceAttribute {
     DeviceAttribute { string: Some(s.into()), ..Default::default() }
 }

@@ -96,29 +96,14 @@ pub fn run(args: Args) -> CmdResult {
 fn nova_config(args: NovaConfigArgs) -> CmdResult {
     let root = root_arg(args.root)?;
     let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
-    let mut inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
+    let inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
     warn_all(&inv.warnings);
     let kept = xpu_host::vm_devices::read(&root, &args.vm_devices).map_err(CliError::input)?;
-    if let Some(kept) = &kept {
-        for a in kept {
-            if !inv.device(a).is_some_and(|d| d.kind.is_accelerator()) {
-                return Err(CliError::input(anyhow::anyhow!(
-                    "{}: {a} is not an accelerator of this host; `xpu discover` lists them",
-                    args.vm_devices
-                )));
-            }
-        }
-        inv.devices.retain(|d| kept.contains(&d.address) || !d.kind.is_accelerator());
+    let plan = match &kept {
+        None => novaconf::plan(&inv, &args.alias_name),
+        Some(kept) => novaconf::plan_kept(&inv, &args.alias_name, kept, &args.vm_devices),
     }
-    let mut plan = novaconf::plan(&inv, &args.alias_name).map_err(CliError::input)?;
-    if let Some(kept) = &kept {
-        novaconf::pin_addresses(&mut plan);
-        plan.notes.push(format!(
-            "only the {} devices {} lists are configured; the node's other accelerators stay with Kubernetes",
-            kept.len(),
-            args.vm_devices
-        ));
-    }
+    .map_err(CliError::input)?;
     if plan.aliases.is_empty() {
         return Err(CliError::failed(anyhow::anyhow!(
             "no GPU, TPU or NPU on this host to pass through; `xpu discover` lists what was found"

@@ -8,8 +8,9 @@ use std::process::ExitCode;
 use clap::Subcommand;
 use xpu_core::PciAddress;
 use xpu_host::kernel::SysfsKernel;
-use xpu_host::vfio::{self, DeviceStatus, Outcome, Request, VfioError};
+use xpu_host::vfio::{self, Outcome, Request, VfioError};
 use xpu_host::{DiscoverOptions, Root, Scope};
+use xpu_kube::dra::uses::DeviceUse;
 
 use crate::cmd::discover::root_arg;
 use crate::cmd::format::{Format, TABLE_JSON};
@@ -64,90 +65,10 @@ pub struct StatusArgs {
     #[arg(long, value_name = "DIR")]
     pub root: Option<PathBuf>,
     /// The DRA driver's checkpoint (a host path under the root): which claim holds a device.
-    #[arg(long, value_name = "FILE", default_value = DRA_CHECKPOINT)]
+    #[arg(long, value_name = "FILE", default_value = xpu_kube::dra::uses::DRA_CHECKPOINT)]
     pub dra_checkpoint: String,
     #[arg(long, value_parser = Format::only(TABLE_JSON), default_value_t = Format::Table)]
     pub format: Format,
-}
-
-/// Where `xpu k8s dra-driver` keeps its checkpoint with the default `--plugin-dir`.
-pub const DRA_CHECKPOINT: &str = "/var/lib/kubelet/plugins/xpu.dev/checkpoint.json";
-
-/// One row of `xpu vfio status`: the device, and which use holds it now and since when.
-#[derive(Debug, serde::Serialize)]
-struct Row {
-    #[serde(flatten)]
-    status: DeviceStatus,
-    /// `vm: claim ns/name`, `container: claim ns/name`, `nova: ...`, `vfio-pci: ...`,
-    /// `host: <driver>` or `free`.
-    held_by: String,
-    /// RFC 3339, when known.
-    since: Option<String>,
-}
-
-fn rfc3339(unix: u64) -> Option<String> {
-    let t = jiff::Timestamp::from_second(i64::try_from(unix).ok()?).ok()?;
-    Some(t.to_string())
-}
-
-/// Which use holds each device: a prepared DRA claim (its passthrough moves included), the
-/// list of devices kept for Nova, xpu's own `vfio bind`, or the host's driver.
-fn uses(
-    root: &Root,
-    inv: &xpu_core::Inventory,
-    list: Vec<DeviceStatus>,
-    checkpoint: &str,
-) -> Result<Vec<Row>, CliError> {
-    let cp: xpu_kube::dra::plugin::Checkpoint = match root.read_file(checkpoint) {
-        Ok(Some(f)) => serde_json::from_slice(&f.bytes).map_err(|e| {
-            CliError::input(anyhow::anyhow!("{checkpoint}: {e}; pass --dra-checkpoint FILE"))
-        })?,
-        Ok(None) => Default::default(),
-        Err(e) => return Err(CliError::input(anyhow::anyhow!("{e}; pass --dra-checkpoint FILE"))),
-    };
-    let kept = xpu_host::vm_devices::read(root, xpu_host::vm_devices::VM_DEVICES)
-        .map_err(CliError::input)?
-        .unwrap_or_default();
-    let name_of = |a: &PciAddress| inv.device(a).and_then(xpu_kube::dra::slices::device_name);
-    Ok(list
-        .into_iter()
-        .map(|status| {
-            let a = status.address;
-            let name = name_of(&a);
-            let claim = cp.claims.values().find(|p| {
-                p.vfio.contains(&a)
-                    || p.devices.iter().any(|d| {
-                        let whole = xpu_kube::dra::mig::parse_device_name(&d.device)
-                            .map_or(d.device.as_str(), |x| x.0);
-                        name.as_deref() == Some(whole)
-                    })
-            });
-            let on_vfio = status.driver.as_deref() == Some(vfio::VFIO_DRIVER);
-            let (held_by, since) = match claim {
-                Some(p) => {
-                    let use_ = if on_vfio { "vm" } else { "container" };
-                    (format!("{use_}: claim {}/{}", p.namespace, p.name), p.since.clone())
-                }
-                None if kept.contains(&a) => (
-                    format!("nova: listed in {}", xpu_host::vm_devices::VM_DEVICES),
-                    status.vfio_since.and_then(rfc3339),
-                ),
-                None if on_vfio => {
-                    let by = if status.previous_driver.is_some() || status.vfio_since.is_some() {
-                        "xpu vfio bind"
-                    } else {
-                        "bound outside xpu"
-                    };
-                    (format!("vfio-pci: {by}"), status.vfio_since.and_then(rfc3339))
-                }
-                None => match &status.driver {
-                    Some(d) => (format!("host: {d}"), None),
-                    None => ("free".to_owned(), None),
-                },
-            };
-            Row { status, held_by, since }
-        })
-        .collect())
 }
 
 fn inventory(root: &Root) -> Result<xpu_core::Inventory, CliError> {
@@ -235,7 +156,8 @@ fn status(a: StatusArgs) -> CmdResult {
     let root = root_arg(a.root)?;
     let inv = inventory(&root)?;
     let list = vfio::status(&root, &inv, &a.addresses, a.all_accelerators).map_err(vfio_err)?;
-    let list = uses(&root, &inv, list, &a.dra_checkpoint)?;
+    let list = xpu_kube::dra::uses::uses(&root, &inv, list, &a.dra_checkpoint)
+        .map_err(|e| CliError::input(anyhow::anyhow!(e)))?;
     match a.format {
         Format::Json => print_json(&list)?,
         _ => print!("{}", render_status(&list)),
@@ -243,7 +165,7 @@ fn status(a: StatusArgs) -> CmdResult {
     Ok(ExitCode::SUCCESS)
 }
 
-fn render_status(list: &[Row]) -> String {
+fn render_status(list: &[DeviceUse]) -> String {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|row| {
