@@ -28,6 +28,7 @@ pub mod limits;
 pub mod metadata_env;
 pub mod mig_caps;
 pub mod modalias;
+pub mod mps;
 pub mod pciids;
 pub mod profile;
 pub mod provision;

@@ -14,17 +14,17 @@
 //! starts is not held (the daemon's per-server defaults are not set per client); see
 //! docs/scheduler.md.
 //!
-//! The daemon is the `nvidia-cuda-mps-control` binary the operator names (`-d` starts it, as
-//! a daemon; `quit` on its standard input stops it); tests give a fake one. Each spec file
+//! The daemons are `xpu_host::mps::Daemons`: the `nvidia-cuda-mps-control` binary the operator
+//! names, started again at the next allocation when one died; tests give a fake one. Each spec file
 //! (one per GPU, `xpu.dev-mps_<uuid>.json`) depends only on the GPU and the shares given so far,
 //! so it is written again, atomically, whenever a new share size appears, and never removed
 //! while the plugin runs.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Mutex;
+
+use xpu_host::mps::Daemons;
 
 use xpu_container::cdi::{self, ContainerEdits, Device, Mount, Spec};
 
@@ -44,55 +44,22 @@ pub struct MpsOptions {
     pub cdi_dir: PathBuf,
 }
 
-/// A share's MPS limits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, 1..=100.
-    pub thread_percent: u16,
-    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in MiB; `None` when the GPU's memory is unknown.
-    pub memory_mib: Option<u64>,
-}
-
-impl Limits {
-    /// The limits of `milli` thousandths of a GPU with `memory_mib` of memory.
-    pub fn of(milli: u16, memory_mib: Option<u64>) -> Limits {
-        let milli = milli.clamp(1, 1000);
-        Limits {
-            thread_percent: milli.div_ceil(10),
-            memory_mib: memory_mib.map(|m| m * u64::from(milli) / 1000),
-        }
-    }
-}
+pub use xpu_host::mps::Limits;
 
 /// The MPS daemons and CDI specs of one device plugin.
 #[derive(Debug)]
 pub struct Mps {
     opts: MpsOptions,
+    daemons: Daemons,
     /// Per GPU UUID: the share sizes (milli) whose CDI devices exist.
     state: Mutex<BTreeMap<String, BTreeSet<u16>>>,
 }
 
 impl Mps {
-    pub fn new(opts: MpsOptions) -> Mps {
-        Mps { opts, state: Mutex::new(BTreeMap::new()) }
-    }
-
-    fn gpu_dir(&self, uuid: &str) -> PathBuf {
-        self.opts.dir.join(uuid)
-    }
-
-    fn command(&self, uuid: &str) -> Command {
-        let dir = self.gpu_dir(uuid);
-        let mut c = Command::new(&self.opts.control);
-        c.env_clear()
-            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("CUDA_VISIBLE_DEVICES", uuid)
-            .env("CUDA_MPS_PIPE_DIRECTORY", dir.join("pipe"))
-            .env("CUDA_MPS_LOG_DIRECTORY", dir.join("log"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        c
+    pub fn new(opts: MpsOptions) -> Result<Mps, String> {
+        check(&opts)?;
+        let daemons = Daemons::new(opts.dir.clone(), opts.control.clone())?;
+        Ok(Mps { opts, daemons, state: Mutex::new(BTreeMap::new()) })
     }
 
     /// The CDI device (qualified name) for a share of `milli` of the GPU `uuid`, starting the
@@ -102,9 +69,8 @@ impl Mps {
             return Err(format!("GPU UUID {uuid:?} cannot name an MPS directory or CDI device"));
         }
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !state.contains_key(uuid) {
-            self.start(uuid)?;
-            state.insert(uuid.to_owned(), BTreeSet::new());
+        if self.daemons.ensure(uuid)? {
+            tracing::info!(gpu = uuid, pipe = %self.daemons.pipe_dir(uuid).display(), "MPS control daemon started");
         }
         let sizes = state.entry(uuid.to_owned()).or_default();
         if sizes.insert(milli) {
@@ -127,18 +93,15 @@ impl Mps {
     }
 
     fn spec(&self, uuid: &str, sizes: &BTreeSet<u16>, memory_mib: Option<u64>) -> Spec {
-        let pipe = self.gpu_dir(uuid).join("pipe");
+        let pipe = self.daemons.pipe_dir(uuid);
         let devices = sizes
             .iter()
             .map(|&milli| {
-                let l = Limits::of(milli, memory_mib);
-                let mut env = vec![
-                    format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}"),
-                    format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={}", l.thread_percent),
-                ];
-                if let Some(m) = l.memory_mib {
-                    env.push(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={m}M"));
-                }
+                let env = Limits::of(milli, memory_mib)
+                    .env(CONTAINER_PIPE_DIR)
+                    .into_iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect();
                 Device {
                     name: device_name(uuid, milli),
                     container_edits: ContainerEdits {
@@ -161,48 +124,18 @@ impl Mps {
         }
     }
 
-    /// Starts the GPU's control daemon (`-d`), in fresh pipe and log directories.
-    fn start(&self, uuid: &str) -> Result<(), String> {
-        let dir = self.gpu_dir(uuid);
-        for d in ["pipe", "log"] {
-            std::fs::create_dir_all(dir.join(d))
-                .map_err(|e| format!("creating {}: {e}", dir.join(d).display()))?;
-        }
-        let out = self.command(uuid).arg("-d").output().map_err(|e| {
-            format!("starting the MPS control daemon {}: {e}", self.opts.control.display())
-        })?;
-        if !out.status.success() {
-            return Err(format!(
-                "the MPS control daemon for {uuid} did not start ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        tracing::info!(gpu = uuid, pipe = %dir.join("pipe").display(), "MPS control daemon started");
-        Ok(())
-    }
-
     /// Stops every daemon this plugin started (`quit` on the control's standard input).
     pub fn stop_all(&self) {
-        let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        for uuid in state.keys() {
-            if let Err(e) = self.quit(uuid) {
-                tracing::warn!(gpu = %uuid, error = %e, "MPS control daemon not stopped");
-            }
+        let started: Vec<String> = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect();
+        for e in self.daemons.stop_all(started.iter().map(String::as_str)) {
+            tracing::warn!(error = %e, "MPS control daemon not stopped");
         }
-    }
-
-    fn quit(&self, uuid: &str) -> Result<(), String> {
-        let mut child = self
-            .command(uuid)
-            .stdin(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("{}: {e}", self.opts.control.display()))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(b"quit\n").map_err(|e| e.to_string())?;
-        }
-        let status = child.wait().map_err(|e| e.to_string())?;
-        if status.success() { Ok(()) } else { Err(format!("quit: {status}")) }
     }
 }
 
@@ -226,40 +159,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn limits_are_the_share_rounded_up() {
-        assert_eq!(
-            Limits::of(500, Some(40960)),
-            Limits { thread_percent: 50, memory_mib: Some(20480) }
-        );
-        assert_eq!(Limits::of(1, None).thread_percent, 1);
-        assert_eq!(Limits::of(333, Some(81920)).thread_percent, 34);
-        assert_eq!(Limits::of(5000, Some(100)).memory_mib, Some(100));
-    }
-
-    #[test]
     fn a_share_starts_the_gpus_daemon_once_and_names_a_device_of_the_spec() {
         let dir = tempfile::tempdir().unwrap();
-        let control = dir.path().join("control.sh");
-        let calls = dir.path().join("calls");
-        std::fs::write(
-            &control,
-            format!(
-                "#!/bin/sh\necho \"$* $CUDA_VISIBLE_DEVICES $CUDA_MPS_PIPE_DIRECTORY\" >> {}\n",
-                calls.display()
-            ),
-        )
-        .unwrap();
-        std::fs::set_permissions(&control, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .unwrap();
+        let control = xpu_testkit::mps::fake_control(dir.path());
         let opts =
             MpsOptions { dir: dir.path().join("mps"), control, cdi_dir: dir.path().join("cdi") };
-        let mps = Mps::new(opts);
+        let mps = Mps::new(opts).unwrap();
         let uuid = "GPU-5eed0000-a100-4000-8000-000000000000";
         assert_eq!(mps.share(uuid, 500, Some(40960)).unwrap(), format!("xpu.dev/mps={uuid}-m500"));
         assert_eq!(mps.share(uuid, 250, Some(40960)).unwrap(), format!("xpu.dev/mps={uuid}-m250"));
-        let started = std::fs::read_to_string(&calls).unwrap();
-        assert_eq!(started.lines().count(), 1, "{started}");
-        assert!(started.starts_with(&format!("-d {uuid} ")), "{started}");
+        assert_eq!(xpu_testkit::mps::calls(dir.path()), format!("start {uuid}\n"));
         let spec: Spec = serde_json::from_slice(
             &std::fs::read(dir.path().join(format!("cdi/xpu.dev-mps_{uuid}.json"))).unwrap(),
         )
@@ -279,7 +188,7 @@ mod tests {
                 .contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M".to_owned())
         );
         mps.stop_all();
-        assert!(std::fs::read_to_string(&calls).unwrap().lines().count() == 2);
+        assert_eq!(xpu_testkit::mps::calls(dir.path()), format!("start {uuid}\nquit {uuid}\n"));
         assert!(mps.share("../x", 500, None).is_err());
     }
 }

@@ -110,6 +110,12 @@ pub struct Launch {
     /// Who submitted the job, and so who its programs run as ([`RunAs`]); `None`: the daemon's
     /// own user (jobs stored before owners were recorded).
     pub user: Option<crate::store::Owner>,
+    /// Host directories bound into each of the pod's containers besides its volumes (the MPS
+    /// pipe directory); host-process tasks reach them by their host paths.
+    pub host_mounts: Vec<crate::container::Mount>,
+    /// The GPU (UUID) whose MPS daemon the task is a client of: the engine starts the daemon
+    /// before the task and stops it after the GPU's last client.
+    pub mps_gpu: Option<String>,
 }
 
 /// How a task's programs become their owner's when the daemon runs as another user (root): the
@@ -470,7 +476,8 @@ fn spawn_pod(l: &Launch) -> Result<Spawned, ExecError> {
                 // By its place in the pod alone: a name is never a path.
                 let dir = l.dir.join("containers").join(n.to_string());
                 mkdir(&dir).map_err(io(&dir))?;
-                let mounts = mounts_of(&step.mounts);
+                let mut mounts = mounts_of(&step.mounts);
+                mounts.extend(l.host_mounts.iter().cloned());
                 let p = crate::container::Process {
                     job: l.job_id,
                     argv: &step.argv,
@@ -759,6 +766,8 @@ mod tests {
             mounts: Vec::new(),
             grace: Duration::from_secs(1),
             user: None,
+            host_mounts: Vec::new(),
+            mps_gpu: None,
         }
     }
 

@@ -61,6 +61,8 @@ pub enum ServeError {
     Listen { addr: String, source: std::io::Error },
     #[error("this node cannot be scheduled on; drop some --devices")]
     Scheduler(#[source] xpu_sched::scheduler::SchedError),
+    #[error("--mps-dir: {0}")]
+    Mps(String),
 }
 
 /// How often the daemon reads device telemetry (NVML, amdgpu sysfs): a device turning
@@ -96,6 +98,18 @@ pub struct ServeOptions {
     pub http: listen::HttpLimits,
     /// Told what happens while the daemon starts (the CLI prints it).
     pub notify: Notify,
+    /// Serve tasks with a share of an NVIDIA GPU through that GPU's MPS daemon
+    /// (`--mps-dir`, `--mps-control`): see `xpu_host::mps`.
+    pub mps: Option<MpsOptions>,
+}
+
+/// Where the MPS daemons of `xpu serve` live and what runs them.
+#[derive(Debug, Clone)]
+pub struct MpsOptions {
+    /// Absolute: `<dir>/<gpu uuid>/{pipe,log}`.
+    pub dir: PathBuf,
+    /// The `nvidia-cuda-mps-control` binary.
+    pub control: PathBuf,
 }
 
 /// What the daemon tells whoever started it.
@@ -160,6 +174,7 @@ impl ServeOptions {
             runtime: default_runtime(),
             http: listen::HttpLimits::default(),
             notify: Notify::default(),
+            mps: None,
         }
     }
 
@@ -210,6 +225,8 @@ pub struct Shared {
     /// per-device series, the dashboard shows utilisation and memory, and the engine places
     /// nothing on a device it reports unhealthy. `None` in tests that do not need it.
     pub telemetry: Option<xpu_telemetry::collect::Collector>,
+    /// The MPS daemons share tasks are clients of ([`ServeOptions::mps`]).
+    pub mps: Option<Arc<xpu_host::mps::Daemons>>,
 }
 
 /// How the loop becomes leader: always with SQLite (one daemon per file), by advisory lock with
@@ -384,6 +401,13 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     let store = Store::open(&db_url).await?;
     let token = load_token(&opts.data_dir)?;
     let user_tokens = load_user_tokens(&opts.data_dir)?;
+    let mps = match &opts.mps {
+        Some(m) => Some(Arc::new(
+            xpu_host::mps::Daemons::new(m.dir.clone(), m.control.clone())
+                .map_err(ServeError::Mps)?,
+        )),
+        None => None,
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
         store,
@@ -408,6 +432,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             xpu_telemetry::default_sources(&opts.root),
             fakes,
         )),
+        mps,
     });
     let engine = Engine::new(shared.clone(), rx, tx).map_err(ServeError::Scheduler)?;
 

@@ -68,6 +68,10 @@ pub struct Device {
     /// `CUDA_VISIBLE_DEVICES` (with `CUDA_DEVICE_ORDER=PCI_BUS_ID`), `HIP_VISIBLE_DEVICES` and
     /// `TPU_VISIBLE_CHIPS` count.
     pub vendor_index: u32,
+    /// The model's memory from xpu's table of accelerators: what an MPS share's memory limit
+    /// is a part of. Not part of the API.
+    #[serde(skip)]
+    pub memory_mib: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -209,6 +213,11 @@ pub fn node_from_inventory(
             numa_node: d.numa_node,
             interconnect_domain: d.interconnect_domain.clone(),
             vendor_index: *n,
+            memory_mib: d
+                .vendor_id
+                .zip(d.device_id)
+                .and_then(|(v, id)| xpu_core::accel::lookup(v, id))
+                .map(|a| u64::from(a.memory_gib) * 1024),
         });
         *n += 1;
     }

@@ -23,6 +23,7 @@ pub mod hosts;
 pub mod kube;
 pub mod kubelet;
 pub mod lspci;
+pub mod mps;
 pub mod readiness;
 pub mod sysfs;
 pub mod traps;

@@ -622,13 +622,14 @@ async fn mps_shares_get_the_daemons_pipe_and_their_own_limits_needs_root_and_run
     cdi_generate(fx.root(), "nvidia", &node.cdi_dir());
 
     // The fake control: `-d` leaves a file naming its GPU in the pipe directory, as the real
-    // daemon leaves its control socket there; `quit` removes it. Every call is logged.
+    // daemon leaves its control socket there; `get_server_list` succeeds while it is there;
+    // `quit` removes it. Starts and quits are logged.
     let calls = cp.dir().join("mps-calls");
     let control = cp.dir().join("nvidia-cuda-mps-control");
     std::fs::write(
         &control,
         format!(
-            "#!/bin/sh\ncase \"$1\" in\n-d) echo \"$CUDA_VISIBLE_DEVICES\" > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_LOG_DIRECTORY\" >> {calls} ;;\n*) read cmd; echo \"$cmd $CUDA_VISIBLE_DEVICES\" >> {calls}; rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\" ;;\nesac\n",
+            "#!/bin/sh\ncase \"$1\" in\n-d) echo \"$CUDA_VISIBLE_DEVICES\" > \"$CUDA_MPS_PIPE_DIRECTORY/control\"; echo \"start $CUDA_VISIBLE_DEVICES $CUDA_MPS_LOG_DIRECTORY\" >> {calls} ;;\n*) read cmd; [ \"$cmd\" = get_server_list ] && exec test -e \"$CUDA_MPS_PIPE_DIRECTORY/control\"; echo \"$cmd $CUDA_VISIBLE_DEVICES\" >> {calls}; rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\" ;;\nesac\n",
             calls = calls.display()
         ),
     )

@@ -310,3 +310,96 @@ fn a_container_sees_only_its_devices_whatever_its_env_or_bundle_needs_root_and_r
     }
     assert!(wrong.is_empty(), "containers saw devices they were not given:\n{}", wrong.join("\n"));
 }
+
+/// `xpu serve --mps-dir`: a share task is a client of its GPU's MPS daemon, limited to its
+/// share whatever `CUDA_MPS_*` its manifest sets; the daemon starts before the GPU's first share
+/// task and stops after its last; a whole-GPU task is no client. (A fake control binary; what
+/// the real one holds is the GPU run's, docs/scheduler.md.)
+#[test]
+fn share_tasks_are_mps_clients_limited_to_their_share_whatever_their_env() {
+    let fixture = hosts::h200_4x().build();
+    let tmp = tempfile::tempdir().unwrap();
+    let control = xpu_testkit::mps::fake_control(tmp.path());
+    let mps = tmp.path().join("mps");
+    let d = Daemon::start(
+        &tmp.path().join("data"),
+        None,
+        &[
+            "--root",
+            fixture.root().to_str().unwrap(),
+            "--mps-dir",
+            mps.to_str().unwrap(),
+            "--mps-control",
+            control.to_str().unwrap(),
+        ],
+    );
+    let gate = tmp.path().join("gate");
+    let script = format!("env; while [ ! -e {} ]; do sleep 0.05; done", gate.display());
+    let own = BTreeMap::from([
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_owned(), "100".to_owned()),
+        ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_owned(), "0=999999M".to_owned()),
+        ("CUDA_MPS_PIPE_DIRECTORY".to_owned(), "/tmp/mine".to_owned()),
+        ("CUDA_VISIBLE_DEVICES".to_owned(), "0,1,2,3".to_owned()),
+    ]);
+    // An H200's 141 GiB: a quarter and three quarters of its threads and memory.
+    let shares = [(250, "25", "0=36096M"), (750, "75", "0=108288M")];
+    let ids: Vec<i64> = shares
+        .iter()
+        .enumerate()
+        .map(|(i, (milli, _, _))| {
+            let env = if i == 1 { env_yaml(&own) } else { String::new() };
+            d.submit(&format!("{}{env}gpuMilli: {milli}\n", command(&script)))
+        })
+        .collect();
+    let whole = d.submit(&format!("{}gpus: 1\n", command("env")));
+    let mut gpus = BTreeSet::new();
+    for (id, (milli, percent, memory)) in ids.iter().zip(shares) {
+        let log = d.wait_for(&format!("job {id}'s environment"), || {
+            let l = logs(&d, *id);
+            l.contains("XPU_JOB_ID=").then_some(l)
+        });
+        let env: BTreeMap<&str, &str> = log.lines().filter_map(|l| l.split_once('=')).collect();
+        let pipe = env.get("CUDA_MPS_PIPE_DIRECTORY").copied().unwrap_or_default();
+        let gpu = Path::new(pipe)
+            .strip_prefix(&mps)
+            .ok()
+            .and_then(|p| p.parent())
+            .and_then(|p| p.to_str())
+            .unwrap_or_else(|| panic!("job {id} ({milli}): pipe {pipe:?} not under {mps:?}\n{log}"))
+            .to_owned();
+        assert!(gpu.starts_with("GPU-"), "{gpu}");
+        for (k, v) in [
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", percent),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", memory),
+            ("CUDA_VISIBLE_DEVICES", "0"),
+            ("XPU_SHARING", "mps"),
+        ] {
+            assert_eq!(env.get(k), Some(&v), "job {id} ({milli}): {k}\n{log}");
+        }
+        gpus.insert(gpu);
+    }
+    // Both run: each GPU's daemon started once, none stopped.
+    let started: String = gpus.iter().map(|g| format!("start {g}\n")).collect();
+    let calls = xpu_testkit::mps::calls(tmp.path());
+    assert_eq!(calls.lines().filter(|l| l.starts_with("start")).count(), gpus.len(), "{calls}");
+    assert!(gpus.iter().all(|g| calls.contains(&format!("start {g}"))), "{calls}");
+    assert!(!calls.contains("quit"), "{calls}");
+    let j = d.wait_state(whole, &["succeeded", "failed"]);
+    assert_eq!(j["state"], "succeeded");
+    let log = logs(&d, whole);
+    assert!(!log.contains("CUDA_MPS_"), "a whole GPU is no MPS client:\n{log}");
+    std::fs::write(&gate, "").unwrap();
+    for id in &ids {
+        assert_eq!(d.wait_state(*id, &["succeeded", "failed"])["state"], "succeeded");
+    }
+    let quits: String = gpus.iter().map(|g| format!("quit {g}\n")).collect();
+    let calls = d.wait_for("each daemon stopped after its GPU's last share", || {
+        let c = xpu_testkit::mps::calls(tmp.path());
+        (c.lines().filter(|l| l.starts_with("quit")).count() == gpus.len()).then_some(c)
+    });
+    let mut lines: Vec<&str> = calls.lines().collect();
+    lines.sort_unstable();
+    let mut want: Vec<String> = format!("{started}{quits}").lines().map(str::to_owned).collect();
+    want.sort_unstable();
+    assert_eq!(lines, want);
+}

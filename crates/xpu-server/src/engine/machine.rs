@@ -162,6 +162,9 @@ pub struct Config {
     pub restart_backoff: Duration,
     /// The runtime shim containerised tasks run through.
     pub runtime: Vec<OsString>,
+    /// Where the MPS daemons' directories are (`xpu serve --mps-dir`): a task with a share of
+    /// an NVIDIA GPU is then a client of that GPU's daemon, limited to its share.
+    pub mps: Option<PathBuf>,
 }
 
 /// Where one completion index is.
@@ -1453,7 +1456,17 @@ fn launch(
     let node = &config.node;
     let in_container = container.is_some();
     let main = &job.spec.container;
-    let env = task_env(node, job, main, idx, devices, in_container)?;
+    let mps = match &config.mps {
+        Some(dir) => mps_client(node, job, devices, dir, in_container)?,
+        None => None,
+    };
+    let with_mps = |mut env: Vec<(String, String)>| {
+        if let Some(m) = &mps {
+            m.apply(&mut env);
+        }
+        env
+    };
+    let env = with_mps(task_env(node, job, main, idx, devices, in_container)?);
     let argv = task_argv(&job.spec, main, &env)?;
     // Each init container with its own variables and arguments, on the same devices (see
     // `executor::spawn_pod`).
@@ -1462,8 +1475,10 @@ fn launch(
         .init_containers
         .iter()
         .map(|c| {
-            let env = task_env(node, job, c, idx, devices, in_container)
-                .map_err(|e| format!("init container {}: {e}", c.name))?;
+            let env = with_mps(
+                task_env(node, job, c, idx, devices, in_container)
+                    .map_err(|e| format!("init container {}: {e}", c.name))?,
+            );
             let argv = task_argv(&job.spec, c, &env)
                 .map_err(|e| format!("init container {}: {e}", c.name))?;
             Ok(executor::Step {
@@ -1491,7 +1506,77 @@ fn launch(
         mounts: main.volume_mounts.clone(),
         grace: config.grace,
         user: job.owner,
+        host_mounts: mps.iter().filter_map(|m| m.mount.clone()).collect(),
+        mps_gpu: mps.map(|m| m.gpu),
     })
+}
+
+/// What makes a task a client of its GPU's MPS daemon.
+#[derive(Debug)]
+struct MpsClient {
+    /// The GPU's UUID: whose daemon it is.
+    gpu: String,
+    /// Set over the task's own (`CUDA_MPS_*` it set are dropped first).
+    env: Vec<(String, String)>,
+    /// A container's view of the pipe directory.
+    mount: Option<container::Mount>,
+}
+
+impl MpsClient {
+    fn apply(&self, env: &mut Vec<(String, String)>) {
+        let ours = |k: &str| self.env.iter().any(|(o, _)| o == k);
+        env.retain(|(k, _)| !xpu_host::mps::is_client_var(k) && !ours(k));
+        env.extend(self.env.iter().cloned());
+    }
+}
+
+/// Where a container finds its GPU's MPS pipe directory (the device plugin's path too).
+const CONTAINER_MPS_PIPE_DIR: &str = "/var/run/xpu-mps";
+
+/// The MPS client a task is: a share (`milli` under 1000) of one NVIDIA GPU, limited to that
+/// share of its threads and memory. `None` for whole devices and other vendors.
+fn mps_client(
+    node: &Node,
+    job: &Job,
+    devices: &[u32],
+    dir: &std::path::Path,
+    in_container: bool,
+) -> Result<Option<MpsClient>, String> {
+    if job.milli >= 1000 {
+        return Ok(None);
+    }
+    let gpu = match devices {
+        [d] => match node.devices.get(*d as usize) {
+            Some(g) if g.vendor == "nvidia" && g.kind == DeviceKind::Gpu => g,
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    let uuid = gpu.uuid.clone().ok_or_else(|| {
+        format!(
+            "GPU {} has no UUID (the NVIDIA driver's /proc/driver/nvidia/gpus/{}/information), so its MPS daemon cannot be named; load the driver, or serve without --mps-dir",
+            gpu.address, gpu.address
+        )
+    })?;
+    let pipe = dir.join(&uuid).join("pipe");
+    let limits = xpu_host::mps::Limits::of(job.milli, gpu.memory_mib);
+    let (mut env, mount) = if in_container {
+        let mount = container::Mount {
+            source: pipe,
+            destination: CONTAINER_MPS_PIPE_DIR.to_owned(),
+            read_only: false,
+        };
+        (limits.env(CONTAINER_MPS_PIPE_DIR), Some(mount))
+    } else {
+        (limits.env(&pipe.to_string_lossy()), None)
+    };
+    // The daemon sees only this GPU, and a client counts devices from the daemon's: its GPU is
+    // device 0 (a container's runtime names the GPU from NVIDIA_VISIBLE_DEVICES as before).
+    if !in_container {
+        env.push(("CUDA_VISIBLE_DEVICES".to_owned(), "0".to_owned()));
+    }
+    env.push(("XPU_SHARING".to_owned(), "mps".to_owned()));
+    Ok(Some(MpsClient { gpu: uuid, env, mount }))
 }
 
 #[cfg(test)]

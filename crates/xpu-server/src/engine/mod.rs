@@ -107,6 +107,7 @@ impl Engine {
             grace: shared.grace,
             restart_backoff: shared.restart_backoff,
             runtime: shared.runtime.clone(),
+            mps: shared.mps.as_ref().map(|d| d.dir().to_owned()),
         })?;
         Ok(Engine { shared, rx, tx, machine, t0: Instant::now(), leader: false })
     }
@@ -322,15 +323,23 @@ fn spawn(
             Err(error) => return failed(&tx, error),
         };
         // Off the async threads: a start reads files the job names (a bundle's config.json),
-        // and however those are bounded, a slow disk must not stall the API.
+        // and however those are bounded, a slow disk must not stall the API. A share's MPS
+        // daemon is started (again, if it died) first: a client that finds none runs unlimited.
+        let mps = shared.mps.clone();
         let started = tokio::task::spawn_blocking(move || {
-            let r = executor::spawn(&launch);
+            if let Err(e) = mps_acquire(mps.as_deref(), &launch) {
+                return (launch, Err(e));
+            }
+            let r = executor::spawn(&launch).map_err(|e| e.to_string());
+            if r.is_err() {
+                mps_release(mps.as_deref(), &launch);
+            }
             (launch, r)
         })
         .await;
         let (launch, mut spawned) = match started {
             Ok((launch, Ok(s))) => (launch, s),
-            Ok((_, Err(e))) => return failed(&tx, e.to_string()),
+            Ok((_, Err(e))) => return failed(&tx, e),
             Err(e) => return failed(&tx, format!("starting the task: {e}")),
         };
         if let Some(aside) = &spawned.moved_aside {
@@ -359,9 +368,36 @@ fn spawn(
             }),
             Err(_) => executor::recorded_exit(&launch.dir),
         };
+        if launch.mps_gpu.is_some() {
+            let mps = shared.mps.clone();
+            let _ = tokio::task::spawn_blocking(move || mps_release(mps.as_deref(), &launch)).await;
+        }
         // See `failed`.
         let _ = tx.send(Msg::Exited { job, idx, attempt, code });
     });
+}
+
+/// Starts (or finds running) the MPS daemon of the task's GPU, counting the task as a client.
+fn mps_acquire(mps: Option<&xpu_host::mps::Daemons>, launch: &Launch) -> Result<(), String> {
+    let (Some(d), Some(gpu)) = (mps, &launch.mps_gpu) else { return Ok(()) };
+    match d.acquire(gpu) {
+        Ok(true) => {
+            tracing::info!(gpu = %gpu, pipe = %d.pipe_dir(gpu).display(), "MPS control daemon started");
+            Ok(())
+        }
+        Ok(false) => Ok(()),
+        Err(e) => Err(format!("MPS for GPU {gpu}: {e}")),
+    }
+}
+
+/// The task no longer runs: its GPU's MPS daemon stops with its last client.
+fn mps_release(mps: Option<&xpu_host::mps::Daemons>, launch: &Launch) {
+    let (Some(d), Some(gpu)) = (mps, &launch.mps_gpu) else { return };
+    match d.release(gpu) {
+        Ok(true) => tracing::info!(gpu = %gpu, "MPS control daemon stopped: its last client ended"),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(gpu = %gpu, error = %e, "MPS control daemon not stopped"),
+    }
 }
 
 /// Unmounts a task's memory volume, lazily, if it is still a mount point: usually the task's
@@ -443,6 +479,7 @@ mod tests {
             runtime: vec!["xpu".into(), "runtime".into()],
             db_url: url,
             telemetry: None,
+            mps: None,
         })
     }
 

@@ -411,8 +411,9 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
                 control: args.mps_control,
                 cdi_dir: args.cdi_dir,
             };
-            xpu_integrations::mps::check(&opts).map_err(|e| CliError::input(anyhow::anyhow!(e)))?;
-            Some(std::sync::Arc::new(xpu_integrations::mps::Mps::new(opts)))
+            let mps = xpu_integrations::mps::Mps::new(opts)
+                .map_err(|e| CliError::input(anyhow::anyhow!(e)))?;
+            Some(std::sync::Arc::new(mps))
         }
         None => None,
     };

@@ -40,6 +40,7 @@ fn config(devices: &[&str]) -> Config {
         grace: GRACE,
         restart_backoff: BACKOFF,
         runtime: vec!["/usr/bin/xpu".into(), "runtime".into()],
+        mps: None,
     }
 }
 
