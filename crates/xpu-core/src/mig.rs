@@ -36,6 +36,9 @@ pub struct Profile {
     pub size: u8,
     /// Its memory, in GB as the name says.
     pub memory_gb: u16,
+    /// Its memory as NVML reports it (`memorySizeMB`, MiB), where measured on a real GPU: less
+    /// than the name says (an H200's `1g.18gb` has 16,384 MiB). `None`: not measured here.
+    pub memory_mib: Option<u32>,
     /// The memory slices a placement may start at.
     pub starts: &'static [u8],
     /// The most instances of this profile one GPU holds.
@@ -62,7 +65,7 @@ const fn profile(
     starts: &'static [u8],
     max: u8,
 ) -> Profile {
-    Profile { name, id, compute, size, memory_gb, starts, max }
+    Profile { name, id, compute, size, memory_gb, memory_mib: None, starts, max }
 }
 
 /// The seven profiles of a model, named `names` with memory `mem` (GB), in the table's order:
@@ -85,14 +88,29 @@ const PROFILES_80GB: [Profile; 7] = profiles(
     [10, 10, 20, 20, 40, 40, 80],
 );
 
+/// `profiles` with NVML's memory sizes (MiB, the table's order).
+const fn measured(mut p: [Profile; 7], mib: [u32; 7]) -> [Profile; 7] {
+    let mut i = 0;
+    while i < 7 {
+        p[i].memory_mib = Some(mib[i]);
+        i += 1;
+    }
+    p
+}
+
 /// The MIG-capable models xpu knows, most specific name first.
 pub const MODELS: &[Model] = &[
     Model {
         name: "H200",
         memory_gb: 141,
-        profiles: profiles(
-            ["1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
-            [18, 18, 35, 35, 71, 71, 141],
+        // Memory as NVML reported it on an H200 with driver 580.159.04
+        // (src/testdata/nvml-mig-h200.json).
+        profiles: measured(
+            profiles(
+                ["1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
+                [18, 18, 35, 35, 71, 71, 141],
+            ),
+            [16384, 16384, 33280, 33280, 71424, 71424, 143360],
         ),
     },
     Model { name: "H100", memory_gb: 80, profiles: PROFILES_80GB },
@@ -313,6 +331,36 @@ mod tests {
                     .unwrap();
                 assert_eq!(gb, p.memory_gb, "{}", p.name);
             }
+        }
+    }
+
+    /// The H200's table against what NVML reported on a real H200 (driver 580.159.04, MIG
+    /// mode off: NVML lists profiles and placements whatever the mode): every profile NVML
+    /// offers is in the table with its id, compute slices, most instances, memory and exactly
+    /// its placements, and the table has nothing NVML does not offer.
+    #[test]
+    fn the_h200_table_is_what_nvml_reports_on_a_real_h200() {
+        let nvml: serde_json::Value =
+            serde_json::from_str(include_str!("testdata/nvml-mig-h200.json")).unwrap();
+        let m = Model::of(nvml["name"].as_str().unwrap()).unwrap();
+        let offered = nvml["profiles"].as_array().unwrap();
+        assert_eq!(offered.len(), m.profiles.len());
+        for n in offered {
+            let label = n["name"].as_str().unwrap().strip_prefix("MIG ").unwrap();
+            let p = m.profile(label).unwrap_or_else(|e| panic!("{label}: {e}"));
+            let num = |k: &str| n[k].as_u64().unwrap();
+            assert_eq!(u64::from(p.id), num("id"), "{label}");
+            assert_eq!(u64::from(p.compute), num("sliceCount"), "{label}");
+            assert_eq!(u64::from(p.max), num("instanceCount"), "{label}");
+            assert_eq!(p.memory_mib.map(u64::from), Some(num("memorySizeMB")), "{label}");
+            let placements: Vec<(u8, u8)> = n["placements"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|pl| (pl[0].as_u64().unwrap() as u8, pl[1].as_u64().unwrap() as u8))
+                .collect();
+            let ours: Vec<(u8, u8)> = p.starts.iter().map(|&s| (s, p.size)).collect();
+            assert_eq!(placements, ours, "{label}");
         }
     }
 

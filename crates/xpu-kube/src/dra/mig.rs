@@ -86,7 +86,11 @@ pub fn partitions(whole: &Device, mig: &MigGpu) -> Result<(CounterSet, Vec<Devic
             let capacity = BTreeMap::from([(
                 "memory".to_owned(),
                 DeviceCapacity {
-                    value: Quantity(format!("{}G", p.memory_gb)),
+                    // NVML's size where measured (an H200's 1g.18gb has 16 GiB), else the name's.
+                    value: Quantity(match p.memory_mib {
+                        Some(mib) => format!("{mib}Mi"),
+                        None => format!("{}G", p.memory_gb),
+                    }),
                     ..Default::default()
                 },
             )]);
