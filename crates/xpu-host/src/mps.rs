@@ -243,7 +243,7 @@ mod tests {
         assert!(!d.acquire(gpu).unwrap(), "one daemon per GPU");
         assert!(!d.release(gpu).unwrap());
         // The daemon dies under a client: the next client's start brings it back.
-        std::fs::remove_file(dir.path().join("mps").join(gpu).join("up")).unwrap();
+        std::fs::remove_file(d.pipe_dir(gpu).join("control")).unwrap();
         assert!(d.acquire(gpu).unwrap());
         assert!(!d.release(gpu).unwrap());
         assert!(d.release(gpu).unwrap(), "the last client stops it");

@@ -519,10 +519,12 @@ pub fn allocation(c: &ResourceClaim) -> Option<dra::Allocation> {
                 device: r.device.clone(),
             },
             admin_access: r.admin_access == Some(true),
-            consumed: r
-                .consumed_capacity
-                .as_ref()
-                .map(|m| m.iter().filter_map(|(k, q)| Some((k.clone(), milli(&q.0)?))).collect()),
+            // Keyed as the allocator keys devices' capacity: qualified by the driver.
+            consumed: r.consumed_capacity.as_ref().map(|m| {
+                m.iter()
+                    .filter_map(|(k, q)| Some((qualified(k, &r.driver), milli(&q.0)?)))
+                    .collect()
+            }),
             binding_conditions: r.binding_conditions.clone().unwrap_or_default(),
             binding_failure_conditions: r.binding_failure_conditions.clone().unwrap_or_default(),
         })
@@ -798,8 +800,18 @@ pub fn allocation_json(
                 r["adminAccess"] = true.into();
             }
             if let Some(c) = &d.consumed {
-                let m: serde_json::Map<String, serde_json::Value> =
-                    c.iter().map(|(k, v)| (k.clone(), format!("{v}m").into())).collect();
+                // Named as the driver publishes them (bare in its own domain), as kube-scheduler
+                // writes them; whole units where the amount is whole.
+                let own = format!("{}/", d.id.driver);
+                let m: serde_json::Map<String, serde_json::Value> = c
+                    .iter()
+                    .map(|(k, v)| {
+                        let k = k.strip_prefix(&own).unwrap_or(k).to_owned();
+                        let q =
+                            if v % 1000 == 0 { (v / 1000).to_string() } else { format!("{v}m") };
+                        (k, q.into())
+                    })
+                    .collect();
                 r["consumedCapacity"] = m.into();
             }
             if !d.binding_conditions.is_empty() {

@@ -679,7 +679,7 @@ impl<'a> Search<'a> {
     ) -> Option<BTreeMap<String, u64>> {
         let mut take = BTreeMap::new();
         for (name, &total) in &device.capacity {
-            let want = exact.capacity.get(name).copied().unwrap_or(total);
+            let want = asked(exact, &id.driver, name).unwrap_or(total);
             let used = |m: Option<&BTreeMap<String, u64>>| {
                 m.and_then(|c| c.get(name)).copied().unwrap_or(0)
             };
@@ -691,7 +691,7 @@ impl<'a> Search<'a> {
             take.insert(name.clone(), want);
         }
         // A capacity asked for that the device does not have cannot be given.
-        if exact.capacity.keys().any(|k| !device.capacity.contains_key(k)) {
+        if exact.capacity.keys().any(|k| !has_capacity(device, &id.driver, k)) {
             return None;
         }
         Some(take)
@@ -818,10 +818,9 @@ impl<'a> Search<'a> {
                         }
                     } else {
                         // A capacity asked of a device taken whole is a bound on what it has.
-                        let short = exact
-                            .capacity
-                            .iter()
-                            .any(|(k, want)| device.capacity.get(k).is_none_or(|have| have < want));
+                        let short = exact.capacity.iter().any(|(k, want)| {
+                            capacity_of(device, driver, k).is_none_or(|have| have < *want)
+                        });
                         if short
                             || self.in_use.devices.contains(id)
                             || self.taken.contains(id)
@@ -1029,7 +1028,8 @@ impl<'a> Search<'a> {
             let mut any = false;
             let mut sum = 0u64;
             for (name, want) in &e.capacity {
-                let have = d.capacity.get(name).copied().unwrap_or(0);
+                let have = capacity_of(d, &id.driver, name).unwrap_or(0);
+                let name = device_key(d, &id.driver, name).unwrap_or(name);
                 let h = held(name);
                 any |= h > 0;
                 sum = sum.saturating_add(have.saturating_sub(h).saturating_sub(*want));
@@ -1189,6 +1189,38 @@ pub fn double_booked<'r>(allocs: impl IntoIterator<Item = &'r Allocation>) -> BT
         }
     }
     twice
+}
+
+/// A capacity name as devices are keyed: a request may name a capacity bare (`memory`), which
+/// means the one of the device's own driver (`<driver>/memory`).
+fn qualified(driver: &str, name: &str) -> String {
+    if name.contains('/') { name.to_owned() } else { format!("{driver}/{name}") }
+}
+
+/// What `exact` asks of the device capacity `name` (qualified), however the request names it.
+fn asked(exact: &Exact, driver: &str, name: &str) -> Option<u64> {
+    exact.capacity.get(name).copied().or_else(|| {
+        let bare = name.strip_prefix(driver)?.strip_prefix('/')?;
+        exact.capacity.get(bare).copied()
+    })
+}
+
+/// The device's capacity name a request's `name` (bare or qualified) stands for.
+fn device_key<'d>(device: &'d Device, driver: &str, name: &str) -> Option<&'d str> {
+    device
+        .capacity
+        .get_key_value(name)
+        .or_else(|| device.capacity.get_key_value(&qualified(driver, name)))
+        .map(|(k, _)| k.as_str())
+}
+
+/// The device's capacity a request names `name`.
+fn capacity_of(device: &Device, driver: &str, name: &str) -> Option<u64> {
+    device_key(device, driver, name).and_then(|k| device.capacity.get(k)).copied()
+}
+
+fn has_capacity(device: &Device, driver: &str, name: &str) -> bool {
+    device_key(device, driver, name).is_some()
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! A stand-in for NVIDIA's `nvidia-cuda-mps-control`: `-d` marks the daemon of the pipe
-//! directory in `CUDA_MPS_PIPE_DIRECTORY` up (a file `up` beside it), `get_server_list` on
+//! directory in `CUDA_MPS_PIPE_DIRECTORY` up (a file `control` in it naming the GPU of
+//! `CUDA_VISIBLE_DEVICES`, where the real daemon has its control socket), `get_server_list` on
 //! standard input succeeds only while it is up, `quit` marks it down. Each start and quit is
 //! logged to `<dir>/calls` as `start <CUDA_VISIBLE_DEVICES>` / `quit <…>`.
 
@@ -12,8 +13,8 @@ pub fn fake_control(dir: &Path) -> PathBuf {
         &control,
         format!(
             r#"#!/bin/sh
-up="$CUDA_MPS_PIPE_DIRECTORY/../up"
-if [ "$1" = -d ]; then echo "start $CUDA_VISIBLE_DEVICES" >> {log}; touch "$up"; exit 0; fi
+up="$CUDA_MPS_PIPE_DIRECTORY/control"
+if [ "$1" = -d ]; then echo "start $CUDA_VISIBLE_DEVICES" >> {log}; echo "$CUDA_VISIBLE_DEVICES" > "$up"; exit 0; fi
 read cmd
 case "$cmd" in
   get_server_list) [ -e "$up" ] ;;

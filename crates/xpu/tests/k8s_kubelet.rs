@@ -726,3 +726,174 @@ async fn mps_shares_get_the_daemons_pipe_and_their_own_limits_needs_root_and_run
     drop(plugin);
     drop(node);
 }
+
+/// GPU shares through DRA and MPS with real runc: the driver with `--mps-dir` (a fake
+/// `nvidia-cuda-mps-control`) publishes the GPUs shareable (`allowMultipleAllocations`, a
+/// `compute` capacity beside `memory`); kube-scheduler allocates a claim for 25 % and 10 GiB
+/// and one for 75 % and 30 GiB; each container gets its GPU's MPS pipe directory and exactly
+/// its allocated capacity as limits, the second although its manifest sets its own
+/// `CUDA_MPS_*`; a daemon is started for the GPUs they share and stopped after the last claim
+/// is unprepared. The same with xpu's scheduler allocating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_shares_are_mps_clients_limited_to_their_allocated_capacity_needs_root_and_runc() {
+    dra_shares_through_mps(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_shares_xpu_allocated_are_mps_clients_limited_to_their_capacity_needs_root_and_runc() {
+    dra_shares_through_mps(true).await;
+}
+
+async fn dra_shares_through_mps(by_xpu: bool) {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let opts = ControlPlaneOptions::default();
+    let cp = plane(if by_xpu { opts } else { opts.with_scheduler() }).await;
+    let admin = cp.admin_client();
+    let sched = if by_xpu {
+        let kubeconfig = install_scheduler_rbac(&cp).await;
+        Some(XpuScheduler::start(&cp, &kubeconfig, "mps-dra", &[]))
+    } else {
+        install_dra(&admin).await;
+        None
+    };
+    let fx = four_gpu_host().build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    let control = xpu_testkit::mps::fake_control(cp.dir());
+    let mps_dir = cp.dir().join("mps");
+    let mut args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
+    args.extend(["--mps-dir".into(), mps_dir.clone().into()]);
+    args.extend(["--mps-control".into(), control.into()]);
+    let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
+    let diag = || {
+        let s = sched.as_ref().map(|x| x.log_text()).unwrap_or_default();
+        format!("{}\n{}\n{s}", driver.log_text(), node.log_tails())
+    };
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let lp =
+        ListParams::default().fields(&format!("spec.nodeName={NODE_NAME},spec.driver=xpu.dev"));
+    let shareable = wait_until(Duration::from_secs(30), || async {
+        let s = slices.list(&lp).await.unwrap().items;
+        let devs: Vec<_> = s.iter().flat_map(|s| s.spec.devices.iter().flatten()).collect();
+        devs.len() == 4
+            && devs.iter().all(|d| {
+                d.allow_multiple_allocations == Some(true)
+                    && d.capacity.as_ref().is_some_and(|c| c["compute"].value.0 == "100")
+            })
+    })
+    .await;
+    assert!(shareable, "4 shareable GPUs published\n{}", diag());
+    let registered = wait_until(Duration::from_secs(30), || async {
+        driver.log_text().contains("registered with the kubelet")
+    })
+    .await;
+    assert!(registered, "the kubelet took the driver's registration\n{}", diag());
+
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let probe = probe_script(&format!("cat {}/control", xpu_integrations::mps::CONTAINER_PIPE_DIR));
+    // (name, compute, memory, limits the container must see, its own env)
+    let shares = [
+        ("quarter", "25", "10Gi", ("25", "0=10240M"), json!([])),
+        (
+            "greedy",
+            "75",
+            "30Gi",
+            ("75", "0=30720M"),
+            json!([
+                { "name": "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "value": "100" },
+                { "name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=40960M" },
+                { "name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/mine" },
+            ]),
+        ),
+    ];
+    for (name, compute, memory, _, own_env) in &shares {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": { "name": name },
+            "spec": { "devices": { "requests": [{ "name": "gpu", "exactly": {
+                "deviceClassName": "gpu.xpu.dev",
+                "capacity": { "requests": { "compute": compute, "memory": memory } } } }] } },
+        }))
+        .unwrap();
+        claims.create(&PostParams::default(), &claim).await.unwrap();
+        let mut pod = json!({
+            "apiVersion": "v1", "kind": "Pod", "metadata": { "name": name },
+            "spec": { "restartPolicy": "Never",
+                "automountServiceAccountToken": false, "enableServiceLinks": false,
+                "resourceClaims": [{ "name": "gpu", "resourceClaimName": name }],
+                "containers": [{ "name": "c", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", probe], "env": own_env,
+                    "resources": { "claims": [{ "name": "gpu" }] } }] },
+        });
+        if by_xpu {
+            pod["spec"]["schedulerName"] = json!("xpu");
+        }
+        pods.create(&PostParams::default(), &serde_json::from_value(pod).unwrap()).await.unwrap();
+    }
+    let mut gpus = Vec::new();
+    for (name, compute, memory, (percent, limit), _) in &shares {
+        let done = wait_until(Duration::from_secs(90), || async {
+            let p = pods.get(name).await.unwrap();
+            matches!(p.status.and_then(|s| s.phase).as_deref(), Some("Succeeded" | "Failed"))
+        })
+        .await;
+        let p = pods.get(name).await.unwrap();
+        let phase = p.status.as_ref().and_then(|s| s.phase.clone());
+        let conditions = p.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+        assert!(
+            done && phase.as_deref() == Some("Succeeded"),
+            "{name}: {phase:?} {conditions:?}\n{}",
+            diag()
+        );
+        // What the scheduler allocated is what the container is limited to.
+        let c = claims.get(name).await.unwrap();
+        let r = c.status.unwrap().allocation.unwrap().devices.unwrap().results.unwrap().remove(0);
+        let consumed = r.consumed_capacity.clone().unwrap_or_default();
+        let amount = |q: &str| xpu_kube::convert::quantity(q, 1.0);
+        for (k, want) in [("compute", compute), ("memory", memory)] {
+            let got = consumed.get(k).and_then(|q| amount(&q.0));
+            assert_eq!(got, amount(want), "{name}: {k} consumed: {r:?}");
+        }
+        let out = pods.logs(name, &LogParams::default()).await.unwrap();
+        eprintln!("--- {name} on {}\n{out}", r.device);
+        let view = ContainerView::parse(&out);
+        for (k, v) in [
+            ("CUDA_MPS_PIPE_DIRECTORY", xpu_integrations::mps::CONTAINER_PIPE_DIR),
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", percent),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit),
+            ("XPU_SHARING", "mps"),
+        ] {
+            assert_eq!(view.env.get(k).map(String::as_str), Some(v), "{name}: {k}\n{out}");
+        }
+        // The daemon's pipe directory is its own GPU's (the fake's file there names it).
+        let minors: Vec<u32> =
+            view.nodes.keys().filter_map(|p| p.strip_prefix("/dev/nvidia")?.parse().ok()).collect();
+        assert_eq!(minors.len(), 1, "{name}: one GPU\n{out}");
+        let gpu = hosts::gpu_uuid(minors[0] as usize);
+        assert_eq!(view.extra.trim(), gpu, "{name}: its GPU's daemon\n{out}");
+        gpus.push(gpu);
+    }
+    // The pods gone, their claims are unprepared and each daemon stops after its last.
+    for (name, ..) in &shares {
+        pods.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    gpus.sort();
+    gpus.dedup();
+    let stopped = wait_until(Duration::from_secs(60), || async {
+        let calls = xpu_testkit::mps::calls(cp.dir());
+        gpus.iter().all(|g| calls.contains(&format!("quit {g}")))
+    })
+    .await;
+    let calls = xpu_testkit::mps::calls(cp.dir());
+    assert!(stopped, "each daemon stopped after its last claim: {calls}\n{}", diag());
+    for g in &gpus {
+        assert_eq!(calls.matches(&format!("start {g}")).count(), 1, "{calls}");
+    }
+    drop(driver);
+    drop(node);
+}

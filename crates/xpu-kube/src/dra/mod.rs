@@ -44,6 +44,9 @@ pub struct DriverArgs {
     /// MIG through NVML: GPUs in MIG mode are published as their partitions ([`mig`]). `None`
     /// where there is no NVML MIG control (every GPU is published whole).
     pub mig: Option<Arc<dyn xpu_telemetry::mig::MigControl>>,
+    /// MPS for shared GPUs: whole NVIDIA GPUs are published shareable
+    /// ([`slices::with_mps`]) and a claim given part of one is a client of its MPS daemon.
+    pub mps: Option<Arc<xpu_host::mps::Daemons>>,
 }
 
 /// Errors starting the driver.
@@ -79,17 +82,21 @@ pub async fn run(
         &inv,
         &slices::mig_gpus(args.mig.as_deref()),
     );
+    let devices = if args.mps.is_some() { slices::with_mps(devices) } else { devices };
     publisher.publish_with(devices, counters).await?;
     info!(node = %args.node_name, generation = publisher.generation(), "driver started");
     let (tx, rx) = tokio::sync::watch::channel(Arc::new(inv));
-    let driver = Arc::new(plugin::Driver::new(
-        client,
-        &args.node_name,
-        args.root.clone(),
-        args.paths.clone(),
-        rx,
-        args.mig.clone(),
-    )?);
+    let driver = Arc::new(
+        plugin::Driver::new(
+            client,
+            &args.node_name,
+            args.root.clone(),
+            args.paths.clone(),
+            rx,
+            args.mig.clone(),
+        )?
+        .with_mps(args.mps.clone()),
+    );
     let loop_task = tokio::spawn(slices::run(
         publisher,
         args.root.clone(),
@@ -97,6 +104,7 @@ pub async fn run(
         tx,
         args.health.clone(),
         args.mig.clone(),
+        args.mps.is_some(),
     ));
     let r = plugin::serve(driver, stop).await;
     loop_task.abort();

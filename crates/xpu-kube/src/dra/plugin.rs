@@ -52,6 +52,10 @@ pub struct PreparedClaim {
     /// When it was prepared (RFC 3339): `xpu vfio status` says since when a use holds a device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<String>,
+    /// The GPUs (UUIDs) whose MPS daemons serve the claim, one entry per shared device: each
+    /// daemon stops after its last claim is unprepared.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mps: Vec<String>,
 }
 
 /// A MIG instance made for a claim.
@@ -179,6 +183,8 @@ pub struct Driver {
     checkpoint: Mutex<Checkpoint>,
     /// The kernel the passthrough moves write to (sysfs under `root`; a fake in tests).
     kernel: std::sync::Mutex<Box<dyn Kernel + Send>>,
+    /// MPS daemons for claims given part of a GPU (`--mps-dir`).
+    mps: Option<Arc<xpu_host::mps::Daemons>>,
 }
 
 impl Driver {
@@ -207,7 +213,65 @@ impl Driver {
             mig,
             checkpoint: Mutex::new(checkpoint),
             kernel: std::sync::Mutex::new(Box::new(SysfsKernel::new(root_for_kernel))),
+            mps: None,
         })
+    }
+
+    /// The driver with MPS for shared GPUs. The claims the checkpoint lists as clients are
+    /// counted again, and their daemons started again if they are not running (a restarted
+    /// node, or a daemon that died while the driver was down).
+    pub fn with_mps(mut self, mps: Option<Arc<xpu_host::mps::Daemons>>) -> Self {
+        if let Some(d) = &mps {
+            let cp = self.checkpoint.get_mut();
+            for (uid, p) in &cp.claims {
+                for gpu in &p.mps {
+                    if let Err(e) = d.acquire(gpu) {
+                        warn!(claim = %uid, gpu = %gpu, error = %e, "MPS daemon of a prepared claim not started");
+                    }
+                }
+            }
+        }
+        self.mps = mps;
+        self
+    }
+
+    /// Starts (or finds running) the MPS daemon of each shared device; on failure the ones
+    /// acquired here are released.
+    fn acquire_mps(&self, parts: &[prepare::MpsPart]) -> Result<Vec<String>, String> {
+        let Some(d) = &self.mps else {
+            return if parts.is_empty() {
+                Ok(Vec::new())
+            } else {
+                Err("has shared devices, but this driver serves no MPS".into())
+            };
+        };
+        let mut got = Vec::new();
+        for p in parts {
+            match d.acquire(&p.gpu) {
+                Ok(started) => {
+                    if started {
+                        info!(gpu = %p.gpu, pipe = %d.pipe_dir(&p.gpu).display(), "MPS control daemon started");
+                    }
+                    got.push(p.gpu.clone());
+                }
+                Err(e) => {
+                    self.release_mps(&got);
+                    return Err(format!("device {}: MPS: {e}", p.device));
+                }
+            }
+        }
+        Ok(got)
+    }
+
+    fn release_mps(&self, gpus: &[String]) {
+        let Some(d) = &self.mps else { return };
+        for g in gpus {
+            match d.release(g) {
+                Ok(true) => info!(gpu = %g, "MPS control daemon stopped: its last claim ended"),
+                Ok(false) => {}
+                Err(e) => warn!(gpu = %g, error = %e, "MPS control daemon not stopped"),
+            }
+        }
     }
 
     /// The driver with `kernel` for its passthrough moves (a fake kernel, in tests).
@@ -355,8 +419,18 @@ impl Driver {
         };
         let mut plan = prepare::plan(claim, &c.uid, &self.node, inv, specs, &mig_gpus)
             .map_err(|e| format!("{who} {}", self.explain(e, cp, inv, &c.uid)))?;
+        let mps_dir = self.mps.as_ref().map(|d| d.dir().to_owned());
+        let shared = prepare::mps(claim, inv, &mut plan, mps_dir.as_deref())
+            .map_err(|e| format!("{who} {e}"))?;
         let made =
             self.make_instances(&mut plan, &mig_gpus, cp).map_err(|e| format!("{who} {e}"))?;
+        let clients = match self.acquire_mps(&shared) {
+            Ok(c) => c,
+            Err(e) => {
+                self.destroy_instances(&made);
+                return Err(format!("{who} {e}"));
+            }
+        };
         let file = prepare::spec_file(&c.uid);
         let path = self.paths.cdi_dir.join(&file);
         // Atomic (a runtime sees the old spec or the new one) but not fsynced: the spec is
@@ -366,6 +440,7 @@ impl Driver {
         let json = xpu_container::cdi::to_json(&plan.spec);
         if let Err(e) = xpu_container::fsutil::write_replace(&path, json.as_bytes(), 0o644, false) {
             self.destroy_instances(&made);
+            self.release_mps(&clients);
             return Err(format!("{who}: writing CDI spec {}: {e}", path.display()));
         }
         cp.claims.insert(
@@ -378,6 +453,7 @@ impl Driver {
                 mig: made.clone(),
                 vfio: moved.to_vec(),
                 since: Some(k8s_openapi::jiff::Timestamp::now().to_string()),
+                mps: clients.clone(),
             },
         );
         if let Err(e) = save_checkpoint(&self.paths.checkpoint(), cp) {
@@ -388,6 +464,7 @@ impl Driver {
                 warn!(spec = %path.display(), error = %rm, "could not remove the spec of a claim that failed to prepare");
             }
             self.destroy_instances(&made);
+            self.release_mps(&clients);
             return Err(format!(
                 "{who}: writing checkpoint {}: {e}",
                 self.paths.checkpoint().display()
@@ -540,6 +617,9 @@ impl Driver {
                 p.vfio.clear();
             }
         }
+        // Its MPS daemons lose a client; each stops after its last.
+        let clients = cp.claims.get(&c.uid).map(|p| p.mps.clone()).unwrap_or_default();
+        self.release_mps(&clients);
         if cp.claims.remove(&c.uid).is_some() {
             save_checkpoint(&self.paths.checkpoint(), cp).map_err(|e| {
                 format!("{who}: writing checkpoint {}: {e}", self.paths.checkpoint().display())

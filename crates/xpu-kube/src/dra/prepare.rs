@@ -82,6 +82,17 @@ pub struct MigPart {
     pub start: u8,
 }
 
+/// A device of the claim given part of a GPU (consumed capacity under the whole): the claim
+/// is a client of the GPU's MPS daemon, limited to that part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsPart {
+    /// The allocated device's name.
+    pub device: String,
+    /// The GPU's UUID: whose daemon.
+    pub gpu: String,
+    pub limits: xpu_host::mps::Limits,
+}
+
 /// Why a claim cannot be prepared. Each names what is wrong; the plugin prefixes the claim.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClaimError {
@@ -105,6 +116,8 @@ pub enum ClaimError {
     Config { field: String, reason: String },
     #[error("MIG device {device}: {reason}")]
     Mig { device: String, reason: String },
+    #[error("device {device} is shared ({consumed}): {reason}")]
+    Shared { device: String, consumed: String, reason: String },
     #[error(
         "device {device} is bound to {driver}, but mode {mode} needs {wanted}; use the {class} DeviceClass or set mode"
     )]
@@ -380,6 +393,96 @@ pub fn plan(
     Ok(Plan { spec, devices: by_device.into_values().collect(), mig: parts })
 }
 
+/// The devices of the planned claim given part of a GPU, each made a client of its GPU's MPS
+/// daemon (`mps_dir`: the driver's `--mps-dir`) in `plan`'s spec: the pipe directory bound in,
+/// `CUDA_MPS_PIPE_DIRECTORY`, and its thread percentage and pinned memory from the capacity the
+/// scheduler allocated (`consumedCapacity`), never from the workload. A device given all of a
+/// GPU's capacity is the whole GPU, no client.
+pub fn mps(
+    claim: &ResourceClaim,
+    inv: &Inventory,
+    plan: &mut Plan,
+    mps_dir: Option<&std::path::Path>,
+) -> Result<Vec<MpsPart>, ClaimError> {
+    let Some(results) = allocated(claim).and_then(|d| d.results.as_ref()) else {
+        return Ok(Vec::new());
+    };
+    let mut out: Vec<MpsPart> = Vec::new();
+    for r in results.iter().filter(|r| r.driver == DRIVER) {
+        let Some(consumed) = r.consumed_capacity.as_ref() else { continue };
+        let Some(d) = slices::by_name(inv, &r.device) else { continue };
+        let shown: Vec<String> = consumed.iter().map(|(k, q)| format!("{k} {}", q.0)).collect();
+        let err = |reason: String| ClaimError::Shared {
+            device: r.device.clone(),
+            consumed: shown.join(", "),
+            reason,
+        };
+        let whole_mib = match (d.vendor_id, d.device_id) {
+            (Some(v), Some(i)) => xpu_core::accel::lookup(v, i),
+            _ => None,
+        }
+        .map(|f| u64::from(f.memory_gib) * 1024);
+        let compute = match consumed.get(slices::COMPUTE_CAPACITY) {
+            Some(q) => match crate::convert::quantity(&q.0, 1.0) {
+                Some(c @ 1..=100) => c,
+                _ => {
+                    return Err(err(format!("compute {:?} is not a percentage from 1 to 100", q.0)));
+                }
+            },
+            None => 100,
+        };
+        let memory_mib = match consumed.get("memory") {
+            Some(q) => match crate::convert::quantity(&q.0, 1.0) {
+                Some(b) if b >= 1 << 20 => Some(b >> 20),
+                _ => return Err(err(format!("memory {:?} is under 1 MiB or unreadable", q.0))),
+            },
+            None => None,
+        };
+        if compute == 100 && memory_mib.is_none_or(|m| whole_mib.is_some_and(|w| m >= w)) {
+            continue;
+        }
+        let Some(uuid) = d.uuid.clone() else {
+            return Err(err(format!(
+                "the GPU at {} has no UUID to name its MPS daemon by",
+                d.address
+            )));
+        };
+        let Some(dir) = mps_dir else {
+            return Err(err(
+                "this driver serves no MPS (started without --mps-dir), so the part would be the whole GPU; start it with --mps-dir".to_owned(),
+            ));
+        };
+        if d.driver.as_deref() != Some("nvidia") {
+            return Err(err(format!(
+                "only a GPU on the nvidia driver is shared through MPS (this one is on {})",
+                d.driver.as_deref().unwrap_or("no driver")
+            )));
+        }
+        let limits = xpu_host::mps::Limits {
+            thread_percent: compute as u16,
+            memory_mib: memory_mib.or(whole_mib),
+        };
+        let name = format!("{}-{}", claim.metadata.uid.as_deref().unwrap_or_default(), r.device);
+        let Some(dev) = plan.spec.devices.iter_mut().find(|x| x.name == name) else { continue };
+        let edits = &mut dev.container_edits;
+        edits.env.retain(|e| !xpu_host::mps::is_client_var(e.split('=').next().unwrap_or(e)));
+        edits.env.extend(
+            limits
+                .env(xpu_integrations::mps::CONTAINER_PIPE_DIR)
+                .into_iter()
+                .map(|(k, v)| format!("{k}={v}")),
+        );
+        edits.env.push("XPU_SHARING=mps".to_owned());
+        edits.mounts.push(cdi::Mount {
+            host_path: dir.join(&uuid).join("pipe").to_string_lossy().into_owned(),
+            container_path: xpu_integrations::mps::CONTAINER_PIPE_DIR.to_owned(),
+            options: ["rbind", "rw", "nosuid", "nodev"].map(str::to_owned).to_vec(),
+        });
+        out.push(MpsPart { device: r.device.clone(), gpu: uuid, limits });
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -560,5 +663,67 @@ mod tests {
         let e = plan(&one(mig::device_name(&name0, "1g.18gb", 0)), "u1", "n1", &inv, &specs, &[])
             .unwrap_err();
         assert!(e.to_string().contains("NVML reports no MIG state"), "{e}");
+    }
+
+    /// A device given part of a GPU is a client of the GPU's MPS daemon with exactly the
+    /// capacity it was allocated; all of it is the whole GPU; what cannot be served is refused
+    /// naming the device and why.
+    #[test]
+    fn a_shared_gpu_is_an_mps_client_limited_to_its_allocated_capacity() {
+        let (_fx, inv, specs) = host();
+        if specs.is_empty() {
+            eprintln!("skipping: fixture device nodes need root (mknod)");
+            return;
+        }
+        let g = first_gpus(&inv, 1).remove(0);
+        let uuid = slices::by_name(&inv, &g).unwrap().uuid.clone().unwrap();
+        let with = |consumed: serde_json::Value| {
+            claim(
+                json!([{ "request": "r", "driver": DRIVER, "pool": "n1", "device": g,
+                         "shareID": "0b5a1a6e-0000-4000-8000-000000000001", "consumedCapacity": consumed }]),
+                json!([]),
+            )
+        };
+        let dir = std::path::Path::new("/run/xpu/mps");
+        let c = with(json!({ "compute": "25", "memory": "10Gi" }));
+        let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
+        let parts = mps(&c, &inv, &mut p, Some(dir)).unwrap();
+        assert_eq!(
+            parts,
+            [MpsPart {
+                device: g.clone(),
+                gpu: uuid.clone(),
+                limits: xpu_host::mps::Limits { thread_percent: 25, memory_mib: Some(10240) },
+            }]
+        );
+        let edits = &p.spec.devices[0].container_edits;
+        for e in [
+            "CUDA_MPS_PIPE_DIRECTORY=/var/run/xpu-mps",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M",
+            "XPU_SHARING=mps",
+        ] {
+            assert!(edits.env.iter().any(|x| x == e), "{e}: {:?}", edits.env);
+        }
+        assert_eq!(edits.mounts.last().unwrap().host_path, format!("/run/xpu/mps/{uuid}/pipe"));
+        // Only compute asked for: the memory limit is the GPU's (an A100's 40 GiB).
+        let c = with(json!({ "compute": "50", "memory": "40Gi" }));
+        let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
+        assert_eq!(mps(&c, &inv, &mut p, Some(dir)).unwrap()[0].limits.memory_mib, Some(40960));
+        // All of it: the whole GPU, no client, nothing added.
+        let c = with(json!({ "compute": "100", "memory": "40Gi" }));
+        let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
+        let before = p.spec.clone();
+        assert!(mps(&c, &inv, &mut p, Some(dir)).unwrap().is_empty());
+        assert_eq!(p.spec, before);
+        // Refused, naming the device: no MPS on this driver, a compute over 100.
+        let c = with(json!({ "compute": "25", "memory": "10Gi" }));
+        let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
+        let e = mps(&c, &inv, &mut p, None).unwrap_err().to_string();
+        assert!(e.contains(&g) && e.contains("--mps-dir"), "{e}");
+        let c = with(json!({ "compute": "150" }));
+        let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
+        let e = mps(&c, &inv, &mut p, Some(dir)).unwrap_err().to_string();
+        assert!(e.contains(&g) && e.contains("150"), "{e}");
     }
 }

@@ -311,6 +311,40 @@ pub fn with_mig(
     (out, sets)
 }
 
+/// The capacity a share of a GPU served through MPS asks for: thread percentage, 1 to 100.
+pub const COMPUTE_CAPACITY: &str = "compute";
+
+/// `devices` with each whole NVIDIA GPU on its vendor driver made shareable through MPS
+/// (`xpu k8s dra-driver --mps-dir`): `allowMultipleAllocations`, and besides its `memory` a
+/// `compute` capacity of 100 (percent of its threads). A claim asking for part of both
+/// (`capacity.requests: {compute: 25, memory: 36Gi}`) shares the GPU with others and is limited
+/// to what it was allocated; one asking for neither takes the whole of both, alone. MIG
+/// partitions and devices on `vfio-pci` stay as they are.
+pub fn with_mps(mut devices: Vec<Device>) -> Vec<Device> {
+    for d in devices.iter_mut() {
+        let attr = |k: &str| d.attributes.as_ref().and_then(|a| a.get(k));
+        let is = |k: &str, v: &str| attr(k).and_then(|a| a.string.as_deref()) == Some(v);
+        let on_vfio = attr("passthrough").and_then(|a| a.bool) == Some(true);
+        if !is("kind", "gpu")
+            || !is("vendor", "nvidia")
+            || on_vfio
+            || attr("uuid").is_none()
+            || d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
+            || d.capacity.as_ref().is_none_or(|c| !c.contains_key("memory"))
+        {
+            continue;
+        }
+        d.allow_multiple_allocations = Some(true);
+        if let Some(c) = d.capacity.as_mut() {
+            c.insert(
+                COMPUTE_CAPACITY.to_owned(),
+                DeviceCapacity { value: Quantity("100".to_owned()), ..Default::default() },
+            );
+        }
+    }
+    devices
+}
+
 /// Errors talking to the API server about slices.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
@@ -420,6 +454,7 @@ pub async fn run(
     inventory: tokio::sync::watch::Sender<std::sync::Arc<Inventory>>,
     health: Option<xpu_telemetry::collect::Collector>,
     mig: Option<std::sync::Arc<dyn xpu_telemetry::mig::MigControl>>,
+    mps: bool,
 ) {
     let opts = xpu_host::DiscoverOptions {
         scope: xpu_host::Scope::Accelerators,
@@ -454,6 +489,7 @@ pub async fn run(
                 let devs = taint_unhealthy(devs, &inv, &unhealthy, &mut known);
                 // A GPU whose MIG state changed under the driver is published as it is now.
                 let (devs, counters) = with_mig(devs, &inv, &mig_gpus(mig.as_deref()));
+                let devs = if mps { with_mps(devs) } else { devs };
                 // Only the publisher writes; receivers see the inventory the slices came from.
                 inventory.send_replace(std::sync::Arc::new(inv));
                 match publisher.publish_with(devs, counters).await {

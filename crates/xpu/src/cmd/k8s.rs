@@ -70,6 +70,21 @@ pub struct DraDriverArgs {
     /// minors of the root's `/proc/driver/nvidia-caps/mig-minors`.
     #[arg(long, value_name = "FILE", hide = true)]
     pub fake_mig: Option<PathBuf>,
+    /// Share whole NVIDIA GPUs through MPS: each is published with allowMultipleAllocations
+    /// and `compute` (100, percent of its threads) beside `memory`, and a claim allocated part
+    /// of them (capacity.requests {compute: 25, memory: 36Gi}) is a client of the GPU's MPS
+    /// control daemon under DIR/<uuid>/{pipe,log}, limited to what it was allocated. The daemon
+    /// starts with the GPU's first such claim and stops after its last. Absolute path.
+    #[arg(long, value_name = "DIR")]
+    pub mps_dir: Option<PathBuf>,
+    /// The MPS control binary.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "nvidia-cuda-mps-control",
+        requires = "mps_dir"
+    )]
+    pub mps_control: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -283,6 +298,13 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
         mig: match &a.fake_mig {
             Some(f) => Some(std::sync::Arc::new(
                 xpu_telemetry::mig::FakeMig::open(f).map_err(CliError::input)?,
+            )),
+            None => None,
+        },
+        mps: match a.mps_dir {
+            Some(dir) => Some(std::sync::Arc::new(
+                xpu_host::mps::Daemons::new(dir, a.mps_control)
+                    .map_err(|e| CliError::input(anyhow::anyhow!("--mps-dir: {e}")))?,
             )),
             None => None,
         },
