@@ -426,7 +426,10 @@ pub fn mps(
             Some(q) => match crate::convert::quantity(&q.0, 1.0) {
                 Some(c @ 1..=100) => c,
                 _ => {
-                    return Err(err(format!("compute {:?} is not a percentage from 1 to 100", q.0)));
+                    return Err(err(format!(
+                        "compute {:?} is not a percentage from 1 to 100",
+                        q.0
+                    )));
                 }
             },
             None => 100,
