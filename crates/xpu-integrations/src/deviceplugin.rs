@@ -488,13 +488,16 @@ impl Plugin {
                     d.telemetry.as_deref().unwrap_or("missing or its driver changed")
                 )));
             }
-            if let Some(name) = &d.cdi {
+            // A VFIO resource's functions are for VMs: their group nodes below are all they
+            // get, never a vendor kind's CDI edits (driver files, control nodes).
+            if let Some(name) = d.cdi.as_ref().filter(|_| !self.resource.is_vfio()) {
                 resp.cdi_devices.push(pb::CdiDevice { name: name.clone() });
             }
             for n in &d.nodes {
                 resp.devices.push(device_spec(n));
             }
-            if d.vendor == Some(VENDOR_NVIDIA) {
+            // A function on vfio-pci is for a VM: no vendor runtime may see it.
+            if d.vendor == Some(VENDOR_NVIDIA) && d.driver.as_deref() != Some("vfio-pci") {
                 nvidia.push(d.uuid.clone().unwrap_or_else(|| d.id.clone()));
             }
             // Nodes every device of its kind needs besides its own.
@@ -522,6 +525,11 @@ impl Plugin {
             resp.envs.insert("NVIDIA_VISIBLE_DEVICES".to_owned(), nvidia.join(","));
         }
         resp.envs.insert("XPU_VISIBLE_DEVICES".to_owned(), ids.join(","));
+        if self.resource.is_vfio() {
+            // KubeVirt's virt-launcher gives each hostDevice of this resource one of these
+            // addresses (ids are PCI addresses).
+            resp.envs.insert(crate::selector::kubevirt_env(&self.resource.name), ids.join(","));
+        }
         Ok(resp)
     }
 

@@ -9,7 +9,13 @@
 //!          | "device:" HEX4                    PCI device id, e.g. device:20b0
 //!          | "kind:" (gpu|tpu|npu|nvswitch|other)
 //!          | "driver:" NAME                    bound kernel driver, e.g. driver:vfio-pci
+//!          | "driver:!" NAME                   any driver but NAME, e.g. driver:!vfio-pci
 //! ```
+//!
+//! A resource whose terms include `driver:vfio-pci` is a VFIO resource: its devices go to VMs,
+//! and `Allocate` answers as KubeVirt's `permittedHostDevices` with `externalResourceProvider`
+//! expects ([`kubevirt_env`]). `--vfio` adds one per GPU model ([`Resource::vfio_for`]):
+//! `xpu.dev/<model>-vfio`.
 //!
 //! A device is selected when every term matches. The defaults are `nvidia.com/gpu=vendor:10de,kind:gpu`,
 //! `google.com/tpu=vendor:1ae0,kind:tpu` and `amd.com/gpu=vendor:1002,kind:gpu`.
@@ -26,6 +32,7 @@ pub enum Term {
     Device(u16),
     Kind(DeviceKind),
     Driver(String),
+    NotDriver(String),
 }
 
 /// A resource to advertise and the devices that make it up.
@@ -60,7 +67,46 @@ impl Resource {
             Term::Device(v) => d.device_id == Some(*v),
             Term::Kind(k) => d.kind == *k,
             Term::Driver(n) => d.driver.as_deref() == Some(n.as_str()),
+            Term::NotDriver(n) => d.driver.as_deref() != Some(n.as_str()),
         })
+    }
+
+    /// Whether the resource's devices are on `vfio-pci`, for VMs.
+    pub fn is_vfio(&self) -> bool {
+        self.terms.iter().any(|t| matches!(t, Term::Driver(n) if n == VFIO_DRIVER))
+    }
+
+    /// [`Resource::defaults`] with the GPU resources kept off devices on `vfio-pci` (those go
+    /// to VMs), and one VFIO resource per GPU model of `inv` ([`vfio_name`]): `vendor`, `device`
+    /// and `driver:vfio-pci`.
+    pub fn vfio_for(inv: &xpu_core::Inventory) -> Vec<Resource> {
+        let mut out = Self::defaults();
+        // TPUs are on vfio-pci for containers too (their runtime opens the group): they stay.
+        for r in out.iter_mut().filter(|r| r.terms.contains(&Term::Kind(DeviceKind::Gpu))) {
+            r.terms.push(Term::NotDriver(VFIO_DRIVER.to_owned()));
+        }
+        let mut models: Vec<(u16, u16)> = inv
+            .devices
+            .iter()
+            .filter(|d| d.kind == DeviceKind::Gpu)
+            .filter_map(|d| d.vendor_id.zip(d.device_id))
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        for (vendor, device) in models {
+            let name = vfio_name(vendor, device);
+            if out.iter().all(|r| r.name != name) {
+                out.push(Resource {
+                    name,
+                    terms: vec![
+                        Term::Vendor(vendor),
+                        Term::Device(device),
+                        Term::Driver(VFIO_DRIVER.to_owned()),
+                    ],
+                });
+            }
+        }
+        out
     }
 
     /// The socket file name in the plugin directory: `xpu-nvidia.com-gpu.sock`.
@@ -79,6 +125,33 @@ impl Resource {
         .filter_map(|s| s.parse().ok())
         .collect()
     }
+}
+
+const VFIO_DRIVER: &str = "vfio-pci";
+
+/// `xpu.dev/<model>-vfio`: the model as xpu's table names it, lower case
+/// (`xpu.dev/h100-sxm5-80gb-vfio`), or the PCI ids of a model it does not know
+/// (`xpu.dev/10de-2330-vfio`).
+pub fn vfio_name(vendor: u16, device: u16) -> String {
+    let model = match xpu_core::accel::lookup(vendor, device) {
+        Some(a) => a
+            .product
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
+            .collect::<String>()
+            .trim_matches('-')
+            .to_owned(),
+        None => format!("{vendor:04x}-{device:04x}"),
+    };
+    format!("xpu.dev/{model}-vfio")
+}
+
+/// The variable KubeVirt's virt-launcher reads a host-device resource's PCI addresses from:
+/// `PCI_RESOURCE_` and the resource name upper-cased with `/` and `.` made `_`
+/// (`xpu.dev/h100-sxm5-80gb-vfio` → `PCI_RESOURCE_XPU_DEV_H100-SXM5-80GB-VFIO`); the value is
+/// the addresses joined by `,`.
+pub fn kubevirt_env(resource: &str) -> String {
+    format!("PCI_RESOURCE_{}", resource.to_ascii_uppercase().replace(['/', '.'], "_"))
 }
 
 fn hex4(s: &str) -> Option<u16> {
@@ -123,7 +196,8 @@ impl FromStr for Resource {
                     hex4(v).ok_or_else(|| err(format!("device {v:?} is not 4 hex digits")))?,
                 ),
                 "kind" => Term::Kind(v.parse().map_err(err)?),
-                "driver" if !v.is_empty() => Term::Driver(v.to_owned()),
+                "driver" if v.len() > 1 && v.starts_with('!') => Term::NotDriver(v[1..].to_owned()),
+                "driver" if !v.is_empty() && !v.starts_with('!') => Term::Driver(v.to_owned()),
                 _ => return Err(err(format!("unknown term {t:?}"))),
             });
         }
@@ -141,6 +215,7 @@ impl fmt::Display for Resource {
                 Term::Device(v) => format!("device:{v:04x}"),
                 Term::Kind(k) => format!("kind:{k}"),
                 Term::Driver(d) => format!("driver:{d}"),
+                Term::NotDriver(d) => format!("driver:!{d}"),
             })
             .collect();
         write!(f, "{}={}", self.name, terms.join(","))
@@ -161,6 +236,28 @@ mod tests {
         let shared: Vec<String> =
             Resource::share_defaults().iter().map(|r| r.name.clone()).collect();
         assert_eq!(shared, ["google.com/tpu", "xpu.dev/gpu-milli"]);
+    }
+
+    /// KubeVirt's rule for the variable (its `ResourceNameToEnvVar`): upper case, `/` and `.`
+    /// to `_`, nothing else changed, after `PCI_RESOURCE_`.
+    #[test]
+    fn kubevirt_reads_the_addresses_under_its_own_name_for_the_resource() {
+        assert_eq!(
+            kubevirt_env("nvidia.com/GP102GL_Tesla_P40"),
+            "PCI_RESOURCE_NVIDIA_COM_GP102GL_TESLA_P40"
+        );
+        assert_eq!(
+            kubevirt_env(&vfio_name(0x10de, 0x2330)),
+            format!("PCI_RESOURCE_XPU_DEV_{}-VFIO", "H100-SXM5-80GB")
+        );
+        assert_eq!(vfio_name(0x10de, 0x20b0), "xpu.dev/a100-sxm4-40gb-vfio");
+        assert_eq!(vfio_name(0x1234, 0xabcd), "xpu.dev/1234-abcd-vfio");
+        let r: Resource = "xpu.dev/x=vendor:10de,driver:vfio-pci".parse().unwrap();
+        assert!(r.is_vfio());
+        let r: Resource = "nvidia.com/gpu=vendor:10de,driver:!vfio-pci".parse().unwrap();
+        assert!(!r.is_vfio());
+        assert_eq!(r.to_string(), "nvidia.com/gpu=vendor:10de,driver:!vfio-pci");
+        assert!("nvidia.com/gpu=driver:!".parse::<Resource>().is_err());
     }
 
     #[test]

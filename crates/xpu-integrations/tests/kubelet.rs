@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
-use xpu_host::Root;
+use xpu_host::{Root, Scope};
 use xpu_integrations::deviceplugin::{self, Config, Event, PluginError};
 use xpu_integrations::pb;
 use xpu_integrations::selector::Resource;
@@ -613,6 +613,64 @@ async fn time_slicing_offers_replicas_under_a_shared_name_and_gives_one_gpu() {
         let e = client.allocate(allocate(vec![bad.clone()])).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::NotFound, "{bad}: {}", e.message());
     }
+    plugin.shutdown().await;
+    kubelet.stop().await;
+}
+
+/// `--vfio`: on a host whose GPUs are on vfio-pci, the plugin registers one resource for the
+/// model (`xpu.dev/a100-sxm4-40gb-vfio`) and none for containers, and `Allocate` answers as
+/// KubeVirt's `permittedHostDevices` with `externalResourceProvider` expects, field by field:
+/// `PCI_RESOURCE_<resource, upper case, '/' and '.' as '_'>` holding the allocated PCI
+/// addresses joined by ',' (virt-launcher hands one to each hostDevice naming the resource),
+/// and the device nodes `/dev/vfio/<group>` of each and `/dev/vfio/vfio`; no vendor runtime
+/// variable (`NVIDIA_VISIBLE_DEVICES`) that would hand the function to a container runtime.
+#[tokio::test]
+async fn vfio_resources_answer_as_kubevirt_reads_host_devices() {
+    let fixture = hosts::a100_8x_vfio().build();
+    let dir = tempfile::tempdir().unwrap();
+    let root = Root::new(fixture.root()).unwrap();
+    let opts =
+        xpu_host::DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
+    let inv = xpu_host::discover(&root, &opts).unwrap();
+    let resources = Resource::vfio_for(&inv);
+    let mut kubelet = TestKubelet::start(dir.path()).unwrap();
+    let plugin = start(&fixture, dir.path(), resources);
+    let reg = kubelet.next_registration(WAIT).await.unwrap();
+    assert_eq!(reg.resource_name, "xpu.dev/a100-sxm4-40gb-vfio");
+    let mut client = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let listed = client.list_and_watch(pb::Empty {}).await.unwrap().into_inner().message().await;
+    assert_eq!(listed.unwrap().unwrap().devices.len(), 8, "every GPU, no NVSwitch");
+    let (a, b) = (gpu(hosts::A100_GPU_BUSES[0]), gpu(hosts::A100_GPU_BUSES[3]));
+    let resp = client
+        .allocate(pb::AllocateRequest {
+            container_requests: vec![pb::ContainerAllocateRequest {
+                devices_ids: vec![a.clone(), b.clone()],
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let c = &resp.container_responses[0];
+    assert_eq!(
+        c.envs.get("PCI_RESOURCE_XPU_DEV_A100-SXM4-40GB-VFIO"),
+        Some(&format!("{a},{b}")),
+        "{:?}",
+        c.envs
+    );
+    assert!(!c.envs.contains_key("NVIDIA_VISIBLE_DEVICES"), "{:?}", c.envs);
+    assert!(c.cdi_devices.is_empty(), "no vendor CDI edits: {:?}", c.cdi_devices);
+    let group = |addr: &str| {
+        inv.devices.iter().find(|d| d.address.to_string() == addr).unwrap().iommu_group.unwrap()
+    };
+    let nodes: Vec<(&str, &str)> =
+        c.devices.iter().map(|d| (d.host_path.as_str(), d.container_path.as_str())).collect();
+    let want = [
+        format!("/dev/vfio/{}", group(&a)),
+        format!("/dev/vfio/{}", group(&b)),
+        "/dev/vfio/vfio".to_owned(),
+    ];
+    assert_eq!(nodes, want.iter().map(|p| (p.as_str(), p.as_str())).collect::<Vec<_>>());
+    assert!(c.devices.iter().all(|d| d.permissions == "rw"));
     plugin.shutdown().await;
     kubelet.stop().await;
 }

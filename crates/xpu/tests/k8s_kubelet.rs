@@ -897,3 +897,100 @@ async fn dra_shares_through_mps(by_xpu: bool) {
     drop(driver);
     drop(node);
 }
+
+/// KubeVirt's side of a node with GPUs on vfio-pci, on a real kubelet with real runc:
+/// `xpu k8s device-plugin --vfio` registers `xpu.dev/a100-sxm4-40gb-vfio` (no `nvidia.com/gpu`:
+/// nothing is left for containers), and a pod asking for one, as virt-launcher's pod does for a
+/// VMI's `hostDevices`, gets `PCI_RESOURCE_XPU_DEV_A100-SXM4-40GB-VFIO` with its GPU's address,
+/// that GPU's `/dev/vfio/<group>` and `/dev/vfio/vfio`, and no `/dev/nvidia*`; its other
+/// container sees no VFIO group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubevirt_resource_gives_a_pod_its_vfio_group_and_no_gpu_node_needs_root_and_runc() {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let admin = cp.admin_client();
+    let spec = hosts::a100_8x_vfio();
+    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    const VFIO: &str = "xpu.dev/a100-sxm4-40gb-vfio";
+    let log = node.dir().join("device-plugin.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
+        .args(["k8s", "device-plugin", "--vfio", "--interval-ms", "200", "--root"])
+        .arg(fx.root())
+        .arg("--plugin-dir")
+        .arg(node.device_plugin_dir())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let plugin = Plugin { child, log };
+    let diag = || format!("{}\n{}", plugin.log(), node.log_tails());
+    let nodes: Api<NodeObject> = Api::all(admin.clone());
+    let offered = wait_until(Duration::from_secs(60), || async {
+        let n = nodes.get(NODE_NAME).await.unwrap();
+        quantity(&n, "allocatable", VFIO).as_deref() == Some("8")
+    })
+    .await;
+    assert!(offered, "8 GPUs offered for VMs\n{}", diag());
+    let n = nodes.get(NODE_NAME).await.unwrap();
+    assert_eq!(quantity(&n, "allocatable", GPU), None, "none for containers");
+
+    // virt-launcher reads the variable from its own environment; a shell drops a name with a
+    // '-' before its children see it, so the probe reads the one its process was started with.
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let probe = probe_script("tr '\\0' '\\n' < /proc/1/environ | grep ^PCI_RESOURCE_");
+    let container = |name: &str, resources: Value| {
+        json!({ "name": name, "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                "command": ["sh", "-c", probe], "resources": resources })
+    };
+    let pod = json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "virt-launcher" },
+        "spec": { "restartPolicy": "Never", "automountServiceAccountToken": false,
+            "enableServiceLinks": false, "terminationGracePeriodSeconds": 1,
+            "containers": [container("vm", json!({ "limits": { VFIO: "1" } })),
+                           container("plain", json!({}))] } });
+    pods.create(&PostParams::default(), &serde_json::from_value(pod).unwrap()).await.unwrap();
+    let done = wait_until(Duration::from_secs(120), || async {
+        let p = pods.get("virt-launcher").await.unwrap();
+        matches!(p.status.and_then(|s| s.phase).as_deref(), Some("Succeeded" | "Failed"))
+    })
+    .await;
+    assert!(done, "the pod finished\n{}", diag());
+    let mut views = Vec::new();
+    for c in ["vm", "plain"] {
+        let lp = LogParams { container: Some(c.to_owned()), ..LogParams::default() };
+        let out = pods.logs("virt-launcher", &lp).await.unwrap();
+        eprintln!("--- {c}\n{out}");
+        views.push(ContainerView::parse(&out));
+    }
+    let (plain, vm) = (views.pop().unwrap(), views.pop().unwrap());
+    let addr = vm
+        .extra
+        .lines()
+        .find_map(|l| l.strip_prefix("PCI_RESOURCE_XPU_DEV_A100-SXM4-40GB-VFIO="))
+        .unwrap_or_default()
+        .to_owned();
+    let dev = spec
+        .devices
+        .iter()
+        .find(|d| d.address.to_string() == addr)
+        .unwrap_or_else(|| panic!("one GPU's address in the KubeVirt variable: {}", vm.extra));
+    let group = format!("/dev/vfio/{}", dev.iommu_group.unwrap());
+    for p in [group.as_str(), "/dev/vfio/vfio"] {
+        assert!(vm.nodes.contains_key(p), "{p} in the VM's container: {:?}", vm.nodes);
+    }
+    let vfio_groups = |v: &ContainerView| {
+        v.nodes.keys().filter(|p| p.starts_with("/dev/vfio/") && *p != "/dev/vfio/vfio").count()
+    };
+    assert_eq!(vfio_groups(&vm), 1, "only its GPU's group: {:?}", vm.nodes);
+    assert!(!vm.nodes.keys().any(|p| p.starts_with("/dev/nvidia")), "{:?}", vm.nodes);
+    assert!(!vm.env.contains_key("NVIDIA_VISIBLE_DEVICES"), "{:?}", vm.env);
+    assert_eq!(vfio_groups(&plain), 0, "{:?}", plain.nodes);
+    assert!(plain.extra.trim().is_empty(), "{}", plain.extra);
+    drop(plugin);
+    drop(node);
+}

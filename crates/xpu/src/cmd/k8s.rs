@@ -171,7 +171,7 @@ pub enum Queueing {
 #[derive(Debug, clap::Args)]
 pub struct DevicePluginArgs {
     /// A resource and the devices it advertises: NAME=TERM[,TERM...] with terms vendor:HEX4,
-    /// device:HEX4, kind:gpu|tpu|npu|nvswitch|other, driver:NAME (repeatable). Default:
+    /// device:HEX4, kind:gpu|tpu|npu|nvswitch|other, driver:NAME, driver:!NAME (repeatable). Default:
     /// nvidia.com/gpu, google.com/tpu and amd.com/gpu.
     #[arg(long = "resource", value_name = "NAME=SELECTOR")]
     pub resources: Vec<String>,
@@ -190,6 +190,13 @@ pub struct DevicePluginArgs {
     /// its pod. Needs --node-name, --share-key and access to the API server.
     #[arg(long)]
     pub share: bool,
+    /// Offer devices on vfio-pci to VMs: one resource per accelerator model,
+    /// xpu.dev/<model>-vfio (xpu.dev/h100-sxm5-80gb-vfio), whose Allocate answers as KubeVirt's
+    /// permittedHostDevices (externalResourceProvider: true) expects: PCI_RESOURCE_<NAME> with
+    /// the PCI addresses, /dev/vfio/vfio and /dev/vfio/<group>. The container resources
+    /// (nvidia.com/gpu, ...) then leave devices on vfio-pci out.
+    #[arg(long, conflicts_with_all = ["share", "resources"])]
+    pub vfio: bool,
     /// This node's name (default $NODE_NAME, set from the downward API).
     #[arg(long, value_name = "NAME")]
     pub node_name: Option<String>,
@@ -401,7 +408,11 @@ fn scheduler(a: SchedulerArgs) -> CmdResult {
 fn device_plugin(args: DevicePluginArgs) -> CmdResult {
     crate::output::init_tracing_with(&args.log);
     let root = root_arg(args.root)?;
-    let resources = if args.resources.is_empty() {
+    let resources = if args.vfio {
+        let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
+        let inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
+        Resource::vfio_for(&inv)
+    } else if args.resources.is_empty() {
         if args.share { Resource::share_defaults() } else { Resource::defaults() }
     } else {
         args.resources
