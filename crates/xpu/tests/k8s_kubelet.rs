@@ -783,6 +783,9 @@ async fn dra_shares_through_mps(by_xpu: bool) {
             && devs.iter().all(|d| {
                 d.allow_multiple_allocations == Some(true)
                     && d.capacity.as_ref().is_some_and(|c| c["compute"].value.0 == "100")
+                    && d.attributes.as_ref().is_some_and(|a| {
+                        a.get("sharing").and_then(|s| s.string.as_deref()) == Some("mps")
+                    })
             })
     })
     .await;

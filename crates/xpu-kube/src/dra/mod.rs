@@ -45,8 +45,24 @@ pub struct DriverArgs {
     /// where there is no NVML MIG control (every GPU is published whole).
     pub mig: Option<Arc<dyn xpu_telemetry::mig::MigControl>>,
     /// MPS for shared GPUs: whole NVIDIA GPUs are published shareable
-    /// ([`slices::with_mps`]) and a claim given part of one is a client of its MPS daemon.
+    /// ([`slices::shareable`]) and a claim given part of one is a client of its MPS daemon.
     pub mps: Option<Arc<xpu_host::mps::Daemons>>,
+    /// Time-slicing for shared GPUs (not with `mps`): published shareable the same way, and a
+    /// claim given part of one gets all of it with no limit and no isolation.
+    pub time_slicing: bool,
+}
+
+impl DriverArgs {
+    /// How whole GPUs are shared, as the slices' `sharing` attribute says it.
+    fn sharing(&self) -> Option<&'static str> {
+        if self.mps.is_some() {
+            Some("mps")
+        } else if self.time_slicing {
+            Some("time-slicing")
+        } else {
+            None
+        }
+    }
 }
 
 /// Errors starting the driver.
@@ -82,7 +98,10 @@ pub async fn run(
         &inv,
         &slices::mig_gpus(args.mig.as_deref()),
     );
-    let devices = if args.mps.is_some() { slices::with_mps(devices) } else { devices };
+    let devices = match args.sharing() {
+        Some(how) => slices::shareable(devices, how),
+        None => devices,
+    };
     publisher.publish_with(devices, counters).await?;
     info!(node = %args.node_name, generation = publisher.generation(), "driver started");
     let (tx, rx) = tokio::sync::watch::channel(Arc::new(inv));
@@ -95,7 +114,8 @@ pub async fn run(
             rx,
             args.mig.clone(),
         )?
-        .with_mps(args.mps.clone()),
+        .with_mps(args.mps.clone())
+        .with_time_slicing(args.time_slicing),
     );
     let loop_task = tokio::spawn(slices::run(
         publisher,
@@ -104,7 +124,7 @@ pub async fn run(
         tx,
         args.health.clone(),
         args.mig.clone(),
-        args.mps.is_some(),
+        args.sharing(),
     ));
     let r = plugin::serve(driver, stop).await;
     loop_task.abort();

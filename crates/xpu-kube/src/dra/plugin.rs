@@ -185,6 +185,8 @@ pub struct Driver {
     kernel: std::sync::Mutex<Box<dyn Kernel + Send>>,
     /// MPS daemons for claims given part of a GPU (`--mps-dir`).
     mps: Option<Arc<xpu_host::mps::Daemons>>,
+    /// Claims given part of a GPU get all of it, unlimited (`--time-slicing`).
+    time_slicing: bool,
 }
 
 impl Driver {
@@ -214,7 +216,14 @@ impl Driver {
             checkpoint: Mutex::new(checkpoint),
             kernel: std::sync::Mutex::new(Box::new(SysfsKernel::new(root_for_kernel))),
             mps: None,
+            time_slicing: false,
         })
+    }
+
+    /// The driver sharing GPUs by time-slicing: a claim given part of one gets all of it.
+    pub fn with_time_slicing(mut self, on: bool) -> Self {
+        self.time_slicing = on;
+        self
     }
 
     /// The driver with MPS for shared GPUs. The claims the checkpoint lists as clients are
@@ -420,8 +429,12 @@ impl Driver {
         let mut plan = prepare::plan(claim, &c.uid, &self.node, inv, specs, &mig_gpus)
             .map_err(|e| format!("{who} {}", self.explain(e, cp, inv, &c.uid)))?;
         let mps_dir = self.mps.as_ref().map(|d| d.dir().to_owned());
-        let shared = prepare::mps(claim, inv, &mut plan, mps_dir.as_deref())
-            .map_err(|e| format!("{who} {e}"))?;
+        let sharing = match &mps_dir {
+            Some(d) => Some(prepare::Sharing::Mps(d)),
+            None => self.time_slicing.then_some(prepare::Sharing::TimeSlicing),
+        };
+        let shared =
+            prepare::mps(claim, inv, &mut plan, sharing).map_err(|e| format!("{who} {e}"))?;
         let made =
             self.make_instances(&mut plan, &mig_gpus, cp).map_err(|e| format!("{who} {e}"))?;
         let clients = match self.acquire_mps(&shared) {

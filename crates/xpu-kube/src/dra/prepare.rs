@@ -393,16 +393,27 @@ pub fn plan(
     Ok(Plan { spec, devices: by_device.into_values().collect(), mig: parts })
 }
 
-/// The devices of the planned claim given part of a GPU, each made a client of its GPU's MPS
-/// daemon (`mps_dir`: the driver's `--mps-dir`) in `plan`'s spec: the pipe directory bound in,
+/// How the driver shares a GPU among the claims given part of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing<'a> {
+    /// Each a client of the GPU's MPS daemon, whose pipe directory is under this one
+    /// (`--mps-dir`), limited to its part.
+    Mps(&'a std::path::Path),
+    /// Each gets the whole GPU, with no limit and no isolation (`--time-slicing`).
+    TimeSlicing,
+}
+
+/// The devices of the planned claim given part of a GPU. With [`Sharing::Mps`] each is made a
+/// client of its GPU's MPS daemon in `plan`'s spec: the pipe directory bound in,
 /// `CUDA_MPS_PIPE_DIRECTORY`, and its thread percentage and pinned memory from the capacity the
-/// scheduler allocated (`consumedCapacity`), never from the workload. A device given all of a
-/// GPU's capacity is the whole GPU, no client.
+/// scheduler allocated (`consumedCapacity`), never from the workload. With
+/// [`Sharing::TimeSlicing`] each gets the GPU and `XPU_SHARING=time-slicing`, and no limit. A
+/// device given all of a GPU's capacity is the whole GPU.
 pub fn mps(
     claim: &ResourceClaim,
     inv: &Inventory,
     plan: &mut Plan,
-    mps_dir: Option<&std::path::Path>,
+    sharing: Option<Sharing<'_>>,
 ) -> Result<Vec<MpsPart>, ClaimError> {
     let Some(results) = allocated(claim).and_then(|d| d.results.as_ref()) else {
         return Ok(Vec::new());
@@ -450,10 +461,20 @@ pub fn mps(
                 d.address
             )));
         };
-        let Some(dir) = mps_dir else {
-            return Err(err(
-                "this driver serves no MPS (started without --mps-dir), so the part would be the whole GPU; start it with --mps-dir".to_owned(),
-            ));
+        let name = format!("{}-{}", claim.metadata.uid.as_deref().unwrap_or_default(), r.device);
+        let dir = match sharing {
+            Some(Sharing::Mps(dir)) => dir,
+            Some(Sharing::TimeSlicing) => {
+                if let Some(dev) = plan.spec.devices.iter_mut().find(|x| x.name == name) {
+                    dev.container_edits.env.push("XPU_SHARING=time-slicing".to_owned());
+                }
+                continue;
+            }
+            None => {
+                return Err(err(
+                    "this driver shares no GPU (started without --mps-dir or --time-slicing), so the part would be the whole GPU; start it with --mps-dir".to_owned(),
+                ));
+            }
         };
         if d.driver.as_deref() != Some("nvidia") {
             return Err(err(format!(
@@ -465,7 +486,6 @@ pub fn mps(
             thread_percent: compute as u16,
             memory_mib: memory_mib.or(whole_mib),
         };
-        let name = format!("{}-{}", claim.metadata.uid.as_deref().unwrap_or_default(), r.device);
         let Some(dev) = plan.spec.devices.iter_mut().find(|x| x.name == name) else { continue };
         let edits = &mut dev.container_edits;
         edits.env.retain(|e| !xpu_host::mps::is_client_var(e.split('=').next().unwrap_or(e)));
@@ -690,7 +710,7 @@ mod tests {
         let dir = std::path::Path::new("/run/xpu/mps");
         let c = with(json!({ "compute": "25", "memory": "10Gi" }));
         let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
-        let parts = mps(&c, &inv, &mut p, Some(dir)).unwrap();
+        let parts = mps(&c, &inv, &mut p, Some(Sharing::Mps(dir))).unwrap();
         assert_eq!(
             parts,
             [MpsPart {
@@ -712,21 +732,30 @@ mod tests {
         // Only compute asked for: the memory limit is the GPU's (an A100's 40 GiB).
         let c = with(json!({ "compute": "50", "memory": "40Gi" }));
         let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
-        assert_eq!(mps(&c, &inv, &mut p, Some(dir)).unwrap()[0].limits.memory_mib, Some(40960));
+        assert_eq!(
+            mps(&c, &inv, &mut p, Some(Sharing::Mps(dir))).unwrap()[0].limits.memory_mib,
+            Some(40960)
+        );
         // All of it: the whole GPU, no client, nothing added.
         let c = with(json!({ "compute": "100", "memory": "40Gi" }));
         let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
         let before = p.spec.clone();
-        assert!(mps(&c, &inv, &mut p, Some(dir)).unwrap().is_empty());
+        assert!(mps(&c, &inv, &mut p, Some(Sharing::Mps(dir))).unwrap().is_empty());
         assert_eq!(p.spec, before);
         // Refused, naming the device: no MPS on this driver, a compute over 100.
         let c = with(json!({ "compute": "25", "memory": "10Gi" }));
         let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
         let e = mps(&c, &inv, &mut p, None).unwrap_err().to_string();
         assert!(e.contains(&g) && e.contains("--mps-dir"), "{e}");
+        // Time-sliced: the whole GPU, said so, no limit and no daemon.
+        let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
+        assert!(mps(&c, &inv, &mut p, Some(Sharing::TimeSlicing)).unwrap().is_empty());
+        let env = &p.spec.devices[0].container_edits.env;
+        assert!(env.iter().any(|e| e == "XPU_SHARING=time-slicing"), "{env:?}");
+        assert!(!env.iter().any(|e| e.starts_with("CUDA_MPS_")), "{env:?}");
         let c = with(json!({ "compute": "150" }));
         let mut p = plan(&c, "u1", "n1", &inv, &specs, &[]).unwrap();
-        let e = mps(&c, &inv, &mut p, Some(dir)).unwrap_err().to_string();
+        let e = mps(&c, &inv, &mut p, Some(Sharing::Mps(dir))).unwrap_err().to_string();
         assert!(e.contains(&g) && e.contains("150"), "{e}");
     }
 }

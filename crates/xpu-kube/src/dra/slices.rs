@@ -314,13 +314,15 @@ pub fn with_mig(
 /// The capacity a share of a GPU served through MPS asks for: thread percentage, 1 to 100.
 pub const COMPUTE_CAPACITY: &str = "compute";
 
-/// `devices` with each whole NVIDIA GPU on its vendor driver made shareable through MPS
-/// (`xpu k8s dra-driver --mps-dir`): `allowMultipleAllocations`, and besides its `memory` a
-/// `compute` capacity of 100 (percent of its threads). A claim asking for part of both
-/// (`capacity.requests: {compute: 25, memory: 36Gi}`) shares the GPU with others and is limited
-/// to what it was allocated; one asking for neither takes the whole of both, alone. MIG
-/// partitions and devices on `vfio-pci` stay as they are.
-pub fn with_mps(mut devices: Vec<Device>) -> Vec<Device> {
+/// `devices` with each whole NVIDIA GPU on its vendor driver made shareable
+/// (`xpu k8s dra-driver --mps-dir` or `--time-slicing`): `allowMultipleAllocations`, besides
+/// its `memory` a `compute` capacity of 100 (percent of its threads), and the attribute
+/// `sharing` saying how (`mps`: limited to the part; `time-slicing`: no limit, no isolation), so
+/// a selector can ask for one. A claim asking for part of both
+/// (`capacity.requests: {compute: 25, memory: 36Gi}`) shares the GPU with others; one asking for
+/// neither takes the whole of both, alone. MIG partitions and devices on `vfio-pci` stay as they
+/// are.
+pub fn shareable(mut devices: Vec<Device>, sharing: &str) -> Vec<Device> {
     for d in devices.iter_mut() {
         let attr = |k: &str| d.attributes.as_ref().and_then(|a| a.get(k));
         let is = |k: &str, v: &str| attr(k).and_then(|a| a.string.as_deref()) == Some(v);
@@ -335,6 +337,9 @@ pub fn with_mps(mut devices: Vec<Device>) -> Vec<Device> {
             continue;
         }
         d.allow_multiple_allocations = Some(true);
+        if let Some(a) = d.attributes.as_mut() {
+            a.insert("sharing".to_owned(), string(sharing.to_owned()));
+        }
         if let Some(c) = d.capacity.as_mut() {
             c.insert(
                 COMPUTE_CAPACITY.to_owned(),
@@ -454,7 +459,7 @@ pub async fn run(
     inventory: tokio::sync::watch::Sender<std::sync::Arc<Inventory>>,
     health: Option<xpu_telemetry::collect::Collector>,
     mig: Option<std::sync::Arc<dyn xpu_telemetry::mig::MigControl>>,
-    mps: bool,
+    sharing: Option<&'static str>,
 ) {
     let opts = xpu_host::DiscoverOptions {
         scope: xpu_host::Scope::Accelerators,
@@ -489,7 +494,10 @@ pub async fn run(
                 let devs = taint_unhealthy(devs, &inv, &unhealthy, &mut known);
                 // A GPU whose MIG state changed under the driver is published as it is now.
                 let (devs, counters) = with_mig(devs, &inv, &mig_gpus(mig.as_deref()));
-                let devs = if mps { with_mps(devs) } else { devs };
+                let devs = match sharing {
+                    Some(how) => shareable(devs, how),
+                    None => devs,
+                };
                 // Only the publisher writes; receivers see the inventory the slices came from.
                 inventory.send_replace(std::sync::Arc::new(inv));
                 match publisher.publish_with(devs, counters).await {
@@ -519,6 +527,30 @@ mod tests {
         let root = Root::new(fx.root()).unwrap();
         let inv = xpu_host::discover(&root, &DiscoverOptions::default()).unwrap();
         (fx, root, inv)
+    }
+
+    /// Shareable GPUs say how they are shared; NVSwitches and GPUs on vfio-pci are not made
+    /// shareable.
+    #[test]
+    fn shareable_gpus_take_several_claims_and_say_how() {
+        let (_fx, root, inv) = inv(&hosts::a100_8x());
+        let devs = shareable(devices(&root, &inv), "time-slicing");
+        let gpus: Vec<&Device> = devs.iter().filter(|d| d.name.starts_with("gpu")).collect();
+        assert_eq!(gpus.len(), 8);
+        for d in &gpus {
+            assert_eq!(d.allow_multiple_allocations, Some(true), "{}", d.name);
+            let a = d.attributes.as_ref().unwrap();
+            assert_eq!(a["sharing"].string.as_deref(), Some("time-slicing"));
+            assert_eq!(d.capacity.as_ref().unwrap()[COMPUTE_CAPACITY].value.0, "100");
+        }
+        assert!(
+            devs.iter()
+                .filter(|d| !d.name.starts_with("gpu"))
+                .all(|d| d.allow_multiple_allocations.is_none())
+        );
+        let (_fx2, root2, inv2) = super::tests::inv(&hosts::a100_8x_vfio());
+        let devs = shareable(devices(&root2, &inv2), "mps");
+        assert!(devs.iter().all(|d| d.allow_multiple_allocations.is_none()), "on vfio-pci: whole");
     }
 
     #[test]

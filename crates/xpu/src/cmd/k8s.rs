@@ -85,6 +85,11 @@ pub struct DraDriverArgs {
         requires = "mps_dir"
     )]
     pub mps_control: PathBuf,
+    /// Share whole NVIDIA GPUs by time-slicing, for users who want it: published as with
+    /// --mps-dir (attribute sharing: time-slicing), but a claim given part of a GPU gets all of
+    /// it, with no memory or compute limit and no fault isolation (XPU_SHARING=time-slicing).
+    #[arg(long, conflicts_with = "mps_dir")]
+    pub time_slicing: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -315,6 +320,7 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
             )),
             None => None,
         },
+        time_slicing: a.time_slicing,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
