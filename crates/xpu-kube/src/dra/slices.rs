@@ -533,8 +533,8 @@ mod tests {
     /// shareable.
     #[test]
     fn shareable_gpus_take_several_claims_and_say_how() {
-        let (_fx, root, inv) = inv(&hosts::a100_8x());
-        let devs = shareable(devices(&root, &inv), "time-slicing");
+        let (_fx, root, host) = inv(&hosts::a100_8x());
+        let devs = shareable(devices(&root, &host), "time-slicing");
         let gpus: Vec<&Device> = devs.iter().filter(|d| d.name.starts_with("gpu")).collect();
         assert_eq!(gpus.len(), 8);
         for d in &gpus {
@@ -548,7 +548,7 @@ mod tests {
                 .filter(|d| !d.name.starts_with("gpu"))
                 .all(|d| d.allow_multiple_allocations.is_none())
         );
-        let (_fx2, root2, inv2) = super::tests::inv(&hosts::a100_8x_vfio());
+        let (_fx2, root2, inv2) = inv(&hosts::a100_8x_vfio());
         let devs = shareable(devices(&root2, &inv2), "mps");
         assert!(devs.iter().all(|d| d.allow_multiple_allocations.is_none()), "on vfio-pci: whole");
     }
