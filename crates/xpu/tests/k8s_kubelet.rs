@@ -997,3 +997,98 @@ async fn a_kubevirt_resource_gives_a_pod_its_vfio_group_and_no_gpu_node_needs_ro
     drop(plugin);
     drop(node);
 }
+
+/// A container and a VM on one node through DRA, with real runc: GPU 3 of the four-GPU host is
+/// on vfio-pci (an admin bound it), the others on nvidia. kube-scheduler allocates a
+/// `passthrough.xpu.dev` claim (GPU 3) and a `gpu.xpu.dev` claim; the passthrough pod sees
+/// exactly `/dev/vfio/vfio` and its GPU's `/dev/vfio/<group>` and no `/dev/nvidia*`, and the
+/// container pod its GPU's nodes and no VFIO node. (Moving a device to vfio-pci on prepare is
+/// the fake kernel's test, in process: a fixture's sysfs is files, which a real write does not
+/// rebind.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passthrough_claim_and_a_container_claim_on_one_node_see_only_their_nodes_needs_root_and_runc()
+ {
+    use xpu_testkit::sysfs::{MAJOR_MISC, MAJOR_VFIO_GROUP, MINOR_VFIO_CONTAINER};
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let admin = cp.admin_client();
+    install_dra(&admin).await;
+    let mut spec = four_gpu_host();
+    spec.loaded_modules.extend(["vfio", "vfio_pci", "vfio_iommu_type1"].map(str::to_owned));
+    spec.control_nodes.push(xpu_testkit::NodeSpec::new(
+        "/dev/vfio/vfio",
+        MAJOR_MISC,
+        MINOR_VFIO_CONTAINER,
+    ));
+    let vm_gpu = spec.devices.iter_mut().find(|d| d.nvidia_minor == Some(3)).unwrap();
+    vm_gpu.driver = Some("vfio-pci".to_owned());
+    vm_gpu.nvidia_minor = None;
+    vm_gpu.uuid = None;
+    let (vm_addr, group) = (vm_gpu.address, vm_gpu.iommu_group.unwrap());
+    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    let args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
+    let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
+    let diag = || format!("{}\n{}", driver.log_text(), node.log_tails());
+    let registered = wait_until(Duration::from_secs(30), || async {
+        driver.log_text().contains("registered with the kubelet")
+    })
+    .await;
+    assert!(registered, "the kubelet took the driver's registration\n{}", diag());
+    let slices: Api<ResourceSlice> = Api::all(admin.clone());
+    let lp =
+        ListParams::default().fields(&format!("spec.nodeName={NODE_NAME},spec.driver=xpu.dev"));
+    let published = wait_until(Duration::from_secs(30), || async {
+        let s = slices.list(&lp).await.unwrap().items;
+        s.iter().flat_map(|s| s.spec.devices.iter().flatten()).count() == 4
+    })
+    .await;
+    assert!(published, "4 GPUs published\n{}", diag());
+
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    // The VM's claim asks for a device already on vfio-pci: a GPU the driver would move is the
+    // fake kernel's case.
+    for (name, class, selector) in [
+        ("vm", "passthrough.xpu.dev", Some("device.attributes[\"xpu.dev\"].passthrough")),
+        ("ctr", "gpu.xpu.dev", None),
+    ] {
+        let mut exactly = json!({ "deviceClassName": class });
+        if let Some(s) = selector {
+            exactly["selectors"] = json!([{ "cel": { "expression": s } }]);
+        }
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": { "name": name },
+            "spec": { "devices": { "requests": [{ "name": "d", "exactly": exactly }] } },
+        }))
+        .unwrap();
+        claims.create(&PostParams::default(), &claim).await.unwrap();
+    }
+    let pod_spec =
+        |claim: &str| json!({ "resourceClaims": [{ "name": "d", "resourceClaimName": claim }] });
+    let uses = json!({ "claims": [{ "name": "d" }] });
+    let (_, vm, plain) = run_probe_pod(&pods, "vm-pod", pod_spec("vm"), uses.clone(), diag).await;
+    let vm_claim = claims.get("vm").await.unwrap();
+    let device = vm_claim.status.unwrap().allocation.unwrap().devices.unwrap().results.unwrap();
+    assert_eq!(device[0].device, format!("gpu-{}", vm_addr.dns_label()));
+    let want: std::collections::BTreeMap<String, (char, u32, u32)> = [
+        (format!("/dev/vfio/{group}"), ('c', MAJOR_VFIO_GROUP, group)),
+        ("/dev/vfio/vfio".to_owned(), ('c', MAJOR_MISC, MINOR_VFIO_CONTAINER)),
+    ]
+    .into();
+    assert_only_these_nodes(&vm, &plain, &want);
+    let (_, ctr, plain) = run_probe_pod(&pods, "ctr-pod", pod_spec("ctr"), uses, diag).await;
+    let minors: Vec<u32> =
+        ctr.nodes.keys().filter_map(|p| p.strip_prefix("/dev/nvidia")?.parse().ok()).collect();
+    assert_eq!(minors.len(), 1, "one GPU: {:?}", ctr.nodes);
+    assert_ne!(minors[0], 3);
+    assert_only_these_gpus(&ctr, &plain, &minors);
+    drop(driver);
+    drop(node);
+}

@@ -24,6 +24,8 @@ pub const CLAIM_CDI_KIND: &str = "k8s.xpu.dev/claim";
 /// `apiVersion` of the opaque configuration this driver reads.
 pub const CONFIG_API_VERSION: &str = "xpu.dev/v1";
 pub const CONFIG_KIND: &str = "DeviceConfig";
+/// The VFIO container node every VM's group is opened through.
+const VFIO_CONTAINER: &str = "/dev/vfio/vfio";
 /// Opaque parameters larger than this are refused (the API server allows 10 KiB).
 const MAX_CONFIG_BYTES: usize = 10 * 1024;
 
@@ -365,9 +367,27 @@ pub fn plan(
             .find(|x| x.name == index.name)
             .map(|x| x.container_edits.clone())
             .ok_or_else(no_nodes)?;
-        if !kinds_done.contains(&kind) {
-            merge(&mut common, &host.container_edits);
-            kinds_done.push(kind);
+        // What the kind's devices share (control nodes, driver files, environment) is for
+        // its vendor driver; a device passed through gets its group's nodes alone.
+        // The kind's shared edits hold `/dev/vfio/vfio` when any of its devices is on vfio-pci:
+        // a VM's alone, as a device on its vendor driver never needs it.
+        let (vfio, vendor): (Vec<_>, Vec<_>) = host
+            .container_edits
+            .device_nodes
+            .iter()
+            .cloned()
+            .partition(|n| n.path == VFIO_CONTAINER);
+        match mode {
+            Mode::Container if !kinds_done.contains(&kind) => {
+                let shared =
+                    ContainerEdits { device_nodes: vendor, ..host.container_edits.clone() };
+                merge(&mut common, &shared);
+                kinds_done.push(kind);
+            }
+            Mode::Container => {}
+            Mode::Passthrough => {
+                merge(&mut common, &ContainerEdits { device_nodes: vfio, ..Default::default() })
+            }
         }
         let cdi_name = format!("{uid}-{}", r.device);
         if let Some(part) = part {
