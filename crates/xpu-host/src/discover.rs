@@ -497,8 +497,13 @@ fn link_speed(root: &Root, dev: &Dev, name: &str, w: &mut Warnings) -> Option<St
 fn read_dev_nodes(root: &Root, dev: &Dev, d: &mut PciDevice, w: &mut Warnings) {
     let mut nodes = Vec::new();
 
-    // NVIDIA: the driver publishes each GPU's minor number and UUID under /proc.
-    if d.vendor_id == Some(VENDOR_NVIDIA) && d.kind == DeviceKind::Gpu {
+    // NVIDIA: the driver publishes each GPU's minor number and UUID under /proc. A GPU on
+    // vfio-pci is not the NVIDIA driver's, whatever /proc still holds (an entry left while the
+    // driver lets go of it): it gets no /dev/nvidiaN.
+    if d.vendor_id == Some(VENDOR_NVIDIA)
+        && d.kind == DeviceKind::Gpu
+        && d.driver.as_deref() != Some("vfio-pci")
+    {
         let info_path = root.path(format!("/proc/driver/nvidia/gpus/{}/information", d.address));
         let info = match read_attr(root, &info_path) {
             Attr::Value(info) => Some(info),

@@ -19,7 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::unix::fs::{PermissionsExt, symlink};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 
 use xpu_core::PciAddress;
@@ -152,9 +152,7 @@ impl FakeKernel {
                     if !node.exists() {
                         fs::create_dir_all(node.parent().unwrap_or(&self.root))
                             .map_err(|e| e.to_string())?;
-                        fs::write(&node, "").map_err(|e| e.to_string())?;
-                        fs::set_permissions(&node, fs::Permissions::from_mode(0o600))
-                            .map_err(|e| e.to_string())?;
+                        self.make_group_node(&node, &g)?;
                     }
                 }
                 Ok(())
@@ -188,6 +186,26 @@ impl FakeKernel {
                 Ok(())
             }
         }
+    }
+
+    /// The group's node as the fixture makes its nodes: a character device (major
+    /// [`crate::sysfs::MAJOR_VFIO_GROUP`], minor the group) where the fixture's
+    /// `/dev/vfio/vfio` is one (built with `char_devices`, as root), else a plain file.
+    fn make_group_node(&self, node: &Path, group: &str) -> Result<(), String> {
+        let chars = fs::symlink_metadata(self.p("dev/vfio/vfio"))
+            .is_ok_and(|m| m.file_type().is_char_device());
+        match group.parse::<u32>() {
+            Ok(minor) if chars => rustix::fs::mknodat(
+                rustix::fs::CWD,
+                node,
+                rustix::fs::FileType::CharacterDevice,
+                rustix::fs::Mode::from_raw_mode(0o600),
+                rustix::fs::makedev(crate::sysfs::MAJOR_VFIO_GROUP, minor),
+            )
+            .map_err(|e| format!("mknod {}: {e}", node.display()))?,
+            _ => fs::write(node, "").map_err(|e| e.to_string())?,
+        }
+        fs::set_permissions(node, fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())
     }
 
     fn group_has_vfio(&self, group: &str) -> bool {
@@ -240,6 +258,14 @@ pub fn snapshot(root: &Path) -> BTreeMap<PathBuf, Node> {
             } else if meta.is_dir() {
                 out.insert(rel, Node::Dir);
                 stack.push(path);
+            } else if meta.file_type().is_char_device() || meta.file_type().is_block_device() {
+                // A node is its numbers: reading one would open a device of this host.
+                let n = format!(
+                    "{}:{}",
+                    rustix::fs::major(meta.rdev()),
+                    rustix::fs::minor(meta.rdev())
+                );
+                out.insert(rel, Node::File(n.into_bytes(), meta.permissions().mode() & 0o7777));
             } else {
                 let content = fs::read(&path).unwrap_or_default();
                 out.insert(rel, Node::File(content, meta.permissions().mode() & 0o7777));

@@ -383,12 +383,24 @@ impl Driver {
             .get(&c.name)
             .await
             .map_err(|e| format!("{who}: reading it from the API server: {e}"))?;
+        self.prepare_fetched(c, &claim, cp, &who)
+    }
+
+    /// [`Driver::prepare_one`] once the claim is read: its passthrough devices moved to
+    /// vfio-pci (and back if anything after fails), then [`Driver::prepare_on`].
+    fn prepare_fetched(
+        &self,
+        c: &v1::Claim,
+        claim: &ResourceClaim,
+        cp: &mut Checkpoint,
+        who: &str,
+    ) -> Result<Vec<PreparedDevice>, String> {
         let (inv, specs) = self.host();
         // Passthrough devices on their vendor driver go to vfio-pci first, group and all; they
         // go back if anything after fails.
-        let moves = prepare::to_move(&claim, &inv).map_err(|e| format!("{who} {e}"))?;
+        let moves = prepare::to_move(claim, &inv).map_err(|e| format!("{who} {e}"))?;
         if moves.is_empty() {
-            return self.prepare_on(c, &claim, cp, &inv, &specs, &[], &who);
+            return self.prepare_on(c, claim, cp, &inv, &specs, &[], who);
         }
         let held = self.holders(cp, &inv, &c.uid);
         rebind::check(&self.root, &inv, &moves, &held).map_err(|e| format!("{who}: {e}"))?;
@@ -401,7 +413,7 @@ impl Driver {
         let prepared = self
             .rediscover()
             .map_err(|e| format!("{who}: reading the host after moving its devices: {e}"))
-            .and_then(|(inv, specs)| self.prepare_on(c, &claim, cp, &inv, &specs, &moved, &who));
+            .and_then(|(inv, specs)| self.prepare_on(c, claim, cp, &inv, &specs, &moved, who));
         if prepared.is_err() {
             self.give_back(&moved);
         }
@@ -985,6 +997,137 @@ mod tests {
                 "{name}: {answer:?}"
             );
             server.abort();
+        }
+    }
+
+    /// A node of 8 GPUs serving VMs and containers at once, through the driver's whole prepare
+    /// (the claim's moves, plan, CDI spec and checkpoint) on the fake kernel: two passthrough
+    /// claims and three container claims; unprepare returns every function; and a failure at
+    /// every kernel write of a passthrough claim leaves every device as it was.
+    #[tokio::test]
+    async fn two_vms_and_three_containers_on_one_node_and_back() {
+        use super::super::rebind::tests::{gpus, host_with, same_tree};
+        use xpu_testkit::fake_kernel::{FakeKernel, snapshot};
+        let build = xpu_testkit::BuildOptions { char_devices: true, ..Default::default() };
+        let probe = host_with(&build);
+        let chars = std::fs::symlink_metadata(probe.root().join("dev/vfio/vfio"))
+            .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_char_device(&m.file_type()));
+        if !chars {
+            eprintln!("skipping: CDI specs need the fixture's device nodes (mknod, root)");
+            return;
+        }
+        let discover =
+            |root: &Root| xpu_host::discover(root, &xpu_host::DiscoverOptions::default()).unwrap();
+        let claim = |uid: &str, device: &str, passthrough: bool| -> (v1::Claim, ResourceClaim) {
+            let config = if passthrough {
+                serde_json::json!([{ "source": "FromClass", "requests": ["r"], "opaque": {
+                    "driver": DRIVER, "parameters": {
+                        "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mode": "passthrough" } } }])
+            } else {
+                serde_json::json!([])
+            };
+            let c: ResourceClaim = serde_json::from_value(serde_json::json!({
+                "metadata": { "name": format!("c-{uid}"), "namespace": "ns", "uid": uid },
+                "spec": {},
+                "status": { "allocation": { "devices": {
+                    "results": [{ "request": "r", "driver": DRIVER, "pool": "n1", "device": device }],
+                    "config": config } } },
+            }))
+            .unwrap();
+            let k = v1::Claim { namespace: "ns".into(), name: format!("c-{uid}"), uid: uid.into() };
+            (k, c)
+        };
+        // (uid, GPU index, passthrough)
+        let plan = [
+            ("vm0", 0, true),
+            ("vm1", 1, true),
+            ("c4", 4, false),
+            ("c5", 5, false),
+            ("c6", 6, false),
+        ];
+        let start = |fx: &xpu_testkit::Fixture, kernel: FakeKernel, dir: &Path| {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+            let client = kube::Client::try_from(config).unwrap();
+            let root = Root::new(fx.root()).unwrap();
+            let (tx, rx) = watch::channel(Arc::new(discover(&root)));
+            let paths = Paths {
+                plugin_dir: dir.join("plugins"),
+                registry_dir: dir.join("plugins_registry"),
+                cdi_dir: dir.join("cdi"),
+            };
+            let d = Driver::new(client, "n1", root, paths, rx, None)
+                .unwrap()
+                .with_kernel(Box::new(kernel));
+            (d, tx)
+        };
+
+        let fx = host_with(&build);
+        let tmp = tempfile::tempdir().unwrap();
+        let root = Root::new(fx.root()).unwrap();
+        let inv = discover(&root);
+        let gpu = gpus(&inv);
+        let name =
+            |i: usize| super::super::slices::device_name(inv.device(&gpu[i]).unwrap()).unwrap();
+        let before = snapshot(fx.root());
+        let (driver, tx) = start(&fx, FakeKernel::new(fx.root()), tmp.path());
+        let mut cp = driver.checkpoint.lock().await;
+        let mut made = Vec::new();
+        for (uid, i, vm) in plan {
+            let (k, c) = claim(uid, &name(i), vm);
+            driver.prepare_fetched(&k, &c, &mut cp, uid).unwrap_or_else(|e| panic!("{uid}: {e}"));
+            tx.send_replace(Arc::new(discover(&root)));
+            made.push(k);
+        }
+        let now = discover(&root);
+        for (uid, i, vm) in plan {
+            let d = now.device(&gpu[i]).unwrap();
+            let want = if vm { "vfio-pci" } else { "nvidia" };
+            assert_eq!(d.driver.as_deref(), Some(want), "{uid}");
+            let spec =
+                std::fs::read_to_string(tmp.path().join("cdi").join(prepare::spec_file(uid)))
+                    .unwrap();
+            let group = format!("/dev/vfio/{}", d.iommu_group.unwrap());
+            if vm {
+                assert!(
+                    spec.contains(&format!("\"{group}\"")) && spec.contains("/dev/vfio/vfio"),
+                    "{uid}: {spec}"
+                );
+                assert!(!spec.contains("/dev/nvidia"), "{uid}: {spec}");
+            } else {
+                assert!(
+                    spec.contains("/dev/nvidia") && !spec.contains("/dev/vfio"),
+                    "{uid}: {spec}"
+                );
+            }
+        }
+        // GPU 0's audio function went with it, and came back.
+        assert_eq!(cp.claims["vm0"].vfio.len(), 2, "{:?}", cp.claims["vm0"].vfio);
+        for k in &made {
+            driver.unprepare_one(k, &mut cp).unwrap();
+        }
+        assert!(cp.claims.is_empty());
+        same_tree(&before, &snapshot(fx.root()), "after unprepare");
+        drop(cp);
+
+        // A failure at each of the 6 writes moving GPU 0's group (3 per function), while a
+        // container claim holds GPU 4: the claim fails naming the rollback, and the host is as
+        // it was.
+        for n in 1..=6 {
+            let fx = host_with(&build);
+            let tmp = tempfile::tempdir().unwrap();
+            let before = snapshot(fx.root());
+            let (driver, _tx) = start(&fx, FakeKernel::new(fx.root()).fail_at(n), tmp.path());
+            let mut cp = driver.checkpoint.lock().await;
+            let (k4, c4) = claim("c4", &name(4), false);
+            driver.prepare_fetched(&k4, &c4, &mut cp, "c4").unwrap();
+            let (k0, c0) = claim("vm0", &name(0), true);
+            let e = driver.prepare_fetched(&k0, &c0, &mut cp, "vm0").unwrap_err();
+            assert!(e.contains("rolled back"), "write {n}: {e}");
+            assert_eq!(cp.claims.keys().collect::<Vec<_>>(), ["c4"], "write {n}");
+            assert!(!tmp.path().join("cdi").join(prepare::spec_file("vm0")).exists());
+            driver.unprepare_one(&k4, &mut cp).unwrap();
+            same_tree(&before, &snapshot(fx.root()), &format!("write {n}: {e}"));
         }
     }
 }

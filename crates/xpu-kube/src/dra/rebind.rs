@@ -173,7 +173,7 @@ pub fn give_back<K: Kernel + ?Sized>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
@@ -182,12 +182,17 @@ mod tests {
     use xpu_testkit::fake_kernel::{FakeKernel, Node, snapshot};
     use xpu_testkit::{DevSpec, Fixture, NodeSpec, hosts};
 
-    type Snapshot = BTreeMap<std::path::PathBuf, Node>;
+    pub(crate) type Snapshot = BTreeMap<std::path::PathBuf, Node>;
 
     /// The 8×A100 host with `vfio-pci` loaded; GPU 0's IOMMU group also holds its audio
     /// function and a bridge, GPUs 2 and 3 share a group, GPU 5's group holds a NIC of the host,
     /// and GPU 7's group holds the host's boot VGA controller.
     fn host() -> Fixture {
+        host_with(&xpu_testkit::BuildOptions::default())
+    }
+
+    /// [`host`] built with `opts` (character device nodes, for CDI specs).
+    pub(crate) fn host_with(opts: &xpu_testkit::BuildOptions) -> Fixture {
         let mut h = hosts::a100_8x();
         h.loaded_modules.extend(["vfio", "vfio_pci", "vfio_iommu_type1"].map(str::to_owned));
         h.control_nodes.push(NodeSpec::new("/dev/vfio/vfio", 10, 196));
@@ -216,7 +221,7 @@ mod tests {
                 .driver("i915")
                 .boot_vga(),
         );
-        let fx = h.build();
+        let fx = h.build_with(opts);
         let d = fx.root().join("sys/bus/pci/drivers/vfio-pci");
         std::fs::create_dir_all(&d).unwrap();
         for f in ["bind", "unbind", "new_id", "remove_id"] {
@@ -229,7 +234,7 @@ mod tests {
         xpu_host::discover(root, &DiscoverOptions::default()).unwrap()
     }
 
-    fn gpus(inv: &Inventory) -> Vec<PciAddress> {
+    pub(crate) fn gpus(inv: &Inventory) -> Vec<PciAddress> {
         inv.devices
             .iter()
             .filter(|d| d.kind == DeviceKind::Gpu && d.vendor_id == Some(0x10de))
@@ -238,7 +243,7 @@ mod tests {
     }
 
     /// The trees are the same but for the VFIO state file and its directories (a record, kept).
-    fn same_tree(before: &Snapshot, after: &Snapshot, ctx: &str) {
+    pub(crate) fn same_tree(before: &Snapshot, after: &Snapshot, ctx: &str) {
         let state = std::path::Path::new(vfio::STATE_FILE.trim_start_matches('/'));
         let keys: BTreeSet<_> = before.keys().chain(after.keys()).collect();
         let diff: Vec<_> = keys
