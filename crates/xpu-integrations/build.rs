@@ -2,7 +2,8 @@
 //! building needs no system `protoc`:
 //! - the device plugin API (`proto/deviceplugin/v1beta1`, package `v1beta1`) into `OUT_DIR`;
 //! - the DRA plugin service (`proto/dra/v1`, `proto/dra/v1beta1`, packages
-//!   `k8s.io.kubelet.pkg.apis.dra.v1` and `...v1beta1` as upstream) and plugin registration
+//!   `k8s.io.kubelet.pkg.apis.dra.v1` and `...v1beta1` as upstream), its device health service
+//!   (`proto/drahealth/v1alpha1`, package `v1alpha1`) and plugin registration
 //!   (`proto/pluginregistration/v1`), each into its own directory under `OUT_DIR`, one
 //!   descriptor set and one generated file each;
 //! - the kubelet's PodResources API (`proto/podresources/v1`, package `v1`) into its own
@@ -27,6 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     compile("proto/dra/v1/api.proto", Some("dra_v1"))?;
     compile("proto/dra/v1beta1/api.proto", Some("dra_v1beta1"))?;
     compile("proto/pluginregistration/v1/api.proto", Some("pluginregistration_v1"))?;
+    compile("proto/drahealth/v1alpha1/api.proto", Some("drahealth_v1alpha1"))?;
     compile("proto/podresources/v1/api.proto", Some("podresources_v1"))?;
     compile("proto/tpuruntime/metrics.proto", Some("tpuruntime"))?;
     Ok(())

@@ -74,6 +74,17 @@ pub mod drapb {
     pub mod v1beta1 {
         include!(concat!(env!("OUT_DIR"), "/dra_v1beta1/k8s.io.kubelet.pkg.apis.dra.v1beta1.rs"));
     }
+    /// `proto/drahealth/v1alpha1/api.proto` (package `v1alpha1`, `v1alpha1.DRAResourceHealth`).
+    #[allow(
+        clippy::all,
+        clippy::pedantic,
+        missing_docs,
+        unused_qualifications,
+        clippy::unwrap_used
+    )]
+    pub mod health {
+        include!(concat!(env!("OUT_DIR"), "/drahealth_v1alpha1/v1alpha1.rs"));
+    }
     /// `proto/pluginregistration/v1/api.proto` (package `pluginregistration`).
     #[allow(
         clippy::all,
@@ -90,6 +101,8 @@ pub mod drapb {
     /// (`k8s.io/kubelet/pkg/apis/dra/v1.DRAPluginService` and its v1beta1 twin).
     pub const SERVICE_V1: &str = "v1.DRAPlugin";
     pub const SERVICE_V1BETA1: &str = "v1beta1.DRAPlugin";
+    /// The device health service's name (`v1alpha1.DRAResourceHealth`).
+    pub const SERVICE_HEALTH_V1ALPHA1: &str = "v1alpha1.DRAResourceHealth";
     /// `PluginInfo.type` of a DRA plugin (`pluginregistration.DRAPlugin`).
     pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 }

@@ -729,6 +729,32 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
         "a GPU of the DRA node vanished: tainted, a claim waited, and got it when it came back"
     );
 
+    // A GPU the first claim holds vanishes under its running pod: the driver's health stream
+    // (v1alpha1.DRAResourceHealth) says Unhealthy, and the kubelet writes it into the pod's
+    // allocatedResourcesStatus under the claim; back, it is Healthy again.
+    let gone = unplug(dra, seen_by_claim[0]);
+    let device = format!("gpu-{}", gone.2.parse::<xpu_core::PciAddress>().unwrap().dns_label());
+    // The kubelet names the entry after the pod's claim entry and each device by its CDI id.
+    let uid = claims.get("nvlink-pair").await.unwrap().metadata.uid.unwrap_or_default();
+    let id = format!("k8s.xpu.dev/claim={uid}-{device}");
+    let claim_health = |p: &Pod| health_of(p, "gpu", "claim:gpus", &id);
+    let unhealthy = wait_until(Duration::from_secs(60), || async {
+        claim_health(&pods.get("claimed").await.unwrap()).as_deref() == Some("Unhealthy")
+    })
+    .await;
+    let p = pods.get("claimed").await.unwrap();
+    assert!(unhealthy, "{id} Unhealthy under the claim\n{}\n{}", status(&p), dra.logs());
+    replug(&gone);
+    let healthy = wait_until(Duration::from_secs(60), || async {
+        claim_health(&pods.get("claimed").await.unwrap()).as_deref() == Some("Healthy")
+    })
+    .await;
+    let p = pods.get("claimed").await.unwrap();
+    assert!(healthy, "{id} Healthy again\n{}\n{}", status(&p), dra.logs());
+    eprintln!(
+        "a claimed GPU vanished: Unhealthy in the claim's allocatedResourcesStatus, then Healthy"
+    );
+
     // The kubelets of the gang member's node and of the DRA node restart: the device plugin and
     // the DRA driver register again, prepared claims stay prepared, and the running containers
     // keep their devices (the same containers, never restarted).

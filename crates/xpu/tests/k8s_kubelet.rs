@@ -1092,3 +1092,95 @@ async fn a_passthrough_claim_and_a_container_claim_on_one_node_see_only_their_no
     drop(driver);
     drop(node);
 }
+
+/// Device health through DRA, on a real kubelet: a GPU under a running pod's claim vanishes;
+/// the driver's health stream (`v1alpha1.DRAResourceHealth`) says Unhealthy and the kubelet
+/// writes it into the container's `allocatedResourcesStatus`; back, it is Healthy again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_gpu_that_fails_is_unhealthy_in_the_pods_status_needs_root_and_runc() {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let admin = cp.admin_client();
+    install_dra(&admin).await;
+    let spec = four_gpu_host();
+    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()).kubelet_flag("--v=5"))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    let args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
+    let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
+    let diag = || format!("{}\n{}", driver.log_text(), node.log_tails());
+    let registered = wait_until(Duration::from_secs(30), || async {
+        driver.log_text().contains("registered with the kubelet")
+    })
+    .await;
+    assert!(registered, "registered\n{}", diag());
+    let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": { "name": "one" },
+        "spec": { "devices": { "requests": [{ "name": "gpu", "exactly": { "deviceClassName": "gpu.xpu.dev" } }] } },
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let pod = json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "holder" },
+        "spec": { "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+            "automountServiceAccountToken": false, "enableServiceLinks": false,
+            "resourceClaims": [{ "name": "gpu", "resourceClaimName": "one" }],
+            "containers": [{ "name": "c", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                "command": ["sleep", "600"], "resources": { "claims": [{ "name": "gpu" }] } }] } });
+    pods.create(&PostParams::default(), &serde_json::from_value(pod).unwrap()).await.unwrap();
+    let running = wait_until(Duration::from_secs(90), || async {
+        let p = pods.get("holder").await.unwrap();
+        p.status.and_then(|s| s.phase).as_deref() == Some("Running")
+    })
+    .await;
+    assert!(running, "the pod runs\n{}", diag());
+    let c = claims.get("one").await.unwrap();
+    let device =
+        c.status.unwrap().allocation.unwrap().devices.unwrap().results.unwrap().remove(0).device;
+    let addr = xpu_core::PciAddress::from_dns_label_suffix(&device).unwrap().to_string();
+    // The kubelet's view of the claim's devices in the container's status.
+    let health = |p: &Pod| -> Vec<(String, String, Option<String>)> {
+        p.status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .into_iter()
+            .flatten()
+            .flat_map(|s| s.allocated_resources_status.clone().unwrap_or_default())
+            .flat_map(|r| {
+                let name = r.name.clone();
+                r.resources
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(move |h| (name.clone(), h.resource_id, h.health))
+            })
+            .collect()
+    };
+    let link = fx.device_dir(&addr);
+    let target = std::fs::read_link(&link).unwrap();
+    std::fs::remove_file(&link).unwrap();
+    let unhealthy = wait_until(Duration::from_secs(60), || async {
+        let p = pods.get("holder").await.unwrap();
+        health(&p)
+            .iter()
+            .any(|(_, id, h)| id.contains(&device) && h.as_deref() == Some("Unhealthy"))
+    })
+    .await;
+    let p = pods.get("holder").await.unwrap();
+    assert!(unhealthy, "{device} Unhealthy: {:?}\n{}", health(&p), diag());
+    eprintln!("{device} vanished: {:?}", health(&p));
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let healthy = wait_until(Duration::from_secs(60), || async {
+        let p = pods.get("holder").await.unwrap();
+        health(&p).iter().any(|(_, id, h)| id.contains(&device) && h.as_deref() == Some("Healthy"))
+    })
+    .await;
+    let p = pods.get("holder").await.unwrap();
+    assert!(healthy, "{device} Healthy again: {:?}\n{}", health(&p), diag());
+    drop(driver);
+    drop(node);
+}

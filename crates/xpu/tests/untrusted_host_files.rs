@@ -51,10 +51,11 @@ fn discover_and_doctor_warn_about_fifos_device_links_and_huge_files_and_exit() {
     let attrs = [
         "/sys/bus/pci/devices/0000:25:00.0/vendor",
         "/sys/bus/pci/devices/0000:2b:00.0/numa_node",
-        "/proc/driver/nvidia/gpus/0000:48:00.0/information",
         "/proc/driver/nvidia/version",
         "/proc/cpuinfo",
     ];
+    // Read only for a GPU on the NVIDIA driver: planted on the host whose GPUs are on it.
+    let info = "/proc/driver/nvidia/gpus/0000:48:00.0/information";
     let host_files = ["/proc/cmdline", "/proc/modules", "/proc/meminfo", "/proc/self/limits"];
     for trap in Trap::ALL {
         let f = hosts::a100_8x_vfio().build();
@@ -73,6 +74,12 @@ fn discover_and_doctor_warn_about_fifos_device_links_and_huge_files_and_exit() {
         let code = out.status.code();
         assert!(matches!(code, Some(0 | 1)), "{code:?}: {}", String::from_utf8_lossy(&out.stderr));
         assert_warned(&out, "xpu doctor", &host_files, trap);
+
+        let g = hosts::a100_8x().build();
+        plant(trap, &g, info);
+        let out = xpu(&["discover", "--root", root_of(&g), "--format", "json"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_warned(&out, "xpu discover", &[info], trap);
     }
 }
 

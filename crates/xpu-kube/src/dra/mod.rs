@@ -8,9 +8,11 @@
 //! - [`prepare`]: what preparing a claim means (pure): checks and the claim's CDI spec.
 //! - [`plugin`]: the kubelet's gRPC side: registration, `NodePrepareResources`,
 //!   `NodeUnprepareResources`, the checkpoint.
+//! - [`health`]: the kubelet's device health stream (`v1alpha1.DRAResourceHealth`).
 //!
 //! Allocation is kube-scheduler's: this driver never picks devices.
 
+pub mod health;
 pub mod mig;
 pub mod plugin;
 pub mod prepare;
@@ -102,6 +104,7 @@ pub async fn run(
         Some(how) => slices::shareable(devices, how),
         None => devices,
     };
+    let (health_tx, health_rx) = tokio::sync::watch::channel(Arc::new(health::of(&devices)));
     publisher.publish_with(devices, counters).await?;
     info!(node = %args.node_name, generation = publisher.generation(), "driver started");
     let (tx, rx) = tokio::sync::watch::channel(Arc::new(inv));
@@ -115,7 +118,8 @@ pub async fn run(
             args.mig.clone(),
         )?
         .with_mps(args.mps.clone())
-        .with_time_slicing(args.time_slicing),
+        .with_time_slicing(args.time_slicing)
+        .with_health(health_rx),
     );
     let loop_task = tokio::spawn(slices::run(
         publisher,
@@ -125,6 +129,7 @@ pub async fn run(
         args.health.clone(),
         args.mig.clone(),
         args.sharing(),
+        health_tx,
     ));
     let r = plugin::serve(driver, stop).await;
     loop_task.abort();

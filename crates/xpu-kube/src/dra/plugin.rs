@@ -187,6 +187,8 @@ pub struct Driver {
     mps: Option<Arc<xpu_host::mps::Daemons>>,
     /// Claims given part of a GPU get all of it, unlimited (`--time-slicing`).
     time_slicing: bool,
+    /// The pool's device health, streamed to the kubelet ([`super::health`]).
+    health: Option<watch::Receiver<Arc<Vec<super::health::DeviceHealth>>>>,
 }
 
 impl Driver {
@@ -217,7 +219,17 @@ impl Driver {
             kernel: std::sync::Mutex::new(Box::new(SysfsKernel::new(root_for_kernel))),
             mps: None,
             time_slicing: false,
+            health: None,
         })
+    }
+
+    /// The driver serving the kubelet its devices' health from `health` (the slice loop's).
+    pub fn with_health(
+        mut self,
+        health: watch::Receiver<Arc<Vec<super::health::DeviceHealth>>>,
+    ) -> Self {
+        self.health = Some(health);
+        self
     }
 
     /// The driver sharing GPUs by time-slicing: a claim given part of one gets all of it.
@@ -770,9 +782,12 @@ impl reg::registration_server::Registration for Registrar {
             r#type: drapb::DRA_PLUGIN_TYPE.to_owned(),
             name: DRIVER.to_owned(),
             endpoint: self.endpoint.display().to_string(),
+            // The health service is listed as a service it serves, as the kubelet's plugin
+            // helper lists it: a kubelet opens the health stream only for plugins that do.
             supported_versions: vec![
                 drapb::SERVICE_V1.to_owned(),
                 drapb::SERVICE_V1BETA1.to_owned(),
+                drapb::SERVICE_HEALTH_V1ALPHA1.to_owned(),
             ],
         }))
     }
@@ -798,6 +813,13 @@ fn listen(path: &Path) -> Result<xpu_integrations::transport::Incoming, PluginEr
 /// The DRA service, both versions, on a server with xpu's bounds on what a client may make it
 /// hold ([`limits`]: the same as the device plugin's).
 fn dra_server(driver: Arc<Driver>) -> Router {
+    let health = driver.health.clone().map(|health| {
+        use xpu_integrations::drapb::health::dra_resource_health_server::DraResourceHealthServer;
+        let service = super::health::Service { pool: driver.node.clone(), health };
+        DraResourceHealthServer::new(service)
+            .max_decoding_message_size(limits::MAX_MESSAGE)
+            .max_encoding_message_size(limits::MAX_MESSAGE)
+    });
     limits::server()
         .add_service(
             v1::dra_plugin_server::DraPluginServer::new(V1(driver.clone()))
@@ -809,6 +831,7 @@ fn dra_server(driver: Arc<Driver>) -> Router {
                 .max_decoding_message_size(limits::MAX_MESSAGE)
                 .max_encoding_message_size(limits::MAX_MESSAGE),
         )
+        .add_optional_service(health)
 }
 
 /// The registration service, bounded as [`dra_server`] is.

@@ -452,6 +452,7 @@ impl Publisher {
 
 /// Re-discovers the host every `interval` and publishes changes until `stop` resolves. A
 /// discovery or API error is logged and retried on the next tick.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     mut publisher: Publisher,
     root: Root,
@@ -460,6 +461,7 @@ pub async fn run(
     health: Option<xpu_telemetry::collect::Collector>,
     mig: Option<std::sync::Arc<dyn xpu_telemetry::mig::MigControl>>,
     sharing: Option<&'static str>,
+    device_health: tokio::sync::watch::Sender<std::sync::Arc<Vec<super::health::DeviceHealth>>>,
 ) {
     let opts = xpu_host::DiscoverOptions {
         scope: xpu_host::Scope::Accelerators,
@@ -498,6 +500,14 @@ pub async fn run(
                     Some(how) => shareable(devs, how),
                     None => devs,
                 };
+                let now = super::health::of(&devs);
+                device_health.send_if_modified(|h| {
+                    let changed = **h != now;
+                    if changed {
+                        *h = std::sync::Arc::new(now);
+                    }
+                    changed
+                });
                 // Only the publisher writes; receivers see the inventory the slices came from.
                 inventory.send_replace(std::sync::Arc::new(inv));
                 match publisher.publish_with(devs, counters).await {
