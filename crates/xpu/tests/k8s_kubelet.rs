@@ -431,6 +431,33 @@ async fn dra_claim_on_a_real_kubelet(by_xpu: bool) {
     drop(node);
 }
 
+/// A node of `spec` (character device nodes) on the control plane with `xpu k8s dra-driver`
+/// (and `extra` arguments) serving it, once the kubelet took the driver's registration.
+async fn dra_node(
+    cp: &ControlPlane,
+    spec: &HostSpec,
+    extra: &[std::ffi::OsString],
+) -> (xpu_testkit::Fixture, Node, XpuProcess) {
+    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(cp, NodeOptions::default().devices_of(fx.root()))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    let mut args = dra_driver_args(cp, &node, NODE_NAME, fx.root());
+    args.extend(extra.iter().cloned());
+    let driver = XpuProcess::spawn(cp, "xpu-dra-driver", &args);
+    let registered = wait_until(Duration::from_secs(30), || async {
+        driver.log_text().contains("registered with the kubelet")
+    })
+    .await;
+    assert!(
+        registered,
+        "the kubelet took the driver's registration\n{}\n{}",
+        driver.log_text(),
+        node.log_tails()
+    );
+    (fx, node, driver)
+}
+
 /// `key=value` (or `key="value"`) of a log line.
 fn field<'a>(line: &'a str, key: &str) -> &'a str {
     let at = line.find(&format!(" {key}=")).unwrap_or_else(|| panic!("{key} in {line}"));
@@ -759,16 +786,11 @@ async fn dra_shares_through_mps(by_xpu: bool) {
         install_dra(&admin).await;
         None
     };
-    let fx = four_gpu_host().build_with(&BuildOptions { char_devices: true, ..Default::default() });
-    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
-        .await
-        .unwrap_or_else(|e| panic!("node: {e}"));
     let control = xpu_testkit::mps::fake_control(cp.dir());
     let mps_dir = cp.dir().join("mps");
-    let mut args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
-    args.extend(["--mps-dir".into(), mps_dir.clone().into()]);
-    args.extend(["--mps-control".into(), control.into()]);
-    let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
+    let extra =
+        ["--mps-dir".into(), mps_dir.clone().into(), "--mps-control".into(), control.into()];
+    let (_fx, node, driver) = dra_node(&cp, &four_gpu_host(), &extra).await;
     let diag = || {
         let s = sched.as_ref().map(|x| x.log_text()).unwrap_or_default();
         format!("{}\n{}\n{s}", driver.log_text(), node.log_tails())
@@ -790,11 +812,6 @@ async fn dra_shares_through_mps(by_xpu: bool) {
     })
     .await;
     assert!(shareable, "4 shareable GPUs published\n{}", diag());
-    let registered = wait_until(Duration::from_secs(30), || async {
-        driver.log_text().contains("registered with the kubelet")
-    })
-    .await;
-    assert!(registered, "the kubelet took the driver's registration\n{}", diag());
 
     let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
@@ -1028,18 +1045,8 @@ async fn a_passthrough_claim_and_a_container_claim_on_one_node_see_only_their_no
     vm_gpu.nvidia_minor = None;
     vm_gpu.uuid = None;
     let (vm_addr, group) = (vm_gpu.address, vm_gpu.iommu_group.unwrap());
-    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
-    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
-        .await
-        .unwrap_or_else(|e| panic!("node: {e}"));
-    let args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
-    let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
+    let (_fx, node, driver) = dra_node(&cp, &spec, &[]).await;
     let diag = || format!("{}\n{}", driver.log_text(), node.log_tails());
-    let registered = wait_until(Duration::from_secs(30), || async {
-        driver.log_text().contains("registered with the kubelet")
-    })
-    .await;
-    assert!(registered, "the kubelet took the driver's registration\n{}", diag());
     let slices: Api<ResourceSlice> = Api::all(admin.clone());
     let lp =
         ListParams::default().fields(&format!("spec.nodeName={NODE_NAME},spec.driver=xpu.dev"));
@@ -1105,19 +1112,8 @@ async fn a_claimed_gpu_that_fails_is_unhealthy_in_the_pods_status_needs_root_and
     let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
     let admin = cp.admin_client();
     install_dra(&admin).await;
-    let spec = four_gpu_host();
-    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
-    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()).kubelet_flag("--v=5"))
-        .await
-        .unwrap_or_else(|e| panic!("node: {e}"));
-    let args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
-    let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
+    let (fx, node, driver) = dra_node(&cp, &four_gpu_host(), &[]).await;
     let diag = || format!("{}\n{}", driver.log_text(), node.log_tails());
-    let registered = wait_until(Duration::from_secs(30), || async {
-        driver.log_text().contains("registered with the kubelet")
-    })
-    .await;
-    assert!(registered, "registered\n{}", diag());
     let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
     let claim: ResourceClaim = serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": { "name": "one" },

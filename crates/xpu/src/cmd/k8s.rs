@@ -70,21 +70,12 @@ pub struct DraDriverArgs {
     /// minors of the root's `/proc/driver/nvidia-caps/mig-minors`.
     #[arg(long, value_name = "FILE", hide = true)]
     pub fake_mig: Option<PathBuf>,
-    /// Share whole NVIDIA GPUs through MPS: each is published with allowMultipleAllocations
-    /// and `compute` (100, percent of its threads) beside `memory`, and a claim allocated part
-    /// of them (capacity.requests {compute: 25, memory: 36Gi}) is a client of the GPU's MPS
-    /// control daemon under DIR/<uuid>/{pipe,log}, limited to what it was allocated. The daemon
-    /// starts with the GPU's first such claim and stops after its last. Absolute path.
-    #[arg(long, value_name = "DIR")]
-    pub mps_dir: Option<PathBuf>,
-    /// The MPS control binary.
-    #[arg(
-        long,
-        value_name = "PATH",
-        default_value = "nvidia-cuda-mps-control",
-        requires = "mps_dir"
-    )]
-    pub mps_control: PathBuf,
+    /// With --mps-dir, whole NVIDIA GPUs are published shareable (allowMultipleAllocations,
+    /// `compute` 100 beside `memory`), and a claim allocated part of one (capacity.requests
+    /// {compute: 25, memory: 36Gi}) is limited to what it was allocated; its GPU's daemon stops
+    /// after the GPU's last such claim.
+    #[command(flatten)]
+    pub mps: crate::cmd::MpsArgs,
     /// Share whole NVIDIA GPUs by time-slicing, for users who want it: published as with
     /// --mps-dir (attribute sharing: time-slicing), but a claim given part of a GPU gets all of
     /// it, with no memory or compute limit and no fault isolation (XPU_SHARING=time-slicing).
@@ -211,19 +202,10 @@ pub struct DevicePluginArgs {
     /// Kubeconfig for --share; default $KUBECONFIG, ~/.kube/config, then in-cluster.
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
-    /// With --share: serve shares of less than a GPU through NVIDIA MPS, one control daemon per
-    /// GPU with its pipe and log directories under DIR, each container limited to its share
-    /// (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) through CDI.
-    #[arg(long, value_name = "DIR", requires = "share")]
-    pub mps_dir: Option<PathBuf>,
-    /// The MPS control binary.
-    #[arg(
-        long,
-        value_name = "PATH",
-        default_value = "nvidia-cuda-mps-control",
-        requires = "mps_dir"
-    )]
-    pub mps_control: PathBuf,
+    /// With --share, --mps-dir serves shares of less than a GPU through MPS, the limits given
+    /// to each container through CDI.
+    #[command(flatten)]
+    pub mps: crate::cmd::MpsArgs,
     /// Where the MPS shares' CDI specs are written (the runtime's CDI directory).
     #[arg(long, value_name = "DIR", default_value = "/var/run/cdi")]
     pub cdi_dir: PathBuf,
@@ -313,9 +295,9 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
             )),
             None => None,
         },
-        mps: match a.mps_dir {
+        mps: match a.mps.mps_dir {
             Some(dir) => Some(std::sync::Arc::new(
-                xpu_host::mps::Daemons::new(dir, a.mps_control)
+                xpu_host::mps::Daemons::new(dir, a.mps.mps_control)
                     .map_err(|e| CliError::input(anyhow::anyhow!("--mps-dir: {e}")))?,
             )),
             None => None,
@@ -443,11 +425,16 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
     } else {
         None
     };
-    let mps = match args.mps_dir {
+    if args.mps.mps_dir.is_some() && !args.share {
+        return Err(CliError::input(anyhow::anyhow!(
+            "--mps-dir serves GPU shares: add --share (MPS limits a share, not a whole GPU)"
+        )));
+    }
+    let mps = match args.mps.mps_dir {
         Some(dir) => {
             let opts = xpu_integrations::mps::MpsOptions {
                 dir,
-                control: args.mps_control,
+                control: args.mps.mps_control,
                 cdi_dir: args.cdi_dir,
             };
             let mps = xpu_integrations::mps::Mps::new(opts)

@@ -70,21 +70,10 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub max_connections: u32,
     /// Print the node and settings the daemon would use, and exit.
-    /// Serve tasks with a share of an NVIDIA GPU (gpuMilli) through NVIDIA MPS: one control
-    /// daemon per GPU under DIR/<gpu uuid>/{pipe,log}, started before the GPU's first share
-    /// task (again if it died) and stopped after its last; each task is a client limited to
-    /// its share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), whatever
-    /// CUDA_MPS_* its manifest sets. Absolute path.
-    #[arg(long, value_name = "DIR")]
-    pub mps_dir: Option<PathBuf>,
-    /// The MPS control binary.
-    #[arg(
-        long,
-        value_name = "PATH",
-        default_value = "nvidia-cuda-mps-control",
-        requires = "mps_dir"
-    )]
-    pub mps_control: PathBuf,
+    /// With --mps-dir, a task with a share of an NVIDIA GPU (gpuMilli) is a client of the GPU's
+    /// MPS daemon, which stops after the GPU's last share task.
+    #[command(flatten)]
+    pub mps: crate::cmd::MpsArgs,
     #[arg(long)]
     pub dry_run: bool,
     #[command(flatten)]
@@ -115,14 +104,14 @@ pub fn serve(args: ServeArgs) -> CmdResult {
         .collect::<Result<_, _>>()
         .map_err(CliError::input)?;
     opts.node_name = args.node_name;
-    if let Some(dir) = args.mps_dir {
+    if let Some(dir) = args.mps.mps_dir {
         if !dir.is_absolute() {
             return Err(CliError::input(anyhow::anyhow!(
                 "--mps-dir {}: give an absolute path (MPS clients are given paths under it)",
                 dir.display()
             )));
         }
-        opts.mps = Some(xpu_server::MpsOptions { dir, control: args.mps_control });
+        opts.mps = Some(xpu_server::MpsOptions { dir, control: args.mps.mps_control });
     }
     opts.grace = Duration::from_secs(args.grace_seconds);
     opts.restart_backoff = Duration::from_secs(args.restart_backoff_seconds);
