@@ -50,9 +50,15 @@ pub fn default_sources(root: &Root, interval: Duration) -> Vec<Box<dyn Source>> 
 }
 
 /// The collector the node agents run for device health (the device plugin, the DRA driver):
-/// the production sources, read every `interval`.
-pub fn health_collector(root: &Root, interval: Duration) -> Collector {
-    Collector::start(root.clone(), interval, default_sources(root, interval))
+/// the production sources, read every `interval`; with `fake_nvml` (tests), NVML is that
+/// file's ([`xpu_telemetry::nvml::FileNvml`]).
+pub fn health_collector(root: &Root, interval: Duration, fake_nvml: Option<PathBuf>) -> Collector {
+    let mut sources = default_sources(root, interval);
+    if let Some(path) = fake_nvml {
+        sources.retain(|s| s.name() != "nvml");
+        sources.push(Box::new(xpu_telemetry::nvml::FileNvml::new(path)));
+    }
+    Collector::start(root.clone(), interval, sources)
 }
 
 /// Runs the exporter until `shutdown` resolves.

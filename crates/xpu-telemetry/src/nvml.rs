@@ -215,3 +215,106 @@ impl Source for FakeNvml {
         Ok(Report { readings, warnings: Vec::new() })
     }
 }
+
+/// NVML as a JSON file says it, for the node agents run as processes in tests (`--fake-nvml`,
+/// hidden): `{"devices": {"0000:48:00.0": {"xids": [79], "resets": 0, "lost": false}}}`, read
+/// again at every read, bounded. `xids` are every XID since the agent started, oldest first:
+/// each is delivered once; `resets` counts resets: each new one is delivered once. A file not
+/// there yet says nothing.
+#[derive(Debug)]
+pub struct FileNvml {
+    path: std::path::PathBuf,
+    /// Per device: XIDs delivered so far, resets seen so far.
+    seen: BTreeMap<PciAddress, (usize, u64)>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileState {
+    #[serde(default)]
+    devices: BTreeMap<String, FileDevice>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileDevice {
+    #[serde(default)]
+    xids: Vec<u64>,
+    #[serde(default)]
+    resets: u64,
+    #[serde(default)]
+    lost: bool,
+}
+
+/// The most a fake NVML file may hold.
+const MAX_FILE_BYTES: u64 = 64 * 1024;
+
+impl FileNvml {
+    pub fn new(path: std::path::PathBuf) -> FileNvml {
+        FileNvml { path, seen: BTreeMap::new() }
+    }
+
+    fn state(&self) -> Result<FileState, String> {
+        use std::io::Read;
+        let bad = |why: String| format!("fake NVML {}: {why}", self.path.display());
+        let file = match std::fs::File::open(&self.path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(FileState::default()),
+            Err(e) => return Err(bad(e.to_string())),
+        };
+        let mut bytes = Vec::new();
+        file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes).map_err(|e| bad(e.to_string()))?;
+        if bytes.len() as u64 > MAX_FILE_BYTES {
+            return Err(bad(format!("larger than {MAX_FILE_BYTES} bytes")));
+        }
+        serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))
+    }
+}
+
+impl Source for FileNvml {
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+
+    fn read(&mut self, _inventory: &Inventory) -> Result<Report, String> {
+        let state = self.state()?;
+        let mut readings = BTreeMap::new();
+        for (addr, d) in state.devices {
+            let address: PciAddress = addr
+                .parse()
+                .map_err(|e| format!("fake NVML {}: {addr}: {e}", self.path.display()))?;
+            let (delivered, resets) = self.seen.entry(address).or_default();
+            let xids = d.xids.get(*delivered..).unwrap_or_default().to_vec();
+            *delivered = d.xids.len().max(*delivered);
+            let reset = d.resets > *resets;
+            *resets = d.resets.max(*resets);
+            readings.insert(address, Reading { xids, reset, lost: d.lost, ..Reading::default() });
+        }
+        Ok(Report { readings, warnings: Vec::new() })
+    }
+}
+
+#[cfg(test)]
+mod file_tests {
+    use super::*;
+
+    #[test]
+    fn a_file_delivers_each_xid_and_reset_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nvml.json");
+        let mut s = FileNvml::new(path.clone());
+        let inv = Inventory::default();
+        assert!(s.read(&inv).unwrap().readings.is_empty(), "no file yet: nothing");
+        let a: PciAddress = "0000:48:00.0".parse().unwrap();
+        std::fs::write(&path, r#"{"devices": {"0000:48:00.0": {"xids": [79]}}}"#).unwrap();
+        assert_eq!(s.read(&inv).unwrap().readings[&a].xids, [79]);
+        assert!(s.read(&inv).unwrap().readings[&a].xids.is_empty(), "delivered once");
+        std::fs::write(&path, r#"{"devices": {"0000:48:00.0": {"xids": [79], "resets": 1}}}"#)
+            .unwrap();
+        let r = &s.read(&inv).unwrap().readings[&a];
+        assert!(r.reset && r.xids.is_empty());
+        assert!(!s.read(&inv).unwrap().readings[&a].reset);
+        std::fs::write(&path, r#"{"devices": {"gpu0": {}}}"#).unwrap();
+        assert!(s.read(&inv).unwrap_err().contains("gpu0"));
+    }
+}

@@ -104,6 +104,9 @@ const TPU_LABELS: [(&str, &str); 3] = [
     ("cloud.google.com/gke-nodepool", "tpu-pool"),
 ];
 
+/// Where, under a node's fixture root, its DRA driver reads NVML's events (`--fake-nvml`).
+const FAKE_NVML: &str = "fake-nvml.json";
+
 /// Starts node `name` with the role's fixture and agents, and labels it as NFD would with what
 /// `xpu k8s nfd-features` found on its fixture.
 async fn start_node(
@@ -153,7 +156,9 @@ async fn start_node(
         // deploy/kubernetes lets the driver's ServiceAccount write slices only with a pod's
         // token, which names its node; a driver run beside the node has none, so it runs as the
         // admin (as the single-node test's does).
-        let args = dra_driver_args(cp, &cn.node, name, cn.fx.root());
+        let mut args = dra_driver_args(cp, &cn.node, name, cn.fx.root());
+        // NVML's events for this node, written by the test (XIDs, resets).
+        args.extend(["--fake-nvml".into(), cn.fx.root().join(FAKE_NVML).into()]);
         cn.agents.push(XpuProcess::spawn(cp, &format!("dra-driver-{name}"), &args));
         let slices: Api<ResourceSlice> = Api::all(cp.admin_client());
         let lp = ListParams::default().fields(&format!("spec.nodeName={name},spec.driver=xpu.dev"));
@@ -729,11 +734,19 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
         "a GPU of the DRA node vanished: tainted, a claim waited, and got it when it came back"
     );
 
-    // A GPU the first claim holds vanishes under its running pod: the driver's health stream
-    // (v1alpha1.DRAResourceHealth) says Unhealthy, and the kubelet writes it into the pod's
-    // allocatedResourcesStatus under the claim; back, it is Healthy again.
-    let gone = unplug(dra, seen_by_claim[0]);
-    let device = format!("gpu-{}", gone.2.parse::<xpu_core::PciAddress>().unwrap().dns_label());
+    // NVML reports a fatal XID (79, fallen off the bus) for a GPU the first claim holds, under
+    // its running pod: the driver taints it and its health stream (v1alpha1.DRAResourceHealth)
+    // says Unhealthy, and the kubelet writes that into the pod's allocatedResourcesStatus under
+    // the claim; after NVML reports the GPU reset, it is Healthy again.
+    let xid_gpu = dra.spec.devices.iter().find(|d| d.nvidia_minor == Some(seen_by_claim[0]));
+    let xid_gpu = xid_gpu.unwrap().address;
+    let nvml = dra.fx.root().join(FAKE_NVML);
+    let say = |resets: u32| {
+        let v = json!({ "devices": { xid_gpu.to_string(): { "xids": [79], "resets": resets } } });
+        std::fs::write(&nvml, v.to_string()).unwrap();
+    };
+    say(0);
+    let device = format!("gpu-{}", xid_gpu.dns_label());
     // The kubelet names the entry after the pod's claim entry and each device by its CDI id.
     let uid = claims.get("nvlink-pair").await.unwrap().metadata.uid.unwrap_or_default();
     let id = format!("k8s.xpu.dev/claim={uid}-{device}");
@@ -744,7 +757,15 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
     .await;
     let p = pods.get("claimed").await.unwrap();
     assert!(unhealthy, "{id} Unhealthy under the claim\n{}\n{}", status(&p), dra.logs());
-    replug(&gone);
+    let said = p.status.as_ref().and_then(|s| s.container_statuses.clone()).unwrap_or_default();
+    let message = said
+        .iter()
+        .flat_map(|c| c.allocated_resources_status.clone().unwrap_or_default())
+        .flat_map(|r| r.resources.unwrap_or_default())
+        .find(|r| r.resource_id == id)
+        .and_then(|r| r.message);
+    assert!(message.as_deref().is_some_and(|m| m.contains("xid-79")), "{message:?}");
+    say(1);
     let healthy = wait_until(Duration::from_secs(60), || async {
         claim_health(&pods.get("claimed").await.unwrap()).as_deref() == Some("Healthy")
     })
@@ -752,7 +773,7 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
     let p = pods.get("claimed").await.unwrap();
     assert!(healthy, "{id} Healthy again\n{}\n{}", status(&p), dra.logs());
     eprintln!(
-        "a claimed GPU vanished: Unhealthy in the claim's allocatedResourcesStatus, then Healthy"
+        "XID 79 on a claimed GPU: Unhealthy ({message:?}) in the claim's allocatedResourcesStatus, Healthy after its reset"
     );
 
     // The kubelets of the gang member's node and of the DRA node restart: the device plugin and

@@ -70,6 +70,9 @@ pub struct DraDriverArgs {
     /// minors of the root's `/proc/driver/nvidia-caps/mig-minors`.
     #[arg(long, value_name = "FILE", hide = true)]
     pub fake_mig: Option<PathBuf>,
+    /// Tests only: NVML's XIDs, resets and lost GPUs from this JSON file.
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub fake_nvml: Option<PathBuf>,
     /// With --mps-dir, whole NVIDIA GPUs are published shareable (allowMultipleAllocations,
     /// `compute` 100 beside `memory`), and a claim allocated part of one (capacity.requests
     /// {compute: 25, memory: 36Gi}) is limited to what it was allocated; its GPU's daemon stops
@@ -209,6 +212,9 @@ pub struct DevicePluginArgs {
     /// Where the MPS shares' CDI specs are written (the runtime's CDI directory).
     #[arg(long, value_name = "DIR", default_value = "/var/run/cdi")]
     pub cdi_dir: PathBuf,
+    /// Tests only: NVML's XIDs, resets and lost GPUs from this JSON file.
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub fake_nvml: Option<PathBuf>,
     /// Time-slicing, with no isolation: offer each device N times under the resource's name
     /// with `.shared` (nvidia.com/gpu.shared); a container asks for 1 and gets a whole GPU
     /// that other pods use at the same time (no memory or compute limit, no fault isolation).
@@ -275,7 +281,7 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
     // Telemetry on the discovery interval: a device NVML (or amdgpu's RAS counters) reports
     // unhealthy is tainted in the published pool (xpu.dev/unhealthy, NoSchedule).
     let interval = Duration::from_millis(a.interval_ms);
-    let health = xpu_integrations::exporter::health_collector(&root, interval);
+    let health = xpu_integrations::exporter::health_collector(&root, interval, a.fake_nvml.clone());
     let args = xpu_kube::dra::DriverArgs {
         root,
         node_name,
@@ -446,7 +452,8 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
     let interval = Duration::from_millis(args.interval_ms);
     // Telemetry on the same interval: XIDs and uncorrectable memory errors reported by NVML (or
     // amdgpu's RAS counters) mark a device Unhealthy, not only a vanished one.
-    let health = xpu_integrations::exporter::health_collector(&root, interval);
+    let health =
+        xpu_integrations::exporter::health_collector(&root, interval, args.fake_nvml.clone());
     let cfg = deviceplugin::Config {
         root,
         plugin_dir: args.plugin_dir,
