@@ -314,14 +314,16 @@ fn a_container_sees_only_its_devices_whatever_its_env_or_bundle_needs_root_and_r
 /// `xpu serve --mps-dir`: a share task is a client of its GPU's MPS daemon, limited to its
 /// share whatever `CUDA_MPS_*` its manifest sets; the daemon starts before the GPU's first share
 /// task and stops after its last; a whole-GPU task is no client. (A fake control binary; what
-/// the real one holds is the GPU run's, docs/scheduler.md.)
+/// the real one holds is the GPU run's, docs/scheduler.md.) A daemon restarted under running
+/// share tasks counts them again: a share task that starts and ends meanwhile does not stop
+/// their MPS daemon.
 #[test]
 fn share_tasks_are_mps_clients_limited_to_their_share_whatever_their_env() {
     let fixture = hosts::h200_4x().build();
     let tmp = tempfile::tempdir().unwrap();
     let control = xpu_testkit::mps::fake_control(tmp.path());
     let mps = tmp.path().join("mps");
-    let d = Daemon::start(
+    let mut d = Daemon::start(
         &tmp.path().join("data"),
         None,
         &[
@@ -341,8 +343,8 @@ fn share_tasks_are_mps_clients_limited_to_their_share_whatever_their_env() {
         ("CUDA_MPS_PIPE_DIRECTORY".to_owned(), "/tmp/mine".to_owned()),
         ("CUDA_VISIBLE_DEVICES".to_owned(), "0,1,2,3".to_owned()),
     ]);
-    // An H200's 141 GiB: a quarter and three quarters of its threads and memory.
-    let shares = [(250, "25", "0=36096M"), (750, "75", "0=108288M")];
+    // An H200's 141 GiB: a quarter and a half of its threads and memory.
+    let shares = [(250, "25", "0=36096M"), (500, "50", "0=72192M")];
     let ids: Vec<i64> = shares
         .iter()
         .enumerate()
@@ -388,18 +390,35 @@ fn share_tasks_are_mps_clients_limited_to_their_share_whatever_their_env() {
     assert_eq!(j["state"], "succeeded");
     let log = logs(&d, whole);
     assert!(!log.contains("CUDA_MPS_"), "a whole GPU is no MPS client:\n{log}");
+
+    // The daemon restarts under the running shares; a quarter that comes and goes meanwhile
+    // (on one of their GPUs when it fits there) leaves their MPS daemons running.
+    d.restart();
+    for id in &ids {
+        assert_eq!(d.wait_state(*id, &["running"])["state"], "running");
+    }
+    let brief = d.submit(&format!("{}gpuMilli: 250\n", command("env")));
+    assert_eq!(d.wait_state(brief, &["succeeded", "failed"])["state"], "succeeded");
+    let log = logs(&d, brief);
+    let calls = xpu_testkit::mps::calls(tmp.path());
+    let shared: Vec<&String> =
+        gpus.iter().filter(|g| log.contains(&format!("/{g}/pipe"))).collect();
+    eprintln!("the brief quarter ran on {shared:?} (the shares' GPUs: {gpus:?})");
+    for g in shared {
+        assert!(!calls.contains(&format!("quit {g}")), "{g} quit under running shares: {calls}");
+    }
     std::fs::write(&gate, "").unwrap();
     for id in &ids {
         assert_eq!(d.wait_state(*id, &["succeeded", "failed"])["state"], "succeeded");
     }
-    let quits: String = gpus.iter().map(|g| format!("quit {g}\n")).collect();
     let calls = d.wait_for("each daemon stopped after its GPU's last share", || {
         let c = xpu_testkit::mps::calls(tmp.path());
-        (c.lines().filter(|l| l.starts_with("quit")).count() == gpus.len()).then_some(c)
+        gpus.iter().all(|g| c.contains(&format!("quit {g}\n"))).then_some(c)
     });
-    let mut lines: Vec<&str> = calls.lines().collect();
-    lines.sort_unstable();
-    let mut want: Vec<String> = format!("{started}{quits}").lines().map(str::to_owned).collect();
-    want.sort_unstable();
-    assert_eq!(lines, want);
+    // Each of the shares' GPUs: started once for them, stopped once after them.
+    for g in &gpus {
+        assert!(started.contains(g.as_str()));
+        assert_eq!(calls.matches(&format!("start {g}\n")).count(), 1, "{calls}");
+        assert_eq!(calls.matches(&format!("quit {g}\n")).count(), 1, "{calls}");
+    }
 }

@@ -137,6 +137,9 @@ pub enum Effect {
         job: i64,
         idx: u32,
         attempt: u32,
+        /// The GPU (UUID) whose MPS daemon the task is a client of: counted again, and let go
+        /// of when the task ends.
+        mps_gpu: Option<String>,
         pid: i32,
         dir: PathBuf,
     },
@@ -626,6 +629,14 @@ impl Machine {
                 continue;
             };
             job.set(idx, Idx::Active);
+            let in_container = container.is_some();
+            let mps_gpu = match &self.config.mps {
+                Some(dir) => mps_client(&self.config.node, job, &t.devices, dir, in_container)
+                    .ok()
+                    .flatten()
+                    .map(|m| m.gpu),
+                None => None,
+            };
             job.tasks.push(Task::recovered(t, Some(pid), container));
             // Recorded as running under its pid (a crash may have come before that).
             let row = TaskRow { state: TaskState::Running, pid: Some(i64::from(pid)), ..t.clone() };
@@ -633,7 +644,7 @@ impl Machine {
             self.out.push(Effect::Write(Write::Task(row)));
             let m = format!("task {idx} attempt {attempt} (pid {pid}) re-adopted after restart");
             self.event(now, Some(job_id), "adopted", m);
-            self.out.push(Effect::Watch { job: job_id, idx, attempt, pid, dir });
+            self.out.push(Effect::Watch { job: job_id, idx, attempt, mps_gpu, pid, dir });
         }
         // Into the scheduler, running tasks on the devices they hold.
         for &id in &ids {

@@ -251,8 +251,9 @@ impl Engine {
                 tokio::spawn(async move { container::runtime_call(&container, args).await });
             }
             Effect::Unmount(dir) => unmount(dir),
-            Effect::Watch { job, idx, attempt, pid, dir } => {
-                watch_adopted(self.tx.clone(), job, idx, attempt, pid, dir);
+            Effect::Watch { job, idx, attempt, mps_gpu, pid, dir } => {
+                let mps = mps_gpu.and_then(|g| self.shared.mps.clone().map(|d| (d, g)));
+                watch_adopted(self.tx.clone(), job, idx, attempt, pid, dir, mps);
             }
             Effect::Metric(m) => {
                 let metrics = &self.shared.metrics;
@@ -427,7 +428,9 @@ fn unmount(dir: PathBuf) {
 }
 
 /// Watches a re-adopted supervisor (not our child, so it cannot be waited for) until it is
-/// gone, then reports the status it recorded.
+/// gone, then reports the status it recorded. A share task is counted again as a client of its
+/// GPU's MPS daemon (`mps`: started again if it died while the daemon was down), so a share
+/// task ending meanwhile never stops the daemon under it; it lets go when it ends.
 fn watch_adopted(
     tx: mpsc::UnboundedSender<Msg>,
     job: i64,
@@ -435,10 +438,28 @@ fn watch_adopted(
     attempt: u32,
     pid: i32,
     dir: PathBuf,
+    mps: Option<(Arc<xpu_host::mps::Daemons>, String)>,
 ) {
     tokio::spawn(async move {
+        if let Some((d, gpu)) = &mps {
+            let (d, gpu) = (d.clone(), gpu.clone());
+            let r = tokio::task::spawn_blocking(move || d.acquire(&gpu)).await;
+            if let Ok(Err(e)) = r {
+                tracing::warn!(job, error = %e, "MPS daemon of a re-adopted task not started");
+            }
+        }
         while executor::is_our_supervisor(pid, Path::new(&dir)) {
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if let Some((d, gpu)) = mps {
+            let _ = tokio::task::spawn_blocking(move || match d.release(&gpu) {
+                Ok(true) => {
+                    tracing::info!(gpu = %gpu, "MPS control daemon stopped: its last client ended")
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!(gpu = %gpu, error = %e, "MPS control daemon not stopped"),
+            })
+            .await;
         }
         let code = executor::recorded_exit(&dir);
         // Fails only when the engine is gone (the daemon stopping): nobody to tell.
