@@ -319,6 +319,7 @@ pub fn slice(s: &ResourceSlice) -> Result<dra::Slice, String> {
             binding_conditions: d.binding_conditions.clone().unwrap_or_default(),
             binding_failure_conditions: d.binding_failure_conditions.clone().unwrap_or_default(),
             binds_to_node: d.binds_to_node == Some(true),
+            group: isolation_group(&spec.driver, d),
         });
     }
     let mut shared_counters = BTreeMap::new();
@@ -356,7 +357,52 @@ pub fn class(c: &DeviceClass, compiled: &Compiled) -> Result<dra::Class, String>
         c.spec.as_ref().and_then(|s| s.selectors.as_ref()),
         &format!("DeviceClass {name}: spec.selectors"),
     )?;
-    Ok(dra::Class { name, selectors })
+    let whole_group = c
+        .spec
+        .as_ref()
+        .and_then(|s| s.config.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|cfg| cfg.opaque.as_ref().is_some_and(passthrough));
+    Ok(dra::Class { name, selectors, whole_group })
+}
+
+/// An xpu.dev device's IOMMU group, which a passthrough claim takes whole (MIG partitions
+/// are never passed through: none).
+fn isolation_group(driver: &str, d: &k8s_openapi::api::resource::v1::Device) -> Option<String> {
+    if driver != crate::dra::DRIVER {
+        return None;
+    }
+    let a = d.attributes.as_ref()?;
+    if a.get("kind").and_then(|k| k.string.as_deref()) == Some("mig") {
+        return None;
+    }
+    a.get("iommuGroup").and_then(|g| g.int).map(|g| g.to_string())
+}
+
+/// Whether an opaque configuration asks xpu.dev's passthrough mode (a VM takes the device
+/// with its whole IOMMU group).
+fn passthrough(o: &k8s_openapi::api::resource::v1::OpaqueDeviceConfiguration) -> bool {
+    o.driver == crate::dra::DRIVER
+        && o.parameters.0.get("mode").and_then(serde_json::Value::as_str) == Some("passthrough")
+}
+
+/// Whether the configurations in `configs` (requests they apply to, opaque) put `request`
+/// (`name` or `name/sub`) in passthrough mode.
+fn passthrough_for<'c>(
+    configs: impl IntoIterator<
+        Item = (
+            Option<&'c Vec<String>>,
+            Option<&'c k8s_openapi::api::resource::v1::OpaqueDeviceConfiguration>,
+        ),
+    >,
+    request: &str,
+) -> bool {
+    let parent = request.split('/').next().unwrap_or(request);
+    configs.into_iter().any(|(reqs, o)| {
+        o.is_some_and(passthrough)
+            && reqs.is_none_or(|r| r.is_empty() || r.iter().any(|x| x == request || x == parent))
+    })
 }
 
 fn tolerations(list: Option<&Vec<DeviceToleration>>) -> Vec<dra::DeviceToleration> {
@@ -408,6 +454,7 @@ fn exact(
         admin_access: admin == Some(true),
         tolerations: tolerations(tols),
         capacity: cap,
+        whole_group: false,
     })
 }
 
@@ -476,6 +523,21 @@ pub fn claim(c: &ResourceClaim, compiled: &Compiled) -> Result<dra::Claim, Strin
                 .collect::<Result<_, String>>()?,
             _ => return Err(format!("{path}: neither exactly nor firstAvailable")),
         };
+        // A request the claim configures for passthrough takes its devices' whole groups.
+        let configs = devices
+            .as_ref()
+            .and_then(|d| d.config.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|c| (c.requests.as_ref(), c.opaque.as_ref()));
+        let mut alternatives = alternatives;
+        for (sub, e) in &mut alternatives {
+            let name = match sub {
+                Some(s) => format!("{}/{s}", r.name),
+                None => r.name.clone(),
+            };
+            e.whole_group = passthrough_for(configs.clone(), &name);
+        }
         requests.push(dra::Request { name: r.name.clone(), alternatives });
     }
     let mut constraints = Vec::new();
@@ -508,7 +570,10 @@ pub fn in_use<'a>(claims: impl IntoIterator<Item = &'a ResourceClaim>) -> dra::I
 
 /// The devices a claim's `status.allocation` holds, if it is allocated.
 pub fn allocation(c: &ResourceClaim) -> Option<dra::Allocation> {
-    let results = c.status.as_ref()?.allocation.as_ref()?.devices.as_ref()?.results.as_ref()?;
+    let allocated = c.status.as_ref()?.allocation.as_ref()?.devices.as_ref()?;
+    let results = allocated.results.as_ref()?;
+    // Class configs come before the claim's here: a passthrough one holds whole groups.
+    let configs = allocated.config.as_deref().unwrap_or_default();
     let devices = results
         .iter()
         .map(|r| dra::Allocated {
@@ -527,6 +592,10 @@ pub fn allocation(c: &ResourceClaim) -> Option<dra::Allocation> {
             }),
             binding_conditions: r.binding_conditions.clone().unwrap_or_default(),
             binding_failure_conditions: r.binding_failure_conditions.clone().unwrap_or_default(),
+            whole_group: passthrough_for(
+                configs.iter().map(|c| (c.requests.as_ref(), c.opaque.as_ref())),
+                &r.request,
+            ),
         })
         .collect();
     Some(dra::Allocation { devices })
@@ -650,6 +719,7 @@ impl ClaimBook {
                 None => {
                     if release(&mut self.whole, &d.id) {
                         self.in_use.devices.remove(&d.id);
+                        self.in_use.whole_group.remove(&d.id);
                     }
                 }
             }
@@ -1085,5 +1155,58 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// What says a request takes its devices' whole IOMMU groups reaches the allocator: a
+    /// class whose config asks passthrough, a claim's config for some of its requests, the
+    /// config in an allocation's status; and an xpu.dev device's `iommuGroup` is its group (a
+    /// MIG partition's and another driver's are not).
+    #[test]
+    fn passthrough_configs_and_iommu_groups_reach_the_allocator() {
+        let pass = json!({ "driver": "xpu.dev", "parameters": {
+            "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mode": "passthrough" } });
+        let compiled = Compiled::default();
+        let vm_class: DeviceClass = serde_json::from_value(json!({
+            "metadata": { "name": "passthrough.xpu.dev" },
+            "spec": { "config": [{ "opaque": pass }] } }))
+        .unwrap();
+        assert!(class(&vm_class, &compiled).unwrap().whole_group);
+        let plain: DeviceClass =
+            serde_json::from_value(json!({ "metadata": { "name": "gpu.xpu.dev" }, "spec": {} }))
+                .unwrap();
+        assert!(!class(&plain, &compiled).unwrap().whole_group);
+        let c: ResourceClaim = serde_json::from_value(json!({
+            "metadata": { "name": "c", "namespace": "ns" },
+            "spec": { "devices": {
+                "requests": [
+                    { "name": "vm", "exactly": { "deviceClassName": "gpu.xpu.dev" } },
+                    { "name": "ctr", "exactly": { "deviceClassName": "gpu.xpu.dev" } }],
+                "config": [{ "requests": ["vm"], "opaque": pass }] } },
+            "status": { "allocation": { "devices": {
+                "results": [
+                    { "request": "vm", "driver": "xpu.dev", "pool": "n", "device": "gpu-a" },
+                    { "request": "ctr", "driver": "xpu.dev", "pool": "n", "device": "gpu-b" }],
+                "config": [{ "source": "FromClaim", "requests": ["vm"], "opaque": pass }] } } },
+        }))
+        .unwrap();
+        let converted = super::claim(&c, &compiled).unwrap();
+        let whole: Vec<bool> =
+            converted.requests.iter().map(|r| r.alternatives[0].1.whole_group).collect();
+        assert_eq!(whole, [true, false]);
+        let held: Vec<bool> =
+            allocation(&c).unwrap().devices.iter().map(|d| d.whole_group).collect();
+        assert_eq!(held, [true, false]);
+        let s: ResourceSlice = serde_json::from_value(json!({
+            "metadata": { "name": "s" },
+            "spec": { "driver": "xpu.dev", "nodeName": "n",
+                "pool": { "name": "n", "generation": 1, "resourceSliceCount": 1 },
+                "devices": [
+                    { "name": "gpu-a", "attributes": { "iommuGroup": { "int": 7 }, "kind": { "string": "gpu" } } },
+                    { "name": "gpu-a-mig", "attributes": { "iommuGroup": { "int": 7 }, "kind": { "string": "mig" } } },
+                    { "name": "gpu-c" }] } }))
+        .unwrap();
+        let groups: Vec<Option<String>> =
+            slice(&s).unwrap().devices.into_iter().map(|d| d.group).collect();
+        assert_eq!(groups, [Some("7".to_owned()), None, None]);
     }
 }

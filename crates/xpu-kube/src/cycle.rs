@@ -1589,6 +1589,7 @@ fn null_claims(
                     consumed: None,
                     binding_conditions: Vec::new(),
                     binding_failure_conditions: Vec::new(),
+                    whole_group: false,
                 });
             }
         }

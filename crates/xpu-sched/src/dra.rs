@@ -94,6 +94,11 @@ pub struct Device {
     pub binding_failure_conditions: Vec<String>,
     /// The allocation pins the device to the chosen node (`bindsToNode`).
     pub binds_to_node: bool,
+    /// Devices of one pool with the same group share an isolation domain (an IOMMU group): a
+    /// request that takes its device's whole group ([`Exact::whole_group`], passthrough to a
+    /// VM) gets no device whose group-mate anyone holds, and nobody gets a device whose
+    /// group-mate such a request holds.
+    pub group: Option<String>,
 }
 
 /// Where a slice's devices are available.
@@ -149,6 +154,8 @@ pub trait Selector: Send + Sync + std::fmt::Debug {
 pub struct Class {
     pub name: String,
     pub selectors: Vec<Arc<dyn Selector>>,
+    /// Its requests take their devices' whole groups (a class for VMs).
+    pub whole_group: bool,
 }
 
 /// How many devices a request wants.
@@ -169,6 +176,9 @@ pub struct Exact {
     /// Capacity asked of each device: taken from one that allows multiple allocations (a
     /// capacity not named is taken whole); on any other device a lower bound on what it has.
     pub capacity: BTreeMap<String, u64>,
+    /// Takes its devices' whole groups ([`Device::group`]); so does any request of a class that
+    /// does.
+    pub whole_group: bool,
 }
 
 /// One request of a claim.
@@ -210,6 +220,8 @@ pub struct InUse {
     pub devices: HashSet<DeviceId>,
     /// Capacity given out of devices that allow multiple allocations.
     pub capacity: HashMap<DeviceId, BTreeMap<String, u64>>,
+    /// Devices held with their whole group ([`Allocated::whole_group`]).
+    pub whole_group: HashSet<DeviceId>,
 }
 
 impl InUse {
@@ -230,6 +242,9 @@ impl InUse {
                 None => {
                     self.devices.insert(d.id.clone());
                 }
+            }
+            if d.whole_group {
+                self.whole_group.insert(d.id.clone());
             }
         }
     }
@@ -260,6 +275,9 @@ impl InUse {
                     self.devices.remove(&d.id);
                 }
             }
+            if d.whole_group {
+                self.whole_group.remove(&d.id);
+            }
         }
     }
 }
@@ -276,6 +294,8 @@ pub struct Allocated {
     /// The device's binding conditions and binding failure conditions at allocation.
     pub binding_conditions: Vec<String>,
     pub binding_failure_conditions: Vec<String>,
+    /// Held with its whole group ([`Exact::whole_group`]).
+    pub whole_group: bool,
 }
 
 /// A claim's allocation.
@@ -425,6 +445,8 @@ struct Search<'a> {
     in_use: &'a InUse,
     /// Devices taken whole in this allocation.
     taken: HashSet<DeviceId>,
+    /// Of those, the ones taken with their whole group.
+    whole_taken: HashSet<DeviceId>,
     /// Capacity taken in this allocation.
     capacity: HashMap<DeviceId, BTreeMap<String, u64>>,
     /// Counters drawn in this allocation and by the cluster's allocations, per pool.
@@ -506,6 +528,7 @@ fn search(
         ids: Arc::new(ids),
         in_use,
         taken: HashSet::new(),
+        whole_taken: HashSet::new(),
         capacity: HashMap::new(),
         drawn: HashMap::new(),
         chosen: HashMap::new(),
@@ -588,6 +611,24 @@ impl<'a> Search<'a> {
                 }
             }
         }
+    }
+
+    /// Whether device `di` of pool `pi` is kept from a request by its group ([`Device::group`]):
+    /// a group-mate is held with its whole group, or the request takes the whole group
+    /// (`whole_group`) and a group-mate is held at all, by the cluster or this allocation.
+    fn group_blocked(&self, pi: usize, di: usize, whole_group: bool) -> bool {
+        let devices = &self.pools[pi].devices;
+        let Some(group) = devices[di].0.group.as_deref() else { return false };
+        devices.iter().enumerate().any(|(dj, (other, _))| {
+            if dj == di || other.group.as_deref() != Some(group) {
+                return false;
+            }
+            let id = &self.ids[pi][dj];
+            let exclusive = self.in_use.whole_group.contains(id) || self.whole_taken.contains(id);
+            let held =
+                self.in_use.devices.contains(id) || self.taken.contains(id) || self.holds(id);
+            exclusive || (whole_group && held)
+        })
     }
 
     /// Whether `device` passes the class's and the request's selectors. A hard error is kept.
@@ -831,7 +872,11 @@ impl<'a> Search<'a> {
                         }
                         None
                     };
+                    let whole_group = !exact.admin_access
+                        && (exact.whole_group
+                            || self.classes.get(&exact.class).is_some_and(|c| c.whole_group));
                     if !Self::tolerated(exact, device)
+                        || self.group_blocked(pi, di, whole_group)
                         || !self.selected(ci, slot.req, exact, id, device)
                     {
                         continue;
@@ -860,6 +905,9 @@ impl<'a> Search<'a> {
                             self.taken.insert(id.clone());
                         }
                         None => {}
+                    }
+                    if whole_group {
+                        self.whole_taken.insert(id.clone());
                     }
                     let entry = self.chosen.entry((ci, ri)).or_insert((ai, Vec::new()));
                     entry.0 = ai;
@@ -891,6 +939,9 @@ impl<'a> Search<'a> {
                         None => {
                             self.taken.remove(id);
                         }
+                    }
+                    if whole_group {
+                        self.whole_taken.remove(id);
                     }
                     if draws {
                         self.draw(pi, device, false);
@@ -1140,6 +1191,7 @@ impl<'a> Search<'a> {
                         consumed: consumed.clone(),
                         binding_conditions: device.binding_conditions.clone(),
                         binding_failure_conditions: device.binding_failure_conditions.clone(),
+                        whole_group: self.whole_taken.contains(self.id(*pi, *di)),
                     });
                 }
             }

@@ -53,6 +53,7 @@ fn exact(count: u32) -> Exact {
         admin_access: false,
         tolerations: Vec::new(),
         capacity: BTreeMap::new(),
+        whole_group: false,
     }
 }
 
@@ -91,7 +92,8 @@ fn refs(s: &[Slice]) -> Vec<&Slice> {
 }
 
 fn classes() -> HashMap<String, Class> {
-    HashMap::from([("gpu".to_owned(), Class { name: "gpu".into(), selectors: Vec::new() })])
+    let gpu = Class { name: "gpu".into(), selectors: Vec::new(), whole_group: false };
+    HashMap::from([("gpu".to_owned(), gpu)])
 }
 
 fn run(claims: &[Claim], slices: &[Slice], in_use: &InUse) -> Result<Vec<Allocation>, Unfit> {
@@ -450,6 +452,7 @@ impl Case {
                     "gpu.xpu.dev/model",
                     Value::String("H100".into()),
                 ))],
+                whole_group: false,
             },
         );
         let mut claims = Vec::new();
@@ -732,6 +735,7 @@ fn removing_an_allocation_frees_what_adding_it_took() {
                 consumed: None,
                 binding_conditions: Vec::new(),
                 binding_failure_conditions: Vec::new(),
+                whole_group: false,
             },
             Allocated {
                 request: "r".into(),
@@ -740,6 +744,7 @@ fn removing_an_allocation_frees_what_adding_it_took() {
                 consumed: Some(BTreeMap::from([("memory".to_owned(), 10)])),
                 binding_conditions: Vec::new(),
                 binding_failure_conditions: Vec::new(),
+                whole_group: false,
             },
             Allocated {
                 request: "r".into(),
@@ -748,6 +753,7 @@ fn removing_an_allocation_frees_what_adding_it_took() {
                 consumed: None,
                 binding_conditions: Vec::new(),
                 binding_failure_conditions: Vec::new(),
+                whole_group: false,
             },
         ],
     };
@@ -795,4 +801,62 @@ fn pools_with_binding_conditions_come_last_and_their_conditions_are_copied() {
         assert_eq!(second[0].devices[0].binding_conditions, ["example.com/attached"]);
         assert_eq!(second[0].devices[0].binding_failure_conditions, ["example.com/failed"]);
     }
+}
+
+/// A request for passthrough ([`Exact::whole_group`], or a class that asks it) takes its
+/// device's whole isolation group: no device whose group-mate is held, and none of its
+/// group-mates for anyone after it, in one allocation and across the cluster's.
+#[test]
+fn a_passthrough_request_takes_its_devices_whole_group() {
+    let grouped = |name: &str, group: &str| Device { group: Some(group.into()), ..gpu(name, 0) };
+    // g0 and g1 share IOMMU group 7; g2 and g3 are alone.
+    let slices = [slice(
+        "n1",
+        vec![grouped("g0", "7"), grouped("g1", "7"), grouped("g2", "9"), grouped("g3", "11")],
+    )];
+    let vm = Exact { whole_group: true, ..exact(1) };
+    // A VM and two containers at once: the VM never shares a group; the containers may.
+    let got = run(
+        &[claim("ctr", vec![("r", exact(1))]), claim("vm", vec![("r", vm.clone())])],
+        &slices,
+        &InUse::default(),
+    )
+    .unwrap();
+    let (ctr, vm_dev) = (names(&got[0])[0], names(&got[1])[0]);
+    assert_eq!(ctr, "g0");
+    assert_eq!(vm_dev, "g2", "not g1: its group-mate g0 is a container's");
+    assert!(got[1].devices[0].whole_group && !got[0].devices[0].whole_group);
+    // Across allocations: the VM's group held whole keeps everyone off its mates.
+    let mut in_use = InUse::default();
+    let vm_first = run(&[claim("vm", vec![("r", vm.clone())])], &slices, &in_use).unwrap();
+    assert_eq!(names(&vm_first[0]), ["g0"]);
+    in_use.add(&vm_first[0]);
+    let next = run(&[claim("c", vec![("r", exact(3))])], &slices, &in_use);
+    assert!(next.is_err(), "g1 is in the VM's group: only g2 and g3 are left");
+    let next = run(&[claim("c", vec![("r", exact(2))])], &slices, &in_use).unwrap();
+    assert_eq!(names(&next[0]), ["g2", "g3"]);
+    // A class for VMs does the same to its requests; letting go frees the group.
+    let mut classes = classes();
+    classes
+        .insert("vm".into(), Class { name: "vm".into(), selectors: Vec::new(), whole_group: true });
+    let by_class = Exact { class: "vm".into(), ..exact(1) };
+    let mut held = InUse::default();
+    held.add(&Allocation {
+        devices: vec![Allocated { whole_group: false, ..vm_first[0].devices[0].clone() }],
+    });
+    let got = allocate(
+        &[claim("v", vec![("r", by_class)])],
+        &classes,
+        &refs(&slices),
+        &held,
+        "n1",
+        &BTreeMap::new(),
+        Limits::default(),
+    )
+    .unwrap();
+    assert_eq!(names(&got[0]), ["g2"], "g1's mate g0 is held");
+    in_use.remove(&vm_first[0]);
+    assert!(in_use.whole_group.is_empty());
+    let all = run(&[claim("c", vec![("r", exact(4))])], &slices, &in_use).unwrap();
+    assert_eq!(names(&all[0]).len(), 4);
 }

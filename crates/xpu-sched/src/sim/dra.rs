@@ -294,6 +294,7 @@ pub fn claim(pod: &OpenbPod) -> Option<Claim> {
         admin_access: false,
         tolerations: Vec::new(),
         capacity,
+        whole_group: false,
     };
     let together = match pod.num_gpu {
         2 => Some(PCIE_ROOT),
@@ -350,8 +351,10 @@ pub fn run(nodes: &[OpenbNode], pods: &[OpenbPod], seed: u64, opts: DraOptions) 
     let share_milli = |pod: &OpenbPod| {
         if opts.mig { profile_milli(mig_profile(pod)) } else { u32::from(pod.gpu_milli) }
     };
-    let classes =
-        HashMap::from([(CLASS.to_owned(), Class { name: CLASS.into(), selectors: Vec::new() })]);
+    let classes = HashMap::from([(
+        CLASS.to_owned(),
+        Class { name: CLASS.into(), selectors: Vec::new(), whole_group: false },
+    )]);
     let limits = Limits { pack: opts.pack, ..Limits::default() };
     let cap: u64 = nodes.iter().map(|n| u64::from(n.gpus) * 1000).sum();
     let mut order: Vec<usize> = (0..nodes.len()).collect();
