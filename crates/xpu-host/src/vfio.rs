@@ -708,6 +708,29 @@ pub struct DeviceStatus {
     pub vfio_since: Option<u64>,
 }
 
+/// Which use holds a device that no prepared DRA claim holds, and since when (Unix seconds,
+/// when known): Nova's when it is listed in `/etc/xpu/vm-devices` (`kept`), a VM's through
+/// xpu's own `vfio bind` (its state file) or one bound outside xpu when on `vfio-pci`, else the
+/// host's driver, or `free`. `xpu vfio status` and `xpu serve`'s devices both say it this way.
+pub fn held_by(status: &DeviceStatus, kept: &BTreeSet<PciAddress>) -> (String, Option<u64>) {
+    let on_vfio = status.driver.as_deref() == Some(VFIO_DRIVER);
+    if kept.contains(&status.address) {
+        return (format!("nova: listed in {}", crate::vm_devices::VM_DEVICES), status.vfio_since);
+    }
+    if on_vfio {
+        let by = if status.previous_driver.is_some() || status.vfio_since.is_some() {
+            "xpu vfio bind"
+        } else {
+            "bound outside xpu"
+        };
+        return (format!("vfio-pci: {by}"), status.vfio_since);
+    }
+    match &status.driver {
+        Some(d) => (format!("host: {d}"), None),
+        None => ("free".to_owned(), None),
+    }
+}
+
 /// Whether `group` can be handed to a guest as it is, and what blocks it.
 pub fn group_blockers(inv: &Inventory, group: u32) -> Vec<Blocker> {
     inv.iommu_group(group)

@@ -1360,6 +1360,7 @@ async fn read_from(path: &std::path::Path, offset: u64, max: u64) -> Vec<u8> {
 #[utoipa::path(get, path = "/v1/devices", responses((status = 200, description = "devices", body = DeviceList)))]
 pub(crate) async fn devices(State(s): S) -> Json<DeviceList> {
     let holders = s.view.read().map(|v| v.holders.clone()).unwrap_or_default();
+    let uses = host_uses(&s).await;
     let telemetry = s.telemetry.as_ref().map(|t| t.snapshot().devices).unwrap_or_default();
     let unhealthy: std::collections::BTreeMap<String, String> = s
         .telemetry
@@ -1390,6 +1391,8 @@ pub(crate) async fn devices(State(s): S) -> Json<DeviceList> {
                 holders: held,
                 telemetry,
                 unhealthy: unhealthy.get(&d.address).cloned(),
+                held_by: uses.get(&d.address).map(|u| u.0.clone()),
+                held_since_ms: uses.get(&d.address).and_then(|u| u.1),
             }
         })
         .collect();
@@ -1398,6 +1401,34 @@ pub(crate) async fn devices(State(s): S) -> Json<DeviceList> {
         leader: s.leader.load(Ordering::Relaxed),
         devices,
     })
+}
+
+/// Which use outside the daemon's jobs holds each device (by PCI address), read from the host
+/// as the telemetry's last discovery found it (`xpu_host::vfio::held_by`); empty before the
+/// first discovery or when the host does not read.
+async fn host_uses(s: &Shared) -> std::collections::BTreeMap<String, (String, Option<i64>)> {
+    let Some(inv) = s.telemetry.as_ref().and_then(|t| t.inventory()) else {
+        return Default::default();
+    };
+    let root = s.root.clone();
+    let read = tokio::task::spawn_blocking(move || {
+        let kept = xpu_host::vm_devices::read(&root, xpu_host::vm_devices::VM_DEVICES)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let list = xpu_host::vfio::status(&root, &inv, &[], true).ok()?;
+        Some(
+            list.iter()
+                .map(|st| {
+                    let (by, since) = xpu_host::vfio::held_by(st, &kept);
+                    let since = since.and_then(|t| i64::try_from(t).ok()).map(|t| t * 1000);
+                    (st.address.to_string(), (by, since))
+                })
+                .collect(),
+        )
+    })
+    .await;
+    read.ok().flatten().unwrap_or_default()
 }
 
 /// The queue, running jobs and allocation over time.

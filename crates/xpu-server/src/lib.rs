@@ -227,6 +227,8 @@ pub struct Shared {
     pub telemetry: Option<xpu_telemetry::collect::Collector>,
     /// The MPS daemons share tasks are clients of ([`ServeOptions::mps`]).
     pub mps: Option<Arc<xpu_host::mps::Daemons>>,
+    /// The host the node was read from (`--root`): which use holds each device is read there.
+    pub root: xpu_host::Root,
 }
 
 /// How the loop becomes leader: always with SQLite (one daemon per file), by advisory lock with
@@ -433,6 +435,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             fakes,
         )),
         mps,
+        root: opts.root.clone(),
     });
     let engine = Engine::new(shared.clone(), rx, tx).map_err(ServeError::Scheduler)?;
 

@@ -221,6 +221,22 @@ pub struct DeviceView {
     pub telemetry: Option<DeviceTelemetry>,
     /// Why the device is held out of placement, while it is.
     pub unhealthy: Option<String>,
+    /// The use that holds it outside xpu serve's jobs, as `xpu vfio status` says it:
+    /// `nova: listed in /etc/xpu/vm-devices`, `vfio-pci: xpu vfio bind` (a VM's), `vfio-pci:
+    /// bound outside xpu`, `host: <driver>`; `None` when the node was not read yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_by: Option<String>,
+    /// Since when that use holds it (Unix milliseconds), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_since_ms: Option<i64>,
+}
+
+impl DeviceView {
+    /// The use outside the host's own driver that holds the device (a VM's, Nova's), when one
+    /// does: what the device list shows for a device no job holds.
+    pub fn outside_use(&self) -> Option<&str> {
+        self.held_by.as_deref().filter(|u| !u.starts_with("host:") && *u != "free")
+    }
 }
 
 /// `GET /v1/devices`.

@@ -143,6 +143,11 @@ impl Collector {
         snapshot(&self.shared)
     }
 
+    /// The host as the last discovery found it (drivers included); `None` before the first.
+    pub fn inventory(&self) -> Option<Inventory> {
+        lock(&self.shared).inventory.clone()
+    }
+
     /// Addresses of the devices that are unhealthy now, with why: every device a source
     /// reported (also ones the inventory does not list, such as `xpu serve`'s fake devices in
     /// tests) and every device that vanished from the inventory.

@@ -422,3 +422,34 @@ fn share_tasks_are_mps_clients_limited_to_their_share_whatever_their_env() {
         assert_eq!(calls.matches(&format!("quit {g}\n")).count(), 1, "{calls}");
     }
 }
+
+/// `xpu serve`'s devices say which use holds each device no job holds, as `xpu vfio status`
+/// says it: on a host whose GPUs are on vfio-pci, one listed for Nova is Nova's, the others a
+/// VM's bound outside xpu; the table and the API agree.
+#[test]
+fn devices_say_which_use_outside_the_jobs_holds_them() {
+    let fixture = hosts::a100_8x_vfio().build();
+    let list = fixture.root().join("etc/xpu/vm-devices");
+    std::fs::create_dir_all(list.parent().unwrap()).unwrap();
+    std::fs::write(&list, "0000:25:00.0\n").unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        &tmp.path().join("data"),
+        None,
+        &["--root", fixture.root().to_str().unwrap()],
+    );
+    let devs = d.wait_for("the host read", || {
+        let v = d.get("/v1/devices");
+        v["devices"].as_array()?.iter().all(|x| x["held_by"].is_string()).then_some(v)
+    });
+    let by = |addr: &str| {
+        devs["devices"].as_array().unwrap().iter().find(|x| x["address"] == addr).unwrap()
+            ["held_by"]
+            .clone()
+    };
+    assert_eq!(by("0000:25:00.0"), "nova: listed in /etc/xpu/vm-devices", "{devs}");
+    assert_eq!(by("0000:2b:00.0"), "vfio-pci: bound outside xpu", "{devs}");
+    let table = String::from_utf8_lossy(&d.cli(&["devices"]).stdout).into_owned();
+    assert!(table.contains("nova: listed in /etc/xpu/vm-devices"), "{table}");
+    assert!(table.contains("vfio-pci: bound outside xpu"), "{table}");
+}

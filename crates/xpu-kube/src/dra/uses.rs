@@ -59,22 +59,10 @@ pub fn uses(
                     let use_ = if on_vfio { "vm" } else { "container" };
                     (format!("{use_}: claim {}/{}", p.namespace, p.name), p.since.clone())
                 }
-                None if kept.contains(&a) => (
-                    format!("nova: listed in {}", vm_devices::VM_DEVICES),
-                    status.vfio_since.and_then(rfc3339),
-                ),
-                None if on_vfio => {
-                    let by = if status.previous_driver.is_some() || status.vfio_since.is_some() {
-                        "xpu vfio bind"
-                    } else {
-                        "bound outside xpu"
-                    };
-                    (format!("vfio-pci: {by}"), status.vfio_since.and_then(rfc3339))
+                None => {
+                    let (by, since) = vfio::held_by(&status, &kept);
+                    (by, since.and_then(rfc3339))
                 }
-                None => match &status.driver {
-                    Some(d) => (format!("host: {d}"), None),
-                    None => ("free".to_owned(), None),
-                },
             };
             DeviceUse { status, held_by, since }
         })

@@ -501,6 +501,7 @@ mod tests {
             db_url: url,
             telemetry: None,
             mps: None,
+            root: xpu_host::Root::host(),
         })
     }
 

@@ -501,7 +501,11 @@ fn print_devices(v: &DeviceList) {
                     format!("job {} ({}) task {}{share}", h.job, h.name, h.task)
                 })
                 .collect();
-            let holder = if held.is_empty() { "free".to_owned() } else { held.join(", ") };
+            let holder = match (held.is_empty(), d.outside_use()) {
+                (false, _) => held.join(", "),
+                (true, Some(u)) => u.to_owned(),
+                (true, None) => "free".to_owned(),
+            };
             let dev = &d.device;
             vec![
                 dev.id.to_string(),
