@@ -239,7 +239,7 @@ pub fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Node> {
 /// `extra` runs after it (its output follows `== extra`).
 pub fn probe_script(extra: &str) -> String {
     format!(
-        "echo '== /dev'; ls -ln /dev; echo '== /dev/vfio'; ls -ln /dev/vfio 2>/dev/null; echo '== /dev/nvidia-caps'; ls -ln /dev/nvidia-caps 2>/dev/null; echo '== env'; env; echo '== extra'; {extra}"
+        "echo '== /dev'; ls -ln /dev; echo '== /dev/vfio'; ls -ln /dev/vfio 2>/dev/null; echo '== /dev/nvidia-caps'; ls -ln /dev/nvidia-caps 2>/dev/null; echo '== /dev/dri'; ls -ln /dev/dri 2>/dev/null; echo '== env'; env; echo '== extra'; {extra}"
     )
 }
 
@@ -274,7 +274,7 @@ impl ContainerView {
                 continue;
             }
             match section.as_str() {
-                "/dev" | "/dev/vfio" | "/dev/nvidia-caps" => {
+                "/dev" | "/dev/vfio" | "/dev/nvidia-caps" | "/dev/dri" => {
                     // crw-rw-rw-    1 0        0         195,   1 Nov 22 08:16 nvidia1
                     let f: Vec<&str> = line.split_whitespace().collect();
                     let kind = line.chars().next().unwrap_or(' ');

@@ -1,6 +1,6 @@
 //! All of xpu together on several real nodes: one control plane (etcd, kube-apiserver,
 //! kube-controller-manager with the Job, node-lifecycle and taint-eviction controllers), `xpu k8s
-//! scheduler` as the cluster's scheduler (two replicas, leader election), and seven real nodes
+//! scheduler` as the cluster's scheduler (two replicas, leader election), and eight real nodes
 //! (`xpu_testkit::kubelet::Node`: kubelet v1.37.2, containerd, runc, each in its own namespaces
 //! on its own loopback address), each with a fixture host and the node agents an admin runs:
 //! - `127.0.0.2` and `127.0.0.3`: four A100s each, `xpu k8s device-plugin` (whole GPUs) and
@@ -9,13 +9,14 @@
 //! - `127.0.0.5`: no accelerator;
 //! - `127.0.0.7` and `127.0.0.8`: the two TPU v5p hosts of one 2x2x2 slice (GKE's node pool
 //!   labels), the device plugin serving `google.com/tpu`;
-//! - `127.0.0.9`: four A100s behind `xpu k8s dra-driver`.
+//! - `127.0.0.9`: four A100s behind `xpu k8s dra-driver`;
+//! - `127.0.0.10`: eight AMD MI300X, the device plugin serving `amd.com/gpu`.
 //!
 //! Each accelerator node carries the labels `xpu k8s nfd-features` writes for it (NVIDIA's GFD
 //! names among them) and the GPU gang selects on `nvidia.com/gpu.product`. What runs, end to
 //! end: an Indexed Job gang of two 4-GPU pods (one per GPU node), two pods sharing one GPU, a
 //! CPU pod, the GKE seed's two-host TPU Job (each pod its host's four chips and its worker id),
-//! a DRA claim for two GPUs of one NVLink domain; each container's `/dev` and device cgroup
+//! a DRA claim for two GPUs of one NVLink domain, a pod of two MI300X; each container's `/dev` and device cgroup
 //! hold exactly its devices, and the exporter labels each GPU's series with the pod that holds
 //! it. Then the failures: a GPU node dies (its
 //! kubelet and containerd killed), goes NotReady, its gang member is evicted and recreated by
@@ -45,6 +46,7 @@ use xpu_testkit::bundle::{ContainerView, probe_script, skip_container_tests};
 use xpu_testkit::cluster;
 use xpu_testkit::kube::{ControlPlane, ControlPlaneOptions, DEFAULT_CONTROLLERS, free_ports};
 use xpu_testkit::kubelet::{BUSYBOX_IMAGE, Node, NodeOptions};
+use xpu_testkit::sysfs::{MAJOR_DRM, MAJOR_KFD};
 use xpu_testkit::{BuildOptions, Fixture, HostSpec};
 
 use k8s_support::*;
@@ -52,6 +54,7 @@ use k8s_support::*;
 const GPU: &str = "nvidia.com/gpu";
 const SHARE: &str = "xpu.dev/gpu-milli";
 const TPU: &str = "google.com/tpu";
+const AMD: &str = "amd.com/gpu";
 /// How long a pod stays bound to an unreachable node before it is evicted.
 const TOLERATION_SECS: i64 = 2;
 
@@ -95,6 +98,8 @@ enum Role {
     Tpu,
     /// No accelerator.
     Cpu,
+    /// Eight AMD MI300X on amdgpu, the device plugin (`amd.com/gpu`).
+    Amd,
 }
 
 /// GKE's labels for a host of the two-host v5p slice `tpu-pool`.
@@ -115,7 +120,11 @@ async fn start_node(
     role: Role,
     share_key: &std::path::Path,
 ) -> ClusterNode {
-    let spec = if role == Role::Tpu { xpu_testkit::hosts::tpu_v5p() } else { four_gpu_host() };
+    let spec = match role {
+        Role::Tpu => xpu_testkit::hosts::tpu_v5p(),
+        Role::Amd => xpu_testkit::hosts::mi300x(),
+        _ => four_gpu_host(),
+    };
     let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
     let mut options = NodeOptions::default().named(name);
     if role != Role::Cpu {
@@ -128,7 +137,11 @@ async fn start_node(
         return cn;
     }
     let xpu = env!("CARGO_BIN_EXE_xpu");
-    let vendor = if role == Role::Tpu { "google" } else { "nvidia" };
+    let vendor = match role {
+        Role::Tpu => "google",
+        Role::Amd => "amd",
+        _ => "nvidia",
+    };
     cdi_generate(cn.fx.root(), vendor, &cn.node.cdi_dir());
 
     // The node's labels, as NFD's master writes them from the feature file.
@@ -206,10 +219,15 @@ async fn start_node(
     let resource = match role {
         Role::Share => SHARE,
         Role::Tpu => TPU,
+        Role::Amd => AMD,
         _ => GPU,
     };
     // The API server writes 4000 in its canonical form.
-    let want = if role == Role::Share { "4k" } else { "4" };
+    let want = match role {
+        Role::Share => "4k",
+        Role::Amd => "8",
+        _ => "4",
+    };
     let limit = Duration::from_secs(60);
     let offered = wait_until(limit, || async {
         let n = nodes.get(name).await.unwrap();
@@ -411,13 +429,14 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
         start_node(&cp, "127.0.0.4", Role::Share, &key),
         start_node(&cp, "127.0.0.5", Role::Cpu, &key),
     );
-    let (t0, t1, d) = tokio::join!(
+    let (t0, t1, d, m) = tokio::join!(
         start_node(&cp, "127.0.0.7", Role::Tpu, &key),
         start_node(&cp, "127.0.0.8", Role::Tpu, &key),
         start_node(&cp, "127.0.0.9", Role::Dra, &key),
+        start_node(&cp, "127.0.0.10", Role::Amd, &key),
     );
-    let mut nodes = vec![a, b, s, c, t0, t1, d];
-    eprintln!("seven nodes Ready with their agents {:.1?} after the start", started.elapsed());
+    let mut nodes = vec![a, b, s, c, t0, t1, d, m];
+    eprintln!("eight nodes Ready with their agents {:.1?} after the start", started.elapsed());
     let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
     let logs = |nodes: &[ClusterNode], schedulers: &[XpuScheduler]| {
         let mut out = String::new();
@@ -482,6 +501,11 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
     p["spec"]["resourceClaims"] = json!([{ "name": "gpus", "resourceClaimName": "nvlink-pair" }]);
     pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
 
+    // 6. Two AMD MI300X of the AMD node.
+    let mut p = probe_template(json!({}), json!({ "limits": { AMD: "2" } }));
+    p["metadata"]["name"] = json!("amd");
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+
     let running = |names: &'static [&'static str]| {
         let pods = pods.clone();
         async move {
@@ -504,9 +528,10 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
             running("train") == 2 && running("job-1") == 2 && named
         }
     };
-    let ok =
-        wait_until(Duration::from_secs(120), || running(&["half-0", "half-1", "cpu", "claimed"]))
-            .await;
+    let ok = wait_until(Duration::from_secs(120), || {
+        running(&["half-0", "half-1", "cpu", "claimed", "amd"])
+    })
+    .await;
     assert!(
         ok,
         "every workload running\n{}\n{}",
@@ -583,6 +608,25 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
     }
     ids.sort();
     assert_eq!(ids, ["0", "1"]);
+    // The AMD pod: its two GPUs' DRM nodes and /dev/kfd, nothing else.
+    let amd = pods.get("amd").await.unwrap();
+    assert_eq!(node_of(&amd), Some("127.0.0.10"), "{}", placements(&pods).await);
+    let (gpus, plain) = views(&pods, "amd", &diag).await;
+    let given = gpus.env.get("XPU_VISIBLE_DEVICES").cloned().unwrap_or_default();
+    let mut want = BTreeMap::from([("/dev/kfd".to_owned(), ('c', MAJOR_KFD, 0))]);
+    for a in given.split(',') {
+        let i = xpu_testkit::hosts::MI300X_BUSES
+            .iter()
+            .position(|b| format!("0000:{b:02x}:00.0") == a)
+            .unwrap_or_else(|| panic!("{a} is no MI300X of the node: {:?}", gpus.env))
+            as u32;
+        want.insert(format!("/dev/dri/card{i}"), ('c', MAJOR_DRM, i));
+        want.insert(format!("/dev/dri/renderD{}", 128 + i), ('c', MAJOR_DRM, 128 + i));
+    }
+    assert_eq!(given.split(',').count(), 2, "{:?}", gpus.env);
+    assert_only_these_nodes(&gpus, &plain, &want);
+    eprintln!("the AMD pod: {given} and only their nodes");
+
     // The claim: two GPUs of the DRA node, of one NVLink domain, and nothing else.
     let claimed = pods.get("claimed").await.unwrap();
     assert_eq!(node_of(&claimed), Some("127.0.0.9"), "{}", placements(&pods).await);
