@@ -820,6 +820,10 @@ impl<'a> Search<'a> {
                 continue;
             }
             let exact = &slot.req.alternatives[ai].1;
+            // Whether the request takes its devices' whole groups: once, not per device tried.
+            let whole_group = !exact.admin_access
+                && (exact.whole_group
+                    || self.classes.get(&exact.class).is_some_and(|c| c.whole_group));
             let mut tried_any = false;
             // Devices that matched and were free but broke a constraint of the claim.
             let mut constrained = false;
@@ -872,9 +876,6 @@ impl<'a> Search<'a> {
                         }
                         None
                     };
-                    let whole_group = !exact.admin_access
-                        && (exact.whole_group
-                            || self.classes.get(&exact.class).is_some_and(|c| c.whole_group));
                     if !Self::tolerated(exact, device)
                         || self.group_blocked(pi, di, whole_group)
                         || !self.selected(ci, slot.req, exact, id, device)

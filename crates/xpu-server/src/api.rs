@@ -1412,11 +1412,20 @@ async fn host_uses(s: &Shared) -> std::collections::BTreeMap<String, (String, Op
     };
     let root = s.root.clone();
     let read = tokio::task::spawn_blocking(move || {
-        let kept = xpu_host::vm_devices::read(&root, xpu_host::vm_devices::VM_DEVICES)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let list = xpu_host::vfio::status(&root, &inv, &[], true).ok()?;
+        let kept = match xpu_host::vm_devices::read(&root, xpu_host::vm_devices::VM_DEVICES) {
+            Ok(k) => k.unwrap_or_default(),
+            Err(e) => {
+                tracing::warn!(error = %e, "devices kept for Nova not read; not shown as Nova's");
+                Default::default()
+            }
+        };
+        let list = match xpu_host::vfio::status(&root, &inv, &[], true) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "which use holds each device not read");
+                return None;
+            }
+        };
         Some(
             list.iter()
                 .map(|st| {
@@ -1428,7 +1437,13 @@ async fn host_uses(s: &Shared) -> std::collections::BTreeMap<String, (String, Op
         )
     })
     .await;
-    read.ok().flatten().unwrap_or_default()
+    match read {
+        Ok(uses) => uses.unwrap_or_default(),
+        Err(e) => {
+            tracing::warn!(error = %e, "which use holds each device not read");
+            Default::default()
+        }
+    }
 }
 
 /// The queue, running jobs and allocation over time.

@@ -255,18 +255,13 @@ impl FileNvml {
     }
 
     fn state(&self) -> Result<FileState, String> {
-        use std::io::Read;
         let bad = |why: String| format!("fake NVML {}: {why}", self.path.display());
-        let file = match std::fs::File::open(&self.path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(FileState::default()),
+        // Looked at before it is opened, opened without blocking, read to a cap.
+        let bytes = match xpu_host::root::read_bounded(&self.path, MAX_FILE_BYTES) {
+            Ok(b) => b,
+            Err(xpu_host::root::ReadError::Missing) => return Ok(FileState::default()),
             Err(e) => return Err(bad(e.to_string())),
         };
-        let mut bytes = Vec::new();
-        file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes).map_err(|e| bad(e.to_string()))?;
-        if bytes.len() as u64 > MAX_FILE_BYTES {
-            return Err(bad(format!("larger than {MAX_FILE_BYTES} bytes")));
-        }
         serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))
     }
 }

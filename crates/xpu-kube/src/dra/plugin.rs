@@ -1069,6 +1069,7 @@ mod tests {
             ("c6", 6, false),
         ];
         let start = |fx: &xpu_testkit::Fixture, kernel: FakeKernel, dir: &Path| {
+            // Another test may have installed it already (see `crate::client`).
             let _ = rustls::crypto::ring::default_provider().install_default();
             let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
             let client = kube::Client::try_from(config).unwrap();

@@ -371,21 +371,18 @@ pub fn plan(
         // its vendor driver; a device passed through gets its group's nodes alone.
         // The kind's shared edits hold `/dev/vfio/vfio` when any of its devices is on vfio-pci:
         // a VM's alone, as a device on its vendor driver never needs it.
-        let (vfio, vendor): (Vec<_>, Vec<_>) = host
-            .container_edits
-            .device_nodes
-            .iter()
-            .cloned()
-            .partition(|n| n.path == VFIO_CONTAINER);
+        let is_vfio_container = |n: &cdi::DeviceNode| n.path == VFIO_CONTAINER;
         match mode {
             Mode::Container if !kinds_done.contains(&kind) => {
-                let shared =
-                    ContainerEdits { device_nodes: vendor, ..host.container_edits.clone() };
+                let mut shared = host.container_edits.clone();
+                shared.device_nodes.retain(|n| !is_vfio_container(n));
                 merge(&mut common, &shared);
                 kinds_done.push(kind);
             }
             Mode::Container => {}
             Mode::Passthrough => {
+                let nodes = &host.container_edits.device_nodes;
+                let vfio = nodes.iter().filter(|n| is_vfio_container(n)).cloned().collect();
                 merge(&mut common, &ContainerEdits { device_nodes: vfio, ..Default::default() })
             }
         }

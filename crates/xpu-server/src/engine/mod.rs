@@ -371,7 +371,11 @@ fn spawn(
         };
         if launch.mps_gpu.is_some() {
             let mps = shared.mps.clone();
-            let _ = tokio::task::spawn_blocking(move || mps_release(mps.as_deref(), &launch)).await;
+            // mps_release logs its own outcome; only a panic in it is left to say.
+            let r = tokio::task::spawn_blocking(move || mps_release(mps.as_deref(), &launch)).await;
+            if let Err(e) = r {
+                tracing::warn!(job, error = %e, "MPS client not let go");
+            }
         }
         // See `failed`.
         let _ = tx.send(Msg::Exited { job, idx, attempt, code });
@@ -393,7 +397,13 @@ fn mps_acquire(mps: Option<&xpu_host::mps::Daemons>, launch: &Launch) -> Result<
 
 /// The task no longer runs: its GPU's MPS daemon stops with its last client.
 fn mps_release(mps: Option<&xpu_host::mps::Daemons>, launch: &Launch) {
-    let (Some(d), Some(gpu)) = (mps, &launch.mps_gpu) else { return };
+    if let (Some(d), Some(gpu)) = (mps, &launch.mps_gpu) {
+        let_go(d, gpu);
+    }
+}
+
+/// One client of `gpu`'s MPS daemon ended: the daemon stops with its last (logged either way).
+fn let_go(d: &xpu_host::mps::Daemons, gpu: &str) {
     match d.release(gpu) {
         Ok(true) => tracing::info!(gpu = %gpu, "MPS control daemon stopped: its last client ended"),
         Ok(false) => {}
@@ -444,22 +454,22 @@ fn watch_adopted(
         if let Some((d, gpu)) = &mps {
             let (d, gpu) = (d.clone(), gpu.clone());
             let r = tokio::task::spawn_blocking(move || d.acquire(&gpu)).await;
-            if let Ok(Err(e)) = r {
-                tracing::warn!(job, error = %e, "MPS daemon of a re-adopted task not started");
+            match r {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(job, error = %e, "MPS daemon of a re-adopted task not started")
+                }
+                Err(e) => tracing::warn!(job, error = %e, "MPS client not counted again"),
             }
         }
         while executor::is_our_supervisor(pid, Path::new(&dir)) {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         if let Some((d, gpu)) = mps {
-            let _ = tokio::task::spawn_blocking(move || match d.release(&gpu) {
-                Ok(true) => {
-                    tracing::info!(gpu = %gpu, "MPS control daemon stopped: its last client ended")
-                }
-                Ok(false) => {}
-                Err(e) => tracing::warn!(gpu = %gpu, error = %e, "MPS control daemon not stopped"),
-            })
-            .await;
+            let r = tokio::task::spawn_blocking(move || let_go(&d, &gpu)).await;
+            if let Err(e) = r {
+                tracing::warn!(job, error = %e, "MPS client not let go");
+            }
         }
         let code = executor::recorded_exit(&dir);
         // Fails only when the engine is gone (the daemon stopping): nobody to tell.
