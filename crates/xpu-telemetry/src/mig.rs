@@ -16,6 +16,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use xpu_core::PciAddress;
 use xpu_core::mig::{Layout, MigError, Model};
 
+pub mod smi;
+
 /// A GPU instance and its compute instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Instance {
@@ -26,8 +28,9 @@ pub struct Instance {
     pub profile: &'static str,
     /// First memory slice.
     pub start: u8,
-    /// `MIG-<uuid>`, what `NVIDIA_VISIBLE_DEVICES` and CUDA name it by.
-    pub uuid: String,
+    /// `MIG-<uuid>`, what `NVIDIA_VISIBLE_DEVICES` and CUDA name it by, where the control
+    /// knows it ([`smi::SmiMig`] does not).
+    pub uuid: Option<String>,
     /// Made through [`MigControl::create`] (by xpu); `false`: found there.
     pub by_xpu: bool,
 }
@@ -142,8 +145,23 @@ impl FakeMig {
         FakeMig { gpus: Arc::new(Mutex::new(map)), file: None }
     }
 
-    /// The fake whose state is the file at `path` (read now, rewritten after every change).
+    /// The fake whose state is the file at `path` (read now and before every call, as another
+    /// process may change it the way an admin's `nvidia-smi` would; rewritten after every
+    /// change).
     pub fn open(path: &Path) -> Result<FakeMig, MigControlError> {
+        let map = Self::load(path)?;
+        Ok(FakeMig { gpus: Arc::new(Mutex::new(map)), file: Some(path.to_owned()) })
+    }
+
+    /// Reads the state file again, when there is one.
+    fn reload(&self, gpus: &mut BTreeMap<PciAddress, FakeGpu>) -> Result<(), MigControlError> {
+        if let Some(path) = &self.file {
+            *gpus = Self::load(path)?;
+        }
+        Ok(())
+    }
+
+    fn load(path: &Path) -> Result<BTreeMap<PciAddress, FakeGpu>, MigControlError> {
         let bad = |why: String| {
             MigControlError::Nvml(format!("fake MIG state {}: {why}", path.display()))
         };
@@ -168,13 +186,13 @@ impl FakeMig {
                     ci: 0,
                     profile: p.name,
                     start: i.start,
-                    uuid: mig_uuid(address, i.gi),
+                    uuid: Some(mig_uuid(address, i.gi)),
                     by_xpu: i.by_xpu,
                 });
             }
             map.insert(address, FakeGpu { product: g.product, enabled: g.enabled, instances });
         }
-        Ok(FakeMig { gpus: Arc::new(Mutex::new(map)), file: Some(path.to_owned()) })
+        Ok(map)
     }
 
     /// Writes the state file (when there is one).
@@ -226,6 +244,7 @@ impl FakeMig {
     /// Removes instance `gi` of `gpu`; `ours_only`: refuse one xpu did not make.
     fn remove(&self, gpu: PciAddress, gi: u32, ours_only: bool) -> Result<(), MigControlError> {
         let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
+        self.reload(&mut gpus)?;
         let g = gpus.get_mut(&gpu).ok_or(MigControlError::NoGpu(gpu))?;
         let i = g
             .instances
@@ -247,22 +266,39 @@ impl FakeMig {
         by_xpu: bool,
     ) -> Result<Instance, MigControlError> {
         let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
+        self.reload(&mut gpus)?;
         let g = gpus.get_mut(&gpu).ok_or(MigControlError::NoGpu(gpu))?;
-        if !g.enabled {
-            return Err(MigControlError::Disabled(gpu));
-        }
-        let geometry = |source| MigControlError::Geometry { gpu, source };
-        let model = Model::of(&g.product).map_err(geometry)?;
-        let p = model.profile(profile).map_err(geometry)?;
-        layout(model, &g.instances).place(model, p, start).map_err(geometry)?;
+        let p = check_create(gpu, &g.product, g.enabled, &g.instances, profile, start)?;
         let gi = (0..=MAX_GI)
             .find(|id| !g.instances.iter().any(|i| i.gi == *id))
             .ok_or_else(|| MigControlError::Nvml("no free GPU instance id".into()))?;
-        let i = Instance { gi, ci: 0, profile: p.name, start, uuid: mig_uuid(gpu, gi), by_xpu };
+        let i =
+            Instance { gi, ci: 0, profile: p.name, start, uuid: Some(mig_uuid(gpu, gi)), by_xpu };
         g.instances.push(i.clone());
         self.save(&gpus)?;
         Ok(i)
     }
+}
+
+/// The profile to make at memory slice `start` on the GPU at `gpu` (NVML's `product`, MIG mode
+/// `enabled`, holding `instances`), if NVIDIA's tables allow it there: checked before any
+/// instance is made, so that what the driver would refuse is refused naming why.
+pub fn check_create(
+    gpu: PciAddress,
+    product: &str,
+    enabled: bool,
+    instances: &[Instance],
+    profile: &str,
+    start: u8,
+) -> Result<&'static xpu_core::mig::Profile, MigControlError> {
+    if !enabled {
+        return Err(MigControlError::Disabled(gpu));
+    }
+    let geometry = |source| MigControlError::Geometry { gpu, source };
+    let model = Model::of(product).map_err(geometry)?;
+    let p = model.profile(profile).map_err(geometry)?;
+    layout(model, instances).check(model, p, start).map_err(geometry)?;
+    Ok(p)
 }
 
 /// `instances` (all of a GPU's, or some of them) as a [`Layout`]. One NVML reports that the
@@ -292,7 +328,8 @@ fn mig_uuid(gpu: PciAddress, gi: u32) -> String {
 
 impl MigControl for FakeMig {
     fn gpus(&self) -> Result<Vec<MigGpu>, MigControlError> {
-        let gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
+        self.reload(&mut gpus)?;
         Ok(gpus
             .iter()
             .map(|(a, g)| MigGpu {
@@ -334,7 +371,7 @@ mod tests {
         let big = mig.create(h200, "3g.71gb", 4).unwrap();
         assert_eq!((small.gi, big.gi), (0, 1));
         assert_ne!(small.uuid, big.uuid);
-        assert!(small.uuid.starts_with("MIG-"));
+        assert!(small.uuid.as_deref().unwrap().starts_with("MIG-"));
         // What does not fit the free slices is refused, naming why.
         let e = mig.create(h200, "4g.71gb", 0).unwrap_err();
         assert_eq!(

@@ -206,3 +206,48 @@ fn garbage_does_not_abort_the_listing() {
         "{err}"
     );
 }
+
+/// `--mig`: each GPU's MIG mode and instances (a fake NVML's here), with the capability nodes
+/// of each instance from the host's `mig-minors`, in JSON and in the table.
+#[test]
+fn mig_lists_modes_instances_and_their_capability_nodes() {
+    let fx = hosts::h200_4x()
+        .build_with(&xpu_testkit::BuildOptions { char_devices: true, ..Default::default() });
+    let state = fx.root().join("mig-state.json");
+    std::fs::write(
+        &state,
+        r#"{"gpus": [
+            {"address": "0000:25:00.0", "product": "NVIDIA H200", "enabled": true, "instances": [
+                {"gi": 2, "profile": "3g.71gb", "start": 4, "byXpu": true},
+                {"gi": 7, "profile": "1g.18gb", "start": 0, "byXpu": false}]},
+            {"address": "0000:2b:00.0", "product": "NVIDIA H200", "enabled": false}]}"#,
+    )
+    .unwrap();
+    let root = fx.root().display().to_string();
+    let state_s = state.display().to_string();
+    let args = ["discover", "--root", &root, "--mig", "--fake-mig", &state_s];
+    let mut json_args = args.to_vec();
+    json_args.extend(["--format", "json"]);
+    let v = json(&json_args);
+    let mig = v["mig"].as_array().unwrap();
+    assert_eq!(mig.len(), 2, "{mig:?}");
+    assert_eq!(mig[0]["migMode"], "enabled");
+    assert_eq!(mig[1]["migMode"], "disabled");
+    let big = &mig[0]["instances"][0];
+    assert_eq!((big["profile"].as_str(), big["gpuInstance"].as_u64()), (Some("3g.71gb"), Some(2)));
+    assert_eq!(big["byXpu"], true);
+    let caps = big["capabilityNodes"].as_array().unwrap();
+    assert_eq!(caps.len(), 2, "the GPU instance's and the compute instance's access: {big}");
+    assert!(caps.iter().all(|c| c.as_str().unwrap().starts_with("/dev/nvidia-caps/nvidia-cap")));
+    assert!(v["devices"].as_array().is_some(), "the inventory is still there");
+
+    let out = xpu(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("PROFILE") && text.contains("3g.71gb") && text.contains("2/0"), "{text}");
+    // A state file that is not one is an error naming it.
+    std::fs::write(&state, "{").unwrap();
+    let out = xpu(&args);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("mig-state.json"));
+}

@@ -67,8 +67,9 @@ pub struct MadeInstance {
     pub gpu: String,
     /// NVML's GPU instance id.
     pub gi: u32,
-    /// `MIG-<uuid>`.
-    pub uuid: String,
+    /// `MIG-<uuid>`, where the MIG control names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
 }
 
 /// The checkpoint file's content.
@@ -548,7 +549,7 @@ impl Driver {
                 Some(i) => i.clone(),
                 None => match control.create(part.gpu, part.profile, part.start) {
                     Ok(i) => {
-                        info!(device = %part.device, gpu = %gpu, gi = i.gi, profile = part.profile, start = part.start, uuid = %i.uuid, "MIG instance made");
+                        info!(device = %part.device, gpu = %gpu, gi = i.gi, profile = part.profile, start = part.start, uuid = ?i.uuid, "MIG instance made");
                         created.push(MadeInstance {
                             device: part.device.clone(),
                             gpu: gpu.clone(),
@@ -608,7 +609,7 @@ impl Driver {
         let gpu: PciAddress = m.gpu.parse().map_err(|e| format!("{e}"))?;
         match control.destroy(gpu, m.gi) {
             Ok(()) | Err(MigControlError::NoInstance { .. }) => {
-                info!(gpu = %m.gpu, gi = m.gi, uuid = %m.uuid, "MIG instance destroyed");
+                info!(gpu = %m.gpu, gi = m.gi, uuid = ?m.uuid, "MIG instance destroyed");
                 Ok(())
             }
             Err(e) => Err(e.to_string()),

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use xpu_core::{DeviceKind, Inventory};
+use xpu_host::mig_caps::MigCaps;
 use xpu_host::{DiscoverOptions, Root, Scope};
+use xpu_telemetry::mig::{MigControl, MigGpu};
 
 use crate::cmd::format::Format;
 use crate::output::{CliError, CmdResult, or_dash, print_json, table, warn_all};
@@ -23,6 +25,26 @@ pub struct Args {
     /// Use this pci.ids file for names.
     #[arg(long, value_name = "FILE")]
     pub pci_ids: Option<PathBuf>,
+    /// Also list each NVIDIA GPU's MIG mode and MIG instances (profile, GPU and compute instance
+    /// ids, placement, capability nodes, and whether xpu's DRA driver made it), read through
+    /// `nvidia-smi mig`.
+    #[arg(long)]
+    pub mig: bool,
+    /// The nvidia-smi --mig reads with (absolute, or on PATH).
+    #[arg(long, value_name = "PATH", default_value = "nvidia-smi", requires = "mig")]
+    pub nvidia_smi: PathBuf,
+    /// The DRA driver's ledger of the instances it made (DIR/xpu.dev/mig-instances.json under
+    /// its --plugin-dir), so that those are told apart from the admin's.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "mig",
+        default_value = "/var/lib/kubelet/plugins/xpu.dev/mig-instances.json"
+    )]
+    pub mig_ledger: PathBuf,
+    /// Tests only: MIG state from a fake NVML's JSON state FILE.
+    #[arg(long, value_name = "FILE", hide = true, requires = "mig")]
+    pub fake_mig: Option<PathBuf>,
 }
 
 /// Resolves `--root` (absent: the running host).
@@ -49,17 +71,118 @@ pub fn run(args: Args) -> CmdResult {
     let opts = DiscoverOptions { scope, pci_ids: args.pci_ids, skip_names: false };
     let inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
     warn_all(&inv.warnings);
+    let mig = if args.mig {
+        let control: Box<dyn MigControl> = match &args.fake_mig {
+            Some(f) => Box::new(xpu_telemetry::mig::FakeMig::open(f).map_err(CliError::input)?),
+            None => Box::new(xpu_telemetry::mig::smi::SmiMig::new(
+                args.nvidia_smi.clone(),
+                args.mig_ledger.clone(),
+            )),
+        };
+        let gpus = control.gpus().map_err(|e| CliError::failed(anyhow::anyhow!("MIG: {e}")))?;
+        Some(mig_rows(&root, &inv, &gpus))
+    } else {
+        None
+    };
     match args.format {
-        Format::Json => print_json(&inv)?,
+        Format::Json => match mig {
+            Some(m) => {
+                let mut v = serde_json::to_value(&inv).map_err(CliError::failed)?;
+                v["mig"] = serde_json::Value::Array(m);
+                print_json(&v)?
+            }
+            None => print_json(&inv)?,
+        },
         Format::Labels => {
             for (k, v) in xpu_core::labels::labels(&inv) {
                 println!("{k}={v}");
             }
         }
         // The table: the formats `Format::only` lets through are all above.
-        _ => print!("{}", render_table(&inv)),
+        _ => {
+            print!("{}", render_table(&inv));
+            if let Some(m) = &mig {
+                print!("\n{}", render_mig(m));
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Each GPU the MIG control reports, with its instances and their capability nodes.
+fn mig_rows(root: &Root, inv: &Inventory, gpus: &[MigGpu]) -> Vec<serde_json::Value> {
+    let caps = MigCaps::read(root).ok();
+    gpus.iter()
+        .map(|g| {
+            let minor = inv.device(&g.address).and_then(|d| {
+                d.dev_nodes
+                    .iter()
+                    .find(|n| xpu_container::edits::is_nvidia_gpu_node(&n.path))
+                    .and_then(|n| n.minor)
+            });
+            let instances: Vec<serde_json::Value> = g
+                .instances
+                .iter()
+                .map(|i| {
+                    let nodes: Vec<String> = match (&caps, minor) {
+                        (Some(c), Some(m)) => c
+                            .instance(m, i.gi, i.ci)
+                            .map(|n| n.into_iter().map(|n| n.path).collect())
+                            .unwrap_or_default(),
+                        _ => Vec::new(),
+                    };
+                    serde_json::json!({
+                        "gpuInstance": i.gi, "computeInstance": i.ci, "profile": i.profile,
+                        "start": i.start, "uuid": i.uuid, "byXpu": i.by_xpu, "capabilityNodes": nodes,
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "address": g.address.to_string(), "product": g.product,
+                "migMode": if g.enabled { "enabled" } else { "disabled" },
+                "instances": instances,
+            })
+        })
+        .collect()
+}
+
+fn render_mig(gpus: &[serde_json::Value]) -> String {
+    let s = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => "-".to_owned(),
+        other => other.to_string(),
+    };
+    let mut rows = Vec::new();
+    for g in gpus {
+        let instances = g["instances"].as_array().map(Vec::as_slice).unwrap_or_default();
+        if instances.is_empty() {
+            rows.push(vec![
+                s(&g["address"]),
+                s(&g["migMode"]),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ]);
+        }
+        for i in instances {
+            let nodes: Vec<String> =
+                i["capabilityNodes"].as_array().into_iter().flatten().map(s).collect();
+            rows.push(vec![
+                s(&g["address"]),
+                s(&g["migMode"]),
+                s(&i["profile"]),
+                format!("{}/{}", s(&i["gpuInstance"]), s(&i["computeInstance"])),
+                s(&i["start"]),
+                if i["byXpu"].as_bool() == Some(true) { "xpu".into() } else { "other".into() },
+                s(&i["uuid"]),
+                if nodes.is_empty() { "-".into() } else { nodes.join(",") },
+            ]);
+        }
+    }
+    table(&["GPU", "MIG", "PROFILE", "GI/CI", "START", "MADE BY", "UUID", "CAPS"], &rows)
 }
 
 fn render_table(inv: &Inventory) -> String {
