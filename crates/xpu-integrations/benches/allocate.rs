@@ -35,6 +35,7 @@ fn main() {
             share: None,
             mps: None,
             replicas: 1,
+            mig: None,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

@@ -41,6 +41,8 @@ use xpu_core::{DevNode, Inventory, PciAddress};
 use xpu_host::{DiscoverOptions, Root, Scope};
 
 use crate::preferred::{self, Candidate};
+
+pub mod mig;
 use crate::selector::Resource;
 use crate::transport;
 use crate::{limits, pb};
@@ -82,6 +84,17 @@ pub struct Config {
     pub mps: Option<Arc<crate::mps::Mps>>,
     /// Time-slicing: every device offered this many times (1: each once).
     pub replicas: u16,
+    /// MIG's `mixed` strategy ([`mig`]): each MIG instance on a GPU in MIG mode offered as one
+    /// `nvidia.com/mig-<profile>` device, and such GPUs left out of whole-GPU resources.
+    pub mig: Option<MigOptions>,
+}
+
+/// Where MIG state comes from, and where the instances' CDI spec goes.
+#[derive(Debug, Clone)]
+pub struct MigOptions {
+    pub control: Arc<dyn xpu_telemetry::mig::MigControl>,
+    /// The container runtime's CDI directory.
+    pub cdi_dir: PathBuf,
 }
 
 /// The most replicas of one device time-slicing offers.
@@ -202,6 +215,9 @@ struct Dev {
     cdi: Option<String>,
     /// The model's memory, for MPS's memory limit.
     memory_mib: Option<u64>,
+    /// A MIG instance of the GPU at `address` (its nodes are the GPU's and the instance's
+    /// capabilities).
+    mig: Option<mig::Instance>,
 }
 
 impl Dev {
@@ -228,6 +244,7 @@ impl Dev {
                 .zip(d.device_id)
                 .and_then(|(v, id)| xpu_core::accel::lookup(v, id))
                 .map(|a| u64::from(a.memory_gib) * 1024),
+            mig: None,
         }
     }
 }
@@ -387,6 +404,86 @@ impl Plugin {
         }
     }
 
+    /// The MIG instances of one profile ([`mig`]), as `nvidia.com/mig-<profile>`.
+    fn mig(profile: &str, devs: Vec<Dev>, inv: &Inventory) -> Plugin {
+        let table =
+            Table { devs, control: inv.host.control_nodes.clone(), share: false, replicas: 1 };
+        let (updates, _) = watch::channel(table.list());
+        Plugin {
+            resource: Resource { name: mig::resource_name(profile), terms: Vec::new() },
+            table: RwLock::new(table),
+            updates,
+            watches: Default::default(),
+            share: None,
+            mps: None,
+        }
+    }
+
+    /// Whether this plugin offers MIG instances.
+    fn is_mig(&self) -> bool {
+        self.resource.name.starts_with(mig::RESOURCE_PREFIX)
+    }
+
+    /// Applies a fresh MIG reading to a MIG plugin: an instance still there is updated, one
+    /// gone is `Unhealthy` (kept, so that a pod holding it sees that), a new one is added.
+    /// Returns `(id, healthy)` for each device whose health changed.
+    fn refresh_mig(
+        &self,
+        fresh: &[Dev],
+        inv: &Inventory,
+        unhealthy: &std::collections::BTreeMap<PciAddress, String>,
+    ) -> Vec<(String, bool)> {
+        let mut changed = Vec::new();
+        let list = {
+            let mut t = self.table.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for dev in &mut t.devs {
+                let was = dev.healthy();
+                match fresh.iter().find(|f| f.id == dev.id && f.mig == dev.mig) {
+                    Some(f) => {
+                        let expected = dev.expected_driver.clone();
+                        *dev = f.clone();
+                        dev.expected_driver = expected;
+                    }
+                    None => dev.present = false,
+                }
+                dev.telemetry = unhealthy.get(&dev.address).cloned();
+                if dev.healthy() != was {
+                    changed.push((dev.id.clone(), dev.healthy()));
+                }
+            }
+            for f in fresh {
+                match t.devs.binary_search_by(|x| x.id.as_str().cmp(&f.id)) {
+                    Ok(i) if t.devs[i].mig != f.mig => {
+                        // The same id, another instance (destroyed and made again as another
+                        // profile's): the old one is gone.
+                        t.devs[i].present = false;
+                    }
+                    Ok(_) => {}
+                    Err(i) => {
+                        t.devs.insert(i, f.clone());
+                        changed.push((f.id.clone(), true));
+                    }
+                }
+            }
+            t.control = inv.host.control_nodes.clone();
+            t.list()
+        };
+        self.publish(list);
+        changed
+    }
+
+    /// Sends `list` to the `ListAndWatch` streams when it differs from what they last got.
+    fn publish(&self, list: Vec<pb::Device>) {
+        self.updates.send_if_modified(|cur| {
+            if *cur == list {
+                false
+            } else {
+                *cur = list;
+                true
+            }
+        });
+    }
+
     /// How many times `ListAndWatch` was opened.
     pub fn watches(&self) -> u64 {
         self.watches.load(std::sync::atomic::Ordering::Relaxed)
@@ -453,14 +550,7 @@ impl Plugin {
             t.control = inv.host.control_nodes.clone();
             t.list()
         };
-        self.updates.send_if_modified(|cur| {
-            if *cur == list {
-                false
-            } else {
-                *cur = list;
-                true
-            }
-        });
+        self.publish(list);
         changed
     }
 
@@ -493,11 +583,18 @@ impl Plugin {
             if let Some(name) = d.cdi.as_ref().filter(|_| !self.resource.is_vfio()) {
                 resp.cdi_devices.push(pb::CdiDevice { name: name.clone() });
             }
+            if let Some(m) = &d.mig {
+                resp.cdi_devices.push(pb::CdiDevice { name: m.cdi.clone() });
+            }
             for n in &d.nodes {
                 resp.devices.push(device_spec(n));
             }
             // A function on vfio-pci is for a VM: no vendor runtime may see it.
-            if d.vendor == Some(VENDOR_NVIDIA) && d.driver.as_deref() != Some("vfio-pci") {
+            if d.mig.is_some() {
+                // A MIG instance by its MIG UUID where the control names it; otherwise its
+                // capability nodes alone say which instance CUDA sees.
+                nvidia.extend(d.uuid.clone());
+            } else if d.vendor == Some(VENDOR_NVIDIA) && d.driver.as_deref() != Some("vfio-pci") {
                 nvidia.push(d.uuid.clone().unwrap_or_else(|| d.id.clone()));
             }
             // Nodes every device of its kind needs besides its own.
@@ -861,6 +958,27 @@ struct Slot {
     awaiting_watch: Option<(tokio::time::Instant, u64)>,
 }
 
+impl Slot {
+    fn new(plugin_dir: &Path, plugin: Arc<Plugin>) -> Slot {
+        Slot {
+            socket: plugin_dir.join(plugin.resource().socket_name()),
+            plugin,
+            server: None,
+            registered_with: None,
+            failed_with: None,
+            awaiting_watch: None,
+        }
+    }
+}
+
+/// Reads the MIG control off the runtime's threads (`nvidia-smi` takes its time).
+async fn read_mig(m: &MigOptions, root: &Root, inv: &Inventory) -> Result<mig::State, String> {
+    let (m, root, inv) = (m.clone(), root.clone(), inv.clone());
+    tokio::task::spawn_blocking(move || mig::read(m.control.as_ref(), &root, &inv, &m.cdi_dir))
+        .await
+        .map_err(|e| e.to_string())?
+}
+
 /// Serves every resource that has devices until `shutdown` completes, then stops the servers
 /// and removes their sockets.
 pub async fn run(
@@ -877,33 +995,44 @@ pub async fn run(
         return Err(PluginError::NoPluginDir { path: cfg.plugin_dir });
     }
     let inv = discover(&cfg.root).await?;
+    let mut mig_state = match &cfg.mig {
+        Some(control) => match read_mig(control, &cfg.root, &inv).await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "MIG state unread: GPUs are offered whole until it reads");
+                mig::State::default()
+            }
+        },
+        None => mig::State::default(),
+    };
+    let mut mig_read = tokio::time::Instant::now();
+    let mig_every = cfg.interval * 10;
+    let whole = mig::without_mig(&inv, &mig_state.enabled);
     let mut slots = Vec::new();
+    for (profile, devs) in &mig_state.by_profile {
+        let plugin = Arc::new(Plugin::mig(profile, devs.clone(), &inv));
+        slots.push(Slot::new(&cfg.plugin_dir, plugin));
+    }
     for r in &cfg.resources {
         let plugin = if r.name == SHARE_RESOURCE {
             let resolver = cfg.share.clone().ok_or(PluginError::ShareWithoutResolver)?;
-            Arc::new(Plugin::shared(r.clone(), &inv, resolver).with_mps(cfg.mps.clone()))
+            Arc::new(Plugin::shared(r.clone(), &whole, resolver).with_mps(cfg.mps.clone()))
         } else if cfg.replicas > 1
             && r.terms.contains(&crate::selector::Term::Kind(xpu_core::DeviceKind::Gpu))
         {
             // GPUs only: a TPU or another accelerator is not time-sliced by its runtime.
-            Arc::new(Plugin::time_sliced(r.clone(), &inv, cfg.replicas))
+            Arc::new(Plugin::time_sliced(r.clone(), &whole, cfg.replicas))
         } else {
-            Arc::new(Plugin::new(r.clone(), &inv))
+            Arc::new(Plugin::new(r.clone(), &whole))
         };
         if plugin.device_count() == 0 {
             emit(Event::Skipped { resource: r.name.clone() });
             continue;
         }
-        slots.push(Slot {
-            socket: cfg.plugin_dir.join(plugin.resource().socket_name()),
-            plugin,
-            server: None,
-            registered_with: None,
-            failed_with: None,
-            awaiting_watch: None,
-        });
+        slots.push(Slot::new(&cfg.plugin_dir, plugin));
     }
-    if slots.is_empty() {
+    // With MIG, a node whose instances are all still to be made has nothing yet, and waits.
+    if slots.is_empty() && cfg.mig.is_none() {
         let names: Vec<String> = cfg.resources.iter().map(ToString::to_string).collect();
         return Err(PluginError::NoDevices { resources: names.join(" ") });
     }
@@ -978,11 +1107,49 @@ pub async fn run(
             }
         }
         if let Ok(inv) = discover(&cfg.root).await {
+            if let Some(control) = cfg.mig.as_ref().filter(|_| mig_read.elapsed() >= mig_every) {
+                mig_read = tokio::time::Instant::now();
+                match read_mig(control, &cfg.root, &inv).await {
+                    Ok(m) => mig_state = m,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "MIG state unread; the last reading stands")
+                    }
+                }
+            }
+            let whole = mig::without_mig(&inv, &mig_state.enabled);
             let unhealthy = cfg.health.as_ref().map(|c| c.unhealthy()).unwrap_or_default();
             for s in &slots {
-                for (id, healthy) in s.plugin.refresh(&inv, &unhealthy) {
+                let changed = if s.plugin.is_mig() {
+                    let profile = &s.plugin.resource.name[mig::RESOURCE_PREFIX.len()..];
+                    let fresh = mig_state.by_profile.get(profile).map_or(&[][..], Vec::as_slice);
+                    s.plugin.refresh_mig(fresh, &inv, &unhealthy)
+                } else {
+                    s.plugin.refresh(&whole, &unhealthy)
+                };
+                for (id, healthy) in changed {
                     emit(Event::Health { resource: s.plugin.resource.name.clone(), id, healthy });
                 }
+            }
+            // A profile seen for the first time: its resource is served from the next tick on.
+            for (profile, devs) in &mig_state.by_profile {
+                let name = mig::resource_name(profile);
+                if slots.iter().any(|s| s.plugin.resource.name == name) {
+                    continue;
+                }
+                let plugin = Arc::new(Plugin::mig(profile, devs.clone(), &inv));
+                let mut slot = Slot::new(&cfg.plugin_dir, plugin);
+                match Server::start(&slot.socket, slot.plugin.clone()) {
+                    Ok(server) => {
+                        slot.server = Some(server);
+                        emit(Event::Serving {
+                            resource: name,
+                            socket: slot.socket.clone(),
+                            devices: slot.plugin.device_count(),
+                        });
+                    }
+                    Err(e) => report_restart_failure(&emit, &name, &e),
+                }
+                slots.push(slot);
             }
         }
     };

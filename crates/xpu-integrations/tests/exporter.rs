@@ -340,6 +340,7 @@ async fn xid_79_turns_the_gpu_unhealthy_in_list_and_watch_and_metrics_until_rese
         share: None,
         mps: None,
         replicas: 1,
+        mig: None,
     };
     let (stop, stopped) = oneshot::channel::<()>();
     let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

@@ -86,6 +86,7 @@ fn start_with(
         share: None,
         mps: None,
         replicas,
+        mig: None,
     };
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -375,6 +376,7 @@ async fn refuses_a_host_without_matching_devices_and_a_missing_directory() {
         share: None,
         mps: None,
         replicas: 1,
+        mig: None,
     };
     let e = deviceplugin::run(cfg.clone(), None, async {}).await.unwrap_err();
     assert!(e.to_string().contains("no device on this host matches any resource"), "{e}");

@@ -492,17 +492,7 @@ async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_ne
     // GPU 0 in MIG mode with one instance someone else made (1g.18gb at slice 0), the others
     // whole: 3g.71gb fits only at slice 4, and 1g.18gb then at 1, 2 or 3.
     let state = cp.dir().join("mig.json");
-    let gpus: Vec<String> =
-        hosts::A100_GPU_BUSES[..4].iter().map(|b| format!("0000:{b:02x}:00.0")).collect();
-    std::fs::write(
-        &state,
-        serde_json::to_vec(&json!({ "gpus": gpus.iter().enumerate().map(|(i, a)| json!({
-            "address": a, "product": "NVIDIA H200", "enabled": i == 0,
-            "instances": if i == 0 { json!([{ "gi": 9, "profile": "1g.18gb", "start": 0, "byXpu": false }]) } else { json!([]) },
-        })).collect::<Vec<_>>() }))
-        .unwrap(),
-    )
-    .unwrap();
+    write_fake_mig(&state, json!([{ "gi": 9, "profile": "1g.18gb", "start": 0, "byXpu": false }]));
     let mut args = dra_driver_args(&cp, &node, NODE_NAME, fx.root());
     args.extend(["--fake-mig".into(), state.clone().into()]);
     let driver = XpuProcess::spawn(&cp, "xpu-dra-driver", &args);
@@ -577,7 +567,7 @@ async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_ne
             ci: 0,
             profile: "",
             start,
-            uuid: field(line, "uuid").to_owned(),
+            uuid: Some(field(line, "uuid").to_owned()),
             by_xpu: true,
         };
         let mut want = gpu_nodes(&[0]);
@@ -585,7 +575,11 @@ async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_ne
             want.insert(n.path, ('c', n.major, n.minor));
         }
         assert_only_these_nodes(&view, &plain, &want);
-        eprintln!("{name}: {device} is GPU instance {} ({})", instance.gi, instance.uuid);
+        eprintln!(
+            "{name}: {device} is GPU instance {} ({})",
+            instance.gi,
+            instance.uuid.as_deref().unwrap_or("-")
+        );
         made.push(instance);
     }
 
@@ -618,6 +612,113 @@ async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_ne
     assert!(destroyed, "both instances destroyed: {:?}\n{}", fake(), diag());
     assert_eq!(fake().len(), 1, "the outside instance stays");
     drop(driver);
+    drop(node);
+}
+
+/// A fake NVML's MIG state at `path` for the H200 fixture's four GPUs: GPU 0 in MIG mode with
+/// `instances`, the others whole. Returns the GPUs' addresses.
+fn write_fake_mig(path: &std::path::Path, instances: Value) -> Vec<String> {
+    let gpus: Vec<String> =
+        hosts::A100_GPU_BUSES[..4].iter().map(|b| format!("0000:{b:02x}:00.0")).collect();
+    let state = json!({ "gpus": gpus.iter().enumerate().map(|(i, a)| json!({
+        "address": a, "product": "NVIDIA H200", "enabled": i == 0,
+        "instances": if i == 0 { instances.clone() } else { json!([]) },
+    })).collect::<Vec<_>>() });
+    std::fs::write(path, serde_json::to_vec(&state).unwrap()).unwrap();
+    gpus
+}
+
+/// MIG's `mixed` strategy through the device plugin on a real kubelet: the instances an admin
+/// made on GPU 0 of an H200 node (a fake NVML's) are offered as `nvidia.com/mig-<profile>`,
+/// GPU 0 is no longer an `nvidia.com/gpu`, a pod asking `nvidia.com/mig-3g.71gb` (placed by
+/// kube-scheduler) sees its GPU's node and exactly that instance's capability nodes; an
+/// instance made later is added and one destroyed is taken out of allocatable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_instances_are_device_plugin_resources_with_the_mixed_strategy_needs_root_and_runc() {
+    use xpu_host::mig_caps::MigCaps;
+    use xpu_telemetry::mig::FakeMig;
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let admin = cp.admin_client();
+    let fx =
+        hosts::h200_4x().build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    cdi_generate(fx.root(), "nvidia", &node.cdi_dir());
+    let state = cp.dir().join("mig.json");
+    let gpus = write_fake_mig(
+        &state,
+        json!([
+            { "gi": 7, "profile": "1g.18gb", "start": 0, "byXpu": false },
+            { "gi": 8, "profile": "1g.18gb", "start": 1, "byXpu": false },
+            { "gi": 2, "profile": "3g.71gb", "start": 4, "byXpu": false },
+        ]),
+    );
+    let log = node.dir().join("device-plugin.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
+        .args(["k8s", "device-plugin", "--interval-ms", "200", "--mig-strategy", "mixed"])
+        .arg("--fake-mig")
+        .arg(&state)
+        .arg("--cdi-dir")
+        .arg(node.cdi_dir())
+        .arg("--root")
+        .arg(fx.root())
+        .arg("--plugin-dir")
+        .arg(node.device_plugin_dir())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let plugin = Plugin { child, log };
+    let diag = || format!("{}\n{}", plugin.log(), node.log_tails());
+    let nodes: Api<NodeObject> = Api::all(admin.clone());
+    let allocatable = |want: &'static [(&'static str, &'static str)]| {
+        let nodes = nodes.clone();
+        async move {
+            wait_until(Duration::from_secs(60), || async {
+                let n = nodes.get(NODE_NAME).await.unwrap();
+                want.iter().all(|(r, v)| quantity(&n, "allocatable", r).as_deref() == Some(*v))
+            })
+            .await
+        }
+    };
+    let ok = allocatable(&[
+        ("nvidia.com/gpu", "3"),
+        ("nvidia.com/mig-1g.18gb", "2"),
+        ("nvidia.com/mig-3g.71gb", "1"),
+    ])
+    .await;
+    assert!(ok, "GPU 0's instances offered, the other three GPUs whole\n{}", diag());
+
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let (_, view, plain) = run_probe_pod(
+        &pods,
+        "mig-pod",
+        json!({}),
+        json!({ "limits": { "nvidia.com/mig-3g.71gb": "1" } }),
+        diag,
+    )
+    .await;
+    assert_eq!(view.env["XPU_VISIBLE_DEVICES"], format!("{}-mig-gi2", gpus[0]), "{:?}", view.env);
+    let caps = MigCaps::read(&xpu_host::Root::new(fx.root()).unwrap()).unwrap();
+    let mut want = gpu_nodes(&[0]);
+    for n in caps.instance(0, 2, 0).unwrap() {
+        want.insert(n.path, ('c', n.major, n.minor));
+    }
+    assert_only_these_nodes(&view, &plain, &want);
+
+    // The admin makes a third 1g.18gb and destroys the 3g.71gb: offered and withdrawn.
+    let fake = FakeMig::open(&state).unwrap();
+    let gpu0 = gpus[0].parse().unwrap();
+    fake.create_outside(gpu0, "1g.18gb", 2).unwrap();
+    fake.destroy_outside(gpu0, 2).unwrap();
+    let ok = allocatable(&[("nvidia.com/mig-1g.18gb", "3"), ("nvidia.com/mig-3g.71gb", "0")]).await;
+    assert!(ok, "the new instance offered, the destroyed one withdrawn\n{}", diag());
+    drop(plugin);
     drop(node);
 }
 

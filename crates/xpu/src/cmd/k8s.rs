@@ -65,6 +65,16 @@ pub struct DraDriverArgs {
     #[arg(long, value_name = "MS", default_value_t = 500,
           value_parser = clap::value_parser!(u64).range(50..=60000))]
     pub interval_ms: u64,
+    /// MIG partitions on demand: GPUs the admin put in MIG mode are published as their MIG
+    /// profiles at each free placement, and a claim's instance is made on prepare and destroyed
+    /// on unprepare, through `nvidia-smi mig` (instances xpu did not make are published as
+    /// taken and never touched; MIG mode itself is never changed). Records the instances it
+    /// made in DIR/xpu.dev/mig-instances.json under --plugin-dir.
+    #[arg(long, conflicts_with = "fake_mig")]
+    pub mig: bool,
+    /// The nvidia-smi --mig runs (absolute, or found on PATH).
+    #[arg(long, value_name = "PATH", default_value = "nvidia-smi", requires = "mig")]
+    pub nvidia_smi: PathBuf,
     /// Tests only: MIG through a fake NVML whose GPUs, MIG modes and instances are the JSON
     /// state FILE (rewritten as instances are made and destroyed), with the `/dev/nvidia-caps`
     /// minors of the root's `/proc/driver/nvidia-caps/mig-minors`.
@@ -221,6 +231,20 @@ pub struct DevicePluginArgs {
     #[arg(long, value_name = "N", conflicts_with = "share",
           value_parser = clap::value_parser!(u16).range(2..=64))]
     pub time_slicing: Option<u16>,
+    /// MIG: `none` offers every NVIDIA GPU whole; `mixed` (NVIDIA's device plugin's name) offers
+    /// each MIG instance on a GPU in MIG mode as one `nvidia.com/mig-<profile>`
+    /// (`nvidia.com/mig-1g.18gb`) and such GPUs no longer as `nvidia.com/gpu`. The instances
+    /// are the admin's (`nvidia-smi mig -cgi ... -C`, or a MIG manager), read through
+    /// --nvidia-smi; for instances made on demand use the DRA driver's --mig.
+    #[arg(long, value_name = "STRATEGY", default_value = "none",
+          value_parser = ["none", "mixed"])]
+    pub mig_strategy: String,
+    /// The nvidia-smi --mig-strategy mixed reads MIG instances with (absolute, or on PATH).
+    #[arg(long, value_name = "PATH", default_value = "nvidia-smi")]
+    pub nvidia_smi: PathBuf,
+    /// Tests only: MIG state from a fake NVML's JSON state FILE (see the DRA driver's).
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub fake_mig: Option<PathBuf>,
     #[command(flatten)]
     pub log: crate::output::LogArgs,
 }
@@ -282,6 +306,7 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
     // unhealthy is tainted in the published pool (xpu.dev/unhealthy, NoSchedule).
     let interval = Duration::from_millis(a.interval_ms);
     let health = xpu_integrations::exporter::health_collector(&root, interval, a.fake_nvml.clone());
+    let mig_ledger = xpu_telemetry::mig::smi::ledger_in(&a.plugin_dir.join(xpu_kube::dra::DRIVER));
     let args = xpu_kube::dra::DriverArgs {
         root,
         node_name,
@@ -293,13 +318,17 @@ fn dra_driver(a: DraDriverArgs) -> CmdResult {
         },
         interval: Duration::from_millis(a.interval_ms),
         health: Some(health),
-        // MIG partitions are published from a MigControl; the NVML implementation of it is
-        // not built yet, so GPUs are published whole (docs/dra.md) unless a test gives the fake.
-        mig: match &a.fake_mig {
-            Some(f) => Some(std::sync::Arc::new(
+        // MIG partitions are published from a MigControl: nvidia-smi's with --mig, a test's
+        // fake with --fake-mig; without either, GPUs are published whole.
+        mig: match (&a.fake_mig, a.mig) {
+            (Some(f), _) => Some(std::sync::Arc::new(
                 xpu_telemetry::mig::FakeMig::open(f).map_err(CliError::input)?,
             )),
-            None => None,
+            (None, true) => Some(std::sync::Arc::new(xpu_telemetry::mig::smi::SmiMig::new(
+                a.nvidia_smi.clone(),
+                mig_ledger,
+            ))),
+            (None, false) => None,
         },
         mps: match a.mps.mps_dir {
             Some(dir) => Some(std::sync::Arc::new(
@@ -436,6 +465,7 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
             "--mps-dir serves GPU shares: add --share (MPS limits a share, not a whole GPU)"
         )));
     }
+    let mig_cdi_dir = args.cdi_dir.clone();
     let mps = match args.mps.mps_dir {
         Some(dir) => {
             let opts = xpu_integrations::mps::MpsOptions {
@@ -464,6 +494,21 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
         share: None,
         mps,
         replicas: args.time_slicing.unwrap_or(1),
+        mig: match (args.mig_strategy.as_str(), &args.fake_mig) {
+            ("none", _) => None,
+            (_, fake) => Some(deviceplugin::MigOptions {
+                control: match fake {
+                    Some(f) => std::sync::Arc::new(
+                        xpu_telemetry::mig::FakeMig::open(f).map_err(CliError::input)?,
+                    ),
+                    // Reading only: the device plugin makes no instance.
+                    None => std::sync::Arc::new(xpu_telemetry::mig::smi::SmiMig::read_only(
+                        args.nvidia_smi.clone(),
+                    )),
+                },
+                cdi_dir: mig_cdi_dir,
+            }),
+        },
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
