@@ -80,6 +80,39 @@ pub struct PciDevice {
     /// Devices with the same domain share a fast interconnect (NVLink through NVSwitch, TPU ICI).
     pub interconnect_domain: Option<String>,
     pub dev_nodes: Vec<DevNode>,
+    /// An AMD Instinct GPU's compute and memory partitioning, where amdgpu reports one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitioning: Option<Partitioning>,
+}
+
+/// How amdgpu partitions an AMD Instinct GPU (MI300 series and later): its compute partition
+/// mode (`current_compute_partition`: `SPX`, `DPX`, `TPX`, `QPX`, `CPX`), its memory partition
+/// mode (`current_memory_partition`: `NPS1`, `NPS2`, `NPS4`...), what each accepts, and the
+/// logical GPUs the modes make (one per KFD topology node of the GPU).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Partitioning {
+    pub compute: String,
+    pub memory: Option<String>,
+    #[serde(default)]
+    pub available_compute: Vec<String>,
+    #[serde(default)]
+    pub available_memory: Vec<String>,
+    /// In render node order; one in `SPX` (the whole GPU).
+    #[serde(default)]
+    pub partitions: Vec<Partition>,
+}
+
+/// One logical GPU of a partitioned AMD GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Partition {
+    /// 0.. in render node order; 0 is the function's own render node.
+    pub index: u32,
+    /// Its `/dev/dri/renderD<N>`.
+    pub render_node: DevNode,
+    /// Accelerator complex dies (XCDs) in it (KFD's `num_xcc`).
+    pub xcc: Option<u32>,
+    /// Its memory (KFD's first memory bank, `size_in_bytes`).
+    pub memory_bytes: Option<u64>,
 }
 
 impl PciDevice {
@@ -109,6 +142,7 @@ impl PciDevice {
             uuid: None,
             interconnect_domain: None,
             dev_nodes: Vec::new(),
+            partitioning: None,
         }
     }
 

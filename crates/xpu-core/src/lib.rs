@@ -34,5 +34,7 @@ pub mod tpu;
 pub mod yaml;
 
 pub use accel::{Accelerator, DeviceKind};
-pub use inventory::{DevNode, HostInfo, Inventory, Link, PciDevice, Sriov, SriovType};
+pub use inventory::{
+    DevNode, HostInfo, Inventory, Link, Partition, Partitioning, PciDevice, Sriov, SriovType,
+};
 pub use pci::{PciAddress, PciAddressError};

@@ -182,9 +182,12 @@ fn read(
         add_names(root, opts, &mut devices, &mut w);
     }
     assign_interconnect_domains(&mut devices);
+    partition::read(root, &mut devices, &mut w);
 
     Ok(Inventory { devices, host, warnings: w.0 })
 }
+
+mod partition;
 
 #[derive(Default)]
 struct Warnings(Vec<String>);

@@ -265,6 +265,28 @@ pub fn mi300x() -> HostSpec {
     h
 }
 
+/// [`mi300x`] with every GPU in CPX compute and NPS1 memory partitioning: eight partitions of one
+/// XCD each per GPU, each with a render node of its own (`renderD(128+8g+i)`: GPU g's DRM
+/// minors are spaced by eight, as amdgpu allocates them), 24 GiB each (a fixture's choice).
+pub fn mi300x_cpx() -> HostSpec {
+    let mut h = mi300x();
+    h.name = "mi300x-cpx".into();
+    h.hostname = h.name.clone();
+    for (i, d) in h.devices.iter_mut().enumerate() {
+        d.drm_minor = Some(8 * i as u32);
+        d.partitions = Some(crate::Partitions {
+            compute: "CPX".into(),
+            memory: "NPS1".into(),
+            available_compute: "SPX, DPX, QPX, CPX".into(),
+            available_memory: "NPS1, NPS4".into(),
+            count: 8,
+            xcc: 1,
+            memory_bytes: 24 << 30,
+        });
+    }
+    h
+}
+
 /// A workstation GPU (RTX A6000) bound to `vfio-pci` whose audio function `01:00.1` is still on
 /// `snd_hda_intel` in the same IOMMU group 1, together with the root port above them.
 pub fn gpu_with_audio() -> HostSpec {
@@ -307,5 +329,14 @@ pub fn gpu_with_audio() -> HostSpec {
 
 /// Every named host.
 pub fn all() -> Vec<HostSpec> {
-    vec![a100_8x(), a100_8x_vfio(), tpu_v5p(), tpu_v6e_8(), sriov(), mi300x(), gpu_with_audio()]
+    vec![
+        a100_8x(),
+        a100_8x_vfio(),
+        tpu_v5p(),
+        tpu_v6e_8(),
+        sriov(),
+        mi300x(),
+        mi300x_cpx(),
+        gpu_with_audio(),
+    ]
 }

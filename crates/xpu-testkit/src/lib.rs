@@ -112,6 +112,21 @@ pub struct DevSpec {
     /// The display controller the firmware booted on: its `boot_vga` reads `1` (the fixtures
     /// write no `boot_vga` for other functions; xpu reads a missing one as `0`).
     pub boot_vga: bool,
+    /// An AMD Instinct GPU's partitioning ([`Partitions`]).
+    pub partitions: Option<Partitions>,
+}
+
+/// amdgpu's partition files on a GPU and the KFD topology nodes of its partitions: `count`
+/// partitions (render nodes `renderD(128+drm_minor+i)`), each of `xcc` dies and `memory_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Partitions {
+    pub compute: String,
+    pub memory: String,
+    pub available_compute: String,
+    pub available_memory: String,
+    pub count: u32,
+    pub xcc: u32,
+    pub memory_bytes: u64,
 }
 
 impl DevSpec {
@@ -137,6 +152,7 @@ impl DevSpec {
             drm_minor: None,
             xgmi_hive: None,
             boot_vga: false,
+            partitions: None,
         }
     }
 
@@ -195,6 +211,11 @@ impl DevSpec {
 
     pub fn drm(mut self, minor: u32) -> Self {
         self.drm_minor = Some(minor);
+        self
+    }
+
+    pub fn partitions(mut self, p: Partitions) -> Self {
+        self.partitions = Some(p);
         self
     }
 

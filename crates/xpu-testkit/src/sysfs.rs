@@ -282,6 +282,58 @@ impl Builder<'_> {
                 self.node(&NodeSpec::new(format!("/dev/dri/{name}"), MAJOR_DRM, m));
             }
         }
+        if let (Some(p), Some(minor)) = (&d.partitions, d.drm_minor) {
+            for (file, value) in [
+                ("current_compute_partition", &p.compute),
+                ("available_compute_partition", &p.available_compute),
+                ("current_memory_partition", &p.memory),
+                ("available_memory_partition", &p.available_memory),
+            ] {
+                write(&dir.join(file), format!("{value}\n"));
+            }
+            // One KFD node per partition, numbered after those already there (CPU nodes
+            // first on a real host; none here). The first partition's render node is the
+            // function's own; the others' are `amdgpu_xcp` platform devices'.
+            let nodes = self.p("sys/class/kfd/kfd/topology/nodes");
+            fs::create_dir_all(&nodes).unwrap();
+            let first = fs::read_dir(&nodes).unwrap().count();
+            let location = u32::from(d.address.bus) << 8
+                | u32::from(d.address.device) << 3
+                | u32::from(d.address.function);
+            for i in 0..p.count {
+                let render = 128 + minor + i;
+                if i > 0 {
+                    let xcp = self.p(&format!(
+                        "sys/devices/platform/amdgpu_xcp.{}/drm/renderD{render}",
+                        minor + i
+                    ));
+                    fs::create_dir_all(&xcp).unwrap();
+                    write(&xcp.join("dev"), format!("{MAJOR_DRM}:{render}\n"));
+                    self.node(&NodeSpec::new(
+                        format!("/dev/dri/renderD{render}"),
+                        MAJOR_DRM,
+                        render,
+                    ));
+                }
+                let node = nodes.join((first + i as usize).to_string());
+                fs::create_dir_all(node.join("mem_banks/0")).unwrap();
+                write(
+                    &node.join("properties"),
+                    format!(
+                        "cpu_cores_count 0\nsimd_count {}\nvendor_id {}\ndevice_id {}\nlocation_id {location}\ndomain {}\ndrm_render_minor {render}\nnum_xcc {}\n",
+                        p.xcc * 152,
+                        d.vendor,
+                        d.device,
+                        d.address.domain,
+                        p.xcc
+                    ),
+                );
+                write(
+                    &node.join("mem_banks/0/properties"),
+                    format!("heap_type 1\nsize_in_bytes {}\n", p.memory_bytes),
+                );
+            }
+        }
     }
 }
 

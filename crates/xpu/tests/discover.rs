@@ -251,3 +251,20 @@ fn mig_lists_modes_instances_and_their_capability_nodes() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("mig-state.json"));
 }
+
+/// An MI300X host in CPX/NPS1: each GPU's partitioning in JSON (`partitioning`) and the table.
+#[test]
+fn amd_partitions_are_listed() {
+    let fx = hosts::mi300x_cpx()
+        .build_with(&xpu_testkit::BuildOptions { char_devices: true, ..Default::default() });
+    let root = fx.root().display().to_string();
+    let v = json(&["discover", "--root", &root, "--format", "json"]);
+    let gpu = v["devices"].as_array().unwrap().iter().find(|d| d["kind"] == "gpu").unwrap();
+    let p = &gpu["partitioning"];
+    assert_eq!((p["compute"].as_str(), p["memory"].as_str()), (Some("CPX"), Some("NPS1")));
+    assert_eq!(p["partitions"].as_array().unwrap().len(), 8, "{p}");
+    assert_eq!(p["partitions"][1]["render_node"]["path"], "/dev/dri/renderD129");
+    let out = xpu(&["discover", "--root", &root]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("CPX/NPS1, 8 partition(s): renderD128,renderD129"), "{text}");
+}

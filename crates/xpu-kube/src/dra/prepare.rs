@@ -118,6 +118,8 @@ pub enum ClaimError {
     Config { field: String, reason: String },
     #[error("MIG device {device}: {reason}")]
     Mig { device: String, reason: String },
+    #[error("GPU partition {device}: {reason}")]
+    Partition { device: String, reason: String },
     #[error("device {device} is shared ({consumed}): {reason}")]
     Shared { device: String, consumed: String, reason: String },
     #[error(
@@ -270,8 +272,10 @@ pub fn to_move(claim: &ResourceClaim, inv: &Inventory) -> Result<Vec<PciAddress>
         if mode_for(&configs, &r.request) != Mode::Passthrough {
             continue;
         }
-        // A MIG device is never passed through: [`plan`] refuses it on its GPU's driver.
-        if mig::parse_device_name(&r.device).is_some() {
+        // A MIG device or an AMD partition is never passed through: [`plan`] refuses it.
+        if mig::parse_device_name(&r.device).is_some()
+            || slices::parse_partition_name(&r.device).is_some()
+        {
             continue;
         }
         let Some(d) = slices::by_name(inv, &r.device) else { continue };
@@ -330,6 +334,11 @@ pub fn plan(
             .map(|(_, profile, start)| mig_part(&r.device, d, profile, start, mig))
             .transpose()?;
         let mode = mode_for(&configs, &r.request);
+        let xcp = slices::parse_partition_name(&r.device).map(|(_, i)| i);
+        if let Some(i) = xcp {
+            // Refused before the driver check: the cause is the partition, not the driver.
+            partition_node(&r.device, d, i, mode)?;
+        }
         let on_vfio = d.driver.as_deref() == Some("vfio-pci");
         if (mode == Mode::Passthrough) != on_vfio {
             let (mode_s, wanted, class) = match mode {
@@ -361,12 +370,16 @@ pub fn plan(
             })
             .ok_or_else(no_nodes)?;
         let host = host_specs.iter().find(|s| s.kind == kind.as_str()).ok_or_else(no_nodes)?;
-        let edits = host
+        let mut edits = host
             .devices
             .iter()
             .find(|x| x.name == index.name)
             .map(|x| x.container_edits.clone())
             .ok_or_else(no_nodes)?;
+        // An AMD partition is its own render node, never its GPU's others.
+        if let Some(i) = xcp {
+            edits.device_nodes = vec![partition_node(&r.device, d, i, mode)?];
+        }
         // What the kind's devices share (control nodes, driver files, environment) is for
         // its vendor driver; a device passed through gets its group's nodes alone.
         // The kind's shared edits hold `/dev/vfio/vfio` when any of its devices is on vfio-pci:
@@ -408,6 +421,47 @@ pub fn plan(
         container_edits: common,
     };
     Ok(Plan { spec, devices: by_device.into_values().collect(), mig: parts })
+}
+
+/// The render node of partition `index` of the AMD GPU `d`, as discovery found it now: a
+/// partition that is gone (the GPU's mode changed under the driver) or asked for passthrough is
+/// refused naming it.
+fn partition_node(
+    device: &str,
+    d: &PciDevice,
+    index: u32,
+    mode: Mode,
+) -> Result<cdi::DeviceNode, ClaimError> {
+    let err = |reason: String| ClaimError::Partition { device: device.to_owned(), reason };
+    if mode == Mode::Passthrough {
+        return Err(err(
+            "a partition is not a PCI function and cannot be passed through; ask for the whole GPU in SPX mode"
+                .into(),
+        ));
+    }
+    let p = d
+        .partitioning
+        .as_ref()
+        .ok_or_else(|| err(format!("the GPU at {} reports no partitioning now", d.address)))?;
+    let x = p.partitions.iter().find(|x| x.index == index).ok_or_else(|| {
+        err(format!(
+            "the GPU at {} is in {} mode with {} partitions now; it was re-published",
+            d.address,
+            p.compute,
+            p.partitions.len()
+        ))
+    })?;
+    let n = &x.render_node;
+    match (n.major, n.minor) {
+        (Some(major), Some(minor)) => Ok(cdi::DeviceNode {
+            path: n.path.clone(),
+            node_type: "c".to_owned(),
+            major: major.into(),
+            minor: minor.into(),
+            file_mode: n.mode,
+        }),
+        _ => Err(err(format!("{} has no device numbers", n.path))),
+    }
 }
 
 /// How the driver shares a GPU among the claims given part of it.
@@ -562,6 +616,68 @@ mod tests {
             .filter(|d| d.starts_with("gpu"))
             .take(n)
             .collect()
+    }
+
+    /// An MI300X host in CPX mode: its GPUs published as eight partitions each, a claim for one
+    /// gets its render node and `/dev/kfd`, never the GPU's card or other partitions' nodes.
+    #[test]
+    fn an_amd_partition_gets_its_own_render_node_only() {
+        let fx = hosts::mi300x_cpx()
+            .build_with(&BuildOptions { char_devices: true, ..Default::default() });
+        let root = Root::new(fx.root()).unwrap();
+        let mut inv = xpu_host::discover(&root, &DiscoverOptions::default()).unwrap();
+        let opts = GenerateOptions {
+            kinds: CdiKind::ALL.to_vec(),
+            strict: false,
+            host_root: root.base().to_owned(),
+        };
+        let files = xpu_host::driver_files::find(&root, None);
+        let specs = cdi::generate(&inv, &files, &opts).map(|g| g.specs).unwrap_or_default();
+        if specs.is_empty() {
+            eprintln!("skipping: fixture device nodes need root (mknod)");
+            return;
+        }
+        let published = slices::devices(&root, &inv);
+        assert_eq!(published.len(), 64, "8 GPUs × 8 partitions");
+        let gpu0 = slices::device_name(inv.accelerators().next().unwrap()).unwrap();
+        let name = slices::partition_name(&gpu0, 3);
+        let dev = published.iter().find(|d| d.name == name).unwrap();
+        let attrs = dev.attributes.as_ref().unwrap();
+        assert_eq!(attrs["computePartition"].string.as_deref(), Some("CPX"));
+        assert_eq!(attrs["memoryPartition"].string.as_deref(), Some("NPS1"));
+        assert_eq!((attrs["partition"].int, attrs["xcc"].int), (Some(3), Some(1)));
+        assert_eq!(attrs["passthroughCapable"].bool, Some(false));
+        assert_eq!(dev.capacity.as_ref().unwrap()["memory"].value.0, "24Gi");
+
+        let r =
+            |dev: &str| json!([{ "request": "r", "driver": DRIVER, "pool": "n1", "device": dev }]);
+        let p = plan(&claim(r(&name), json!([])), "u1", "n1", &inv, &specs, &[]).unwrap();
+        let nodes: Vec<&str> = p.spec.devices[0]
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.as_str())
+            .collect();
+        assert_eq!(nodes, ["/dev/dri/renderD131"]);
+        let shared: Vec<&str> =
+            p.spec.container_edits.device_nodes.iter().map(|n| n.path.as_str()).collect();
+        assert!(shared.contains(&"/dev/kfd"), "{shared:?}");
+        assert!(!shared.iter().any(|n| n.starts_with("/dev/dri")), "{shared:?}");
+
+        // Passthrough of a partition, and a partition gone after the mode changed: refused.
+        let pt = json!([{ "source": "FromClaim", "opaque": { "driver": DRIVER,
+            "parameters": { "apiVersion": "xpu.dev/v1", "kind": "DeviceConfig", "mode": "passthrough" } } }]);
+        let e = plan(&claim(r(&name), pt), "u1", "n1", &inv, &specs, &[]).unwrap_err();
+        assert!(e.to_string().contains("GPU partition") && e.to_string().contains(&name), "{e}");
+        for d in inv.devices.iter_mut() {
+            if let Some(p) = d.partitioning.as_mut() {
+                p.compute = "DPX".into();
+                p.partitions.truncate(2);
+            }
+        }
+        let e = plan(&claim(r(&name), json!([])), "u1", "n1", &inv, &specs, &[]).unwrap_err();
+        assert!(e.to_string().contains("DPX mode with 2 partitions"), "{e}");
+        assert_eq!(slices::devices(&root, &inv).len(), 16, "re-published as the new mode's");
     }
 
     #[test]

@@ -47,10 +47,78 @@ pub fn device_name(d: &PciDevice) -> Option<String> {
 }
 
 /// The inventory device a published device name stands for (a MIG device's name,
-/// `<gpu>-mig-<profile>-<start>`, stands for its GPU).
+/// `<gpu>-mig-<profile>-<start>`, and an AMD partition's, `<gpu>-xcp-<i>`, stand for their GPU).
 pub fn by_name<'a>(inv: &'a Inventory, name: &str) -> Option<&'a PciDevice> {
-    let whole = super::mig::parse_device_name(name).map_or(name, |(gpu, _, _)| gpu);
+    let whole = super::mig::parse_device_name(name)
+        .map(|(gpu, _, _)| gpu)
+        .or_else(|| parse_partition_name(name).map(|(gpu, _)| gpu))
+        .unwrap_or(name);
     inv.devices.iter().find(|d| device_name(d).as_deref() == Some(whole))
+}
+
+/// An AMD GPU partition's device name: `gpu-0000-0c-00-0-xcp-3`.
+pub fn partition_name(gpu: &str, index: u32) -> String {
+    format!("{gpu}-xcp-{index}")
+}
+
+/// `gpu-0000-0c-00-0-xcp-3` → (`gpu-0000-0c-00-0`, 3).
+pub fn parse_partition_name(name: &str) -> Option<(&str, u32)> {
+    let (gpu, i) = name.rsplit_once("-xcp-")?;
+    if i.is_empty() || !i.bytes().all(|b| b.is_ascii_digit()) || i.len() > 3 {
+        return None;
+    }
+    Some((gpu, i.parse().ok()?))
+}
+
+/// `device`, the published GPU `d`, as the partitions amdgpu made of it when it is in a mode of
+/// more than one (`CPX`: eight on an MI300X): each `<gpu>-xcp-<i>` with the GPU's attributes
+/// and `computePartition`, `memoryPartition`, `partition` (its index) and `xcc` (its dies), its
+/// own memory as KFD reports it (else the GPU's divided evenly), and never passthrough-capable
+/// (a partition is not a PCI function). Otherwise the GPU alone.
+pub fn partitions(device: Device, d: &PciDevice) -> Vec<Device> {
+    let Some(p) = d.partitioning.as_ref().filter(|p| p.partitions.len() > 1) else {
+        return vec![device];
+    };
+    let n = p.partitions.len() as u64;
+    let even = device
+        .capacity
+        .as_ref()
+        .and_then(|c| c.get("memory"))
+        .and_then(|q| q.value.0.strip_suffix("Gi"))
+        .and_then(|g| g.parse::<u64>().ok())
+        .map(|g| (g << 30) / n);
+    p.partitions
+        .iter()
+        .map(|x| {
+            let mut dev = device.clone();
+            dev.name = partition_name(&device.name, x.index);
+            let a = dev.attributes.get_or_insert_with(BTreeMap::new);
+            a.insert("computePartition".to_owned(), string(p.compute.clone()));
+            if let Some(m) = &p.memory {
+                a.insert("memoryPartition".to_owned(), string(m.clone()));
+            }
+            a.insert("partition".to_owned(), int(x.index));
+            if let Some(xcc) = x.xcc {
+                a.insert("xcc".to_owned(), int(xcc));
+            }
+            a.insert(
+                "passthroughCapable".to_owned(),
+                DeviceAttribute { bool: Some(false), ..Default::default() },
+            );
+            if let Some(bytes) = x.memory_bytes.or(even) {
+                let value = if bytes % (1 << 30) == 0 {
+                    format!("{}Gi", bytes >> 30)
+                } else {
+                    format!("{}Mi", bytes >> 20)
+                };
+                dev.capacity = Some(BTreeMap::from([(
+                    "memory".to_owned(),
+                    DeviceCapacity { value: Quantity(value), ..Default::default() },
+                )]));
+            }
+            dev
+        })
+        .collect()
 }
 
 fn string(s: impl Into<String>) -> DeviceAttribute {
@@ -152,8 +220,9 @@ pub fn devices(root: &Root, inv: &Inventory) -> Vec<Device> {
                     DeviceAttribute { bool: Some(capable), ..Default::default() },
                 );
             }
-            Some(dev)
+            Some(partitions(dev, d))
         })
+        .flatten()
         .collect()
 }
 
@@ -170,25 +239,34 @@ pub fn taint_unhealthy(
     devices: Vec<Device>,
     inv: &Inventory,
     unhealthy: &BTreeMap<xpu_core::PciAddress, String>,
-    known: &mut BTreeMap<xpu_core::PciAddress, Device>,
+    known: &mut BTreeMap<xpu_core::PciAddress, Vec<Device>>,
 ) -> Vec<Device> {
-    let address: BTreeMap<String, xpu_core::PciAddress> =
-        inv.devices.iter().filter_map(|d| Some((device_name(d)?, d.address))).collect();
-    let mut out: BTreeMap<xpu_core::PciAddress, Device> = BTreeMap::new();
+    // By address, then name: a partitioned GPU is several devices.
+    let mut out: BTreeMap<(xpu_core::PciAddress, String), Device> = BTreeMap::new();
+    let mut seen: BTreeMap<xpu_core::PciAddress, Vec<Device>> = BTreeMap::new();
     for d in devices {
-        if let Some(a) = address.get(&d.name) {
-            known.insert(*a, d.clone());
-            out.insert(*a, d);
+        if let Some(a) = by_name(inv, &d.name).map(|p| p.address) {
+            seen.entry(a).or_default().push(d.clone());
+            out.insert((a, d.name.clone()), d);
         }
     }
+    for (a, devs) in seen {
+        known.insert(a, devs);
+    }
     for (a, reason) in unhealthy {
-        let Some(d) = out.get_mut(a) else {
-            if let Some(last) = known.get(a) {
-                out.insert(*a, with_taint(last.clone(), reason));
+        let mine: Vec<String> =
+            out.keys().filter(|(x, _)| x == a).map(|(_, n)| n.clone()).collect();
+        if mine.is_empty() {
+            for last in known.get(a).into_iter().flatten() {
+                out.insert((*a, last.name.clone()), with_taint(last.clone(), reason));
             }
             continue;
-        };
-        *d = with_taint(std::mem::take(d), reason);
+        }
+        for n in mine {
+            if let Some(d) = out.get_mut(&(*a, n)) {
+                *d = with_taint(std::mem::take(d), reason);
+            }
+        }
     }
     out.into_values().collect()
 }
@@ -537,6 +615,30 @@ mod tests {
         let root = Root::new(fx.root()).unwrap();
         let inv = xpu_host::discover(&root, &DiscoverOptions::default()).unwrap();
         (fx, root, inv)
+    }
+
+    /// A partitioned GPU's partitions are tainted together when telemetry reports the GPU, and
+    /// published as last seen when the GPU vanishes; names map back to their GPU.
+    #[test]
+    fn partitions_of_an_unhealthy_gpu_are_all_tainted() {
+        let (_fx, root, inv) = inv(&hosts::mi300x_cpx());
+        let gpu = inv.accelerators().next().unwrap().address;
+        let mut known = BTreeMap::new();
+        let why = BTreeMap::from([(gpu, "ras: uncorrectable".to_owned())]);
+        let out = taint_unhealthy(devices(&root, &inv), &inv, &why, &mut known);
+        assert_eq!(out.len(), 64);
+        let tainted: Vec<&str> =
+            out.iter().filter(|d| d.taints.is_some()).map(|d| d.name.as_str()).collect();
+        assert_eq!(tainted.len(), 8, "{tainted:?}");
+        let name = device_name(inv.device(&gpu).unwrap()).unwrap();
+        assert!(tainted.iter().all(|t| parse_partition_name(t).map(|p| p.0) == Some(&*name)));
+        assert_eq!(by_name(&inv, &partition_name(&name, 7)).map(|d| d.address), Some(gpu));
+        assert_eq!(parse_partition_name("gpu-x-xcp-"), None);
+        // Gone from the host: its partitions as last seen, tainted.
+        let mut after = inv.clone();
+        after.devices.retain(|d| d.address != gpu);
+        let out = taint_unhealthy(devices(&root, &after), &after, &why, &mut known);
+        assert_eq!(out.iter().filter(|d| d.taints.is_some()).count(), 8);
     }
 
     /// Shareable GPUs say how they are shared; NVSwitches and GPUs on vfio-pci are not made

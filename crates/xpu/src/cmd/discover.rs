@@ -230,5 +230,24 @@ fn render_table(inv: &Inventory) -> String {
     }
     summary.push(format!("{} IOMMU groups", inv.host.iommu_groups));
     out.push_str(&format!("\n{}\n", summary.join("; ")));
+    // AMD Instinct partitioning: the modes and the render node of each partition.
+    for d in &inv.devices {
+        let Some(p) = &d.partitioning else { continue };
+        let nodes: Vec<&str> = p
+            .partitions
+            .iter()
+            .map(|x| x.render_node.path.trim_start_matches("/dev/dri/"))
+            .collect();
+        out.push_str(&format!(
+            "{}: {}{}, {} partition(s): {} (modes: {}; {})\n",
+            d.address,
+            p.compute,
+            p.memory.as_deref().map(|m| format!("/{m}")).unwrap_or_default(),
+            p.partitions.len(),
+            if nodes.is_empty() { "-".to_owned() } else { nodes.join(",") },
+            p.available_compute.join(","),
+            p.available_memory.join(","),
+        ));
+    }
     out
 }
