@@ -9,9 +9,10 @@
 //! - `NVIDIA_DRIVER_CAPABILITIES`: `all` or a list of capabilities; unset or empty takes the
 //!   configured default (`utility,compute`).
 //! - `XPU_VISIBLE_DEVICES`, vendor-neutral: a comma-separated list of CDI names
-//!   (`google.com/tpu=0`, `nvidia.com/gpu=all`) and kind-qualified indices (`tpu:0`, `gpu:3`,
-//!   `gpu:all`, counting every device of that kind in PCI address order whatever its vendor);
-//!   empty or `void` adds nothing.
+//!   (`google.com/tpu=0`, `nvidia.com/gpu=all`), kind-qualified indices (`tpu:0`, `gpu:3`,
+//!   `gpu:all`, counting every device of that kind in PCI address order whatever its vendor)
+//!   and PCI addresses of accelerators (`0000:25:00.0`: what xpu's device plugin answers
+//!   `Allocate` with); empty or `void` adds nothing.
 //! - CDI annotations (`cdi.k8s.io/<key>`: comma-separated fully qualified names): names of the
 //!   kinds xpu serves are resolved; names of other kinds are left to the engine.
 //!
@@ -310,6 +311,13 @@ fn xpu_visible(v: &str, inv: &Inventory, sel: &mut Selection) -> Result<(), Requ
             })?;
             cdi::resolve(inv, kind, &name.name)
                 .ok_or_else(|| err(var, v, format!("this host has no device {item}")))?
+        } else if let Some(a) = item.contains('.').then(|| parse_bus_id(item)).flatten() {
+            let i = inv
+                .devices
+                .iter()
+                .position(|d| d.address == a && d.kind.is_accelerator())
+                .ok_or_else(|| err(var, v, format!("this host has no accelerator at {a}")))?;
+            vec![i]
         } else if let Some((kind, index)) = item.split_once(':') {
             kind_index(kind, index, inv).map_err(|reason| err(var, v, reason))?
         } else {
@@ -317,7 +325,7 @@ fn xpu_visible(v: &str, inv: &Inventory, sel: &mut Selection) -> Result<(), Requ
                 var,
                 v,
                 format!(
-                    "{item:?} is neither a CDI name (nvidia.com/gpu=0) nor a kind-qualified index (gpu:0, tpu:all)"
+                    "{item:?} is neither a CDI name (nvidia.com/gpu=0), a kind-qualified index (gpu:0, tpu:all) nor an accelerator's PCI address (0000:25:00.0)"
                 ),
             ));
         };
@@ -398,6 +406,8 @@ mod tests {
             (XPU_VISIBLE_DEVICES, "intel.com/gpu=0"),
             (XPU_VISIBLE_DEVICES, "fpga:0"),
             (XPU_VISIBLE_DEVICES, "junk"),
+            (XPU_VISIBLE_DEVICES, "0000:25:00.0,0000:2b:00.0"),
+            (XPU_VISIBLE_DEVICES, "0000:99:00.0"),
             ("cdi.k8s.io/x", "nvidia.com/gpu=2,vendor.com/nic=1"),
             ("cdi.k8s.io/y", "amd.com/gpu=all"),
             ("cdi.k8s.io/z", "not a name"),
@@ -425,6 +435,29 @@ mod tests {
                 };
                 assert_eq!(view(&narrow), view(&full), "{} {var}={value}", spec.name);
             }
+        }
+    }
+
+    /// What xpu's device plugin answers `Allocate` with (PCI addresses) is a request the shim
+    /// understands, so a node running the shim needs nothing else from the plugin.
+    #[test]
+    fn pci_addresses_name_accelerators() {
+        let f = xpu_testkit::hosts::a100_8x().build();
+        let root = xpu_host::Root::new(f.root()).unwrap();
+        let inv = xpu_host::discover(&root, &xpu_host::DiscoverOptions::default()).unwrap();
+        let caps = Capabilities::parse("utility,compute").unwrap();
+        let req = |v: &str| {
+            let env = Env::from_entries([format!("{XPU_VISIBLE_DEVICES}={v}").as_str()]);
+            resolve(&env, &BTreeMap::new(), &inv, caps)
+        };
+        let r = req("0000:25:00.0,0000:2b:00.0").unwrap();
+        assert_eq!(r.names, ["nvidia.com/gpu=0", "nvidia.com/gpu=1"]);
+        let e = req("0000:99:00.0").unwrap_err().to_string();
+        assert!(e.contains("no accelerator at 0000:99:00.0"), "{e}");
+        // A function that is not an accelerator (an NVSwitch is one; a bridge is not).
+        let bridge = inv.devices.iter().find(|d| !d.kind.is_accelerator()).map(|d| d.address);
+        if let Some(b) = bridge {
+            assert!(req(&b.to_string()).is_err());
         }
     }
 

@@ -36,6 +36,7 @@ fn main() {
             mps: None,
             replicas: 1,
             mig: None,
+            device_list: Default::default(),
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

@@ -84,6 +84,8 @@ pub struct Config {
     pub mps: Option<Arc<crate::mps::Mps>>,
     /// Time-slicing: every device offered this many times (1: each once).
     pub replicas: u16,
+    /// How `Allocate` names devices to the runtime.
+    pub device_list: DeviceList,
     /// MIG's `mixed` strategy ([`mig`]): each MIG instance on a GPU in MIG mode offered as one
     /// `nvidia.com/mig-<profile>` device, and such GPUs left out of whole-GPU resources.
     pub mig: Option<MigOptions>,
@@ -310,9 +312,42 @@ pub struct Plugin {
     watches: std::sync::atomic::AtomicU64,
     share: Option<Arc<dyn ShareResolver>>,
     mps: Option<Arc<crate::mps::Mps>>,
+    device_list: DeviceList,
+}
+
+/// How `Allocate` names a container's devices to the runtime (NVIDIA's device plugin's
+/// `--device-list-strategy` names).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DeviceList {
+    /// CDI device names (the kubelet passes them to the runtime through the CRI), the `/dev`
+    /// nodes as `DeviceSpec`s and the environment, for runtimes with or without CDI.
+    #[default]
+    CdiCri,
+    /// The environment alone (`NVIDIA_VISIBLE_DEVICES`, `XPU_VISIBLE_DEVICES`...): the runtime
+    /// injects the devices, as `xpu-container-runtime` in place of runc does (or NVIDIA's
+    /// runtime). xpu's own CDI devices (an MPS share's pipe, a MIG instance's capabilities) are
+    /// still named: no runtime knows them from the environment.
+    Envvar,
+}
+
+impl std::str::FromStr for DeviceList {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cdi-cri" => Ok(DeviceList::CdiCri),
+            "envvar" => Ok(DeviceList::Envvar),
+            other => Err(format!("{other:?} is not a device list strategy; use cdi-cri or envvar")),
+        }
+    }
 }
 
 impl Plugin {
+    /// Names devices to the runtime as `d` says.
+    pub fn with_device_list(mut self, d: DeviceList) -> Plugin {
+        self.device_list = d;
+        self
+    }
+
     /// A [`SHARE_RESOURCE`] plugin: the devices `resource` selects, each offered as
     /// [`SHARE_UNITS`] units, given out as `resolver` says.
     pub fn shared(resource: Resource, inv: &Inventory, resolver: Arc<dyn ShareResolver>) -> Plugin {
@@ -401,6 +436,7 @@ impl Plugin {
             watches: Default::default(),
             share: None,
             mps: None,
+            device_list: DeviceList::CdiCri,
         }
     }
 
@@ -416,6 +452,7 @@ impl Plugin {
             watches: Default::default(),
             share: None,
             mps: None,
+            device_list: DeviceList::CdiCri,
         }
     }
 
@@ -811,6 +848,13 @@ impl pb::device_plugin_server::DevicePlugin for Plugin {
                 .map(|r| self.allocate_container(&r.devices_ids))
                 .collect::<Result<_, _>>()?,
         };
+        let mut container_responses: Vec<pb::ContainerAllocateResponse> = container_responses;
+        if self.device_list == DeviceList::Envvar {
+            for c in &mut container_responses {
+                c.devices.clear();
+                c.cdi_devices.retain(|d| d.name.starts_with("xpu.dev/"));
+            }
+        }
         Ok(Response::new(pb::AllocateResponse { container_responses }))
     }
 
@@ -1010,20 +1054,28 @@ pub async fn run(
     let whole = mig::without_mig(&inv, &mig_state.enabled);
     let mut slots = Vec::new();
     for (profile, devs) in &mig_state.by_profile {
-        let plugin = Arc::new(Plugin::mig(profile, devs.clone(), &inv));
+        let plugin =
+            Arc::new(Plugin::mig(profile, devs.clone(), &inv).with_device_list(cfg.device_list));
         slots.push(Slot::new(&cfg.plugin_dir, plugin));
     }
     for r in &cfg.resources {
         let plugin = if r.name == SHARE_RESOURCE {
             let resolver = cfg.share.clone().ok_or(PluginError::ShareWithoutResolver)?;
-            Arc::new(Plugin::shared(r.clone(), &whole, resolver).with_mps(cfg.mps.clone()))
+            Arc::new(
+                Plugin::shared(r.clone(), &whole, resolver)
+                    .with_mps(cfg.mps.clone())
+                    .with_device_list(cfg.device_list),
+            )
         } else if cfg.replicas > 1
             && r.terms.contains(&crate::selector::Term::Kind(xpu_core::DeviceKind::Gpu))
         {
             // GPUs only: a TPU or another accelerator is not time-sliced by its runtime.
-            Arc::new(Plugin::time_sliced(r.clone(), &whole, cfg.replicas))
+            Arc::new(
+                Plugin::time_sliced(r.clone(), &whole, cfg.replicas)
+                    .with_device_list(cfg.device_list),
+            )
         } else {
-            Arc::new(Plugin::new(r.clone(), &whole))
+            Arc::new(Plugin::new(r.clone(), &whole).with_device_list(cfg.device_list))
         };
         if plugin.device_count() == 0 {
             emit(Event::Skipped { resource: r.name.clone() });
@@ -1136,7 +1188,9 @@ pub async fn run(
                 if slots.iter().any(|s| s.plugin.resource.name == name) {
                     continue;
                 }
-                let plugin = Arc::new(Plugin::mig(profile, devs.clone(), &inv));
+                let plugin = Arc::new(
+                    Plugin::mig(profile, devs.clone(), &inv).with_device_list(cfg.device_list),
+                );
                 let mut slot = Slot::new(&cfg.plugin_dir, plugin);
                 match Server::start(&slot.socket, slot.plugin.clone()) {
                     Ok(server) => {

@@ -341,6 +341,7 @@ async fn xid_79_turns_the_gpu_unhealthy_in_list_and_watch_and_metrics_until_rese
         mps: None,
         replicas: 1,
         mig: None,
+        device_list: Default::default(),
     };
     let (stop, stopped) = oneshot::channel::<()>();
     let plugin = tokio::spawn(deviceplugin::run(cfg, None, async {

@@ -87,6 +87,7 @@ fn start_with(
         mps: None,
         replicas,
         mig: None,
+        device_list: Default::default(),
     };
     let (tx, events) = mpsc::unbounded_channel();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -377,6 +378,7 @@ async fn refuses_a_host_without_matching_devices_and_a_missing_directory() {
         mps: None,
         replicas: 1,
         mig: None,
+        device_list: Default::default(),
     };
     let e = deviceplugin::run(cfg.clone(), None, async {}).await.unwrap_err();
     assert!(e.to_string().contains("no device on this host matches any resource"), "{e}");

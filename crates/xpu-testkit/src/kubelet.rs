@@ -159,6 +159,9 @@ pub struct NodeOptions {
     pub old_kubelet: bool,
     /// How long the node may take to become Ready.
     pub ready_timeout: Duration,
+    /// The OCI runtime containerd's `runc` runtime runs (its `BinaryName`): [`RUNC`] unless
+    /// set, an OCI runtime shim in front of it (`xpu-container-runtime`) when set.
+    pub oci_runtime: Option<PathBuf>,
 }
 
 impl Default for NodeOptions {
@@ -172,6 +175,7 @@ impl Default for NodeOptions {
             kubelet_flags: Vec::new(),
             old_kubelet: false,
             ready_timeout: Duration::from_secs(120),
+            oci_runtime: None,
         }
     }
 }
@@ -199,6 +203,12 @@ impl NodeOptions {
     /// Import the image archive at `path` into the node's containerd at start.
     pub fn image(mut self, path: impl Into<PathBuf>) -> Self {
         self.images.push(path.into());
+        self
+    }
+
+    /// Have containerd run containers through the OCI runtime at `path` instead of runc.
+    pub fn oci_runtime(mut self, path: impl Into<PathBuf>) -> Self {
+        self.oci_runtime = Some(path.into());
         self
     }
 
@@ -476,7 +486,8 @@ impl Node {
         let plugins = node.device_plugin_dir();
         fs::create_dir_all(&plugins).map_err(io_err("create", &plugins))?;
 
-        write(&dir.join("containerd.toml"), &containerd_config(&dir, &node.name))?;
+        let runtime = options.oci_runtime.clone().unwrap_or_else(|| PathBuf::from(RUNC));
+        write(&dir.join("containerd.toml"), &containerd_config(&dir, &node.name, &runtime))?;
         write(
             &dir.join("kubelet.json"),
             &kubelet_config(
@@ -798,7 +809,7 @@ fn remove_cgroup_tree(root: &Path) -> io::Result<()> {
 
 /// containerd's configuration (version 4, containerd 2.4), fields as `containerd config
 /// default` names them. CDI needs no switch in containerd 2.x (always on): only where specs are.
-fn containerd_config(dir: &Path, address: &str) -> String {
+fn containerd_config(dir: &Path, address: &str, runtime: &Path) -> String {
     let cdi = dir.join("cdi");
     let cni_bin = dir.join("cni/bin");
     let cni_conf = dir.join("cni/net.d");
@@ -830,7 +841,7 @@ imports = []
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
-        BinaryName = "{RUNC}"
+        BinaryName = "{runtime}"
         SystemdCgroup = false
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["{cni_bin}"]
@@ -843,6 +854,7 @@ imports = []
         cdi = cdi.display(),
         cni_bin = cni_bin.display(),
         cni_conf = cni_conf.display(),
+        runtime = runtime.display(),
     )
 }
 
@@ -1030,7 +1042,7 @@ mod tests {
 
     #[test]
     fn configurations_name_the_run_directory_and_the_settings_this_machine_needs() {
-        let c = containerd_config(Path::new("/t/node-1"), "127.0.0.3");
+        let c = containerd_config(Path::new("/t/node-1"), "127.0.0.3", Path::new(RUNC));
         assert!(c.contains(r#"stream_server_address = "127.0.0.3""#), "{c}");
         assert!(c.contains(r#"cdi_spec_dirs = ["/t/node-1/cdi", "/var/run/cdi"]"#), "{c}");
         assert!(c.contains("restrict_oom_score_adj = true"), "{c}");

@@ -39,6 +39,24 @@ struct Plugin {
 }
 
 impl Plugin {
+    /// `xpu k8s device-plugin --interval-ms 200 ARGS --root ROOT --plugin-dir <node's>`, its
+    /// log in the node's directory.
+    fn spawn(node: &Node, root: &std::path::Path, args: &[&std::ffi::OsStr]) -> Plugin {
+        let log = node.dir().join("device-plugin.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
+            .args(["k8s", "device-plugin", "--interval-ms", "200"])
+            .args(args)
+            .arg("--root")
+            .arg(root)
+            .arg("--plugin-dir")
+            .arg(node.device_plugin_dir())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Plugin { child, log }
+    }
+
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -182,17 +200,7 @@ async fn plugin_node(cp: &ControlPlane, old: bool) -> PluginNode {
 
     // The plugin runs outside the node's namespace, in the directory the kubelet sees as
     // /var/lib/kubelet/device-plugins.
-    let log = node.dir().join("device-plugin.log");
-    let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
-        .args(["k8s", "device-plugin", "--interval-ms", "200", "--root"])
-        .arg(fx.root())
-        .arg("--plugin-dir")
-        .arg(node.device_plugin_dir())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let plugin = Plugin { child, log };
+    let plugin = Plugin::spawn(&node, fx.root(), &[]);
     let registered = wait_until(Duration::from_secs(30), || async {
         plugin.log().contains("nvidia.com/gpu: registered with the kubelet")
     })
@@ -615,6 +623,92 @@ async fn mig_claims_get_instances_made_on_prepare_and_only_their_capabilities_ne
     drop(node);
 }
 
+/// A node whose containerd runs `xpu-container-runtime` in place of runc (its `BinaryName`, as
+/// docs/kubernetes-node.md tells an admin), with the device plugin's `--device-list-strategy
+/// envvar`: `Allocate` answers only `NVIDIA_VISIBLE_DEVICES`, and the shim, reading it from the
+/// container's spec, gives the container exactly its two GPUs and the control nodes (its other
+/// container and the pod's sandbox pass through untouched).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_get_their_gpus_through_the_runtime_shim_needs_root_and_runc() {
+    if skip_container_tests() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default().with_scheduler()).await;
+    let admin = cp.admin_client();
+    let spec = four_gpu_host();
+    let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
+    // The shim is xpu's multi-call binary under the name `xpu-container-runtime`, with its
+    // settings from a file the engine's environment names (a wrapper, since containerd's
+    // runtime options carry no environment).
+    let bin = cp.dir().join("shim-bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let shim = bin.join("xpu-container-runtime");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_xpu"), &shim).unwrap();
+    let config = bin.join("runtime.toml");
+    let shim_log = bin.join("shim.log");
+    std::fs::write(
+        &config,
+        format!(
+            "root = \"{}\"\nruntime = \"{}\"\nlog_file = \"{}\"\ncdi_dirs = []\n",
+            fx.root().display(),
+            xpu_testkit::kubelet::RUNC,
+            shim_log.display()
+        ),
+    )
+    .unwrap();
+    let wrapper = bin.join("runtime");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nXPU_RUNTIME_CONFIG={} exec {} \"$@\"\n",
+            config.display(),
+            shim.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .unwrap();
+    let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()).oci_runtime(&wrapper))
+        .await
+        .unwrap_or_else(|e| panic!("node: {e}"));
+    let plugin =
+        Plugin::spawn(&node, fx.root(), &["--device-list-strategy".as_ref(), "envvar".as_ref()]);
+    let diag = || {
+        let shim = std::fs::read_to_string(&shim_log).unwrap_or_default();
+        format!("{}\nshim log:\n{shim}\n{}", plugin.log(), node.log_tails())
+    };
+    let nodes: Api<NodeObject> = Api::all(admin.clone());
+    let took = wait_for_quantity(&nodes, "allocatable", "4", Duration::from_secs(60)).await;
+    assert!(took.is_some(), "allocatable {GPU}=4\n{}", diag());
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    let (_, gpu, plain) =
+        run_probe_pod(&pods, "shim-gpus", json!({}), json!({ "limits": { GPU: "2" } }), diag).await;
+    let ids: Vec<String> = gpu.env["XPU_VISIBLE_DEVICES"].split(',').map(str::to_owned).collect();
+    assert_eq!(ids.len(), 2, "{:?}", gpu.env);
+    let minors: Vec<u32> = ids
+        .iter()
+        .map(|id| {
+            spec.devices
+                .iter()
+                .find(|d| d.address.to_string() == *id)
+                .unwrap()
+                .nvidia_minor
+                .unwrap()
+        })
+        .collect();
+    assert!(gpu.env.contains_key("XPU_DEVICES"), "the shim edited the spec: {:?}", gpu.env);
+    // The shim gives `/dev/nvidia-modeset` only for the `display` capability, as NVIDIA's
+    // runtime does; the default capabilities are `utility,compute`.
+    let mut want = gpu_nodes(&minors);
+    want.remove("/dev/nvidia-modeset");
+    assert_only_these_nodes(&gpu, &plain, &want);
+    let shim = std::fs::read_to_string(&shim_log).unwrap_or_default();
+    eprintln!("shim log:\n{shim}");
+    drop(plugin);
+    drop(node);
+}
+
 /// A fake NVML's MIG state at `path` for the H200 fixture's four GPUs: GPU 0 in MIG mode with
 /// `instances`, the others whole. Returns the GPUs' addresses.
 fn write_fake_mig(path: &std::path::Path, instances: Value) -> Vec<String> {
@@ -658,22 +752,16 @@ async fn mig_instances_are_device_plugin_resources_with_the_mixed_strategy_needs
             { "gi": 2, "profile": "3g.71gb", "start": 4, "byXpu": false },
         ]),
     );
-    let log = node.dir().join("device-plugin.log");
-    let child = Command::new(env!("CARGO_BIN_EXE_xpu"))
-        .args(["k8s", "device-plugin", "--interval-ms", "200", "--mig-strategy", "mixed"])
-        .arg("--fake-mig")
-        .arg(&state)
-        .arg("--cdi-dir")
-        .arg(node.cdi_dir())
-        .arg("--root")
-        .arg(fx.root())
-        .arg("--plugin-dir")
-        .arg(node.device_plugin_dir())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let plugin = Plugin { child, log };
+    let cdi_dir = node.cdi_dir();
+    let args: [&std::ffi::OsStr; 6] = [
+        "--mig-strategy".as_ref(),
+        "mixed".as_ref(),
+        "--fake-mig".as_ref(),
+        state.as_ref(),
+        "--cdi-dir".as_ref(),
+        cdi_dir.as_ref(),
+    ];
+    let plugin = Plugin::spawn(&node, fx.root(), &args);
     let diag = || format!("{}\n{}", plugin.log(), node.log_tails());
     let nodes: Api<NodeObject> = Api::all(admin.clone());
     let allocatable = |want: &'static [(&'static str, &'static str)]| {

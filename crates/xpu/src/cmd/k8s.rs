@@ -245,6 +245,12 @@ pub struct DevicePluginArgs {
     /// Tests only: MIG state from a fake NVML's JSON state FILE (see the DRA driver's).
     #[arg(long, value_name = "FILE", hide = true)]
     pub fake_mig: Option<PathBuf>,
+    /// How Allocate names a container's devices: `cdi-cri` (CDI names, `/dev` nodes and the
+    /// environment) or `envvar` (the environment alone, `NVIDIA_VISIBLE_DEVICES`..., for nodes
+    /// whose containerd runs `xpu-container-runtime` in place of runc, which injects them).
+    #[arg(long, value_name = "STRATEGY", default_value = "cdi-cri",
+          value_parser = ["cdi-cri", "envvar"])]
+    pub device_list_strategy: String,
     #[command(flatten)]
     pub log: crate::output::LogArgs,
 }
@@ -494,6 +500,10 @@ fn device_plugin(args: DevicePluginArgs) -> CmdResult {
         share: None,
         mps,
         replicas: args.time_slicing.unwrap_or(1),
+        device_list: args
+            .device_list_strategy
+            .parse()
+            .map_err(|e: String| CliError::input(anyhow::anyhow!(e)))?,
         mig: match (args.mig_strategy.as_str(), &args.fake_mig) {
             ("none", _) => None,
             (_, fake) => Some(deviceplugin::MigOptions {
