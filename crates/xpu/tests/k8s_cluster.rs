@@ -10,7 +10,9 @@
 //! - `127.0.0.7` and `127.0.0.8`: the two TPU v5p hosts of one 2x2x2 slice (GKE's node pool
 //!   labels), the device plugin serving `google.com/tpu`;
 //! - `127.0.0.9`: four A100s behind `xpu k8s dra-driver`;
-//! - `127.0.0.10`: eight AMD MI300X, the device plugin serving `amd.com/gpu`.
+//! - `127.0.0.10`: eight AMD MI300X, the device plugin serving `amd.com/gpu`; this node's
+//!   containerd runs pods through `xpu-container-runtime` in place of runc (the plugin with
+//!   `--device-list-strategy envvar`), the others' through runc with CDI.
 //!
 //! Each accelerator node carries the labels `xpu k8s nfd-features` writes for it (NVIDIA's GFD
 //! names among them) and the GPU gang selects on `nvidia.com/gpu.product`. What runs, end to
@@ -130,6 +132,12 @@ async fn start_node(
     if role != Role::Cpu {
         options = options.devices_of(fx.root());
     }
+    // The AMD node runs its pods through xpu's runtime shim instead of CDI: containerd's runc
+    // is `xpu-container-runtime`, and its device plugin answers with the environment alone.
+    if role == Role::Amd {
+        let (wrapper, _) = shim_runtime(&cp.dir().join(format!("shim-{name}")), fx.root());
+        options = options.oci_runtime(wrapper);
+    }
     let node = Node::start(cp, options).await.unwrap_or_else(|e| panic!("node {name}: {e}"));
     let mut cn =
         ClusterNode { name: name.to_owned(), fx, node, agents: Vec::new(), metrics: None, spec };
@@ -188,6 +196,9 @@ async fn start_node(
         vec!["k8s".into(), "device-plugin".into(), "--interval-ms".into(), "200".into()];
     args.extend(["--root".into(), cn.fx.root().into()]);
     args.extend(["--plugin-dir".into(), cn.node.device_plugin_dir().into()]);
+    if role == Role::Amd {
+        args.extend(["--device-list-strategy".into(), "envvar".into()]);
+    }
     if role == Role::Share {
         args.extend(["--share".into(), "--node-name".into(), name.into()]);
         args.extend([
@@ -625,7 +636,9 @@ async fn seven_real_nodes_run_the_seeds_workloads_and_survive_a_node_and_a_leade
     }
     assert_eq!(given.split(',').count(), 2, "{:?}", gpus.env);
     assert_only_these_nodes(&gpus, &plain, &want);
-    eprintln!("the AMD pod: {given} and only their nodes");
+    // Put there by the shim, not by CDI: the shim records what it added.
+    assert!(gpus.env.contains_key("XPU_DEVICES"), "the shim edited the spec: {:?}", gpus.env);
+    eprintln!("the AMD pod: {given} and only their nodes, through the runtime shim");
 
     // The claim: two GPUs of the DRA node, of one NVLink domain, and nothing else.
     let claimed = pods.get("claimed").await.unwrap();

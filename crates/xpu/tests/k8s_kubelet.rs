@@ -638,37 +638,7 @@ async fn pods_get_their_gpus_through_the_runtime_shim_needs_root_and_runc() {
     let admin = cp.admin_client();
     let spec = four_gpu_host();
     let fx = spec.build_with(&BuildOptions { char_devices: true, ..Default::default() });
-    // The shim is xpu's multi-call binary under the name `xpu-container-runtime`, with its
-    // settings from a file the engine's environment names (a wrapper, since containerd's
-    // runtime options carry no environment).
-    let bin = cp.dir().join("shim-bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    let shim = bin.join("xpu-container-runtime");
-    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_xpu"), &shim).unwrap();
-    let config = bin.join("runtime.toml");
-    let shim_log = bin.join("shim.log");
-    std::fs::write(
-        &config,
-        format!(
-            "root = \"{}\"\nruntime = \"{}\"\nlog_file = \"{}\"\ncdi_dirs = []\n",
-            fx.root().display(),
-            xpu_testkit::kubelet::RUNC,
-            shim_log.display()
-        ),
-    )
-    .unwrap();
-    let wrapper = bin.join("runtime");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\nXPU_RUNTIME_CONFIG={} exec {} \"$@\"\n",
-            config.display(),
-            shim.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .unwrap();
+    let (wrapper, shim_log) = shim_runtime(&cp.dir().join("shim-bin"), fx.root());
     let node = Node::start(&cp, NodeOptions::default().devices_of(fx.root()).oci_runtime(&wrapper))
         .await
         .unwrap_or_else(|e| panic!("node: {e}"));

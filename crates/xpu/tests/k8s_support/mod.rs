@@ -452,6 +452,42 @@ pub fn render(extra: &[&str]) -> Vec<Value> {
 
 /// `xpu cdi generate --vendor VENDOR --root ROOT --output OUT`: the CDI spec a node's device
 /// plugin names, where the node's containerd reads specs.
+/// `xpu-container-runtime` as a node's containerd runs it in place of runc (its
+/// `BinaryName`), set up in `dir`: xpu's multi-call binary under that name, its settings
+/// (`runtime.toml`: the host under `root`, runc behind it, a log, no host snapshot) named by
+/// `XPU_RUNTIME_CONFIG` in a wrapper (containerd's runtime options carry no environment).
+/// Returns the wrapper, for `NodeOptions::oci_runtime`, and the shim's log.
+pub fn shim_runtime(dir: &Path, root: &Path) -> (PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let shim = dir.join("xpu-container-runtime");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_xpu"), &shim).unwrap();
+    let config = dir.join("runtime.toml");
+    let log = dir.join("shim.log");
+    std::fs::write(
+        &config,
+        format!(
+            "root = \"{}\"\nruntime = \"{}\"\nlog_file = \"{}\"\ncdi_dirs = []\n",
+            root.display(),
+            xpu_testkit::kubelet::RUNC,
+            log.display()
+        ),
+    )
+    .unwrap();
+    let wrapper = dir.join("runtime");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nXPU_RUNTIME_CONFIG={} exec {} \"$@\"\n",
+            config.display(),
+            shim.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .unwrap();
+    (wrapper, log)
+}
+
 pub fn cdi_generate(root: &Path, vendor: &str, out: &Path) {
     let o = Command::new(env!("CARGO_BIN_EXE_xpu"))
         .args(["cdi", "generate", "--vendor", vendor, "--root"])
