@@ -32,6 +32,8 @@ pub struct Config {
     pub interval: Duration,
     /// The kubelet's PodResources socket; not polled when it does not exist.
     pub pod_resources: PathBuf,
+    /// MIG instances to export too, read every ten intervals.
+    pub mig: Option<Arc<dyn xpu_telemetry::mig::MigControl>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -66,8 +68,11 @@ pub async fn run(
     cfg: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ExporterError> {
-    let collector =
+    let mut collector =
         Collector::start(cfg.root.clone(), cfg.interval, default_sources(&cfg.root, cfg.interval));
+    if let Some(m) = cfg.mig.clone() {
+        collector = collector.with_mig(m, cfg.interval * 10);
+    }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|source| ExporterError::Listen { addr: cfg.listen, error: source })?;

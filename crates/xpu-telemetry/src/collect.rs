@@ -52,10 +52,30 @@ pub struct DeviceSample {
     pub holder: Option<Holder>,
 }
 
+/// A MIG instance as a scrape sees it, with its GPU's identity (DCGM names an instance by its
+/// GPU's `gpu`, `UUID` and `pci_bus_id` and the instance's `GPU_I_ID` and `GPU_I_PROFILE`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigSample {
+    pub gpu: PciAddress,
+    /// The GPU's NVML index (DCGM's `gpu`), when the GPU is in the inventory.
+    pub gpu_index: Option<usize>,
+    pub gpu_uuid: Option<String>,
+    pub gi: u32,
+    pub ci: u32,
+    pub profile: &'static str,
+    pub start: u8,
+    pub uuid: Option<String>,
+    pub by_xpu: bool,
+    /// The profile's memory by NVIDIA's tables (NVML's where measured).
+    pub memory_bytes: Option<u64>,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
     pub hostname: Option<String>,
     pub devices: Vec<DeviceSample>,
+    /// MIG instances, when the collector reads a MIG control ([`Collector::with_mig`]).
+    pub mig: Vec<MigSample>,
     /// Every source by name and whether its last read is fresh.
     pub sources: Vec<(&'static str, bool)>,
 }
@@ -74,6 +94,8 @@ struct State {
     health: HealthBook,
     warned: HashSet<String>,
     holders: BTreeMap<PciAddress, Holder>,
+    /// The MIG control's last reading.
+    mig: Vec<crate::mig::MigGpu>,
 }
 
 struct Shared {
@@ -130,6 +152,27 @@ impl Collector {
 
     pub fn interval(&self) -> Duration {
         self.shared.interval
+    }
+
+    /// Also reads `control`'s MIG instances, every `every` (on a thread of its own: `nvidia-smi`
+    /// takes its time); a failed read keeps the last one, with one warning.
+    pub fn with_mig(self, control: Arc<dyn crate::mig::MigControl>, every: Duration) -> Collector {
+        let weak = Arc::downgrade(&self.shared);
+        spawn("xpu-telemetry-mig", move || {
+            loop {
+                let result = control.gpus();
+                let Some(shared) = weak.upgrade() else { return };
+                let mut st = lock(&shared);
+                match result {
+                    Ok(gpus) => st.mig = gpus,
+                    Err(e) => warn_once(&mut st, &format!("MIG: {e}")),
+                }
+                drop(st);
+                drop(shared);
+                thread::sleep(every);
+            }
+        });
+        self
     }
 
     /// Replaces who holds which device (the PodResources poller, `xpu serve`).
@@ -321,11 +364,40 @@ fn snapshot(shared: &Shared) -> Snapshot {
             reading,
         });
     }
+    let mig = mig_samples(&devices, &st.mig);
     Snapshot {
         hostname: shared.hostname.clone(),
         devices,
+        mig,
         sources: st.sources.iter().map(|(n, s)| (*n, fresh(s))).collect(),
     }
+}
+
+/// The MIG instances of `gpus`, each with its GPU's identity from `devices`.
+pub fn mig_samples(devices: &[DeviceSample], gpus: &[crate::mig::MigGpu]) -> Vec<MigSample> {
+    let mut mig = Vec::new();
+    for g in gpus {
+        let dev = devices.iter().find(|d| d.address == g.address);
+        let model = xpu_core::mig::Model::of(&g.product).ok();
+        for i in &g.instances {
+            let memory_bytes = model
+                .and_then(|m| m.profile(i.profile).ok())
+                .map(|p| p.memory_mib.map_or(u64::from(p.memory_gb) << 30, |m| u64::from(m) << 20));
+            mig.push(MigSample {
+                gpu: g.address,
+                gpu_index: dev.map(|d| d.vendor_index),
+                gpu_uuid: dev.and_then(|d| d.uuid.clone()),
+                gi: i.gi,
+                ci: i.ci,
+                profile: i.profile,
+                start: i.start,
+                uuid: i.uuid.clone(),
+                by_xpu: i.by_xpu,
+                memory_bytes,
+            });
+        }
+    }
+    mig
 }
 
 fn next<K: Ord>(counts: &mut BTreeMap<K, usize>, key: K) -> usize {

@@ -85,6 +85,44 @@ where
     Ok(())
 }
 
+/// MIG instances under DCGM's labels for one: the GPU's `gpu`, `UUID` and `pci_bus_id`, the
+/// instance's `GPU_I_ID` and `GPU_I_PROFILE`, and xpu's `compute_instance`, `start` (first
+/// memory slice), `mig_uuid` and `made_by` (`xpu`, or `other` for the admin's).
+fn encode_mig(snap: &Snapshot, enc: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+    let rows: Vec<(Labels, Option<u64>)> = snap
+        .mig
+        .iter()
+        .map(|m| {
+            let a = m.gpu;
+            let l: Labels = vec![
+                ("gpu", m.gpu_index.map(|i| i.to_string()).unwrap_or_default()),
+                ("UUID", m.gpu_uuid.clone().unwrap_or_default()),
+                (
+                    "pci_bus_id",
+                    format!("{:08X}:{:02X}:{:02X}.{:X}", a.domain, a.bus, a.device, a.function),
+                ),
+                ("GPU_I_ID", m.gi.to_string()),
+                ("GPU_I_PROFILE", m.profile.to_owned()),
+                ("compute_instance", m.ci.to_string()),
+                ("start", m.start.to_string()),
+                ("mig_uuid", m.uuid.clone().unwrap_or_default()),
+                ("made_by", if m.by_xpu { "xpu" } else { "other" }.to_owned()),
+            ];
+            (l, m.memory_bytes)
+        })
+        .collect();
+    let info: Vec<(Labels, Option<i64>)> = rows.iter().map(|(l, _)| (l.clone(), Some(1))).collect();
+    gauge(enc, "xpu_mig_instance_info", "A MIG instance of this node's GPUs (always 1).", &info)?;
+    let memory: Vec<(Labels, Option<i64>)> =
+        rows.into_iter().map(|(l, b)| (l, b.and_then(|b| i64::try_from(b).ok()))).collect();
+    gauge(
+        enc,
+        "xpu_mig_instance_memory_bytes",
+        "The instance's memory, by its profile (NVML's size where xpu's table has it measured).",
+        &memory,
+    )
+}
+
 /// Renders the snapshot's families into `enc`.
 pub fn encode_snapshot(
     snap: &Snapshot,
@@ -209,6 +247,7 @@ pub fn encode_snapshot(
             ConstGauge::new(i64::from(*up)).encode(family.encode_family(&labels)?)?;
         }
     }
+    encode_mig(snap, enc)?;
     encode_dcgm(snap, enc)
 }
 

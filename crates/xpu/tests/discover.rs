@@ -268,3 +268,40 @@ fn amd_partitions_are_listed() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("CPX/NPS1, 8 partition(s): renderD128,renderD129"), "{text}");
 }
+
+/// `xpu exporter --once --mig`: each MIG instance under DCGM's instance labels, with its
+/// memory by the profile (NVML's size for an H200).
+#[test]
+fn the_exporter_lists_mig_instances_with_dcgm_labels() {
+    let fx = hosts::h200_4x()
+        .build_with(&xpu_testkit::BuildOptions { char_devices: true, ..Default::default() });
+    let state = fx.root().join("mig-state.json");
+    std::fs::write(
+        &state,
+        r#"{"gpus": [{"address": "0000:25:00.0", "product": "NVIDIA H200", "enabled": true,
+            "instances": [{"gi": 2, "profile": "3g.71gb", "start": 4, "byXpu": true}]}]}"#,
+    )
+    .unwrap();
+    let root = fx.root().display().to_string();
+    let state_s = state.display().to_string();
+    let out = xpu(&["exporter", "--root", &root, "--once", "--mig", "--fake-mig", &state_s]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = |name: &str| {
+        text.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name}\n{text}"))
+    };
+    let info = line("xpu_mig_instance_info{");
+    for want in [
+        "gpu=\"0\"",
+        "pci_bus_id=\"00000000:25:00.0\"",
+        "GPU_I_ID=\"2\"",
+        "GPU_I_PROFILE=\"3g.71gb\"",
+        "start=\"4\"",
+        "made_by=\"xpu\"",
+    ] {
+        assert!(info.contains(want), "{want}: {info}");
+    }
+    assert!(info.ends_with(" 1"), "{info}");
+    let memory = line("xpu_mig_instance_memory_bytes{");
+    assert!(memory.ends_with(&format!(" {}", 71_424u64 << 20)), "{memory}");
+}

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use xpu_core::{DeviceKind, Inventory};
 use xpu_host::mig_caps::MigCaps;
 use xpu_host::{DiscoverOptions, Root, Scope};
-use xpu_telemetry::mig::{MigControl, MigGpu};
+use xpu_telemetry::mig::MigGpu;
 
 use crate::cmd::format::Format;
 use crate::output::{CliError, CmdResult, or_dash, print_json, table, warn_all};
@@ -25,26 +25,11 @@ pub struct Args {
     /// Use this pci.ids file for names.
     #[arg(long, value_name = "FILE")]
     pub pci_ids: Option<PathBuf>,
-    /// Also list each NVIDIA GPU's MIG mode and MIG instances (profile, GPU and compute instance
-    /// ids, placement, capability nodes, and whether xpu's DRA driver made it), read through
-    /// `nvidia-smi mig`.
-    #[arg(long)]
-    pub mig: bool,
-    /// The nvidia-smi --mig reads with (absolute, or on PATH).
-    #[arg(long, value_name = "PATH", default_value = "nvidia-smi", requires = "mig")]
-    pub nvidia_smi: PathBuf,
-    /// The DRA driver's ledger of the instances it made (DIR/xpu.dev/mig-instances.json under
-    /// its --plugin-dir), so that those are told apart from the admin's.
-    #[arg(
-        long,
-        value_name = "FILE",
-        requires = "mig",
-        default_value = "/var/lib/kubelet/plugins/xpu.dev/mig-instances.json"
-    )]
-    pub mig_ledger: PathBuf,
-    /// Tests only: MIG state from a fake NVML's JSON state FILE.
-    #[arg(long, value_name = "FILE", hide = true, requires = "mig")]
-    pub fake_mig: Option<PathBuf>,
+    /// With --mig, each NVIDIA GPU's MIG mode and MIG instances are listed too (profile, GPU
+    /// and compute instance ids, placement, capability nodes, and whether xpu's DRA driver made
+    /// it).
+    #[command(flatten)]
+    pub mig: crate::cmd::MigReadArgs,
 }
 
 /// Resolves `--root` (absent: the running host).
@@ -71,18 +56,12 @@ pub fn run(args: Args) -> CmdResult {
     let opts = DiscoverOptions { scope, pci_ids: args.pci_ids, skip_names: false };
     let inv = xpu_host::discover(&root, &opts).map_err(CliError::input)?;
     warn_all(&inv.warnings);
-    let mig = if args.mig {
-        let control: Box<dyn MigControl> = match &args.fake_mig {
-            Some(f) => Box::new(xpu_telemetry::mig::FakeMig::open(f).map_err(CliError::input)?),
-            None => Box::new(xpu_telemetry::mig::smi::SmiMig::new(
-                args.nvidia_smi.clone(),
-                args.mig_ledger.clone(),
-            )),
-        };
-        let gpus = control.gpus().map_err(|e| CliError::failed(anyhow::anyhow!("MIG: {e}")))?;
-        Some(mig_rows(&root, &inv, &gpus))
-    } else {
-        None
+    let mig = match args.mig.control()? {
+        Some(control) => {
+            let gpus = control.gpus().map_err(|e| CliError::failed(anyhow::anyhow!("MIG: {e}")))?;
+            Some(mig_rows(&root, &inv, &gpus))
+        }
+        None => None,
     };
     match args.format {
         Format::Json => match mig {

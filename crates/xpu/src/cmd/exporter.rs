@@ -28,6 +28,10 @@ pub struct Args {
     /// Read every source once, print the exposition to stdout and exit.
     #[arg(long)]
     pub once: bool,
+    /// With --mig, each MIG instance is exported too (`xpu_mig_instance_info` and
+    /// `_memory_bytes`, with DCGM's `GPU_I_ID` and `GPU_I_PROFILE`), read every ten intervals.
+    #[command(flatten)]
+    pub mig: crate::cmd::MigReadArgs,
 }
 
 /// `250ms`, `10s`, `2m`; a bare number is seconds. At least 10 ms, at most an hour.
@@ -51,9 +55,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 pub fn run(args: Args) -> CmdResult {
     crate::output::init_tracing();
     let root = root_arg(args.root)?;
+    let mig = args.mig.control()?;
     if args.once {
         let mut sources = exporter::default_sources(&root, args.interval);
-        let snap = xpu_telemetry::collect::collect_once(&root, &mut sources);
+        let mut snap = xpu_telemetry::collect::collect_once(&root, &mut sources);
+        if let Some(m) = &mig {
+            let gpus = m.gpus().map_err(|e| CliError::failed(anyhow::anyhow!("MIG: {e}")))?;
+            snap.mig = xpu_telemetry::collect::mig_samples(&snap.devices, &gpus);
+        }
         let text = xpu_telemetry::render::render_snapshot(&snap);
         print!("{text}");
         return Ok(ExitCode::SUCCESS);
@@ -63,6 +72,7 @@ pub fn run(args: Args) -> CmdResult {
         listen: args.listen,
         interval: args.interval,
         pod_resources: args.pod_resources,
+        mig,
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
