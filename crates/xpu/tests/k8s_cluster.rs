@@ -1253,5 +1253,84 @@ async fn the_chart_installed_as_an_admin_runs_xpu_as_pods_on_real_nodes_needs_ro
     let now = holder_of().await.unwrap_or_default();
     assert!(other, "another replica holds the lease: {now:?}");
     eprintln!("{leader} deleted: {now} bound a pod {:.1?} later", deleted.elapsed());
+
+    // Both kubelets restarted under the running pods: the device plugin pod and the DRA driver
+    // pod register again, the running containers keep their devices (not restarted), the
+    // prepared claim stays prepared, and new pods get devices from both again.
+    let restarts_of = |pods: Vec<Pod>| -> BTreeMap<String, i32> {
+        pods.iter()
+            .map(|p| {
+                let s = p.status.as_ref().and_then(|s| s.container_statuses.clone());
+                let n = s.unwrap_or_default().iter().map(|c| c.restart_count).sum();
+                (p.metadata.name.clone().unwrap(), n)
+            })
+            .collect()
+    };
+    let agents = || async {
+        restarts_of(system.list(&ListParams::default()).await.unwrap().items)
+            .into_iter()
+            .filter(|(n, _)| !n.starts_with("xpu-scheduler"))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let before = agents().await;
+    let (ra, rb) =
+        tokio::join!(nodes[0].node.restart_kubelet(&cp), nodes[1].node.restart_kubelet(&cp));
+    let (ra, rb) = (ra.unwrap_or_else(|e| panic!("{e}")), rb.unwrap_or_else(|e| panic!("{e}")));
+    eprintln!("kubelets restarted: Ready again after {ra:.1?} and {rb:.1?}");
+    for name in ["two-gpus", "claimed"] {
+        let p = pods.get(name).await.unwrap();
+        assert_eq!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Running"), "{name}");
+        assert_eq!(restarts_of(vec![p]).values().sum::<i32>(), 0, "{name} kept running");
+    }
+    let (gpu, plain) = views(&pods, "two-gpus", &none).await;
+    assert_only_these_gpus(&gpu, &plain, &minors(&gpu));
+    let mut p = probe_template(json!({}), json!({ "limits": { GPU: "1" } }));
+    p["metadata"]["name"] = json!("after-restart");
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": { "name": "one-more" },
+        "spec": { "devices": { "requests": [
+            { "name": "gpus", "exactly": { "deviceClassName": "gpu.xpu.dev", "count": 1 } }] } },
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap();
+    let mut p = probe_template(json!({}), json!({ "claims": [{ "name": "gpus" }] }));
+    p["metadata"]["name"] = json!("claimed-after-restart");
+    p["spec"]["resourceClaims"] = json!([{ "name": "gpus", "resourceClaimName": "one-more" }]);
+    pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap()).await.unwrap();
+    let running = |p: &Pod| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+    let ran = wait_until(Duration::from_secs(90), || async {
+        let a = pods.get("after-restart").await.unwrap();
+        let b = pods.get("claimed-after-restart").await.unwrap();
+        running(&a) && running(&b)
+    })
+    .await;
+    if !ran {
+        let all_claims = claims.list(&ListParams::default()).await.unwrap().items;
+        let all_slices = slices.list(&ListParams::default()).await.unwrap().items;
+        panic!(
+            "new pods get devices after the kubelets restarted\n{}\nclaims: {}\nslices: {}\n{}\n{}",
+            placements(&pods).await,
+            serde_json::to_string(&all_claims.iter().map(|c| &c.status).collect::<Vec<_>>())
+                .unwrap(),
+            serde_json::to_string(&all_slices.iter().map(|s| &s.spec).collect::<Vec<_>>()).unwrap(),
+            diag().await,
+            logs()
+        );
+    }
+    for (name, node) in [("after-restart", "127.0.0.2"), ("claimed-after-restart", "127.0.0.3")] {
+        let p = pods.get(name).await.unwrap();
+        assert_eq!(node_of(&p), Some(node), "{name}");
+        let (gpu, plain) = views(&pods, name, &none).await;
+        let seen = minors(&gpu);
+        assert_eq!(seen.len(), 1, "{name}: {:?}", gpu.accel_nodes());
+        assert_only_these_gpus(&gpu, &plain, &seen);
+    }
+    // The claim prepared before the restart is still this driver's (its checkpoint) and its
+    // pod's devices are the claim's.
+    let (gpu, _) = views(&pods, "claimed", &none).await;
+    assert_eq!(minors(&gpu).len(), 2);
+    assert_eq!(agents().await, before, "the agent pods were not restarted");
     eprintln!("the chart's test took {:.1?}", started.elapsed());
 }

@@ -818,3 +818,51 @@ async fn mig_partitions_are_accepted_and_kube_scheduler_allocates_them_without_o
         }
     }
 }
+
+/// An MI300X node in CPX mode publishes its 64 partitions, which the API server accepts; and
+/// slices deleted under the driver (as a restarting kubelet deletes them) are published again
+/// at the next check, not left gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amd_partitions_are_accepted_and_deleted_slices_are_published_again() {
+    use xpu_kube::dra::slices;
+
+    let _turn = TURN.lock().await;
+    let cp = plane(ControlPlaneOptions::default()).await;
+    let admin = cp.admin_client();
+    add_node(&admin, &NodeDef::new(NODE)).await;
+    let fx = hosts::mi300x_cpx().build();
+    let root = xpu_host::Root::new(fx.root()).unwrap();
+    let inv = xpu_host::discover(&root, &Default::default()).unwrap();
+    let devices = slices::devices(&root, &inv);
+    let mut publisher = slices::Publisher::new(admin.clone(), NODE).await.unwrap();
+    publisher.publish(devices.clone()).await.unwrap_or_else(|e| {
+        panic!("the API server refused the partitions: {}", xpu_core::error::chain_once(&e))
+    });
+    let names = device_names(&our_slices(&admin).await);
+    assert_eq!(names.len(), 64, "{names:?}");
+    assert!(names.iter().all(|n| n.contains("-xcp-")), "{names:?}");
+    let published = our_slices(&admin).await;
+    let name = &names[3];
+    assert_eq!(attr(&published, name, "computePartition"), json!({ "string": "CPX" }));
+
+    // Deleted under the driver: within one check interval they are back, one generation on.
+    let api: Api<ResourceSlice> = Api::all(admin.clone());
+    for s in our_slices(&admin).await {
+        api.delete(s.metadata.name.as_deref().unwrap(), &Default::default()).await.unwrap();
+    }
+    assert!(our_slices(&admin).await.is_empty());
+    let generation = publisher.generation();
+    let mut again = false;
+    let deadline = Instant::now() + slices::SLICES_CHECKED_EVERY * 3;
+    while !again && Instant::now() < deadline {
+        again = publisher.publish(devices.clone()).await.unwrap();
+        if !again {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    assert!(again, "published again within {:?}", slices::SLICES_CHECKED_EVERY * 3);
+    assert_eq!(publisher.generation(), generation + 1);
+    assert_eq!(device_names(&our_slices(&admin).await).len(), 64);
+    // Unchanged and present: nothing written.
+    assert!(!publisher.publish(devices).await.unwrap());
+}

@@ -457,7 +457,15 @@ pub struct Publisher {
     node: String,
     generation: i64,
     published: Option<(Vec<Device>, Vec<CounterSet>)>,
+    /// When the slices were last seen in the API server (see [`SLICES_CHECKED_EVERY`]).
+    checked: Option<Instant>,
 }
+
+/// How often an unchanged pool is checked to be still in the API server: the kubelet deletes a
+/// node's ResourceSlices when it restarts (a driver pod's slices were gone after a kubelet
+/// restart, and nothing published them again), and an admin may delete them; either way they
+/// are published again within this.
+pub const SLICES_CHECKED_EVERY: Duration = Duration::from_secs(5);
 
 impl Publisher {
     /// Starts above the generation of any slice this node's pool already has, so a restarted
@@ -471,7 +479,7 @@ impl Publisher {
             .await
             .map_err(|source| PublishError::List { node: node.to_owned(), source })?;
         let generation = existing.items.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
-        Ok(Publisher { api, node: node.to_owned(), generation, published: None })
+        Ok(Publisher { api, node: node.to_owned(), generation, published: None, checked: None })
     }
 
     /// The pool's current generation.
@@ -491,7 +499,26 @@ impl Publisher {
         counters: Vec<CounterSet>,
     ) -> Result<bool, PublishError> {
         if self.published.as_ref().is_some_and(|(d, c)| *d == devices && *c == counters) {
-            return Ok(false);
+            if self.checked.is_some_and(|t| t.elapsed() < SLICES_CHECKED_EVERY) {
+                return Ok(false);
+            }
+            self.checked = Some(Instant::now());
+            let want = slices(&self.node, &devices, &counters, self.generation).len();
+            let lp = ListParams::default()
+                .fields(&format!("spec.nodeName={},spec.driver={DRIVER}", self.node));
+            let there = self
+                .api
+                .list(&lp)
+                .await
+                .map_err(|source| PublishError::List { node: self.node.clone(), source })?
+                .items
+                .iter()
+                .filter(|s| s.spec.pool.generation == self.generation)
+                .count();
+            if there == want {
+                return Ok(false);
+            }
+            warn!(node = %self.node, there, want, "this node's ResourceSlices are gone from the API server; publishing them again");
         }
         let generation = self.generation + 1;
         let want = slices(&self.node, &devices, &counters, generation);
@@ -524,6 +551,7 @@ impl Publisher {
         info!(node = %self.node, generation, devices = devices.len(), slices = want.len(), "published ResourceSlices");
         self.generation = generation;
         self.published = Some((devices, counters));
+        self.checked = Some(Instant::now());
         Ok(true)
     }
 }
