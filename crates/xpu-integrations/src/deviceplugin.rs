@@ -658,7 +658,11 @@ impl Plugin {
         if !nvidia.is_empty() {
             resp.envs.insert("NVIDIA_VISIBLE_DEVICES".to_owned(), nvidia.join(","));
         }
-        resp.envs.insert("XPU_VISIBLE_DEVICES".to_owned(), ids.join(","));
+        // MIG instances by their own ids (`0000:25:00.0-mig-gi7`) in a variable of their own:
+        // `XPU_VISIBLE_DEVICES` names whole devices, as the runtime shim reads it.
+        let is_mig = self.is_mig();
+        let var = if is_mig { "XPU_MIG_DEVICES" } else { "XPU_VISIBLE_DEVICES" };
+        resp.envs.insert(var.to_owned(), ids.join(","));
         if self.resource.is_vfio() {
             // KubeVirt's virt-launcher gives each hostDevice of this resource one of these
             // addresses (ids are PCI addresses).

@@ -1819,6 +1819,9 @@ fn plan_once(
         _ => HashMap::new(),
     };
     let mut member_nodes: HashMap<String, Vec<String>> = HashMap::new();
+    // What bound pods hold of extended resources xpu does not place as devices, by node;
+    // counted once, when a waiting pod first asks for one.
+    let mut extended_used: Option<HashMap<String, BTreeMap<String, u64>>> = None;
     let mut gangs: BTreeMap<String, (GangRef, Members)> = BTreeMap::new();
     let mut gang_order: Vec<String> = Vec::new();
     let say = |out: &mut Plan, k: PodKey, msg: String, explain: &mut dyn FnMut(&str) -> bool| {
@@ -1913,6 +1916,32 @@ fn plan_once(
                     say(&mut out, key, msg, explain);
                 }
                 continue;
+            }
+        };
+        // Extended resources xpu does not place as devices keep the pod to where they fit.
+        let no_dra = HashMap::new();
+        let dra_backed = snap.dra.as_ref().map_or(&no_dra, |d| d.extended);
+        let want = crate::extended::requests(p, dra_backed);
+        let feasible = if want.is_empty() {
+            feasible
+        } else {
+            let used = extended_used
+                .get_or_insert_with(|| crate::extended::used(snap.pods, dra_backed, snap.hold_out));
+            match crate::extended::fitting_nodes(&want, snap.nodes, used) {
+                Err(msg) => {
+                    say(&mut out, key, msg, explain);
+                    continue;
+                }
+                Ok(fit) => Some(match feasible {
+                    None => (fit.clone(), fit),
+                    Some((chosen, all)) => {
+                        let all: Vec<String> =
+                            all.into_iter().filter(|n| fit.contains(n)).collect();
+                        let chosen: Vec<String> =
+                            chosen.into_iter().filter(|n| fit.contains(n)).collect();
+                        (if chosen.is_empty() { all.clone() } else { chosen }, all)
+                    }
+                }),
             }
         };
         if ask.resources.device_resource == Some(SHARE_RESOURCE) && !snap.shares {
@@ -2516,14 +2545,18 @@ pub(crate) fn cluster_of(snap: &Snapshot<'_>) -> Built {
     }
     // Only a cluster that offers more than one device resource needs to keep them apart.
     let separate = offered.len() > 1;
-    // Nodes carry their name as a label only when a waiting pod has DRA claims (a label
-    // unique to each node gives every node a shape of its own in xpu-sched).
+    // Nodes carry their name as a label only when a waiting pod has DRA claims or asks for an
+    // extended resource xpu does not place as devices (a label unique to each node gives every
+    // node a shape of its own in xpu-sched).
+    let no_dra = HashMap::new();
+    let dra_backed = snap.dra.as_ref().map_or(&no_dra, |d| d.extended);
     let by_name = snap.maybe_unbound().iter().any(|p| {
         waits_for(p, snap.scheduler_name, snap.assumed)
             && (p.spec.as_ref().is_some_and(|s| {
                 s.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
                     || convert::has_match_fields(s)
-            }) || snap.dra.as_ref().is_some_and(|d| extended_served(d, p).is_some()))
+            }) || snap.dra.as_ref().is_some_and(|d| extended_served(d, p).is_some())
+                || !crate::extended::requests(p, dra_backed).is_empty())
     });
     let flags = crate::base::Flags { by_name, separate, offered };
     let books = crate::base::Books { ledger: ledger.as_deref(), extra: &extra };
@@ -2800,6 +2833,56 @@ mod tests {
         let plan = plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
         assert!(plan.binds.is_empty(), "only 1 of 4 CPUs is free: {:?}", plan.binds);
         assert!(plan.waiting[0].1.contains("Insufficient cpu"), "{:?}", plan.waiting);
+    }
+
+    /// An extended resource xpu does not place as devices (MIG's mixed strategy's
+    /// `nvidia.com/mig-1g.18gb`) keeps the pod to nodes whose allocatable less what bound pods
+    /// ask for holds it, as kube-scheduler's NodeResourcesFit does; none free: it waits, saying
+    /// which.
+    #[test]
+    fn extended_resources_keep_pods_to_nodes_with_room() {
+        let node = |name: &str, mig: &str| -> Arc<Node> {
+            Arc::new(
+                serde_json::from_value(json!({
+                    "metadata": { "name": name },
+                    "status": { "allocatable": { "cpu": "16", "memory": "64Gi", "pods": "110",
+                                                 "nvidia.com/mig-1g.18gb": mig },
+                                "conditions": [{ "type": "Ready", "status": "True" }] }
+                }))
+                .unwrap(),
+            )
+        };
+        let pod = |name: &str, node: Option<&str>, n: u32| -> Arc<Pod> {
+            Arc::new(
+                serde_json::from_value(json!({
+                    "metadata": { "name": name, "namespace": "default", "uid": format!("u-{name}") },
+                    "spec": { "schedulerName": "xpu", "nodeName": node,
+                        "containers": [{ "name": "c", "resources": {
+                            "limits": { "nvidia.com/mig-1g.18gb": n.to_string() } } }] },
+                    "status": { "phase": if node.is_some() { "Running" } else { "Pending" } }
+                }))
+                .unwrap(),
+            )
+        };
+        // a has 2, one held; b has none; c has 3, all held.
+        let nodes = vec![node("a", "2"), node("b", "0"), node("c", "3")];
+        let pods = vec![pod("on-a", Some("a"), 1), pod("on-c", Some("c"), 3), pod("new", None, 1)];
+        let (jobs, assumed) = (HashMap::new(), HashMap::new());
+        let snap = Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed);
+        let p = plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
+        let bound: Vec<(&str, &str)> =
+            p.binds.iter().map(|b| (b.pod.name.as_str(), b.node.as_str())).collect();
+        assert_eq!(bound, [("new", "a")], "{:?}", p.waiting);
+
+        let pods = vec![pod("on-a", Some("a"), 2), pod("on-c", Some("c"), 3), pod("new", None, 1)];
+        let snap = Snapshot::new("xpu", &nodes, &pods, &jobs, &assumed);
+        let p = plan(&snap, &SchedulerConfig::default(), 0, &mut |_| true);
+        assert!(p.binds.is_empty(), "{:?}", p.binds);
+        assert!(
+            p.waiting[0].1.contains("0/3 nodes have 1 nvidia.com/mig-1g.18gb free"),
+            "{:?}",
+            p.waiting
+        );
     }
 
     #[test]

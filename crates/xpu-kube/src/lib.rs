@@ -23,6 +23,7 @@ pub mod claims;
 pub mod convert;
 pub mod cycle;
 pub mod dra;
+pub mod extended;
 pub mod flex;
 pub mod leader;
 pub mod ledger;

@@ -761,13 +761,52 @@ async fn mig_instances_are_device_plugin_resources_with_the_mixed_strategy_needs
         diag,
     )
     .await;
-    assert_eq!(view.env["XPU_VISIBLE_DEVICES"], format!("{}-mig-gi2", gpus[0]), "{:?}", view.env);
+    assert_eq!(view.env["XPU_MIG_DEVICES"], format!("{}-mig-gi2", gpus[0]), "{:?}", view.env);
     let caps = MigCaps::read(&xpu_host::Root::new(fx.root()).unwrap()).unwrap();
     let mut want = gpu_nodes(&[0]);
     for n in caps.instance(0, 2, 0).unwrap() {
         want.insert(n.path, ('c', n.major, n.minor));
     }
     assert_only_these_nodes(&view, &plain, &want);
+
+    // xpu's scheduler counts these resources as kube-scheduler does: a pod asking one
+    // `1g.18gb` is placed and sees exactly one instance's capabilities; one asking three (two
+    // exist) waits, saying so, instead of being bound for the kubelet to refuse.
+    let kubeconfig = install_scheduler_rbac(&cp).await;
+    let xpu = XpuScheduler::start(&cp, &kubeconfig, "mig-mixed", &[]);
+    let (_, view, plain) = run_probe_pod(
+        &pods,
+        "mig-by-xpu",
+        json!({ "schedulerName": "xpu" }),
+        json!({ "limits": { "nvidia.com/mig-1g.18gb": "1" } }),
+        || format!("{}\n{}", xpu.log_text(), diag()),
+    )
+    .await;
+    let gi: u32 = view.env["XPU_MIG_DEVICES"].rsplit("-gi").next().unwrap().parse().unwrap();
+    assert!([7, 8].contains(&gi), "{:?}", view.env);
+    let mut want = gpu_nodes(&[0]);
+    for n in caps.instance(0, gi, 0).unwrap() {
+        want.insert(n.path, ('c', n.major, n.minor));
+    }
+    assert_only_these_nodes(&view, &plain, &want);
+    let mut three = json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "three" },
+        "spec": { "schedulerName": "xpu", "containers": [{ "name": "c", "image": BUSYBOX_IMAGE,
+            "imagePullPolicy": "Never", "command": ["true"],
+            "resources": { "limits": { "nvidia.com/mig-1g.18gb": "3" } } }] } });
+    three["spec"]["restartPolicy"] = json!("Never");
+    pods.create(&PostParams::default(), &serde_json::from_value(three).unwrap()).await.unwrap();
+    let waits = wait_until(Duration::from_secs(30), || async {
+        let p = pods.get("three").await.unwrap();
+        p.status.and_then(|s| s.conditions).unwrap_or_default().iter().any(|c| {
+            c.type_ == "PodScheduled"
+                && c.status == "False"
+                && c.message.as_deref().is_some_and(|m| m.contains("nvidia.com/mig-1g.18gb free"))
+        })
+    })
+    .await;
+    assert!(waits, "three 1g.18gb wait\n{}", xpu.log_text());
+    assert_eq!(node_of(&pods.get("three").await.unwrap()), None);
+    pods.delete("three", &DeleteParams::default()).await.unwrap();
 
     // The admin makes a third 1g.18gb and destroys the 3g.71gb: offered and withdrawn.
     let fake = FakeMig::open(&state).unwrap();
