@@ -220,6 +220,8 @@ struct Dev {
     /// A MIG instance of the GPU at `address` (its nodes are the GPU's and the instance's
     /// capabilities).
     mig: Option<mig::Instance>,
+    /// A partition (its index) of the AMD GPU at `address`, whose only node is its render node.
+    partition: Option<u32>,
 }
 
 impl Dev {
@@ -247,8 +249,39 @@ impl Dev {
                 .and_then(|(v, id)| xpu_core::accel::lookup(v, id))
                 .map(|a| u64::from(a.memory_gib) * 1024),
             mig: None,
+            partition: None,
         }
     }
+}
+
+/// The devices of `inv` that `resource` selects, an AMD GPU in a compute partition mode of more
+/// than one partition as its partitions: each `<address>-xcp-<i>` with its render node alone
+/// (`/dev/kfd` comes with every AMD device) and its memory, never the GPU's CDI device (which
+/// names the whole GPU's nodes). Sorted by id.
+fn devs_of(
+    resource: &Resource,
+    inv: &Inventory,
+    cdi: &HashMap<PciAddress, String>,
+) -> Vec<Dev> {
+    let mut devs = Vec::new();
+    for d in inv.devices.iter().filter(|d| resource.matches(d)) {
+        match d.partitioning.as_ref().filter(|p| p.partitions.len() > 1 && !resource.is_vfio()) {
+            Some(p) => {
+                for x in &p.partitions {
+                    let mut dev = Dev::from_inventory(d, None);
+                    dev.id = format!("{}-xcp-{}", d.address, x.index);
+                    dev.nodes = vec![x.render_node.path.clone()];
+                    dev.memory_mib = x.memory_bytes.map(|b| b >> 20).or(dev.memory_mib);
+                    dev.partition = Some(x.index);
+                    devs.push(dev);
+                }
+            }
+            None => devs.push(Dev::from_inventory(d, cdi.get(&d.address).cloned())),
+        }
+    }
+    // Ids sort like addresses except for 5-digit (VMD) domains; lookups need id order.
+    devs.sort_by(|a, b| a.id.cmp(&b.id));
+    devs
 }
 
 #[derive(Debug, Default)]
@@ -418,14 +451,7 @@ impl Plugin {
     /// The devices of `inv` that `resource` selects.
     pub fn new(resource: Resource, inv: &Inventory) -> Plugin {
         let cdi = crate::cdi::names(inv);
-        let mut devs: Vec<Dev> = inv
-            .devices
-            .iter()
-            .filter(|d| resource.matches(d))
-            .map(|d| Dev::from_inventory(d, cdi.get(&d.address).cloned()))
-            .collect();
-        // Ids sort like addresses except for 5-digit (VMD) domains; lookups need id order.
-        devs.sort_by(|a, b| a.id.cmp(&b.id));
+        let devs = devs_of(&resource, inv, &cdi);
         let table =
             Table { devs, control: inv.host.control_nodes.clone(), share: false, replicas: 1 };
         let (updates, _) = watch::channel(table.list());
@@ -558,30 +584,33 @@ impl Plugin {
         let mut changed = Vec::new();
         let list = {
             let mut t = self.table.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let fresh = devs_of(&self.resource, inv, &cdi);
             for dev in &mut t.devs {
                 let was = dev.healthy();
-                match inv.device(&dev.address) {
-                    Some(d) => {
+                match fresh.binary_search_by(|x| x.id.as_str().cmp(&dev.id)) {
+                    Ok(i) => {
+                        let f = &fresh[i];
                         dev.present = true;
-                        dev.driver = d.driver.clone();
-                        dev.numa = d.numa_node;
-                        dev.domain = d.interconnect_domain.clone();
-                        dev.uuid = d.uuid.clone();
-                        dev.nodes = d.dev_nodes.iter().map(|n| n.path.clone()).collect();
-                        dev.cdi = cdi.get(&d.address).cloned();
+                        dev.driver = f.driver.clone();
+                        dev.numa = f.numa;
+                        dev.domain = f.domain.clone();
+                        dev.uuid = f.uuid.clone();
+                        dev.nodes = f.nodes.clone();
+                        dev.cdi = f.cdi.clone();
                     }
-                    None => dev.present = false,
+                    // Gone, or no longer one this resource selects (moved to another driver),
+                    // or a partition the GPU's mode no longer makes.
+                    Err(_) => dev.present = false,
                 }
                 dev.telemetry = unhealthy.get(&dev.address).cloned();
                 if dev.healthy() != was {
                     changed.push((dev.id.clone(), dev.healthy()));
                 }
             }
-            for d in inv.devices.iter().filter(|d| self.resource.matches(d)) {
-                let id = d.address.to_string();
-                if let Err(i) = t.devs.binary_search_by(|x| x.id.as_str().cmp(&id)) {
-                    t.devs.insert(i, Dev::from_inventory(d, cdi.get(&d.address).cloned()));
-                    changed.push((id, true));
+            for f in fresh {
+                if let Err(i) = t.devs.binary_search_by(|x| x.id.as_str().cmp(&f.id)) {
+                    changed.push((f.id.clone(), true));
+                    t.devs.insert(i, f);
                 }
             }
             t.control = inv.host.control_nodes.clone();
@@ -658,11 +687,25 @@ impl Plugin {
         if !nvidia.is_empty() {
             resp.envs.insert("NVIDIA_VISIBLE_DEVICES".to_owned(), nvidia.join(","));
         }
-        // MIG instances by their own ids (`0000:25:00.0-mig-gi7`) in a variable of their own:
-        // `XPU_VISIBLE_DEVICES` names whole devices, as the runtime shim reads it.
-        let is_mig = self.is_mig();
-        let var = if is_mig { "XPU_MIG_DEVICES" } else { "XPU_VISIBLE_DEVICES" };
-        resp.envs.insert(var.to_owned(), ids.join(","));
+        // MIG instances (`0000:25:00.0-mig-gi7`) and AMD partitions (`0000:05:00.0-xcp-3`) by
+        // their own ids in variables of their own: `XPU_VISIBLE_DEVICES` names whole devices, as
+        // the runtime shim reads it.
+        let mut whole = Vec::new();
+        let mut parts = Vec::new();
+        for id in ids {
+            if t.get(id).is_some_and(|d| d.partition.is_some()) {
+                parts.push(id.as_str());
+            } else {
+                whole.push(id.as_str());
+            }
+        }
+        let var = if self.is_mig() { "XPU_MIG_DEVICES" } else { "XPU_VISIBLE_DEVICES" };
+        if !whole.is_empty() {
+            resp.envs.insert(var.to_owned(), whole.join(","));
+        }
+        if !parts.is_empty() {
+            resp.envs.insert("XPU_AMD_PARTITIONS".to_owned(), parts.join(","));
+        }
         if self.resource.is_vfio() {
             // KubeVirt's virt-launcher gives each hostDevice of this resource one of these
             // addresses (ids are PCI addresses).
@@ -1229,6 +1272,41 @@ mod tests {
     use super::*;
 
     /// Devices kept for Nova's VMs are not offered; a list that does not read offers none.
+    /// An MI300X in CPX mode is eight `amd.com/gpu` devices, one per partition, each its render
+    /// node alone (and `/dev/kfd`); a mode change under the plugin withdraws the partitions it
+    /// no longer makes.
+    #[test]
+    fn amd_partitions_are_devices_of_their_own() {
+        let fx = xpu_testkit::hosts::mi300x_cpx()
+            .build_with(&xpu_testkit::BuildOptions { char_devices: true, ..Default::default() });
+        let root = Root::new(fx.root()).unwrap();
+        let opts = DiscoverOptions { scope: Scope::Accelerators, pci_ids: None, skip_names: true };
+        let mut inv = xpu_host::discover(&root, &opts).unwrap();
+        let amd = Resource::defaults().into_iter().find(|r| r.name == "amd.com/gpu").unwrap();
+        let plugin = Plugin::new(amd, &inv);
+        assert_eq!(plugin.device_count(), 64);
+        let gpu = inv.accelerators().next().unwrap().address;
+        let id = format!("{gpu}-xcp-3");
+        let r = plugin.allocate_container(std::slice::from_ref(&id)).unwrap();
+        let nodes: Vec<&str> = r.devices.iter().map(|d| d.host_path.as_str()).collect();
+        assert_eq!(nodes, ["/dev/dri/renderD131", "/dev/kfd"]);
+        assert!(r.cdi_devices.is_empty(), "{:?}", r.cdi_devices);
+        assert_eq!(r.envs.get("XPU_AMD_PARTITIONS"), Some(&id));
+        assert!(!r.envs.contains_key("XPU_VISIBLE_DEVICES"));
+        // DPX now: partitions 2-7 of every GPU are gone.
+        for d in inv.devices.iter_mut() {
+            if let Some(p) = d.partitioning.as_mut() {
+                p.compute = "DPX".into();
+                p.partitions.truncate(2);
+            }
+        }
+        let changed = plugin.refresh(&inv, &Default::default());
+        assert_eq!(changed.iter().filter(|(_, healthy)| !healthy).count(), 48, "{changed:?}");
+        let listed = plugin.devices();
+        let healthy = listed.iter().filter(|d| d.health == HEALTHY).count();
+        assert_eq!(healthy, 16);
+    }
+
     #[tokio::test]
     async fn devices_kept_for_nova_are_left_out_and_a_bad_list_leaves_out_every_one() {
         let fx = xpu_testkit::hosts::a100_8x().build();
