@@ -258,11 +258,7 @@ impl Dev {
 /// than one partition as its partitions: each `<address>-xcp-<i>` with its render node alone
 /// (`/dev/kfd` comes with every AMD device) and its memory, never the GPU's CDI device (which
 /// names the whole GPU's nodes). Sorted by id.
-fn devs_of(
-    resource: &Resource,
-    inv: &Inventory,
-    cdi: &HashMap<PciAddress, String>,
-) -> Vec<Dev> {
+fn devs_of(resource: &Resource, inv: &Inventory, cdi: &HashMap<PciAddress, String>) -> Vec<Dev> {
     let mut devs = Vec::new();
     for d in inv.devices.iter().filter(|d| resource.matches(d)) {
         match d.partitioning.as_ref().filter(|p| p.partitions.len() > 1 && !resource.is_vfio()) {

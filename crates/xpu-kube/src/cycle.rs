@@ -1429,13 +1429,101 @@ pub fn plan(
     let mut excluded: DraExcluded = HashMap::new();
     let mut round = 0;
     loop {
-        let (plan, conflicts) = plan_once(snap, config, now, explain, &excluded);
+        let (mut plan, conflicts) = plan_once(snap, config, now, explain, &excluded);
         round += 1;
         if conflicts.is_empty() || round == 3 {
+            keep_extended_within_allocatable(snap, &mut plan, explain);
             return plan;
         }
         for (uid, node) in conflicts {
             excluded.entry(uid).or_default().push(node);
+        }
+    }
+}
+
+/// Drops the binds that would take a node past its allocatable of an extended resource xpu does
+/// not place as devices (each pod was kept to nodes where it fits alone; pods of one cycle may
+/// together not fit), in bind order, with every other member of a dropped gang: those pods wait
+/// and are planned again next cycle, when the binds before them are counted.
+fn keep_extended_within_allocatable(
+    snap: &Snapshot<'_>,
+    plan: &mut Plan,
+    explain: &mut dyn FnMut(&str) -> bool,
+) {
+    let no_dra = HashMap::new();
+    let dra_backed = snap.dra.as_ref().map_or(&no_dra, |d| d.extended);
+    let waiting: HashMap<&str, &Arc<Pod>> =
+        snap.maybe_unbound().iter().filter_map(|p| Some((p.metadata.uid.as_deref()?, p))).collect();
+    let asks: Vec<BTreeMap<String, u64>> = plan
+        .binds
+        .iter()
+        .map(|b| {
+            waiting
+                .get(b.pod.uid.as_str())
+                .map(|p| crate::extended::requests(p, dra_backed))
+                .unwrap_or_default()
+        })
+        .collect();
+    if asks.iter().all(BTreeMap::is_empty) {
+        return;
+    }
+    let mut used = crate::extended::used(snap.pods, dra_backed, snap.hold_out, snap.assumed);
+    let allocatable = |node: &str, k: &str| -> u64 {
+        snap.nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(node))
+            .and_then(|n| n.status.as_ref()?.allocatable.as_ref()?.get(k).cloned())
+            .and_then(|q| convert::quantity(&q.0, 1.0))
+            .unwrap_or(0)
+    };
+    let mut dropped: Vec<(usize, String)> = Vec::new();
+    let mut dropped_gangs: Vec<String> = Vec::new();
+    for (i, (b, want)) in plan.binds.iter().zip(&asks).enumerate() {
+        if want.is_empty() {
+            continue;
+        }
+        let held = used.entry(b.node.clone()).or_default();
+        let short = want.iter().find(|(k, v)| {
+            held.get(*k).copied().unwrap_or(0).saturating_add(**v) > allocatable(&b.node, k)
+        });
+        match short {
+            Some((k, v)) => {
+                let why = format!(
+                    "{v} {k} no longer free on {} after this cycle's earlier placements; placed again next cycle",
+                    b.node
+                );
+                dropped.push((i, why));
+                if let Some(g) = &b.gang {
+                    dropped_gangs.push(g.clone());
+                }
+            }
+            None => {
+                for (k, v) in want {
+                    let x = held.entry(k.clone()).or_default();
+                    *x = x.saturating_add(*v);
+                }
+            }
+        }
+    }
+    if dropped.is_empty() {
+        return;
+    }
+    let mut why: HashMap<usize, String> = dropped.into_iter().collect();
+    let binds = std::mem::take(&mut plan.binds);
+    for (i, b) in binds.into_iter().enumerate() {
+        let gang_dropped = b.gang.as_ref().is_some_and(|g| dropped_gangs.contains(g));
+        let reason = why.remove(&i).or_else(|| {
+            gang_dropped.then(|| {
+                "another pod of its gang no longer fits an extended resource after this cycle's earlier placements; placed again next cycle".to_owned()
+            })
+        });
+        match reason {
+            Some(r) => {
+                if explain(&b.pod.uid) {
+                    plan.waiting.push((b.pod, r));
+                }
+            }
+            None => plan.binds.push(b),
         }
     }
 }
@@ -1925,23 +2013,27 @@ fn plan_once(
         let feasible = if want.is_empty() {
             feasible
         } else {
-            let used = extended_used
-                .get_or_insert_with(|| crate::extended::used(snap.pods, dra_backed, snap.hold_out));
+            let used = extended_used.get_or_insert_with(|| {
+                crate::extended::used(snap.pods, dra_backed, snap.hold_out, snap.assumed)
+            });
             match crate::extended::fitting_nodes(&want, snap.nodes, used) {
                 Err(msg) => {
                     say(&mut out, key, msg, explain);
                     continue;
                 }
-                Ok(fit) => Some(match feasible {
-                    None => (fit.clone(), fit),
-                    Some((chosen, all)) => {
-                        let all: Vec<String> =
-                            all.into_iter().filter(|n| fit.contains(n)).collect();
-                        let chosen: Vec<String> =
-                            chosen.into_iter().filter(|n| fit.contains(n)).collect();
-                        (if chosen.is_empty() { all.clone() } else { chosen }, all)
-                    }
-                }),
+                Ok(fit) => {
+                    let (chosen, all) = match feasible {
+                        None => (fit.clone(), fit),
+                        Some((chosen, all)) => {
+                            let all: Vec<String> =
+                                all.into_iter().filter(|n| fit.contains(n)).collect();
+                            let chosen: Vec<String> =
+                                chosen.into_iter().filter(|n| fit.contains(n)).collect();
+                            (if chosen.is_empty() { all.clone() } else { chosen }, all)
+                        }
+                    };
+                    Some((chosen, all))
+                }
             }
         };
         if ask.resources.device_resource == Some(SHARE_RESOURCE) && !snap.shares {

@@ -4,9 +4,10 @@
 //! one it asks for, the node's allocatable less what the pods bound to it ask for holds its
 //! request. The request is the effective one (the containers' sum, or the largest init
 //! container with the sidecars started before it, whichever is larger). A pod that asks for
-//! one is kept to the nodes where it fits ([`fitting_nodes`]); the pods placed earlier in the
-//! same cycle are not counted against it (one may then be refused by the kubelet and placed
-//! again).
+//! one is kept to the nodes where it fits alone ([`fitting_nodes`]); after the cycle has
+//! placed its pods, the binds that would together take a node past its allocatable are dropped
+//! in bind order (a gang's with all its members) and those pods planned again next cycle
+//! (`cycle::keep_extended_within_allocatable`): never a bind the kubelet would refuse.
 //!
 //! Not counted here: the resources xpu places as devices (`convert::DEVICE_RESOURCES`), those
 //! a DeviceClass serves from DRA devices (their claims are), and native resources (`cpu`,
@@ -97,10 +98,16 @@ pub fn used(
     pods: &[Arc<Pod>],
     skip: &HashMap<String, String>,
     hold_out: Option<&std::collections::HashSet<&str>>,
+    assumed: &HashMap<String, String>,
 ) -> HashMap<String, BTreeMap<String, u64>> {
     let mut out: HashMap<String, BTreeMap<String, u64>> = HashMap::new();
     for p in pods {
-        let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.as_deref()) else { continue };
+        // Bound, or bound by this scheduler and not yet shown so by the watch.
+        let node =
+            p.spec.as_ref().and_then(|s| s.node_name.as_deref()).or_else(|| {
+                p.metadata.uid.as_deref().and_then(|u| assumed.get(u)).map(String::as_str)
+            });
+        let Some(node) = node else { continue };
         if crate::cycle::terminal(p)
             || hold_out.is_some_and(|h| p.metadata.uid.as_deref().is_some_and(|u| h.contains(u)))
         {
@@ -219,11 +226,11 @@ mod tests {
             { "name": "x", "resources": { "limits": { "nvidia.com/mig-1g.18gb": "2" } } }] })))
         .clone();
         bound.metadata.uid = Some("v".into());
-        let used = used(&[Arc::new(bound)], &none, None);
+        let used = used(&[Arc::new(bound)], &none, None, &HashMap::new());
         let want = BTreeMap::from([("nvidia.com/mig-1g.18gb".to_owned(), 2)]);
         assert_eq!(fitting_nodes(&want, &nodes, &used).unwrap(), ["a"]);
-        let want = BTreeMap::from([("nvidia.com/mig-1g.18gb".to_owned(), 3)]);
-        let e = fitting_nodes(&want, &nodes, &used).unwrap_err();
+        let three = BTreeMap::from([("nvidia.com/mig-1g.18gb".to_owned(), 3)]);
+        let e = fitting_nodes(&three, &nodes, &used).unwrap_err();
         assert!(e.contains("0/3 nodes have 3 nvidia.com/mig-1g.18gb free"), "{e}");
     }
 }

@@ -2,7 +2,8 @@
 //! clusters (zones, racks, node pools, taints, device-plugin GPUs) and workloads (required pod
 //! affinity and anti-affinity on any key, `namespaceSelector`, topology spread with
 //! `DoNotSchedule` and `minDomains`, preferred terms, `ScheduleAnyway`, node selectors,
-//! tolerations, `matchFields`, PodGroup gangs with and without a topology constraint), each on a
+//! tolerations, `matchFields`, an extended resource xpu does not place as a device
+//! (`example.com/nic`), PodGroup gangs with and without a topology constraint), each on a
 //! fresh real control plane with `GenericWorkload` and `TopologyAwareWorkloadScheduling` on. An independent checker
 //! validates every binding of both from the generator's own description, and the test compares
 //! how many pods each bound (`XPU_AFFINITY_DIFF_STRICT=1`: xpu must bind at least as many on
@@ -40,6 +41,8 @@ struct NodeCase {
     gpus: u32,
     cpu_milli: u32,
     tainted: bool,
+    /// `example.com/nic`, a device plugin's extended resource that xpu does not place as a device.
+    nics: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -48,6 +51,8 @@ struct App {
     replicas: usize,
     gpus: u32,
     cpu_milli: u32,
+    /// `example.com/nic` per pod.
+    nics: u32,
     /// Required anti-affinity to its own pods, by key.
     anti_self: Option<&'static str>,
     /// Required affinity to an earlier app (or itself), by key.
@@ -93,6 +98,7 @@ impl Case {
                     gpus: [0, 4, 8, 8][rng.index(4)],
                     cpu_milli: [4000, 8000, 16000][rng.index(3)],
                     tainted: rng.below(6) == 0,
+                    nics: 0,
                 }
             })
             .collect();
@@ -104,6 +110,7 @@ impl Case {
                 replicas: 1 + rng.index(6),
                 gpus: [0, 0, 1, 2, 4][rng.index(5)],
                 cpu_milli: [250, 500, 1000, 2000][rng.index(4)],
+                nics: 0,
                 anti_self: None,
                 affinity: None,
                 spread: None,
@@ -140,6 +147,16 @@ impl Case {
             }
             apps.push(app);
         }
+        // Extended resources from a stream of their own, so the rest of a seed's case is what it
+        // was before they came.
+        let mut extra = Rng::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED);
+        let mut nodes = nodes;
+        for n in &mut nodes {
+            n.nics = [0, 1, 2, 4][extra.index(4)];
+        }
+        for a in &mut apps {
+            a.nics = [0, 0, 0, 1, 2][extra.index(5)];
+        }
         Case { nodes, apps }
     }
 
@@ -167,8 +184,16 @@ impl Case {
             "priorityClassName": format!("diff-{prio:03}"),
             "containers": [{ "name": "c", "image": "busybox", "resources": {
                 "requests": { "cpu": format!("{}m", app.cpu_milli) },
-                "limits": if app.gpus > 0 { json!({ "nvidia.com/gpu": app.gpus.to_string() }) } else { json!({}) } } }],
+                "limits": {} } }],
         });
+        if app.gpus > 0 {
+            spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] =
+                json!(app.gpus.to_string());
+        }
+        if app.nics > 0 {
+            spec["containers"][0]["resources"]["limits"]["example.com/nic"] =
+                json!(app.nics.to_string());
+        }
         let mut affinity = serde_json::Map::new();
         if let Some(key) = app.anti_self {
             affinity.insert("podAntiAffinity".into(), json!({
@@ -227,6 +252,9 @@ impl Case {
         for n in &self.nodes {
             let mut d =
                 NodeDef::new(n.name.clone()).gpus("nvidia.com/gpu", n.gpus).label("pool", n.pool);
+            if n.nics > 0 {
+                d = d.gpus("example.com/nic", n.nics);
+            }
             d.cpu = format!("{}m", n.cpu_milli);
             for (k, v) in &n.labels {
                 if *k != KEYS[0] {
@@ -290,9 +318,11 @@ impl Case {
         }
         let mut gpus: BTreeMap<&str, u32> = BTreeMap::new();
         let mut cpu: BTreeMap<&str, u32> = BTreeMap::new();
+        let mut nics: BTreeMap<&str, u32> = BTreeMap::new();
         for (name, a, n) in &bound {
             let app = &self.apps[*a];
             *gpus.entry(&n.name).or_default() += app.gpus;
+            *nics.entry(&n.name).or_default() += app.nics;
             *cpu.entry(&n.name).or_default() += app.cpu_milli;
             if app.pool.is_some_and(|p| p != n.pool) {
                 return Err(format!("{name} on {} outside pool {:?}", n.name, app.pool));
@@ -332,6 +362,7 @@ impl Case {
         for n in &self.nodes {
             if gpus.get(n.name.as_str()).copied().unwrap_or(0) > n.gpus
                 || cpu.get(n.name.as_str()).copied().unwrap_or(0) > n.cpu_milli
+                || nics.get(n.name.as_str()).copied().unwrap_or(0) > n.nics
             {
                 return Err(format!("{} over capacity", n.name));
             }
