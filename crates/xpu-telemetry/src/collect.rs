@@ -442,6 +442,40 @@ pub fn collect_once(root: &Root, sources: &mut [Box<dyn Source>]) -> Snapshot {
 mod tests {
     use super::*;
 
+    /// A collector given a MIG control reads it on a thread of its own; its snapshot carries
+    /// each instance with its GPU's index and the profile's memory, and follows a change.
+    #[test]
+    fn the_mig_thread_feeds_the_snapshot() {
+        let fx = xpu_testkit::hosts::h200_4x().build();
+        let root = Root::new(fx.root()).unwrap();
+        let first = xpu_host::discover(&root, &Default::default())
+            .unwrap()
+            .accelerators()
+            .next()
+            .unwrap()
+            .address;
+        let mig = crate::mig::FakeMig::new([(first, "NVIDIA H200", true)]);
+        mig.create_outside(first, "3g.71gb", 4).unwrap();
+        let c = Collector::start(root, Duration::from_millis(20), Vec::new())
+            .with_mig(Arc::new(mig.clone()), Duration::from_millis(20));
+        let seen = |n: usize| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if c.snapshot().mig.len() == n {
+                    return true;
+                }
+                thread::sleep(Duration::from_millis(10));
+            }
+            false
+        };
+        assert!(seen(1), "{:?}", c.snapshot().mig);
+        let m = &c.snapshot().mig[0];
+        assert_eq!((m.gpu, m.gpu_index, m.profile, m.start), (first, Some(0), "3g.71gb", 4));
+        assert_eq!(m.memory_bytes, Some(71_424 << 20));
+        mig.create_outside(first, "1g.18gb", 0).unwrap();
+        assert!(seen(2), "{:?}", c.snapshot().mig);
+    }
+
     #[test]
     fn a_failing_source_and_a_garbage_file_warn_once_each() {
         let mut st = State::default();
