@@ -107,11 +107,7 @@ pub fn device_nodes(d: &PciDevice) -> Result<Vec<NodeEdit>, EditError> {
     d.dev_nodes.iter().map(|n| node_edit(n, &owner)).collect()
 }
 
-/// Whether `path` is an NVIDIA GPU node (`/dev/nvidia0`), not a control node.
-pub fn is_nvidia_gpu_node(path: &str) -> bool {
-    path.strip_prefix("/dev/nvidia")
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-}
+pub use xpu_core::inventory::is_nvidia_gpu_node;
 
 /// Whether a device hands its NVIDIA driver to the container (it has `/dev/nvidiaN`; a GPU on
 /// vfio-pci hands over its VFIO group instead and needs no driver files).

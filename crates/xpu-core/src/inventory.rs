@@ -40,6 +40,12 @@ pub struct HostInfo {
     pub control_nodes: Vec<DevNode>,
 }
 
+/// Whether `path` is an NVIDIA GPU node (`/dev/nvidia0`), not a control node.
+pub fn is_nvidia_gpu_node(path: &str) -> bool {
+    path.strip_prefix("/dev/nvidia")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// One PCI function.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PciDevice {
@@ -144,6 +150,11 @@ impl PciDevice {
             dev_nodes: Vec::new(),
             partitioning: None,
         }
+    }
+
+    /// The minor of its `/dev/nvidiaN` node (the NVIDIA driver's GPU minor), when it has one.
+    pub fn nvidia_minor(&self) -> Option<u32> {
+        self.dev_nodes.iter().find(|n| is_nvidia_gpu_node(&n.path)).and_then(|n| n.minor)
     }
 
     /// The 24-bit class code, when both halves are known.

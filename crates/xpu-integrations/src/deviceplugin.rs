@@ -448,6 +448,16 @@ impl Plugin {
     pub fn new(resource: Resource, inv: &Inventory) -> Plugin {
         let cdi = crate::cdi::names(inv);
         let devs = devs_of(&resource, inv, &cdi);
+        Plugin::of(resource, devs, inv)
+    }
+
+    /// The MIG instances of one profile ([`mig`]), as `nvidia.com/mig-<profile>`.
+    fn mig(profile: &str, devs: Vec<Dev>, inv: &Inventory) -> Plugin {
+        Plugin::of(Resource { name: mig::resource_name(profile), terms: Vec::new() }, devs, inv)
+    }
+
+    /// A plugin offering `devs` (sorted by id) as `resource`.
+    fn of(resource: Resource, devs: Vec<Dev>, inv: &Inventory) -> Plugin {
         let table =
             Table { devs, control: inv.host.control_nodes.clone(), share: false, replicas: 1 };
         let (updates, _) = watch::channel(table.list());
@@ -462,33 +472,21 @@ impl Plugin {
         }
     }
 
-    /// The MIG instances of one profile ([`mig`]), as `nvidia.com/mig-<profile>`.
-    fn mig(profile: &str, devs: Vec<Dev>, inv: &Inventory) -> Plugin {
-        let table =
-            Table { devs, control: inv.host.control_nodes.clone(), share: false, replicas: 1 };
-        let (updates, _) = watch::channel(table.list());
-        Plugin {
-            resource: Resource { name: mig::resource_name(profile), terms: Vec::new() },
-            table: RwLock::new(table),
-            updates,
-            watches: Default::default(),
-            share: None,
-            mps: None,
-            device_list: DeviceList::CdiCri,
-        }
-    }
-
     /// Whether this plugin offers MIG instances.
     fn is_mig(&self) -> bool {
         self.resource.name.starts_with(mig::RESOURCE_PREFIX)
     }
 
-    /// Applies a fresh MIG reading to a MIG plugin: an instance still there is updated, one
-    /// gone is `Unhealthy` (kept, so that a pod holding it sees that), a new one is added.
-    /// Returns `(id, healthy)` for each device whose health changed.
-    fn refresh_mig(
+    /// Merges `fresh` (the devices there are now, sorted by id: a discovery's, or a MIG
+    /// reading's) into the table: a device still
+    /// there takes its fresh values but keeps the driver it was first seen with (a different
+    /// one makes it unhealthy); one gone, or under its id another MIG instance than it was, is
+    /// absent (kept, `Unhealthy`, so that a pod holding it sees that); a new id is added.
+    /// Returns `(id, healthy)` for each device whose health changed, and sends the new list to
+    /// `ListAndWatch` streams when anything they show changed.
+    fn merge(
         &self,
-        fresh: &[Dev],
+        fresh: Vec<Dev>,
         inv: &Inventory,
         unhealthy: &std::collections::BTreeMap<PciAddress, String>,
     ) -> Vec<(String, bool)> {
@@ -497,13 +495,14 @@ impl Plugin {
             let mut t = self.table.write().unwrap_or_else(std::sync::PoisonError::into_inner);
             for dev in &mut t.devs {
                 let was = dev.healthy();
-                match fresh.iter().find(|f| f.id == dev.id && f.mig == dev.mig) {
-                    Some(f) => {
-                        let expected = dev.expected_driver.clone();
-                        *dev = f.clone();
-                        dev.expected_driver = expected;
+                match fresh.binary_search_by(|x| x.id.as_str().cmp(&dev.id)) {
+                    Ok(i) if fresh[i].mig == dev.mig => {
+                        let expected_driver = dev.expected_driver.take();
+                        *dev = Dev { expected_driver, ..fresh[i].clone() };
                     }
-                    None => dev.present = false,
+                    // Gone, or no longer one this resource selects (moved to another driver),
+                    // a partition the GPU's mode no longer makes, another MIG instance.
+                    _ => dev.present = false,
                 }
                 dev.telemetry = unhealthy.get(&dev.address).cloned();
                 if dev.healthy() != was {
@@ -511,17 +510,9 @@ impl Plugin {
                 }
             }
             for f in fresh {
-                match t.devs.binary_search_by(|x| x.id.as_str().cmp(&f.id)) {
-                    Ok(i) if t.devs[i].mig != f.mig => {
-                        // The same id, another instance (destroyed and made again as another
-                        // profile's): the old one is gone.
-                        t.devs[i].present = false;
-                    }
-                    Ok(_) => {}
-                    Err(i) => {
-                        t.devs.insert(i, f.clone());
-                        changed.push((f.id.clone(), true));
-                    }
+                if let Err(i) = t.devs.binary_search_by(|x| x.id.as_str().cmp(&f.id)) {
+                    changed.push((f.id.clone(), true));
+                    t.devs.insert(i, f);
                 }
             }
             t.control = inv.host.control_nodes.clone();
@@ -569,51 +560,14 @@ impl Plugin {
 
     /// Applies a fresh discovery: marks devices present/absent, notes driver changes and what
     /// telemetry says is unhealthy (`unhealthy`, by address, with why), adds new matching
-    /// devices. Returns `(id, healthy)` for each device whose health changed, and sends the new
-    /// list to `ListAndWatch` streams when anything they show changed.
+    /// devices ([`Plugin::merge`]).
     pub fn refresh(
         &self,
         inv: &Inventory,
         unhealthy: &std::collections::BTreeMap<PciAddress, String>,
     ) -> Vec<(String, bool)> {
         let cdi = crate::cdi::names(inv);
-        let mut changed = Vec::new();
-        let list = {
-            let mut t = self.table.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let fresh = devs_of(&self.resource, inv, &cdi);
-            for dev in &mut t.devs {
-                let was = dev.healthy();
-                match fresh.binary_search_by(|x| x.id.as_str().cmp(&dev.id)) {
-                    Ok(i) => {
-                        let f = &fresh[i];
-                        dev.present = true;
-                        dev.driver = f.driver.clone();
-                        dev.numa = f.numa;
-                        dev.domain = f.domain.clone();
-                        dev.uuid = f.uuid.clone();
-                        dev.nodes = f.nodes.clone();
-                        dev.cdi = f.cdi.clone();
-                    }
-                    // Gone, or no longer one this resource selects (moved to another driver),
-                    // or a partition the GPU's mode no longer makes.
-                    Err(_) => dev.present = false,
-                }
-                dev.telemetry = unhealthy.get(&dev.address).cloned();
-                if dev.healthy() != was {
-                    changed.push((dev.id.clone(), dev.healthy()));
-                }
-            }
-            for f in fresh {
-                if let Err(i) = t.devs.binary_search_by(|x| x.id.as_str().cmp(&f.id)) {
-                    changed.push((f.id.clone(), true));
-                    t.devs.insert(i, f);
-                }
-            }
-            t.control = inv.host.control_nodes.clone();
-            t.list()
-        };
-        self.publish(list);
-        changed
+        self.merge(devs_of(&self.resource, inv, &cdi), inv, unhealthy)
     }
 
     /// The `Allocate` answer for one container.
@@ -1059,11 +1013,18 @@ impl Slot {
 }
 
 /// Reads the MIG control off the runtime's threads (`nvidia-smi` takes its time).
-async fn read_mig(m: &MigOptions, root: &Root, inv: &Inventory) -> Result<mig::State, String> {
+async fn read_mig(
+    m: &MigOptions,
+    root: &Root,
+    inv: &Inventory,
+    last: Option<String>,
+) -> Result<mig::State, String> {
     let (m, root, inv) = (m.clone(), root.clone(), inv.clone());
-    tokio::task::spawn_blocking(move || mig::read(m.control.as_ref(), &root, &inv, &m.cdi_dir))
-        .await
-        .map_err(|e| e.to_string())?
+    tokio::task::spawn_blocking(move || {
+        mig::read(m.control.as_ref(), &root, &inv, &m.cdi_dir, last.as_deref())
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// Serves every resource that has devices until `shutdown` completes, then stops the servers
@@ -1083,7 +1044,7 @@ pub async fn run(
     }
     let inv = discover(&cfg.root).await?;
     let mut mig_state = match &cfg.mig {
-        Some(control) => match read_mig(control, &cfg.root, &inv).await {
+        Some(control) => match read_mig(control, &cfg.root, &inv, None).await {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(error = %e, "MIG state unread: GPUs are offered whole until it reads");
@@ -1204,7 +1165,7 @@ pub async fn run(
         if let Ok(inv) = discover(&cfg.root).await {
             if let Some(control) = cfg.mig.as_ref().filter(|_| mig_read.elapsed() >= mig_every) {
                 mig_read = tokio::time::Instant::now();
-                match read_mig(control, &cfg.root, &inv).await {
+                match read_mig(control, &cfg.root, &inv, mig_state.spec.clone()).await {
                     Ok(m) => mig_state = m,
                     Err(e) => {
                         tracing::warn!(error = %e, "MIG state unread; the last reading stands")
@@ -1217,7 +1178,7 @@ pub async fn run(
                 let changed = if s.plugin.is_mig() {
                     let profile = &s.plugin.resource.name[mig::RESOURCE_PREFIX.len()..];
                     let fresh = mig_state.by_profile.get(profile).map_or(&[][..], Vec::as_slice);
-                    s.plugin.refresh_mig(fresh, &inv, &unhealthy)
+                    s.plugin.merge(fresh.to_vec(), &inv, &unhealthy)
                 } else {
                     s.plugin.refresh(&whole, &unhealthy)
                 };

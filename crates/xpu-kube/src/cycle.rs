@@ -1468,11 +1468,12 @@ fn keep_extended_within_allocatable(
         return;
     }
     let mut used = crate::extended::used(snap.pods, dra_backed, snap.hold_out, snap.assumed);
+    let nodes: HashMap<&str, &Arc<Node>> =
+        snap.nodes.iter().filter_map(|n| Some((n.metadata.name.as_deref()?, n))).collect();
     let allocatable = |node: &str, k: &str| -> u64 {
-        snap.nodes
-            .iter()
-            .find(|n| n.metadata.name.as_deref() == Some(node))
-            .and_then(|n| n.status.as_ref()?.allocatable.as_ref()?.get(k).cloned())
+        nodes
+            .get(node)
+            .and_then(|n| n.status.as_ref()?.allocatable.as_ref()?.get(k))
             .and_then(|q| convert::quantity(&q.0, 1.0))
             .unwrap_or(0)
     };

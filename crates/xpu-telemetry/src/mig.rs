@@ -13,8 +13,10 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use xpu_core::PciAddress;
 use xpu_core::mig::{Layout, MigError, Model};
+use xpu_core::{Inventory, PciAddress, PciDevice};
+use xpu_host::Root;
+use xpu_host::mig_caps::MigCaps;
 
 pub mod smi;
 
@@ -299,6 +301,85 @@ pub fn check_create(
     let p = model.profile(profile).map_err(geometry)?;
     layout(model, instances).check(model, p, start).map_err(geometry)?;
     Ok(p)
+}
+
+/// A GPU's MIG state as `xpu discover --mig` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuReport {
+    pub address: String,
+    pub product: String,
+    /// `enabled` or `disabled`.
+    pub mig_mode: &'static str,
+    pub instances: Vec<InstanceReport>,
+}
+
+/// One instance of a [`GpuReport`], with its capability nodes.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InstanceReport {
+    pub gpu_instance: u32,
+    pub compute_instance: u32,
+    pub profile: &'static str,
+    pub start: u8,
+    pub uuid: Option<String>,
+    pub by_xpu: bool,
+    /// `/dev/nvidia-caps/nvidia-cap<N>` of the GPU instance's and the compute instance's
+    /// `access` (empty when the host's `mig-minors` does not list them).
+    pub capability_nodes: Vec<String>,
+}
+
+/// Each GPU of `gpus` with its instances and their capability nodes (from `root`'s
+/// `/proc/driver/nvidia-caps/mig-minors` and the GPU's minor in `inv`), and why any were not
+/// found.
+pub fn report(root: &Root, inv: &Inventory, gpus: &[MigGpu]) -> (Vec<GpuReport>, Vec<String>) {
+    let mut warnings = Vec::new();
+    let caps = match MigCaps::read(root) {
+        Ok(c) => Some(c),
+        Err(e) if gpus.iter().any(|g| !g.instances.is_empty()) => {
+            warnings.push(format!("MIG capability nodes not listed: {e}"));
+            None
+        }
+        Err(_) => None,
+    };
+    let reports = gpus
+        .iter()
+        .map(|g| {
+            let minor = inv.device(&g.address).and_then(PciDevice::nvidia_minor);
+            let instances = g
+                .instances
+                .iter()
+                .map(|i| {
+                    let capability_nodes = match (&caps, minor) {
+                        (Some(c), Some(m)) => match c.instance(m, i.gi, i.ci) {
+                            Ok(n) => n.into_iter().map(|n| n.path).collect(),
+                            Err(e) => {
+                                warnings.push(format!("{} GPU instance {}: {e}", g.address, i.gi));
+                                Vec::new()
+                            }
+                        },
+                        _ => Vec::new(),
+                    };
+                    InstanceReport {
+                        gpu_instance: i.gi,
+                        compute_instance: i.ci,
+                        profile: i.profile,
+                        start: i.start,
+                        uuid: i.uuid.clone(),
+                        by_xpu: i.by_xpu,
+                        capability_nodes,
+                    }
+                })
+                .collect();
+            GpuReport {
+                address: g.address.to_string(),
+                product: g.product.clone(),
+                mig_mode: if g.enabled { "enabled" } else { "disabled" },
+                instances,
+            }
+        })
+        .collect();
+    (reports, warnings)
 }
 
 /// `instances` (all of a GPU's, or some of them) as a [`Layout`]. One NVML reports that the

@@ -58,28 +58,20 @@ pub(super) struct State {
     pub enabled: BTreeSet<PciAddress>,
     /// The instances to offer, by profile.
     pub by_profile: BTreeMap<&'static str, Vec<Dev>>,
-}
-
-/// The GPU's `/dev/nvidiaN` minor.
-fn gpu_minor(d: &xpu_core::PciDevice) -> Option<u32> {
-    d.dev_nodes
-        .iter()
-        .find(|n| {
-            n.path
-                .strip_prefix("/dev/nvidia")
-                .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
-        })
-        .and_then(|n| n.minor)
+    /// The CDI spec of their capability nodes as written (`None`: no instance, no spec).
+    pub spec: Option<String>,
 }
 
 /// Reads the control and builds the devices of each profile from `inv`'s GPUs, and writes the
-/// CDI spec of their capability nodes into `cdi_dir` when it changed. Instances whose
-/// capability nodes are not found are left out, with a warning (nothing would reach them).
+/// CDI spec of their capability nodes into `cdi_dir` when it differs from `last` (the last
+/// reading's, [`State::spec`]). Instances whose capability nodes are not found are left out,
+/// with a warning (nothing would reach them).
 pub(super) fn read(
     control: &dyn MigControl,
     root: &Root,
     inv: &Inventory,
     cdi_dir: &Path,
+    last: Option<&str>,
 ) -> Result<State, String> {
     let gpus = control.gpus().map_err(|e| e.to_string())?;
     let mut state = State::default();
@@ -94,7 +86,7 @@ pub(super) fn read(
     for g in gpus.iter().filter(|g| g.enabled) {
         state.enabled.insert(g.address);
         let Some(parent) = inv.device(&g.address) else { continue };
-        let Some(minor) = gpu_minor(parent) else {
+        let Some(minor) = parent.nvidia_minor() else {
             tracing::warn!(gpu = %g.address, "a GPU in MIG mode without a /dev/nvidiaN node: its instances are not offered");
             continue;
         };
@@ -161,19 +153,27 @@ pub(super) fn read(
         };
     }
     let json = cdi::to_json(&spec);
-    if std::fs::read(&path).ok().as_deref() != Some(json.as_bytes()) {
+    if last != Some(json.as_str()) {
         std::fs::create_dir_all(cdi_dir)
             .and_then(|()| {
                 xpu_container::fsutil::write_replace(&path, json.as_bytes(), 0o644, false)
             })
             .map_err(|e| format!("writing the MIG CDI spec {}: {e}", path.display()))?;
     }
+    state.spec = Some(json);
     Ok(state)
 }
 
 /// `inv` without the GPUs in MIG mode: what whole-GPU resources offer.
-pub(super) fn without_mig(inv: &Inventory, enabled: &BTreeSet<PciAddress>) -> Inventory {
+/// `inv` itself when no GPU is in MIG mode (every tick of a plugin without MIG).
+pub(super) fn without_mig<'a>(
+    inv: &'a Inventory,
+    enabled: &BTreeSet<PciAddress>,
+) -> std::borrow::Cow<'a, Inventory> {
+    if enabled.is_empty() {
+        return std::borrow::Cow::Borrowed(inv);
+    }
     let mut inv = inv.clone();
     inv.devices.retain(|d| !enabled.contains(&d.address));
-    inv
+    std::borrow::Cow::Owned(inv)
 }

@@ -244,10 +244,7 @@ fn mig_part(
         )));
     }
     let gpu_minor = d
-        .dev_nodes
-        .iter()
-        .find(|n| xpu_container::edits::is_nvidia_gpu_node(&n.path))
-        .and_then(|n| n.minor)
+        .nvidia_minor()
         .ok_or_else(|| err(format!("the GPU at {} has no /dev/nvidiaN node", d.address)))?;
     Ok(MigPart {
         device: device.to_owned(),
@@ -334,11 +331,11 @@ pub fn plan(
             .map(|(_, profile, start)| mig_part(&r.device, d, profile, start, mig))
             .transpose()?;
         let mode = mode_for(&configs, &r.request);
-        let xcp = slices::parse_partition_name(&r.device).map(|(_, i)| i);
-        if let Some(i) = xcp {
-            // Refused before the driver check: the cause is the partition, not the driver.
-            partition_node(&r.device, d, i, mode)?;
-        }
+        // An AMD partition's render node; refused before the driver check, the cause being the
+        // partition, not the driver.
+        let xcp_node = slices::parse_partition_name(&r.device)
+            .map(|(_, i)| partition_node(&r.device, d, i, mode))
+            .transpose()?;
         let on_vfio = d.driver.as_deref() == Some("vfio-pci");
         if (mode == Mode::Passthrough) != on_vfio {
             let (mode_s, wanted, class) = match mode {
@@ -377,8 +374,8 @@ pub fn plan(
             .map(|x| x.container_edits.clone())
             .ok_or_else(no_nodes)?;
         // An AMD partition is its own render node, never its GPU's others.
-        if let Some(i) = xcp {
-            edits.device_nodes = vec![partition_node(&r.device, d, i, mode)?];
+        if let Some(node) = xcp_node {
+            edits.device_nodes = vec![node];
         }
         // What the kind's devices share (control nodes, driver files, environment) is for
         // its vendor driver; a device passed through gets its group's nodes alone.

@@ -80,13 +80,13 @@ pub fn partitions(device: Device, d: &PciDevice) -> Vec<Device> {
         return vec![device];
     };
     let n = p.partitions.len() as u64;
-    let even = device
-        .capacity
-        .as_ref()
-        .and_then(|c| c.get("memory"))
-        .and_then(|q| q.value.0.strip_suffix("Gi"))
-        .and_then(|g| g.parse::<u64>().ok())
-        .map(|g| (g << 30) / n);
+    // The model's memory (what the whole GPU publishes), divided evenly.
+    let even = d
+        .vendor_id
+        .zip(d.device_id)
+        .and_then(|(v, id)| xpu_core::accel::lookup(v, id))
+        .filter(|f| f.memory_gib > 0)
+        .map(|f| (u64::from(f.memory_gib) << 30) / n);
     p.partitions
         .iter()
         .map(|x| {

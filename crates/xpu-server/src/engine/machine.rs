@@ -630,12 +630,15 @@ impl Machine {
             };
             job.set(idx, Idx::Active);
             let in_container = container.is_some();
-            let mps_gpu = match &self.config.mps {
-                Some(dir) => mps_client(&self.config.node, job, &t.devices, dir, in_container)
-                    .ok()
-                    .flatten()
-                    .map(|m| m.gpu),
-                None => None,
+            let mps = self
+                .config
+                .mps
+                .as_ref()
+                .map(|dir| mps_client(&self.config.node, job, &t.devices, dir, in_container));
+            let (mps_gpu, mps_error) = match mps {
+                None | Some(Ok(None)) => (None, None),
+                Some(Ok(Some(m))) => (Some(m.gpu), None),
+                Some(Err(e)) => (None, Some(e)),
             };
             job.tasks.push(Task::recovered(t, Some(pid), container));
             // Recorded as running under its pid (a crash may have come before that).
@@ -644,6 +647,11 @@ impl Machine {
             self.out.push(Effect::Write(Write::Task(row)));
             let m = format!("task {idx} attempt {attempt} (pid {pid}) re-adopted after restart");
             self.event(now, Some(job_id), "adopted", m);
+            if let Some(e) = mps_error {
+                let m =
+                    format!("task {idx} is not counted as a client of its GPU's MPS daemon: {e}");
+                self.event(now, Some(job_id), "mps", m);
+            }
             self.out.push(Effect::Watch { job: job_id, idx, attempt, mps_gpu, pid, dir });
         }
         // Into the scheduler, running tasks on the devices they hold.

@@ -132,17 +132,17 @@ impl SmiMig {
             .spawn()
             .map_err(|e| nvml(format!("{}: {e}", what())))?;
         let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
-            let _ = child.kill();
-            let _ = child.wait();
+            stop(&mut child);
             return Err(nvml(format!("{}: no output pipes", what())));
         };
         let read = |mut r: Box<dyn Read + Send>| {
-            std::thread::spawn(move || {
+            std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
                 let mut buf = Vec::new();
-                let _ = r.by_ref().take(MAX_OUTPUT + 1).read_to_end(&mut buf);
-                // Drain the rest so that a chatty child never blocks on a full pipe.
-                let _ = std::io::copy(&mut r, &mut std::io::sink());
-                buf
+                r.by_ref().take(MAX_OUTPUT + 1).read_to_end(&mut buf)?;
+                // Drain the rest so that a chatty child never blocks on a full pipe; what is
+                // past the bound is refused below whatever this read gives.
+                std::io::copy(&mut r, &mut std::io::sink())?;
+                Ok(buf)
             })
         };
         let (out, err) = (read(Box::new(out)), read(Box::new(err)));
@@ -154,15 +154,19 @@ impl SmiMig {
                     std::thread::sleep(Duration::from_millis(20))
                 }
                 Ok(None) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
+                    stop(&mut child);
                     return Err(nvml(format!("{}: no answer in {:?}; killed", what(), self.limit)));
                 }
                 Err(e) => return Err(nvml(format!("{}: {e}", what()))),
             }
         };
-        let out = out.join().unwrap_or_default();
-        let err = err.join().unwrap_or_default();
+        let joined = |h: std::thread::JoinHandle<std::io::Result<Vec<u8>>>, which: &str| {
+            h.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the reader panicked")))
+                .map_err(|e| nvml(format!("{}: reading its {which}: {e}", what())))
+        };
+        let out = joined(out, "output")?;
+        let err = joined(err, "errors")?;
         if out.len() as u64 > MAX_OUTPUT {
             return Err(nvml(format!("{}: printed more than {MAX_OUTPUT} bytes", what())));
         }
@@ -278,8 +282,12 @@ impl MigControl for SmiMig {
         ledger.made.push(Made { gpu, gi, profile: p.name.to_owned(), start });
         if let Err(e) = self.write_ledger(&ledger) {
             // Unrecorded, it would be nobody's: take it down again.
-            let _ = self.run(&["mig", "-i", &bus, "-gi", &gi.to_string(), "-dci"]);
-            let _ = self.run(&["mig", "-i", &bus, "-gi", &gi.to_string(), "-dgi"]);
+            let gi_arg = gi.to_string();
+            for step in ["-dci", "-dgi"] {
+                if let Err(undo) = self.run(&["mig", "-i", &bus, "-gi", &gi_arg, step]) {
+                    tracing::warn!(gpu = %gpu, gi, error = %undo, "a MIG instance made but not recorded was not destroyed; destroy it with nvidia-smi mig -dci/-dgi");
+                }
+            }
             return Err(e);
         }
         Ok(Instance { gi, ci, profile: p.name, start, uuid: None, by_xpu: true })
@@ -306,6 +314,13 @@ impl MigControl for SmiMig {
         ledger.made.retain(|m| !(m.gpu == gpu && m.gi == gi));
         self.write_ledger(&ledger)
     }
+}
+
+/// Kills a child and reaps it. Both may fail only when it has exited already (kill) or been
+/// reaped (wait): nothing is left to stop either way.
+fn stop(child: &mut std::process::Child) {
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// `nvidia-smi`'s own message when it did nothing (it still exits 0).

@@ -5,9 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use xpu_core::{DeviceKind, Inventory};
-use xpu_host::mig_caps::MigCaps;
 use xpu_host::{DiscoverOptions, Root, Scope};
-use xpu_telemetry::mig::MigGpu;
+use xpu_telemetry::mig::GpuReport;
 
 use crate::cmd::format::Format;
 use crate::output::{CliError, CmdResult, or_dash, print_json, table, warn_all};
@@ -59,7 +58,9 @@ pub fn run(args: Args) -> CmdResult {
     let mig = match args.mig.control()? {
         Some(control) => {
             let gpus = control.gpus().map_err(|e| CliError::failed(anyhow::anyhow!("MIG: {e}")))?;
-            Some(mig_rows(&root, &inv, &gpus))
+            let (reports, warnings) = xpu_telemetry::mig::report(&root, &inv, &gpus);
+            warn_all(&warnings);
+            Some(reports)
         }
         None => None,
     };
@@ -67,7 +68,7 @@ pub fn run(args: Args) -> CmdResult {
         Format::Json => match mig {
             Some(m) => {
                 let mut v = serde_json::to_value(&inv).map_err(CliError::failed)?;
-                v["mig"] = serde_json::Value::Array(m);
+                v["mig"] = serde_json::to_value(m).map_err(CliError::failed)?;
                 print_json(&v)?
             }
             None => print_json(&inv)?,
@@ -88,76 +89,28 @@ pub fn run(args: Args) -> CmdResult {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Each GPU the MIG control reports, with its instances and their capability nodes.
-fn mig_rows(root: &Root, inv: &Inventory, gpus: &[MigGpu]) -> Vec<serde_json::Value> {
-    let caps = MigCaps::read(root).ok();
-    gpus.iter()
-        .map(|g| {
-            let minor = inv.device(&g.address).and_then(|d| {
-                d.dev_nodes
-                    .iter()
-                    .find(|n| xpu_container::edits::is_nvidia_gpu_node(&n.path))
-                    .and_then(|n| n.minor)
-            });
-            let instances: Vec<serde_json::Value> = g
-                .instances
-                .iter()
-                .map(|i| {
-                    let nodes: Vec<String> = match (&caps, minor) {
-                        (Some(c), Some(m)) => c
-                            .instance(m, i.gi, i.ci)
-                            .map(|n| n.into_iter().map(|n| n.path).collect())
-                            .unwrap_or_default(),
-                        _ => Vec::new(),
-                    };
-                    serde_json::json!({
-                        "gpuInstance": i.gi, "computeInstance": i.ci, "profile": i.profile,
-                        "start": i.start, "uuid": i.uuid, "byXpu": i.by_xpu, "capabilityNodes": nodes,
-                    })
-                })
-                .collect();
-            serde_json::json!({
-                "address": g.address.to_string(), "product": g.product,
-                "migMode": if g.enabled { "enabled" } else { "disabled" },
-                "instances": instances,
-            })
-        })
-        .collect()
-}
-
-fn render_mig(gpus: &[serde_json::Value]) -> String {
-    let s = |v: &serde_json::Value| match v {
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Null => "-".to_owned(),
-        other => other.to_string(),
-    };
+fn render_mig(gpus: &[GpuReport]) -> String {
     let mut rows = Vec::new();
     for g in gpus {
-        let instances = g["instances"].as_array().map(Vec::as_slice).unwrap_or_default();
-        if instances.is_empty() {
-            rows.push(vec![
-                s(&g["address"]),
-                s(&g["migMode"]),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-            ]);
+        if g.instances.is_empty() {
+            let mut row = vec![g.address.clone(), g.mig_mode.to_owned()];
+            row.resize(8, "-".to_owned());
+            rows.push(row);
         }
-        for i in instances {
-            let nodes: Vec<String> =
-                i["capabilityNodes"].as_array().into_iter().flatten().map(s).collect();
+        for i in &g.instances {
             rows.push(vec![
-                s(&g["address"]),
-                s(&g["migMode"]),
-                s(&i["profile"]),
-                format!("{}/{}", s(&i["gpuInstance"]), s(&i["computeInstance"])),
-                s(&i["start"]),
-                if i["byXpu"].as_bool() == Some(true) { "xpu".into() } else { "other".into() },
-                s(&i["uuid"]),
-                if nodes.is_empty() { "-".into() } else { nodes.join(",") },
+                g.address.clone(),
+                g.mig_mode.to_owned(),
+                i.profile.to_owned(),
+                format!("{}/{}", i.gpu_instance, i.compute_instance),
+                i.start.to_string(),
+                if i.by_xpu { "xpu" } else { "other" }.to_owned(),
+                or_dash(i.uuid.clone()),
+                if i.capability_nodes.is_empty() {
+                    "-".into()
+                } else {
+                    i.capability_nodes.join(",")
+                },
             ]);
         }
     }
